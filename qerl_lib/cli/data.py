@@ -1,0 +1,41 @@
+"""`qerl data arith` (generated problems) and `qerl data gsm8k` (hub or local file) -> jsonl."""
+
+from __future__ import annotations
+
+
+def register(sub) -> None:
+    data = sub.add_parser("data", help="make or fetch problem sets in GSM8K schema")
+    dsub = data.add_subparsers(dest="data_command", metavar="SOURCE")
+    dsub.required = True
+
+    p = dsub.add_parser("arith", help="seeded GSM8K-style arithmetic word problems (train/test never overlap)")
+    p.add_argument("--split", choices=("train", "test"), default="train")
+    p.add_argument("--n", type=int, default=1000, help="number of problems")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--level", type=int, choices=(1, 2, 3, 4), default=None,
+                   help="number of operations (default: mixed 1-4)")
+    p.add_argument("--out", required=True, help="output .jsonl")
+    p.set_defaults(func=_arith)
+
+    p = dsub.add_parser("gsm8k", help="GSM8K from the hub (online) or a local jsonl, re-written as jsonl")
+    p.add_argument("--split", choices=("train", "test"), default="test")
+    p.add_argument("--path", default=None, help="local GSM8K-schema jsonl (needed offline)")
+    p.add_argument("--n", type=int, default=None)
+    p.add_argument("--out", required=True)
+    p.set_defaults(func=_gsm8k)
+
+
+def _arith(args) -> int:
+    from qerl_lib.data import generate_arith, write_problems
+
+    records = generate_arith(args.split, args.n, args.seed, args.level)
+    print(f"wrote {len(records)} {args.split} problems to {write_problems(records, args.out)}")
+    return 0
+
+
+def _gsm8k(args) -> int:
+    from qerl_lib.data import load_gsm8k, write_problems
+
+    records = load_gsm8k(args.split, args.path)[: args.n]
+    print(f"wrote {len(records)} GSM8K {args.split} problems to {write_problems(records, args.out)}")
+    return 0

@@ -1,0 +1,9 @@
+"""Errors a user can fix. Raised anywhere in the kit, printed by the CLI as one line.
+
+Messages name the problem *and the fix* ("... pass --data path/to/test.jsonl").
+`UserError` subclasses `ValueError` so library callers can catch it the usual way.
+"""
+
+
+class UserError(ValueError):
+    """Bad input with a known fix; the CLI prints it as a single line, no traceback."""

@@ -1,0 +1,39 @@
+"""Shared pytest fixtures and markers.
+
+Markers (declared in pyproject.toml): `slow` (deselected by default), `cuda` (needs a GPU,
+skipped with a visible reason otherwise), `notebooks`.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU (CUDA not available)")
+
+
+def pytest_collection_modifyitems(config, items):
+    # Every test marked `cuda` is skipped, with a reason, when no GPU is present.
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs an NVIDIA GPU (CUDA not available)")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def embedded_model_dir():
+    """The embedded SmolLM2-135M-Instruct as a Hugging Face folder (converted once, cached)."""
+    from qerl_lib.embedded import prepare_embedded_model
+
+    return prepare_embedded_model(quiet=True)
+
+
+@pytest.fixture(autouse=True)
+def _deterministic_threads():
+    # Tests compare numbers; keep intra-op threading fixed so reductions are repeatable.
+    torch.set_num_threads(int(os.environ.get("QERL_TEST_THREADS", "2")))
+    yield
