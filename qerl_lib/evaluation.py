@@ -13,8 +13,16 @@ What is reported (per problem, then summarised):
 * mean completion length in tokens, and the share cut at `max_new_tokens` (truncated);
 * optionally the teacher-forced mean next-token entropy of the model on its own completions.
 
+Reproducibility: sampling draws come from the engine's seeded generator, one seed per engine
+call derived from ``config.seed`` and the batch's position, and the bootstrap uses its own
+generator seeded with ``config.seed``. The same model, problems, config and device therefore
+give the same records and the same summary. Wall-clock numbers live apart, in
+``EvalReport.timing``, so a summary can be compared for equality.
+
 Scoring is `qerl_lib.rewards.score_answer`: exact numeric or math-verify equivalence, never the
-official evaluator's first-character comparison (which counts "75" vs "72" as correct).
+official evaluator's first-character comparison (which counts "75" vs "72" as correct). The
+answer must be marked (``<answer>``, ``\\boxed``, ``####``) unless ``last_number_fallback=True``,
+which also accepts the last number of the text (useful for base models that ignore the format).
 Defaults follow the paper's evaluation (temperature 0.6, top-p 0.95); `temperature=0` is greedy
 and then one sample per problem is drawn (more would be identical).
 """
@@ -30,7 +38,7 @@ import torch
 from qerl_lib.data import encode_prompts, gold_answer
 from qerl_lib.engine import generate
 from qerl_lib.entropy import mean_token_entropy, token_entropies
-from qerl_lib.rewards import format_reward, score_answer
+from qerl_lib.rewards import extract_answer, format_reward, score_answer
 
 
 @dataclass
@@ -44,6 +52,8 @@ class EvalConfig:
     batch_size: int = 64             # prompts per engine call
     seed: int = 0                    # same seed, same samples, same numbers
     with_entropy: bool = False       # also the teacher-forced entropy on own completions
+    entropy_batch_size: int = 16     # sequences per teacher-forced forward (full-vocab logits: memory)
+    last_number_fallback: bool = False  # accept an unmarked final number (base models); off for RL
     n_boot: int = 2000
 
     def __post_init__(self):
@@ -53,21 +63,35 @@ class EvalConfig:
             raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.max_new_tokens < 1 or self.batch_size < 1:
-            raise ValueError("max_new_tokens and batch_size must be >= 1")
+        if self.max_new_tokens < 1 or self.batch_size < 1 or self.entropy_batch_size < 1:
+            raise ValueError("max_new_tokens, batch_size and entropy_batch_size must be >= 1")
+        if self.n_boot < 100:
+            raise ValueError(f"n_boot must be >= 100 bootstrap resamples for a usable interval, got {self.n_boot}")
         if self.temperature == 0 and self.samples > 1:
             raise ValueError("greedy decoding (temperature 0) gives identical samples: use samples=1")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
 
 
 @dataclass
 class EvalReport:
-    summary: dict
-    records: list[dict] = field(default_factory=list)
+    summary: dict                                        # deterministic given model, problems, config
+    records: list[dict] = field(default_factory=list)    # one per problem (see `evaluate`)
+    timing: dict = field(default_factory=dict)           # wall clock: seconds, tokens/s (not reproducible)
 
 
 def evaluate(model, tokenizer, problems: list[dict], config: EvalConfig | None = None,
-             progress: bool = True) -> EvalReport:
-    """Sample `config.samples` completions per problem, score them and summarise."""
+             progress: bool = True, norm_overrides: dict | None = None) -> EvalReport:
+    """Sample `config.samples` completions per problem, score them and summarise.
+
+    `model` is anything the engine runs: a bf16 model, an NVFP4 model from `load_model`, or a
+    peft model with LoRA adapters (run unmerged). `norm_overrides` (AQN's noisy RMSNorm weights,
+    `qerl_lib.aqn.sample_norm_overrides`) are used for sampling only. Each record holds the
+    question, gold answer, completions, extracted answers, correctness, format flags, lengths
+    and finish reasons of one problem (and its per-completion entropies with `with_entropy`).
+    """
     config = config or EvalConfig()
     if not problems:
         raise ValueError("no problems to evaluate: the dataset is empty")
@@ -80,8 +104,8 @@ def evaluate(model, tokenizer, problems: list[dict], config: EvalConfig | None =
     for b in range(0, len(flat), config.batch_size):
         chunk = flat[b:b + config.batch_size]
         outs = generate(model, [prompt_ids[i] for i, _ in chunk], max_new_tokens=config.max_new_tokens,
-                        temperature=config.temperature, top_p=config.top_p,
-                        seed=None if config.temperature == 0 else config.seed * 1_000_003 + b)
+                        temperature=config.temperature, top_p=config.top_p, norm_overrides=norm_overrides,
+                        seed=None if config.greedy else config.seed * 1_000_003 + b)
         for key, out in zip(chunk, outs):
             completions[key] = out
         bar.update(len(chunk))
@@ -96,7 +120,8 @@ def evaluate(model, tokenizer, problems: list[dict], config: EvalConfig | None =
             "index": i, "id": problem.get("id", i), "question": problem["question"], "gold": golds[i],
             "completions": texts,
             "completion_ids": [list(o.token_ids) for o in outs],
-            "correct": [score_answer(t, golds[i]) for t in texts],
+            "answers": [extract_answer(t, last_number_fallback=config.last_number_fallback) for t in texts],
+            "correct": [score_answer(t, golds[i], last_number_fallback=config.last_number_fallback) for t in texts],
             "formatted": [format_reward(t) for t in texts],
             "lengths": [len(o.token_ids) for o in outs],
             "finish_reasons": [o.finish_reason for o in outs],
@@ -104,16 +129,17 @@ def evaluate(model, tokenizer, problems: list[dict], config: EvalConfig | None =
 
     summary = summarise(records, config)
     generated = sum(sum(r["lengths"]) for r in records)
-    summary.update(generated_tokens=generated, sampling_seconds=round(seconds, 3),
-                   tokens_per_second=round(generated / seconds, 1) if seconds > 0 else None)
+    summary["generated_tokens"] = generated
+    timing = {"sampling_seconds": round(seconds, 3),
+              "tokens_per_second": round(generated / seconds, 1) if seconds > 0 else None}
     if config.with_entropy:
         ents = token_entropies(model, [prompt_ids[i] for i, _ in flat],
                                [completions[key].token_ids for key in flat],
-                               batch_size=max(1, config.batch_size // 4))
+                               batch_size=config.entropy_batch_size)
         for (i, k), e in zip(flat, ents):
             records[i].setdefault("entropy", []).append(float(e.mean()) if e.numel() else float("nan"))
         summary["entropy"] = mean_token_entropy(ents)
-    return EvalReport(summary=summary, records=records)
+    return EvalReport(summary=summary, records=records, timing=timing)
 
 
 def summarise(records: list[dict], config: EvalConfig) -> dict:
@@ -122,10 +148,11 @@ def summarise(records: list[dict], config: EvalConfig) -> dict:
     lengths = [l for r in records for l in r["lengths"]]
     reasons = [f for r in records for f in r["finish_reasons"]]
     low, high = bootstrap_interval(per_problem, config.n_boot, config.seed)
+    pass_k = float(sum(max(r["correct"]) for r in records) / len(records))
     return {
         "n_problems": len(records), "samples": config.samples,
         "pass@1": float(per_problem.mean()), "pass@1_ci95": [low, high],
-        f"pass@{config.samples}": float(sum(max(r["correct"]) for r in records) / len(records)),
+        f"pass@{config.samples}": pass_k, "pass@k": pass_k,
         "format_rate": float(sum(sum(r["formatted"]) for r in records) / len(lengths)),
         "mean_length": float(sum(lengths) / len(lengths)),
         "truncated_rate": float(sum(f == "length" for f in reasons) / len(reasons)),
@@ -175,7 +202,7 @@ def compare_formats(models: dict, tokenizer, problems: list[dict], config: EvalC
     out: dict = {"reference": reference, "n_problems": len(problems), "formats": {}}
     ref_seq = None
     for name, model in models.items():
-        ents = token_entropies(model, prompt_ids, ref_tokens, batch_size=max(1, config.batch_size // 4))
+        ents = token_entropies(model, prompt_ids, ref_tokens, batch_size=config.entropy_batch_size)
         seq = per_sequence_mean(ents)
         ref_seq = seq if name == reference else ref_seq
         answers = [r["completions"][0] for r in reports[name].records]

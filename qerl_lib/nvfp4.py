@@ -131,13 +131,19 @@ def encode_e2m1(y: torch.Tensor) -> torch.Tensor:
     an exact -0.0 stays code 0, as in CT's torch path.
     """
     y = y.float().clamp(-FP4_MAX, FP4_MAX)
-    mag_abs = y.abs()
-    # Count the thresholds |y| passes; ">" vs ">=" alternates so each tie lands on the even code.
-    code = (mag_abs > 0.25).to(torch.uint8)
-    for threshold, inclusive in ((0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False)):
-        code += (mag_abs >= threshold) if inclusive else (mag_abs > threshold)
+    # The code of |y| is the number of rounding thresholds it passes. Ties go to the even code,
+    # so 0.75, 1.75 and 3.5 are passed *inclusively* (|y| >= t) and the others strictly (|y| > t).
+    # One `bucketize` (count of boundaries strictly below |y|) does all seven comparisons when each
+    # inclusive threshold is replaced by its fp32 predecessor: |y| >= t  <=>  |y| > prev(t).
+    code = torch.bucketize(y.abs(), _e2m1_boundaries(y.device)).to(torch.uint8)
     code |= (y < 0).to(torch.uint8) << 3
     return code
+
+
+def _e2m1_boundaries(device: torch.device) -> torch.Tensor:
+    strict = torch.tensor([0.25, 1.25, 2.5, 5.0])
+    inclusive = torch.nextafter(torch.tensor([0.75, 1.75, 3.5]), torch.tensor(0.0))
+    return torch.sort(torch.cat([strict, inclusive])).values.to(device)
 
 
 def decode_e2m1(codes: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,70 @@
+"""`qerl bench gemm` (NVFP4 x BF16 GEMM vs BF16) and `qerl bench rollout` (added by qerl_lib.bench_rollout).
+
+Heavy imports (torch, triton) happen inside the handlers, so `qerl --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+import sys
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise ValueError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or any(v < 1 for v in values):
+        raise ValueError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def _str_list(text: str) -> list[str]:
+    return [v.strip() for v in text.split(",") if v.strip()]
+
+
+def register(sub) -> None:
+    bench = sub.add_parser("bench", help="GPU benchmarks (fixed-width table + JSON with provenance)")
+    bsub = bench.add_subparsers(dest="bench_command", metavar="WHAT")
+    bsub.required = True
+
+    p = bsub.add_parser("gemm", help="fused NVFP4 x BF16 GEMM vs torch BF16 on every projection shape of the models")
+    p.add_argument("--models", type=_str_list, default=["qwen2.5-7b", "qwen2.5-32b"],
+                   help="comma-separated configs from data/configs/ (default: qwen2.5-7b,qwen2.5-32b)")
+    p.add_argument("--m", dest="ms", type=_int_list, default=[1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096],
+                   help="comma-separated batch sizes M (tokens per GEMM)")
+    p.add_argument("--layouts", type=_str_list, default=["hf", "fused"],
+                   help="hf: one shape per HF projection module; fused: vLLM-style qkv and gate_up (default: both)")
+    p.add_argument("--eager", action="store_true", help="time Python launches instead of CUDA-graph replays")
+    p.add_argument("--json", default=None, help="write the full results JSON here (atomic)")
+    p.set_defaults(func=_gemm)
+
+    # `qerl bench rollout`: its arguments and handler live in qerl_lib.bench_rollout
+    # (`add_arguments(parser)`, `run_cli(args) -> int`); absent until that module exists.
+    if importlib.util.find_spec("qerl_lib.bench_rollout") is not None:
+        rollout = importlib.import_module("qerl_lib.bench_rollout")
+        p = bsub.add_parser("rollout", help="rollout speed (TTFT, TPOT, tok/s, peak VRAM): bf16 vs NVFP4 engines")
+        rollout.add_arguments(p)
+        p.set_defaults(func=rollout.run_cli)
+
+
+def _gemm(args) -> int:
+    from qerl_lib.bench import render_gemm_report, run_gemm_benchmark
+    from qerl_lib.errors import UserError
+    from qerl_lib.io import write_json_atomic
+
+    bad = [x for x in args.layouts if x not in ("hf", "fused")]
+    if bad:
+        raise UserError(f"--layouts accepts hf and fused, got {bad}")
+    # `qerl ...` and `python -m qerl_lib ...` both leave the sub-command in sys.argv[1:]
+    command = " ".join(["qerl", *sys.argv[1:]])
+    doc = run_gemm_benchmark(args.models, args.ms, layouts=args.layouts, graph=not args.eager, command=command)
+    print(render_gemm_report(doc))
+    if args.json:
+        print(f"wrote {write_json_atomic(args.json, doc)}")
+    # last stdout line: one JSON document (the acceptance summary)
+    print(json.dumps({"benchmark": "gemm", "device": doc["provenance"]["device"].get("name"),
+                      "summary": doc["summary"]}))
+    return 0 if all(s["all_ok"] for s in doc["summary"].values()) else 1

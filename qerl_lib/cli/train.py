@@ -1,0 +1,84 @@
+"""`qerl train` (GRPO/DAPO with LoRA on a bf16 / NF4 / NVFP4 base, AQN in mode qerl) and `qerl plot-run`."""
+
+from __future__ import annotations
+
+import json
+
+
+def register(sub) -> None:
+    from qerl_lib.grpo_presets import DECODE_BACKENDS, MODES, PRESETS
+
+    p = sub.add_parser("train", help="RL fine-tuning (GRPO/DAPO) of LoRA adapters on a frozen bf16/NF4/NVFP4 base",
+                       description="Presets: " + ", ".join(PRESETS) + ". Modes: lora (bf16 base), qlora (NF4 base), "
+                                   "nvfp4 (NVFP4 base), qerl (NVFP4 base + adaptive quantization noise).")
+    p.add_argument("--preset", required=True, help=f"one of: {', '.join(PRESETS)}")
+    p.add_argument("--mode", default=None, help=f"{' | '.join(MODES)} (default: the preset's, qerl)")
+    p.add_argument("--steps", type=int, default=None, help="optimizer steps (default: the preset's)")
+    p.add_argument("--seed", type=int, default=None, help="run seed: LoRA init, data order, rollouts, AQN noise")
+    p.add_argument("--out", default=None, help="run folder (default: artifacts/train/PRESET-MODE-seedS)")
+    p.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
+    p.add_argument("--model", default=None, help="model folder or hub id instead of the preset's")
+    p.add_argument("--data-path", default=None, help="local problems file (GSM8K-schema jsonl) for file/gsm8k data")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default=None)
+    p.add_argument("--is-correction", choices=("on", "off"), default=None,
+                   help="truncated importance sampling with the engine's logprobs (default off, see qerl_lib/grpo.py)")
+    p.add_argument("--decode-backend", choices=DECODE_BACKENDS, default=None,
+                   help="rollout engine decode path (default auto: CUDA graphs on GPU, eager on CPU)")
+    p.add_argument("--save-steps", type=int, default=None, help="checkpoint every N steps (default: the preset's)")
+    p.set_defaults(func=_train)
+
+    p = sub.add_parser("plot-run", help="reward, entropy, σ and time-split curves of one or more training runs")
+    p.add_argument("runs", nargs="+", help="run folders written by `qerl train` (each holds metrics.jsonl)")
+    p.add_argument("--out", default=None, help="PNG path (default: RUN/training_curves.png for one run)")
+    p.set_defaults(func=_plot_run)
+
+
+def _train(args) -> int:
+    from qerl_lib.grpo_presets import make_config
+    from qerl_lib.paths import ARTIFACTS_DIR
+
+    overrides = {"model": args.model, "data_path": args.data_path, "device": args.device,
+                 "decode_backend": args.decode_backend, "save_steps": args.save_steps}
+    if args.is_correction is not None:
+        overrides["is_correction"] = args.is_correction == "on"
+    config = make_config(args.preset, mode=args.mode, steps=args.steps, seed=args.seed,
+                         **{k: v for k, v in overrides.items() if v is not None})
+    out = args.out or ARTIFACTS_DIR / "train" / f"{config.preset}-{config.mode}-seed{config.seed}"
+
+    from qerl_lib.grpo import train
+
+    summary = train(config, out, resume=args.resume)
+    seconds = summary["seconds"]
+    print(f"done: {summary['steps']} steps in {seconds['step_seconds']:.0f}s "
+          f"(rollout {seconds['rollout_seconds']:.0f}s = {100 * (summary['rollout_share'] or 0):.0f}%, "
+          f"training {seconds['train_seconds']:.0f}s); reward first {summary['window']} steps "
+          f"{_fmt(summary['first']['reward'])} -> last {_fmt(summary['last']['reward'])}; summary in {out}/summary.json")
+    return 0
+
+
+def _fmt(value) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
+def _plot_run(args) -> int:
+    from pathlib import Path
+
+    from qerl_lib.errors import UserError
+    from qerl_lib.plots.training import plot_runs
+
+    runs = {}
+    for run in args.runs:
+        metrics = Path(run) / "metrics.jsonl"
+        if not metrics.is_file():
+            raise UserError(f"{run} has no metrics.jsonl: pass a folder written by `qerl train`")
+        label = Path(run).name
+        config = Path(run) / "run.json"
+        if config.is_file():
+            label = json.loads(config.read_text())["config"].get("mode", label)
+            label = label if label not in runs else Path(run).name
+        runs[label] = metrics
+    out = args.out or (Path(args.runs[0]) / "training_curves.png" if len(args.runs) == 1 else None)
+    if out is None:
+        raise UserError("several runs: pass --out FILE.png for the comparison figure")
+    print(plot_runs(runs, out))
+    return 0

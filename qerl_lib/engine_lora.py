@@ -1,0 +1,143 @@
+"""LoRA adapters applied by the rollout engine itself, unmerged: ``y = base(x) + scale * (x @ A^T) @ B^T``.
+
+Two ways to roll out with adapters
+----------------------------------
+* Pass a peft ``PeftModel`` as the model: its ``LoraLayer`` modules run their own unmerged
+  forward (``base_layer(x) + lora_B(lora_A(dropout(x))) * scaling``) when the engine calls them.
+* Pass ``lora={module name: LoraAdapter}`` (e.g. ``lora_from_peft(peft_model)``, or random
+  adapters in the benchmark): the engine calls the *base* layers and adds the adapters itself.
+
+The second form exists for CUDA graphs. A graph replays fixed addresses, so the engine copies
+the adapters into buffers it owns at the start of every ``generate`` call (``LoraBuffers.refresh``):
+new values (each GRPO step) take effect without re-capturing, and the caller may hand in new
+tensors each time. The copy is cheap next to a rollout (rank 64 on a 7B model: 0.3 GB, ~0.1 ms).
+Only a change of *layout* (targets, ranks, scales) forces a re-capture.
+
+It is also cheaper per token: q/k/v read the same input, so their A matrices are stacked and
+applied in one matmul (likewise gate/up), and each B is applied by one ``addmm`` that also adds
+into the base output: 2 launches per projection group instead of 3 per projection.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# LoRA targets the engine can apply itself, grouped by the input they read.
+LORA_GROUPS = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",),
+               "gate_up": ("gate_proj", "up_proj"), "down": ("down_proj",)}
+PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
+          "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+
+
+def canonical_name(name: str) -> str:
+    """Module names relative to the transformers CausalLM (peft prefixes them with "base_model.model.")."""
+    return name[len("base_model.model."):] if name.startswith("base_model.model.") else name
+
+
+def unwrap_model(model):
+    """The transformers CausalLM inside ``model`` and whether it was a PeftModel (its LoRA-wrapped
+    submodules stay in place and run unmerged when called)."""
+    if hasattr(model, "peft_config") and hasattr(model, "get_base_model"):
+        return model.get_base_model(), True
+    return model, False
+
+
+@dataclass
+class LoraAdapter:
+    """One unmerged LoRA adapter: ``y = base(x) + scale * (x @ A^T) @ B^T``."""
+
+    A: torch.Tensor  # [rank, in_features]
+    B: torch.Tensor  # [out_features, rank]
+    scale: float = 1.0  # alpha / rank in peft's convention
+
+    def __post_init__(self):
+        if self.A.dim() != 2 or self.B.dim() != 2 or self.A.shape[0] != self.B.shape[1]:
+            raise ValueError(f"LoraAdapter needs A [rank, in] and B [out, rank] with the same rank, got "
+                             f"A {tuple(self.A.shape)} and B {tuple(self.B.shape)}")
+
+
+class LoraBuffers:
+    """Engine-owned copies of LoRA adapters, grouped by shared input, refreshed in place per call."""
+
+    def __init__(self, view, adapters: dict[str, LoraAdapter]):
+        # (layer, group) -> (stacked A [sum of ranks, in], one slot per group member or None)
+        self.layout: dict[tuple[int, str], tuple[torch.Tensor, list]] = {}
+        self._copies: list[tuple[torch.Tensor, str, str]] = []  # (engine buffer, adapter name, "A" or "B")
+        by_layer: dict[int, dict[str, str]] = {}
+        for name in adapters:
+            layer, proj = _parse_target(name, view.n_layers)
+            by_layer.setdefault(layer, {})[proj] = name
+        for layer, targets in sorted(by_layer.items()):
+            for group, members in LORA_GROUPS.items():
+                present = [m for m in members if m in targets]
+                if not present:
+                    continue
+                in_features = {adapters[targets[m]].A.shape[1] for m in present}
+                if len(in_features) != 1:
+                    raise ValueError(f"LoRA A matrices of layer {layer} {group} disagree on in_features {in_features}")
+                total_rank = sum(adapters[targets[m]].A.shape[0] for m in present)
+                a_cat = torch.empty(total_rank, in_features.pop(), dtype=view.dtype, device=view.device)
+                slots, start = [], 0
+                for m in members:
+                    if m not in targets:
+                        slots.append(None)
+                        continue
+                    name, ad = targets[m], adapters[targets[m]]
+                    out_features = _out_features(view.projection(layer, m))
+                    if out_features is not None and ad.B.shape[0] != out_features:
+                        raise ValueError(f"LoRA B of {name} has {ad.B.shape[0]} rows, "
+                                         f"the layer has {out_features} outputs")
+                    r = ad.A.shape[0]
+                    b_buf = torch.empty(tuple(ad.B.shape), dtype=view.dtype, device=view.device)
+                    self._copies += [(a_cat[start:start + r], name, "A"), (b_buf, name, "B")]
+                    slots.append((start, start + r, b_buf, float(ad.scale)))
+                    start += r
+                self.layout[(layer, group)] = (a_cat, slots)
+        self.signature = lora_signature(adapters)
+
+    def refresh(self, adapters: dict[str, LoraAdapter]) -> None:
+        """Copy the adapters' current values into the buffers (a graph keeps reading the same addresses)."""
+        with torch.no_grad():
+            for buf, name, which in self._copies:
+                buf.copy_(getattr(adapters[name], which))
+
+
+def lora_signature(adapters: dict[str, LoraAdapter]) -> tuple:
+    """What a captured graph depends on: target names, shapes and scales (not the values)."""
+    return tuple(sorted((n, tuple(a.A.shape), tuple(a.B.shape), float(a.scale)) for n, a in adapters.items()))
+
+
+def _out_features(module) -> int | None:
+    """Output width of a Linear / NVFP4Linear (through a peft wrapper), or None if it has no such attribute."""
+    if hasattr(module, "out_features"):
+        return int(module.out_features)
+    base = getattr(module, "base_layer", None)
+    return _out_features(base) if base is not None else None
+
+
+def _parse_target(name: str, n_layers: int) -> tuple[int, str]:
+    parts = canonical_name(name).split(".")
+    ok = (len(parts) == 5 and parts[0] == "model" and parts[1] == "layers" and parts[2].isdigit()
+          and parts[4] in PARENT and parts[3] == PARENT[parts[4]] and int(parts[2]) < n_layers)
+    if not ok:
+        raise ValueError(f"LoRA target {name!r} is not a projection of this model: use names like "
+                         "'model.layers.0.self_attn.q_proj' (q/k/v/o_proj, gate/up/down_proj)")
+    return int(parts[2]), parts[4]
+
+
+def lora_from_peft(model, adapter_name: str | None = None) -> dict[str, LoraAdapter]:
+    """Read a peft model's LoRA adapters as ``{module name: LoraAdapter}`` (views, no copies), e.g.
+    to hand them to the engine while it calls the base layers."""
+    out = {}
+    lm, _ = unwrap_model(model)
+    for name, module in lm.named_modules():
+        if not hasattr(module, "lora_A"):
+            continue
+        key = adapter_name or (module.active_adapters[0] if module.active_adapters else None)
+        if key is None or key not in module.lora_A:
+            continue
+        out[canonical_name(name)] = LoraAdapter(module.lora_A[key].weight.detach(), module.lora_B[key].weight.detach(),
+                                                 float(module.scaling[key]))
+    return out

@@ -1,0 +1,350 @@
+"""QeRL training on TRL (qerl_lib.grpo): two real steps per mode on a tiny random Llama, on CPU.
+
+What must move and what must not (house rule P11): the frozen base (bf16 weights, NF4 codes and
+absmax, NVFP4 packed codes and scales) is byte-identical after training, the LoRA adapters
+changed, and every metrics line carries every key. Plus: σ follows the AQN schedule, a killed and
+resumed run repeats the uninterrupted run's next step exactly, a raising reward scores 0 and is
+counted, and bad input fails before any model loads.
+
+The tiny model is a 2-layer, 64-wide random Llama with a byte-level tokenizer and a ChatML template,
+so a step costs well under a second. Random weights never earn the accuracy or format reward,
+so each run adds a deterministic toy reward with spread within groups; without it every
+advantage is 0 and nothing would train.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from qerl_lib.errors import UserError
+from qerl_lib.grpo_metrics import METRIC_KEYS
+from qerl_lib.grpo_presets import PRESETS, make_config
+
+# keys that must hold a number on every line of every mode in these runs
+NUMERIC_KEYS = ("step", "learning_rate", "loss", "grad_norm", "reward", "reward_std", "accuracy", "format_rate",
+                "reward_errors", "entropy", "completion_length", "truncated_rate", "clip_ratio_low",
+                "clip_ratio_high", "clip_ratio", "sigma", "noise_rms", "logprob_mismatch", "logprob_mismatch_max",
+                "mismatch_kl", "is_ratio_mean", "is_ratio_min", "is_ratio_max", "rollout_tokens",
+                "rollout_tokens_per_s", "rollout_seconds", "train_seconds", "step_seconds", "peak_memory_gb")
+
+
+# --------------------------------------------------------------------------------------------- fixtures
+@pytest.fixture(autouse=True)
+def _one_thread():
+    # 64-wide matrices: a second intra-op thread only adds OpenMP synchronisation, which on a loaded
+    # 2-core machine made these runs 5x slower (measured: 4 s vs 28 s per run). Runs with one thread
+    # are as deterministic as with two; the conftest's thread setting is restored afterwards.
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+def byte_tokenizer():
+    """A 258-token byte-level tokenizer with a ChatML template: a real chat template without a 49k vocabulary
+    (the trainer's log-prob kernel tiles over the vocabulary, which would dominate these tests)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    table = bytes_to_unicode()
+    backend = Tokenizer(models.BPE(vocab={table[b]: i for i, b in enumerate(sorted(table))}, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<|im_start|>", eos_token="<|im_end|>",
+                                        pad_token="<|im_end|>")
+    tokenizer.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                               "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    return tokenizer
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory):
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    tokenizer = byte_tokenizer()
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                         tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def tiny_config(model_dir, mode: str, steps: int = 2, **overrides):
+    settings = dict(model=str(model_dir), n_train=8, max_prompt_tokens=1024, prompts_per_step=2, num_generations=2,
+                    micro_batch=2,
+                    max_completion_length=6, mask_truncated_completions=False, lr_quantized=1e-2, lr_bf16=1e-2,
+                    save_steps=1, device="cpu", optim="adamw_torch")
+    return make_config("smollm2-arith", mode=mode, steps=steps, seed=0, **{**settings, **overrides})
+
+
+def toy_reward(prompts, completions, completion_ids, **kwargs):
+    """Deterministic reward with spread inside a group (a function of the sampled ids)."""
+    return [float(sum(ids) % 5) / 4.0 for ids in completion_ids]
+
+
+class FlakyReward:
+    """Raises on every second completion it scores, else returns 1.0 (SafeReward calls once per completion)."""
+
+    __name__ = "flaky"
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, prompts, completions, **kwargs):
+        self.calls += 1
+        if self.calls % 2 == 0:
+            raise RuntimeError("scoring blew up on this completion")
+        return [1.0] * len(completions)
+
+
+def frozen_base_state(model) -> dict[str, torch.Tensor]:
+    """Every tensor of the model except the LoRA adapters: parameters, buffers, and bitsandbytes'
+    quantization state (absmax lives outside the module tree)."""
+    state = {}
+    for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
+        if "lora_" not in name:
+            state[name] = tensor.detach().clone()
+    for name, module in model.named_modules():
+        quant_state = getattr(getattr(module, "weight", None), "quant_state", None)
+        if quant_state is not None:
+            state[f"{name}.absmax"] = quant_state.absmax.detach().clone()
+    return state
+
+
+def adapters(model) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" in n}
+
+
+def base_layer_types(model) -> set[str]:
+    return {type(m.base_layer).__name__ for m in model.modules() if hasattr(m, "base_layer") and hasattr(m, "lora_A")}
+
+
+def snapshot_callback(store: dict):
+    from transformers import TrainerCallback
+
+    class Snapshot(TrainerCallback):
+        def on_train_begin(self, args, state, control, model=None, **kwargs):
+            store["base_before"], store["lora_before"] = frozen_base_state(model), adapters(model)
+            store["layer_types"] = base_layer_types(model)
+
+        def on_train_end(self, args, state, control, model=None, **kwargs):
+            store["base_after"], store["lora_after"] = frozen_base_state(model), adapters(model)
+
+    return Snapshot()
+
+
+def read_lines(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+# --------------------------------------------------------------------------------------------- 2 steps per mode
+BASE_LAYER = {"lora": "Linear", "qlora": "Linear4bit", "nvfp4": "NVFP4Linear", "qerl": "NVFP4Linear"}
+
+
+@pytest.mark.parametrize("mode", ["lora", "qlora", "nvfp4", "qerl"], ids=lambda m: f"mode={m}")
+def test_two_steps_train_adapters_only_and_log_every_metric(mode, tiny_model_dir, tmp_path):
+    from qerl_lib.aqn import AQNSchedule
+    from qerl_lib.grpo import aqn_config, train
+
+    config = tiny_config(tiny_model_dir, mode)
+    store: dict = {}
+    flaky = FlakyReward()
+    summary = train(config, tmp_path, extra_rewards=[("toy", toy_reward, 1.0), ("flaky", flaky, 0.0)],
+                    callbacks=[snapshot_callback(store)], quiet=True)
+
+    assert store["layer_types"] == {BASE_LAYER[mode]}, f"{mode} must train on a {BASE_LAYER[mode]} base"
+    before, after = store["base_before"], store["base_after"]
+    assert before.keys() == after.keys() and len(before) > 0
+    changed = [k for k in before if not torch.equal(before[k], after[k])]
+    assert not changed, f"frozen base tensors changed: {changed[:5]}"
+    lora_moved = [k for k in store["lora_before"] if not torch.equal(store["lora_before"][k], store["lora_after"][k])]
+    assert lora_moved, "no LoRA adapter changed in 2 steps"
+
+    lines = read_lines(tmp_path)
+    assert [r["step"] for r in lines] == [1, 2]
+    for row in lines:
+        missing = [k for k in METRIC_KEYS if k not in row]
+        assert not missing, f"metrics line lacks {missing}"
+        not_numbers = [k for k in NUMERIC_KEYS if not isinstance(row[k], (int, float))]
+        assert not not_numbers, f"step {row['step']}: no number for {not_numbers}"
+        # the flaky reward raised on 2 of the step's 4 completions: scored 0 each, counted, run continued
+        assert row["reward_errors"] == 2 and row["rewards/flaky/mean"] == 0.5
+        assert 0 < row["rollout_tokens"] <= config.completions_per_step * config.max_completion_length
+    schedule = AQNSchedule(aqn_config(config)) if mode == "qerl" else None
+    for row in lines:
+        expected = schedule.sigma(row["step"] - 1) if schedule else 0.0
+        assert row["sigma"] == expected, f"step {row['step']}: σ {row['sigma']} != schedule {expected}"
+        assert (row["noise_rms"] > 0) == (expected > 0), "AQN noise must reach the rollout exactly when σ > 0"
+    assert summary["steps"] == 2 and summary["reward_errors"] == 4
+    assert (tmp_path / "adapter" / "adapter_model.safetensors").is_file()
+    assert (tmp_path / "checkpoints" / "checkpoint-2" / "qerl_state.json").is_file()
+
+
+def test_sigma_schedule_of_a_full_run_is_the_aqn_schedule():
+    """The run's AQN config is Table 4's (1e-2 -> 5e-4, 10 stages, stage 0 clean); short runs get fewer stages."""
+    from qerl_lib.aqn import AQNSchedule
+    from qerl_lib.grpo import aqn_config
+
+    full = AQNSchedule(aqn_config(make_config("smollm2-arith", mode="qerl", steps=100)))
+    assert [full.sigma(s) for s in (0, 9)] == [0.0, 0.0]
+    assert full.sigma(10) == pytest.approx(1e-2, rel=1e-12) and full.sigma(99) == pytest.approx(5e-4, rel=1e-12)
+    sigmas = [full.sigma(s) for s in range(10, 100)]
+    assert all(a >= b for a, b in zip(sigmas, sigmas[1:])), "σ must never increase"
+    assert aqn_config(make_config("smollm2-arith", mode="nvfp4")) is None
+    three = AQNSchedule(aqn_config(make_config("smollm2-arith", mode="qerl", steps=3)))
+    assert [three.sigma(s) for s in range(3)] == [0.0, 1e-2, 5e-4]
+
+
+def test_aqn_target_both_makes_the_trainer_score_the_noisy_policy(tiny_model_dir, tmp_path):
+    """target "rollout" (paper): the trainer scores the clean policy, so at σ > 0 its log-probs differ from
+    the engine's by the noise. target "both": the trainer's forward sees the same Z, so only numerics remain."""
+    from qerl_lib.grpo import train
+
+    mismatch = {}
+    for target in ("rollout", "both"):
+        out = tmp_path / target
+        train(tiny_config(tiny_model_dir, "qerl", aqn_target=target), out, extra_rewards=[("toy", toy_reward, 1.0)],
+              quiet=True)
+        step2 = read_lines(out)[1]
+        assert step2["sigma"] == 1e-2
+        mismatch[target] = step2["logprob_mismatch"]
+    # observed on this model: 6.7e-4 (rollout) vs 1.4e-7 (both, fp32 summation-order noise)
+    assert mismatch["rollout"] > 1e-4 and mismatch["both"] < 1e-5, mismatch
+
+
+# --------------------------------------------------------------------------------------------- resume
+def test_killed_and_resumed_run_repeats_the_uninterrupted_step(tiny_model_dir, tmp_path):
+    """3 steps straight vs 2 steps, stop, resume for step 3 (mode qerl: AQN, NVFP4, optimizer, scheduler,
+    RNG and data order all restored). On CPU with fixed seeds step 3 is bit-identical, so we compare exactly
+    (except wall-clock keys)."""
+    from transformers import TrainerCallback
+
+    from qerl_lib.grpo import train
+
+    class StopAfter(TrainerCallback):
+        def __init__(self, step):
+            self.step = step
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step >= self.step:
+                control.should_training_stop = True
+
+    config = tiny_config(tiny_model_dir, "qerl", steps=3)
+    rewards = [("toy", toy_reward, 1.0)]
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    train(config, straight, extra_rewards=rewards, quiet=True)
+    train(config, killed, extra_rewards=rewards, callbacks=[StopAfter(2)], quiet=True)
+    assert [r["step"] for r in read_lines(killed)] == [1, 2]
+    with open(killed / "metrics.jsonl", "a") as f:  # a line the dead run wrote after its last checkpoint
+        f.write(json.dumps({"step": 3, "reward": -1.0}) + "\n")
+    train(config, killed, resume=True, extra_rewards=rewards, quiet=True)
+
+    a, b = read_lines(straight), read_lines(killed)
+    assert [r["step"] for r in b] == [1, 2, 3], "resume must cut the log back to the checkpoint and append"
+    timing = {"rollout_seconds", "rollout_tokens_per_s", "train_seconds", "step_seconds", "peak_memory_gb",
+              "step_time", "memory_kind"}
+    differ = {k: (a[2][k], b[2][k]) for k in a[2] if k not in timing and a[2][k] != b[2].get(k)}
+    assert not differ, f"resumed step 3 differs from the uninterrupted run: {differ}"
+    assert a[2]["sigma"] == 5e-4 and a[2]["grad_norm"] > 0
+    from safetensors.torch import load_file
+
+    final_a = load_file(straight / "adapter" / "adapter_model.safetensors")
+    final_b = load_file(killed / "adapter" / "adapter_model.safetensors")
+    assert all(torch.equal(final_a[k], final_b[k]) for k in final_a)
+
+
+# --------------------------------------------------------------------------------------------- bad input
+def test_unknown_preset_mode_or_setting_is_a_clear_error():
+    with pytest.raises(UserError, match="unknown preset 'nope'.*smollm2-arith"):
+        make_config("nope")
+    with pytest.raises(UserError, match="--mode must be one of lora, qlora, nvfp4, qerl"):
+        make_config("smollm2-arith", mode="int4")
+    with pytest.raises(UserError, match="unknown training setting"):
+        make_config("smollm2-arith", learning_rat=1e-3)
+
+
+@pytest.mark.parametrize("prompts,generations,micro", [(3, 4, 5), (1, 1, 1)], ids=["12-not-multiple-of-5", "G=1"])
+def test_impossible_batch_is_refused(prompts, generations, micro):
+    with pytest.raises(UserError, match="impossible batch|at least 2 per prompt"):
+        make_config("smollm2-arith", prompts_per_step=prompts, num_generations=generations, micro_batch=micro)
+
+
+def test_every_preset_is_valid_and_mirrors_table_4():
+    for name, preset in PRESETS.items():
+        assert preset.preset == name
+        assert (preset.beta, preset.epsilon, preset.epsilon_high) == (0.0, 0.2, 0.28)
+        assert (preset.sigma_start, preset.sigma_end, preset.aqn_stages) == (1e-2, 5e-4, 10)
+        assert preset.lora_rank == 32 and preset.temperature == 1.0
+        if name.startswith("qwen"):
+            assert (preset.lr_quantized, preset.lr_bf16) == (1e-5, 5e-6)
+            assert preset.completions_per_step == 128 and preset.optim == "adamw_8bit"
+    gsm8k = PRESETS["qwen2.5-7b-gsm8k"]
+    assert (gsm8k.num_generations, gsm8k.num_iterations, gsm8k.loss_type) == (8, 4, "grpo")
+    bigmath = PRESETS["qwen2.5-32b-bigmath"]
+    assert (bigmath.num_generations, bigmath.num_iterations, bigmath.loss_type) == (16, 1, "dapo")
+
+
+def _no_model_load(monkeypatch):
+    import qerl_lib.grpo as grpo
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was loaded before the input error was reported")
+
+    monkeypatch.setattr(grpo, "load_policy", refuse)
+
+
+def test_empty_dataset_fails_before_any_model_loads(tiny_model_dir, tmp_path, monkeypatch):
+    from qerl_lib.grpo import train
+
+    _no_model_load(monkeypatch)
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(UserError, match="empty"):
+        train(tiny_config(tiny_model_dir, "lora", data="file", data_path=str(empty)), tmp_path / "run", quiet=True)
+    with pytest.raises(UserError, match="--data-path"):
+        train(tiny_config(tiny_model_dir, "lora", data="file"), tmp_path / "run2", quiet=True)
+
+
+def test_output_folder_rules(tiny_model_dir, tmp_path, monkeypatch):
+    from qerl_lib.grpo import train
+
+    _no_model_load(monkeypatch)
+    config = tiny_config(tiny_model_dir, "lora")
+    with pytest.raises(UserError, match="nothing to resume"):
+        train(config, tmp_path / "fresh", resume=True, quiet=True)
+    (tmp_path / "used").mkdir()
+    (tmp_path / "used" / "metrics.jsonl").write_text("")
+    with pytest.raises(UserError, match="already holds a run"):
+        train(config, tmp_path / "used", quiet=True)
+
+
+def test_cli_reports_bad_input_in_one_line(capsys):
+    from qerl_lib.cli import main
+
+    assert main(["train", "--preset", "nope"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "unknown preset 'nope'" in err
+
+
+def test_plot_run_draws_the_curves(tmp_path):
+    from qerl_lib.cli import main
+    from qerl_lib.io import write_jsonl_atomic
+
+    rows = [{"step": s, "reward": 0.1 * s, "accuracy": 0.05 * s, "entropy": 1.0 - 0.01 * s, "sigma": 0.0 if s < 3
+             else 1e-2, "rollout_seconds": 1.0, "train_seconds": 0.5} for s in range(1, 6)]
+    run = tmp_path / "run"
+    write_jsonl_atomic(run / "metrics.jsonl", rows)
+    assert main(["plot-run", str(run)]) == 0
+    png = run / "training_curves.png"
+    assert png.is_file() and png.read_bytes()[:4] == b"\x89PNG"

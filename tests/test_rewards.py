@@ -1,0 +1,306 @@
+"""Tests for qerl_lib.rewards: answer extraction, equivalence, time limit, format reward, TRL glue.
+
+The math-verify worker is started once per module (about 0.5 s); cases that must time out use a
+second verifier with a 1 s limit so the file stays fast. The worker process itself (time limit,
+recovery, threads, resource caps) is tested in tests/test_verifier.py.
+"""
+
+from __future__ import annotations
+
+import functools
+import pickle
+import time
+from fractions import Fraction
+
+import pytest
+
+from qerl_lib.errors import UserError
+from qerl_lib.rewards import (
+    MathVerifier,
+    SafeReward,
+    accuracy_reward,
+    extract_answer,
+    extract_gold,
+    format_reward,
+    format_reward_func,
+    parse_plain_number,
+    score_answer,
+)
+
+# Wall-clock slack over the limit: killing the worker and thread wake-up take milliseconds, but
+# this 2-core machine is shared by several agents, so allow a generous 1.5 s.
+HEADROOM_S = 1.5
+
+
+@pytest.fixture(scope="module")
+def verifier():
+    v = MathVerifier()  # default limit, as training uses
+    v.start()
+    yield v
+    v.close()
+
+
+@pytest.fixture(scope="module")
+def quick_verifier():
+    v = MathVerifier(timeout_s=1.0)
+    v.start()
+    yield v
+    v.close()
+
+
+def wrap(answer: str) -> str:
+    return f"<think>Let me work it out.</think>\n<answer>{answer}</answer>"
+
+
+# (id, completion, gold, expected score)
+SCORE_CASES = [
+    ("exact", wrap("72"), "72", 1.0),
+    ("exact-gsm8k-answer-field", wrap("72"), "Natalia sold 48/2 = 24 clips in May.\n48+24 = 72\n#### 72", 1.0),
+    ("commas-pred", wrap("1,234"), "1234", 1.0),
+    ("commas-gold", wrap("1234"), "#### 1,234", 1.0),
+    ("commas-millions", wrap("1,234,567"), "1234567", 1.0),
+    ("dollar-sign", wrap("$18"), "18", 1.0),
+    ("dollar-latex-escaped", wrap("\\$18"), "18", 1.0),
+    ("dollar-word", wrap("18 dollars"), "18", 1.0),
+    ("units-in-sentence", wrap("She has 18 apples left."), "18", 1.0),
+    ("percent-sign-ignored", wrap("25%"), "25", 1.0),
+    ("equation-takes-last-side", wrap("5 + 13 = 18"), "18", 1.0),
+    ("markdown-bold", wrap("**18**"), "18", 1.0),
+    ("boxed-no-tags", "So the total is \\boxed{18}.", "18", 1.0),
+    ("boxed-inside-answer", wrap("The answer is \\boxed{18}"), "18", 1.0),
+    ("boxed-wins-inside-answer", wrap("first 75, finally \\boxed{72}"), "72", 1.0),
+    ("boxed-nested-braces", "\\boxed{\\frac{1}{2}}", "0.5", 1.0),
+    ("latex-frac-vs-decimal", wrap("\\frac{1}{2}"), "0.5", 1.0),
+    ("decimal-vs-latex-frac-gold", wrap("0.5"), "\\frac{1}{2}", 1.0),
+    ("slash-fraction-vs-decimal", wrap("3/4"), "0.75", 1.0),
+    ("dfrac-to-integer", wrap("\\dfrac{144}{2}"), "72", 1.0),
+    ("latex-power", wrap("2^{3}"), "8", 1.0),
+    ("latex-sqrt", wrap("\\sqrt{4}"), "2", 1.0),
+    ("hash-format", "<think>48+24=72</think>\n#### 72", "72", 1.0),
+    ("negative", wrap("-5"), "-5", 1.0),
+    ("negative-unicode-minus", wrap("\u22125"), "-5", 1.0),
+    ("sign-matters", wrap("5"), "-5", 0.0),
+    ("decimal-trailing-zero", wrap("7.50"), "7.5", 1.0),
+    ("integer-vs-point-zero", wrap("7"), "7.0", 1.0),
+    ("decimal-close-but-wrong", wrap("7.05"), "7.5", 0.0),
+    ("no-float-rounding", wrap("72.0000001"), "72", 0.0),
+    # Regression test for the official GSM8K scorer (paper.md section 7): it compared only the first
+    # character of the extracted answer and the gold answer, so "75" vs "72" scored full marks.
+    ("official-bug-first-digit", wrap("75"), "72", 0.0),
+    ("official-bug-prefix", wrap("7"), "72", 0.0),
+    ("official-bug-longer", wrap("720"), "72", 0.0),
+    ("empty-completion", "", "72", 0.0),
+    ("empty-answer-block", "<think>72</think><answer></answer>", "72", 0.0),
+    ("blank-answer-block", "<think>72</think><answer>   </answer>", "72", 0.0),
+    ("empty-block-is-final", "<think>x</think><answer></answer> #### 72", "72", 0.0),
+    ("no-answer-no-fallback", "I think the answer is 72", "72", 0.0),
+    ("unclosed-answer-tag", "<think>ok</think><answer>72", "72", 0.0),
+    ("markdown-heading-not-answer", "#### Step 1\nwe get 72", "72", 0.0),
+    ("answer-block-beats-reasoning-numbers", "<think>12 + 60 = 72, or 75?</think><answer>72</answer>", "72", 1.0),
+    ("reasoning-number-does-not-count", "<think>maybe 72</think><answer>75</answer>", "72", 0.0),
+    ("last-answer-block-wins", "<answer>75</answer> wait, no. <answer>72</answer>", "72", 1.0),
+    ("hedged-two-numbers", wrap("72 or 75"), "72", 0.0),
+    ("answer-list", wrap("72, 75"), "72", 0.0),
+]
+
+
+@pytest.mark.parametrize("completion, gold, expected", [c[1:] for c in SCORE_CASES], ids=[c[0] for c in SCORE_CASES])
+def test_score_answer_table(verifier, completion, gold, expected):
+    assert score_answer(completion, gold, verifier=verifier) == expected
+
+
+def test_score_answer_uses_shared_verifier_by_default():
+    # No verifier passed: the process-wide one starts on demand and handles the LaTeX path.
+    assert score_answer(wrap("\\frac{144}{2}"), "72") == 1.0
+
+
+def test_last_number_fallback_is_opt_in(verifier):
+    text = "Adding them gives 48 + 24 = 72"
+    assert score_answer(text, "72", verifier=verifier) == 0.0
+    assert score_answer(text, "72", verifier=verifier, last_number_fallback=True) == 1.0
+
+
+EXTRACT_CASES = [
+    ("answer-block", "<answer> 72 </answer>", False, "72"),
+    ("boxed-in-block", "<answer>so \\boxed{ 7 } yes</answer>", False, "7"),
+    ("boxed-nested", "x \\boxed{\\frac{a}{b}} y", False, "\\frac{a}{b}"),
+    ("boxed-space-before-brace", "\\boxed {9}", False, "9"),
+    ("fbox", "\\fbox{9}", False, "9"),
+    ("last-boxed", "\\boxed{1} then \\boxed{2}", False, "2"),
+    ("truncated-boxed-uses-earlier", "\\boxed{1} then \\boxed{2", False, "1"),
+    ("hash", "reasoning\n#### 1,234\n", False, "1,234"),
+    ("last-hash", "#### 5\nno wait\n#### 6", False, "6"),
+    ("block-beats-boxed-and-hash", "\\boxed{1} #### 2 <answer>3</answer>", False, "3"),
+    ("nothing", "no answer here", False, None),
+    ("fallback-last-number", "first 3, then -4.5 and 1,000 apples", True, "1,000"),
+    ("fallback-without-numbers", "no numbers", True, None),
+    ("empty-block", "<answer></answer>", True, None),
+    ("conversational", [{"role": "assistant", "content": "<answer>8</answer>"}], False, "8"),
+]
+
+
+@pytest.mark.parametrize("completion, fallback, expected", [c[1:] for c in EXTRACT_CASES],
+                         ids=[c[0] for c in EXTRACT_CASES])
+def test_extract_answer(completion, fallback, expected):
+    assert extract_answer(completion, last_number_fallback=fallback) == expected
+
+
+@pytest.mark.parametrize("field, expected", [
+    ("Janet has 3 ducks.\n3*2 = 6\n#### 6", "6"),
+    ("#### 1,234", "1,234"),
+    ("work\n#### 18\nextra line", "18"),
+    ("\\frac{1}{2}", "\\frac{1}{2}"),
+    (72, "72"),
+], ids=["gsm8k-field", "commas-kept", "first-line-after-hash", "bare-latex", "numeric-column"])
+def test_extract_gold(field, expected):
+    assert extract_gold(field) == expected
+
+
+@pytest.mark.parametrize("field", ["", "   ", "solution\n#### ", None],
+                         ids=["empty", "blank", "empty-after-hash", "none"])
+def test_extract_gold_rejects_missing_answer(field):
+    with pytest.raises(UserError, match="gold answer"):
+        extract_gold(field)
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("72", Fraction(72)), ("1,234.5", Fraction(24690, 20)), ("-$5", Fraction(-5)), (".25", Fraction(1, 4)),
+    ("-3/4", Fraction(-3, 4)), ("1/0", None), ("x = 12 cm", Fraction(12)), ("60 km/h", Fraction(60)),
+    ("72 or 75", None), ("1,2", None), ("1e3", None), ("2^{3}", None), ("\\frac{1}{2}", None), ("", None),
+], ids=["int", "commas-decimal", "neg-dollar", "leading-dot", "neg-fraction", "zero-denominator", "assignment-unit",
+        "unit-with-slash", "two-numbers", "comma-list", "exponent-notation", "latex-power", "latex-frac", "empty"])
+def test_parse_plain_number(text, expected):
+    assert parse_plain_number(text) == expected
+
+
+# Inputs that make sympy/math-verify compute for minutes or forever (big-integer towers in C code
+# that signal.alarm cannot interrupt), plus huge inputs that must be refused before parsing.
+ADVERSARIAL = [
+    ("latex-power-tower", wrap("10^{10^{10^{10}}}")),
+    ("right-assoc-2-tower", wrap("2^{2^{2^{2^{2^{2^{2^{2}}}}}}}")),
+    ("flat-2-tower", wrap("2^2^2^2^2^2^2^2")),
+    ("python-power-tower", wrap("10**10**10**10")),
+    ("huge-factorial", wrap("(10^{100000})!")),
+    ("boxed-tower", "\\boxed{9^{9^{9^{9}}}}"),
+    ("100k-char-answer", wrap("9" * 100_000)),
+    ("100k-char-latex-answer", wrap("\\sqrt{" * 10_000 + "2" + "}" * 10_000)),
+]
+
+
+@pytest.mark.parametrize("completion", [c[1] for c in ADVERSARIAL], ids=[c[0] for c in ADVERSARIAL])
+def test_adversarial_answer_returns_zero_within_limit(quick_verifier, completion):
+    quick_verifier.start()  # a restart after the previous case's timeout is not part of this answer's limit
+    start = time.monotonic()
+    assert score_answer(completion, "18", verifier=quick_verifier) == 0.0
+    elapsed = time.monotonic() - start
+    assert elapsed < quick_verifier.timeout_s + HEADROOM_S, f"took {elapsed:.2f} s"
+
+
+def test_long_completion_with_many_tags_is_linear(verifier):
+    # 12.5k unclosed "<answer>" tags: a ".*?" regex between tags would be quadratic here.
+    completion = "<answer>" * 12_500 + "<answer>72</answer>"
+    start = time.monotonic()
+    assert score_answer(completion, "72", verifier=verifier) == 1.0
+    assert extract_answer("x" * 100_000) is None
+    assert time.monotonic() - start < 1.0
+
+
+FORMAT_CASES = [
+    ("good", "<think>12+60=72</think>\n<answer>72</answer>", 1.0),
+    ("whitespace-around", "\n <think>r</think>  <answer>72</answer>\n\n", 1.0),
+    ("conversational", [{"role": "assistant", "content": "<think>r</think><answer>1</answer>"}], 1.0),
+    ("missing-think", "<answer>72</answer>", 0.0),
+    ("missing-answer", "<think>r</think> 72", 0.0),
+    ("empty-think", "<think> </think><answer>72</answer>", 0.0),
+    ("empty-answer", "<think>r</think><answer></answer>", 0.0),
+    ("text-before", "Sure! <think>r</think><answer>72</answer>", 0.0),
+    ("text-after", "<think>r</think><answer>72</answer> Also, here is another question...", 0.0),
+    ("text-between", "<think>r</think> so <answer>72</answer>", 0.0),
+    ("answer-first", "<answer>72</answer><think>r</think>", 0.0),
+    ("two-answer-blocks", "<think>r</think><answer>7</answer><answer>72</answer>", 0.0),
+    ("nested-close-think", "<think>a</think>b</think><answer>72</answer>", 0.0),
+    ("empty-completion", "", 0.0),
+]
+
+
+@pytest.mark.parametrize("completion, expected", [c[1:] for c in FORMAT_CASES], ids=[c[0] for c in FORMAT_CASES])
+def test_format_reward(completion, expected):
+    assert format_reward(completion) == expected
+
+
+# What TRL's GRPOTrainer passes to a reward function besides prompts/completions/dataset columns.
+def trl_extras(n):
+    return {"completion_ids": [[1, 2]] * n, "trainer_state": object(), "log_extra": lambda column, values: None,
+            "log_metric": lambda name, value: None}
+
+
+def test_trl_signature_with_conversational_completions(verifier):
+    prompts = [[{"role": "user", "content": "q"}]] * 3
+    completions = [
+        [{"role": "assistant", "content": "<think>24+48</think><answer>72</answer>"}],
+        [{"role": "assistant", "content": "<think>oops</think><answer>75</answer>"}],
+        [{"role": "assistant", "content": "\\boxed{\\frac{144}{2}}"}],
+    ]
+    answers = ["...\n#### 72"] * 3
+    rewards = accuracy_reward(prompts, completions, answers, verifier=verifier, **trl_extras(3))
+    assert rewards == [1.0, 0.0, 1.0]
+    assert format_reward_func(prompts=prompts, completions=completions, **trl_extras(3)) == [1.0, 1.0, 0.0]
+    assert format_reward_func(prompts=["q"], completions=["<think>r</think><answer>1</answer>"]) == [1.0]
+
+
+def test_accuracy_reward_needs_one_gold_per_completion(verifier):
+    with pytest.raises(ValueError, match="answer"):
+        accuracy_reward(["q", "q"], ["<answer>1</answer>", "<answer>2</answer>"], ["#### 1"], verifier=verifier)
+
+
+def test_safe_reward_counts_a_failing_completion(verifier):
+    logged = []
+    reward = SafeReward(functools.partial(accuracy_reward, verifier=verifier))
+    assert reward.__name__ == "accuracy_reward"  # TRL reads __name__ for its reward columns
+    completions = [wrap("72"), None, wrap("75"), wrap("18")]  # None: completion_text raises TypeError
+    answers = ["#### 72", "#### 72", "#### 72", ""]  # "": extract_gold raises UserError
+    rewards = reward(prompts=["q"] * 4, completions=completions, answer=answers, completion_ids=[[0]] * 4,
+                     trainer_state=None, log_metric=lambda name, value: logged.append((name, value)))
+    assert rewards == [1.0, 0.0, 0.0, 0.0]
+    assert reward.errors == 2 and reward.scored == 4
+    assert "UserError" in reward.last_error
+    assert logged == [("accuracy_reward/errors", 2.0)]
+    assert reward.take_errors() == 2 and reward.take_errors() == 0
+    reward(prompts=["q"], completions=[wrap("72")], answer=["72"])
+    assert reward.errors == 2 and reward.take_errors() == 0
+
+
+def test_safe_reward_slices_per_sample_columns_and_keeps_none():
+    seen = []
+
+    def probe(prompts, completions, level, **kwargs):
+        seen.append((prompts, completions, level, kwargs["shared"]))
+        if level[0] == 3:
+            raise RuntimeError("boom")
+        return [None if level[0] == 2 else float(level[0])]
+
+    reward = SafeReward(probe, name="probe_reward")
+    out = reward(prompts=["a", "b", "c"], completions=["x", "y", "z"], level=[1, 2, 3], shared="same")
+    assert out == [1.0, None, 0.0]  # None passes through: TRL reads it as "no reward for this one"
+    assert seen[0] == (["a"], ["x"], [1], "same")
+    assert reward.__name__ == "probe_reward" and reward.errors == 1 and "boom" in reward.last_error
+    with pytest.raises(ValueError, match="prompts"):
+        reward(prompts=["a"], completions=["x", "y"], level=[1, 2])
+
+
+def test_safe_reward_raises_on_missing_dataset_column(verifier):
+    # A missing "answer" column would fail every sample; that is a setup bug, not a per-sample error.
+    reward = SafeReward(functools.partial(accuracy_reward, verifier=verifier))
+    with pytest.raises(TypeError, match="answer"):
+        reward(prompts=["q"], completions=[wrap("72")], solution=["72"])
+    assert reward.errors == 0
+
+
+def test_reward_with_verifier_survives_pickling(verifier):
+    # TRL and multiprocessing may pickle reward functions; the copy starts its own worker.
+    copy = pickle.loads(pickle.dumps(SafeReward(functools.partial(accuracy_reward, verifier=verifier))))
+    try:
+        assert copy(prompts=["q"], completions=[wrap("\\frac{1}{2}")], answer=["0.5"]) == [1.0]
+        assert copy.func.keywords["verifier"] is not verifier
+    finally:
+        copy.func.keywords["verifier"].close()

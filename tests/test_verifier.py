@@ -1,0 +1,134 @@
+"""Tests for qerl_lib.verifier: math-verify in a killable worker under a hard wall-clock limit.
+
+Equivalence itself (what counts as equal) is math-verify's; these tests pin the machinery around
+it: the limit holds on inputs that hang math-verify, the worker recovers, threads are fine, stale
+replies are never taken for the current answer, and the orphan guards (memory, CPU) are set.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from qerl_lib.verifier import DEFAULT_TIMEOUT_S, MathVerifier, shared_verifier
+
+# Wall-clock slack over the limit: killing the worker and thread wake-up take milliseconds, but
+# this 2-core machine is shared by several agents, so allow a generous 1.5 s.
+HEADROOM_S = 1.5
+# math-verify 0.9 is still computing this tower after 10 s (a C-level big-integer power).
+HANGING = "10^{10^{10^{10}}}"
+
+
+@pytest.fixture(scope="module")
+def verifier():
+    v = MathVerifier()  # default limit, as training uses
+    v.start()
+    yield v
+    v.close()
+
+
+@pytest.fixture(scope="module")
+def quick_verifier():
+    v = MathVerifier(timeout_s=1.0)
+    v.start()
+    yield v
+    v.close()
+
+
+@pytest.mark.parametrize("gold, pred, expected", [
+    ("72", "72", True), ("0.5", "\\frac{1}{2}", True), ("8", "2^{3}", True), ("2", "\\sqrt{4}", True),
+    ("72", "75", False), ("18", "18 or 19", False), ("x", "", False),
+], ids=["same", "frac-decimal", "power", "sqrt", "different", "hedged", "empty-pred"])
+def test_equivalent(verifier, gold, pred, expected):
+    assert verifier.equivalent(gold, pred) is expected
+
+
+def test_default_limit_holds_and_worker_recovers(verifier):
+    verifier.start()
+    timeouts_before = verifier.timeouts
+    start = time.monotonic()
+    assert verifier.equivalent("18", HANGING) is False
+    elapsed = time.monotonic() - start
+    assert elapsed < DEFAULT_TIMEOUT_S + HEADROOM_S, f"took {elapsed:.2f} s"
+    # The limit (not a quick refusal) must have ended it: one kill-on-timeout was counted.
+    assert verifier.timeouts == timeouts_before + 1, "expected a kill-on-timeout; did math-verify change?"
+    assert verifier.equivalent("0.5", "\\frac{1}{2}") is True  # the restarted worker works
+
+
+def test_per_call_limit_overrides_the_default(verifier):
+    verifier.start()
+    start = time.monotonic()
+    assert verifier.equivalent("18", HANGING, timeout_s=0.5) is False
+    assert time.monotonic() - start < 0.5 + HEADROOM_S
+
+
+def test_limit_holds_from_a_non_main_thread(quick_verifier):
+    # math-verify's own signal-based timeout raises outside the main thread; ours must not care.
+    quick_verifier.start()
+    result = {}
+
+    def score():
+        start = time.monotonic()
+        result["hanging"] = quick_verifier.equivalent("18", HANGING)
+        result["elapsed"] = time.monotonic() - start
+        result["correct"] = quick_verifier.equivalent("18", "\\sqrt{324}")
+
+    thread = threading.Thread(target=score)
+    thread.start()
+    thread.join(timeout=60)
+    assert result["hanging"] is False and result["correct"] is True
+    assert result["elapsed"] < quick_verifier.timeout_s + HEADROOM_S, f"took {result['elapsed']:.2f} s"
+
+
+def test_stale_reply_is_never_taken_for_the_current_request(quick_verifier):
+    # A reply carrying an old id (e.g. from a request that timed out) must be skipped.
+    quick_verifier.start()
+    quick_verifier._replies.put({"id": -5, "equal": True})
+    assert quick_verifier.equivalent("72", "75") is False
+
+
+def test_crashed_worker_is_replaced(quick_verifier):
+    quick_verifier.start()
+    quick_verifier._proc.kill()
+    quick_verifier._proc.wait(timeout=10)
+    crashes = quick_verifier.crashes
+    assert quick_verifier.equivalent("1", "1") is False  # the request in flight is lost ...
+    assert quick_verifier.crashes == crashes + 1
+    assert quick_verifier.equivalent("1", "1") is True  # ... and a fresh worker answers the next one
+
+
+def test_verifier_rejects_bad_settings_and_oversized_requests(quick_verifier):
+    with pytest.raises(ValueError, match="timeout_s must be > 0"):
+        MathVerifier(timeout_s=0)
+    with pytest.raises(ValueError, match="startup_timeout_s"):
+        MathVerifier(startup_timeout_s=-1)
+    with pytest.raises(ValueError, match="memory_limit_mb"):
+        MathVerifier(memory_limit_mb=-1)
+    with pytest.raises(ValueError, match="timeout_s must be > 0"):
+        quick_verifier.equivalent("1", "1", timeout_s=0)
+    with pytest.raises(ValueError, match="too long"):
+        quick_verifier.equivalent("1", "9" * 30_000)
+
+
+def test_shared_verifier_is_one_instance():
+    assert shared_verifier() is shared_verifier()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/<pid>/limits (Linux only)")
+def test_worker_caps_its_memory_and_cpu():
+    # The orphan guards: a worker left computing after its parent died must not run unbounded.
+    v = MathVerifier(timeout_s=1.5, memory_limit_mb=1024)
+    try:
+        v.start()
+        assert v.equivalent("8", "2^{3}")  # a request sets the per-request CPU limit
+        limits = Path(f"/proc/{v._proc.pid}/limits").read_text()
+    finally:
+        v.close()
+    address_space = next(line for line in limits.splitlines() if line.startswith("Max address space"))
+    cpu = next(line for line in limits.splitlines() if line.startswith("Max cpu time"))
+    assert address_space.split()[3] == str(1024 * 2**20)
+    assert cpu.split()[3] != "unlimited" and int(cpu.split()[3]) <= 15 + 5  # budget max(10, 10 * 1.5) + used
