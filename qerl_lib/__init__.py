@@ -20,11 +20,24 @@ __version__ = "0.1.0"
 
 # public name -> module that defines it
 _LAZY = {
-    "load_model": "qerl_lib.loader",
-    "fp4_matmul": "qerl_lib.fp4_kernel",
-    "generate": "qerl_lib.engine",
-    "prepare_embedded_model": "qerl_lib.embedded",
-    "resolve_model": "qerl_lib.embedded",
+    # format
+    "quantize": "qerl_lib.nvfp4", "dequantize": "qerl_lib.nvfp4", "NVFP4Weight": "qerl_lib.nvfp4",
+    "fake_quantize_": "qerl_lib.formats",
+    # kernel and layers
+    "fp4_matmul": "qerl_lib.fp4_kernel", "fp4_linear": "qerl_lib.fp4_kernel",
+    "prepare_fp4_weights": "qerl_lib.fp4_kernel", "NVFP4Linear": "qerl_lib.layers",
+    # models
+    "load_model": "qerl_lib.loader", "replace_linear_with_nvfp4": "qerl_lib.loader",
+    "quantize_checkpoint": "qerl_lib.loader", "save_nvfp4_checkpoint": "qerl_lib.loader",
+    "build_random_model": "qerl_lib.loader", "linear_weight_bytes": "qerl_lib.loader",
+    "attach_lora": "qerl_lib.lora", "merge_to_bf16": "qerl_lib.lora",
+    "prepare_embedded_model": "qerl_lib.embedded", "resolve_model": "qerl_lib.embedded",
+    # rollouts and noise
+    "generate": "qerl_lib.engine", "RolloutEngine": "qerl_lib.engine", "Completion": "qerl_lib.engine",
+    "AQNConfig": "qerl_lib.aqn", "AQNController": "qerl_lib.aqn", "apply_norm_overrides": "qerl_lib.aqn",
+    # scoring and evaluation
+    "score_answer": "qerl_lib.rewards", "extract_answer": "qerl_lib.rewards", "SafeReward": "qerl_lib.rewards",
+    "evaluate": "qerl_lib.evaluation", "EvalConfig": "qerl_lib.evaluation",
 }
 
 

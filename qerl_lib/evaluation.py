@@ -15,7 +15,8 @@ What is reported (per problem, then summarised):
 
 Reproducibility: sampling draws come from the engine's seeded generator, one seed per engine
 call derived from ``config.seed`` and the batch's position, and the bootstrap uses its own
-generator seeded with ``config.seed``. The same model, problems, config and device therefore
+generator seeded with ``config.seed``. The same model, problems, config (``batch_size`` included:
+it decides which completions share an engine call) and device therefore
 give the same records and the same summary. Wall-clock numbers live apart, in
 ``EvalReport.timing``, so a summary can be compared for equality.
 
@@ -181,16 +182,19 @@ def compare_formats(models: dict, tokenizer, problems: list[dict], config: EvalC
                     reference: str | None = None, progress: bool = True) -> dict:
     """Evaluate several versions of one model (e.g. {"bf16": m1, "nvfp4": m2}) on the same problems.
 
-    Besides each model's own summary (accuracy, format, length, entropy on its own samples) the
-    result has, for every model, the teacher-forced entropy on the *reference* model's
-    completions (identical tokens for everyone: a paired comparison), the answer agreement
-    with the reference, and paired bootstrap intervals of the entropy differences.
+    Besides each model's own summary (accuracy, format, length) the result has, for every model,
+    the teacher-forced entropy on the *reference* model's completions (identical tokens for
+    everyone: a paired comparison), the answer agreement with the reference, and paired bootstrap
+    intervals of the entropy differences. `entropy` (on a model's own completions) is exact for the
+    reference (its own completions are the reference tokens) and costs one more teacher-forced
+    pass per other model, done only with `config.with_entropy=True`.
     """
     from dataclasses import replace
 
     from qerl_lib.entropy import paired_bootstrap, per_sequence_mean
 
-    config = replace(config, with_entropy=True)
+    own_entropy = config.with_entropy
+    config = replace(config, with_entropy=False)
     if not models:
         raise ValueError("compare_formats needs at least one model")
     reference = reference or next(iter(models))
@@ -207,8 +211,17 @@ def compare_formats(models: dict, tokenizer, problems: list[dict], config: EvalC
         ref_seq = seq if name == reference else ref_seq
         answers = [r["completions"][0] for r in reports[name].records]
         ref_answers = [r["completions"][0] for r in reports[reference].records]
+        if name == reference:
+            own = mean_token_entropy(ents)
+        elif own_entropy:
+            own = mean_token_entropy(token_entropies(model, prompt_ids, [r["completion_ids"][0] for r in
+                                                                          reports[name].records],
+                                                     batch_size=config.entropy_batch_size))
+        else:
+            own = None
         out["formats"][name] = {
             **{k: v for k, v in reports[name].summary.items() if k != "config"},
+            "entropy": own,
             "entropy_on_reference": mean_token_entropy(ents),
             "per_problem_entropy_on_reference": seq,
             "same_completion_as_reference": sum(a == b for a, b in zip(answers, ref_answers)) / len(answers),
@@ -218,7 +231,7 @@ def compare_formats(models: dict, tokenizer, problems: list[dict], config: EvalC
         if name != reference:
             out["formats"][name]["entropy_diff_vs_reference"] = paired_bootstrap(
                 ref_seq, out["formats"][name]["per_problem_entropy_on_reference"], config.n_boot, config.seed)
-    out["config"] = asdict(config)
+    out["config"] = {**asdict(config), "with_entropy": own_entropy}
     out["examples"] = {name: [{k: v for k, v in r.items() if k != "completion_ids"} for r in reports[name].records[:3]]
                        for name in models}
     return out

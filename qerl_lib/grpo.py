@@ -12,7 +12,7 @@ What one optimizer step does
 2. **Rewards** (TRL). accuracy (1.0 if the final answer equals the gold one) + 0.2 x format,
    each wrapped in `rewards.SafeReward`: a completion whose scoring raises gets 0 and is counted.
 3. **Advantages** (TRL). A_i = (r_i - mean of the group) / (std of the group + 1e-4).
-4. **Mismatch** (`QeRLGRPOTrainer`). The trainer recomputes the log-probs of the sampled tokens
+4. **Mismatch** (`grpo_trainer.QeRLGRPOTrainer`). The trainer recomputes the log-probs of the sampled tokens
    with the clean model (no AQN noise, its own matmul path) and we log how far they are from the
    engine's. With ``is_correction`` the advantages are weighted by a truncated importance ratio.
 5. **Loss and update** (TRL). Clipped surrogate, AdamW, cosine schedule, checkpoints.
@@ -25,15 +25,16 @@ Every algorithmic choice, and where it comes from (paper.md §1, §5, §7, §9)
     GSM8K presets, as the paper says GSM8K runs use GRPO; ``dapo`` (sum over all tokens of the
     accumulated batch / their count) for BigMath. The scripts use ``bnpo`` everywhere, equal to
     ``dapo`` on one GPU without accumulation.
- 3. Advantages scaled by the group std (``scale_rewards="group"``), standard GRPO and TRL 0.21's
-    behaviour under the official code. No Dr. GRPO un-scaling.
+ 3. Advantages scaled by the group std (``scale_rewards="group"``), as in standard GRPO
+    (DeepSeekMath). No Dr. GRPO un-scaling.
  4. No KL term (β = 0) and no entropy bonus, as Table 4 says ("without using entropy or KL losses").
     With β = 0 TRL loads no reference model.
  5. μ (policy updates per rollout): 4 on GSM8K, 1 on BigMath (Table 4, read as TRL's
     ``num_iterations``; see grpo_presets). With μ = 1 the ratio ρ is exactly 1 at the single update,
     so clipping never acts: the step is REINFORCE with a group baseline.
  6. Truncated completions (no end-of-turn token within the limit) are masked out of the loss
-    (``mask_truncated_completions``, official scripts; DAPO's overlong filtering).
+    (``mask_truncated_completions``, official scripts; DAPO's overlong filtering) in the Qwen
+    presets; ``smollm2-arith`` keeps them (see grpo_presets for the measurement behind that).
  7. Rollouts at temperature 1.0, top-p 1.0, no top-k (Table 4, scripts). The engine's logprobs are
     of softmax(logits / T), the same distribution TRL scores; a top-p/top-k filter is refused.
  8. LoRA rank 32, alpha = rank, all seven projections, dropout 0, norms frozen (paper §4.1; the
@@ -71,23 +72,27 @@ it through TRL's documented (B, T)-advantage path instead of flipping that switc
 Why the correction is off by default: it is not in the paper or the official code, and in mode
 ``qerl`` it would largely undo AQN. Weighting by π_clean/π_noisy re-targets the gradient to the
 clean policy, removing the shift the noise introduces, and that shift is the exploration the method
-wants. Measured on the embedded SmolLM2-135M (CPU, fp32, smollm2-arith, 8 completions x ≤ 32 tokens
-per step, 3-step runs of `train`, seed 0):
+wants. Measured on the embedded SmolLM2-135M, smollm2-arith (Δ in nats per token, over the loss tokens):
 
-=====================  ==============  ==============  ===========  ==================
-step's policy gap      mean abs Δ      max abs Δ       mismatch_kl  is ratio range
-=====================  ==============  ==============  ===========  ==================
-nvfp4 (numerics only)  1.5e-5          3.9e-5          1.5e-9       [0.99997, 1.00001]
-qerl, σ = 1e-2         0.22            1.44            0.045        [0.24, 1.88]
-qerl, σ = 5e-4         0.013           0.097           1.9e-4       [0.92, 1.10]
-=====================  ==============  ==============  ===========  ==================
+==================================  ===========  =========  ===========  ==============
+run, step's noise                   mean abs Δ   max abs Δ  mismatch_kl  is ratio range
+==================================  ===========  =========  ===========  ==============
+CPU fp32, nvfp4 (σ = 0)             1.6e-5       4.1e-5     1.4e-9       [0.99996, 1.00001]
+CPU fp32, qerl σ = 1e-2             0.28         1.56       0.074        [0.21, 3.27]
+CPU fp32, qerl σ = 5e-4             0.015        0.078      2.2e-4       [0.93, 1.08]
+H200 bf16, qerl σ = 0 (steps 1-10)  0.048        0.91       2.2e-3       [0.40, 2.32]
+H200 bf16, qerl σ = 1e-2 (11-20)    0.29         6.8        0.082        [0.001, 19]
+H200 bf16, qerl σ = 5e-4 (91-100)   0.050        0.74       2.5e-3       [0.58, 2.10]
+==================================  ===========  =========  ===========  ==============
 
-(Δ in nats per token.) The numerical gap is negligible here because on a CPU the engine and the
-trainer run the same fp32 arithmetic; the noise gap at σ_start is large (a KL of 0.045 nats per
-token is several nats per completion), so a correction would reweight most tokens. On a GPU the
-engine's FP4 kernel and bf16 KV cache add a numerical gap; the GPU run's ``logprob_mismatch`` in
-the first (noise-free) stage measures it. Turn the correction on to study off-policy correction,
-or when engine and trainer numerics diverge (e.g. a different kernel).
+(CPU: 3-step runs of `train`, 8 completions x ≤ 32 tokens, seed 0. H200: the first 100-step GPU
+run, 64 completions x ≤ 128 tokens per step, committed as ``results/train_smollm2_qerl_h200_*``.)
+Three readings. On a CPU the engine and the trainer run the same fp32 arithmetic, so the numerical
+gap is negligible (1e-5). On a GPU in bf16 the two paths round differently and the gap without any noise is
+already ~0.05 nats per token, as large as AQN's at σ_end = 5e-4, so the last stages' noise is
+hidden in numerical noise there. At σ_start = 1e-2 the noise dominates (KL ~0.08 per token, several
+nats per completion) and truncated IS would reweight the batch heavily. Turn the correction on to
+study off-policy correction, or when engine and trainer numerics diverge further (another kernel).
 
 Checkpoints and resume
 ----------------------
@@ -100,6 +105,7 @@ samples exactly what the uninterrupted run would have.
 from __future__ import annotations
 
 import functools
+import importlib.util
 import os
 import time
 import warnings
@@ -111,8 +117,8 @@ import torch
 from qerl_lib.errors import UserError
 from qerl_lib.grpo_presets import TrainConfig, describe
 
-__all__ = ["train", "build_trainer", "build_dataset", "load_policy", "EngineRollout", "QeRLGRPOTrainer", "grpo_args",
-           "reward_functions", "aqn_config", "resolve_device"]
+__all__ = ["train", "build_trainer", "build_dataset", "load_policy", "EngineRollout", "reward_functions", "aqn_config",
+           "resolve_device"]
 
 
 # ----------------------------------------------------------------------------- devices, data, model
@@ -123,6 +129,11 @@ def resolve_device(config: TrainConfig) -> torch.device:
     if device.type == "cpu" and "8bit" in config.optim:
         raise UserError(f"optim={config.optim!r} (bitsandbytes 8-bit AdamW, the paper's) needs a GPU: on a CPU pass "
                         "optim='adamw_torch' (Python API) or use the smollm2-arith preset")
+    needs_bnb = [what for what, used in (("mode qlora (NF4 base)", config.base == "nf4"),
+                                         (f"optim={config.optim!r}", "8bit" in config.optim)) if used]
+    if needs_bnb and importlib.util.find_spec("bitsandbytes") is None:
+        raise UserError(f"{' and '.join(needs_bnb)} need bitsandbytes, which is not installed: "
+                        "pip install bitsandbytes (requirements.txt pins the tested version)")
     return device
 
 
@@ -318,112 +329,6 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-# ----------------------------------------------------------------------------- the trainer
-@functools.cache
-def _trainer_class():
-    """Built on first use so that importing qerl_lib.grpo does not import TRL."""
-    from trl import GRPOTrainer
-    from trl.models.utils import disable_gradient_checkpointing
-
-    class QeRLGRPOTrainer(GRPOTrainer):
-        """TRL's GRPOTrainer plus what QeRL adds: mismatch metrics, optional truncated IS, AQN in the trainer."""
-
-        def __init__(self, *args, rollout: EngineRollout, is_correction: bool = False, is_cap: float = 2.0, **kwargs):
-            self.qerl_rollout, self.is_correction, self.is_cap = rollout, is_correction, is_cap
-            super().__init__(*args, rollout_func=rollout, **kwargs)
-
-        def training_step(self, model, inputs, num_items_in_batch):
-            aqn = self.qerl_rollout.aqn
-            if aqn is None or aqn.config.target != "both":
-                return super().training_step(model, inputs, num_items_in_batch)
-            # target "both": the trainer's forward/backward see the same noise Z as the rollout of this step.
-            base = self.accelerator.unwrap_model(self.model)
-            step = self.state.global_step
-            self.qerl_rollout.noise_for(base, step)  # draw outside the override context
-            from qerl_lib.aqn import apply_norm_overrides
-
-            with apply_norm_overrides(base, aqn.trainer_overrides(base, step)):
-                return super().training_step(model, inputs, num_items_in_batch)
-
-        def _generate_and_score_completions(self, inputs):
-            out = super()._generate_and_score_completions(inputs)
-            if "sampling_per_token_logps" not in out:
-                return out
-            mask = out["completion_mask"] if "tool_mask" not in out else out["completion_mask"] * out["tool_mask"]
-            old = out.get("old_per_token_logps")
-            if old is None:  # μ = 1: TRL will use π_θ.detach(); score once here to measure the mismatch
-                ids = torch.cat([out["prompt_ids"], out["completion_ids"]], dim=1)
-                attention = torch.cat([out["prompt_mask"], out["completion_mask"]], dim=1)
-                with torch.no_grad(), disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
-                    old, _, _ = self._get_per_token_logps_and_entropies(
-                        self.model, ids, attention, out["completion_ids"].size(1),
-                        batch_size=self.args.per_device_train_batch_size)
-            delta = (old - out["sampling_per_token_logps"]).float()
-            delta = torch.where(mask.bool(), torch.nan_to_num(delta, nan=0.0), torch.zeros_like(delta))
-            ratio = torch.exp(delta.clamp(max=20.0))
-            weights = ratio.clamp(max=self.is_cap)
-            self._log_mismatch(delta, ratio, mask.bool())
-            if self.is_correction:
-                out["advantages"] = out["advantages"].unsqueeze(1) * weights.to(out["advantages"].dtype)
-            return out
-
-        def _log_mismatch(self, delta, ratio, mask):
-            metrics = self._metrics["train" if self.model.training else "eval"]
-            n = int(mask.sum())
-            if n == 0:  # every completion masked (e.g. all truncated): nothing to compare
-                return
-            d, r = delta[mask], ratio[mask]
-            metrics["logprob_mismatch"].append(d.abs().mean().item())
-            metrics["logprob_mismatch_max"].append(d.abs().max().item())
-            metrics["mismatch_kl"].append((torch.exp(d.clamp(max=20.0)) - 1.0 - d).mean().item())
-            metrics["is_ratio_mean"].append(r.clamp(max=self.is_cap).mean().item())
-            metrics["is_ratio_min"].append(r.min().item())
-            metrics["is_ratio_max"].append(r.max().item())
-            metrics["is_truncated_rate"].append((r > self.is_cap).float().mean().item())
-
-    return QeRLGRPOTrainer
-
-
-def __getattr__(name):  # `from qerl_lib.grpo import QeRLGRPOTrainer` builds the class lazily
-    if name == "QeRLGRPOTrainer":
-        return _trainer_class()
-    raise AttributeError(f"module 'qerl_lib.grpo' has no attribute {name!r}")
-
-
-def grpo_args(config: TrainConfig, output_dir: str | os.PathLike, device: torch.device, reward_weights: list[float]):
-    """TRL's GRPOConfig with every semantics-bearing field set explicitly (TRL has changed defaults before,
-    e.g. loss_type bnpo -> dapo, so nothing that changes the algorithm is left to a default)."""
-    from trl import GRPOConfig
-
-    c = config
-    return GRPOConfig(
-        output_dir=str(output_dir),
-        # batch shape: generation batch = one optimizer step's completions
-        per_device_train_batch_size=c.micro_batch, gradient_accumulation_steps=c.gradient_accumulation_steps,
-        steps_per_generation=c.gradient_accumulation_steps, num_generations=c.num_generations,
-        num_iterations=c.num_iterations, max_completion_length=c.max_completion_length, shuffle_dataset=True,
-        # sampling (the engine reads these back from the trainer, so TRL's scoring matches)
-        temperature=c.temperature, top_p=c.top_p, top_k=c.top_k, min_p=None, repetition_penalty=1.0,
-        use_vllm=False, use_transformers_continuous_batching=False, vllm_importance_sampling_correction=False,
-        # objective
-        loss_type=c.loss_type, beta=c.beta, epsilon=c.epsilon, epsilon_high=c.epsilon_high, delta=None,
-        scale_rewards=c.scale_rewards, importance_sampling_level="token", mask_truncated_completions=c.mask_truncated_completions,
-        multi_objective_aggregation="sum_then_normalize", reward_weights=list(reward_weights),
-        top_entropy_quantile=1.0, entropy_coef=0.0, use_adaptive_entropy=False, off_policy_mask_threshold=None,
-        use_bias_correction_kl=True, sync_ref_model=False, disable_dropout=True, cast_lm_head_to_fp32=False,
-        # optimisation
-        learning_rate=c.learning_rate, lr_scheduler_type=c.lr_scheduler_type, warmup_steps=c.warmup_ratio,
-        optim=c.optim, adam_beta1=c.adam_beta1, adam_beta2=c.adam_beta2, adam_epsilon=1e-8,
-        weight_decay=c.weight_decay, max_grad_norm=c.max_grad_norm, max_steps=c.steps,
-        bf16=device.type == "cuda", fp16=False, gradient_checkpointing=c.gradient_checkpointing,
-        use_cpu=device.type == "cpu", seed=c.seed, data_seed=c.seed,
-        # logging and checkpoints (the kit's callback writes metrics.jsonl and the progress bar)
-        logging_strategy="steps", logging_steps=1, report_to="none", disable_tqdm=True, log_completions=False,
-        save_strategy="steps", save_steps=c.save_steps, save_total_limit=c.save_total_limit, save_only_model=False,
-        remove_unused_columns=False, dataloader_num_workers=0, pad_to_multiple_of=None, trust_remote_code=False,
-    )
-
-
 # ----------------------------------------------------------------------------- the entry point
 def build_trainer(config: TrainConfig, out_dir: str | os.PathLike, extra_rewards: list | None = None,
                   callbacks: list | None = None, quiet: bool = False):
@@ -433,6 +338,7 @@ def build_trainer(config: TrainConfig, out_dir: str | os.PathLike, extra_rewards
 
     from qerl_lib.aqn import AQNController
     from qerl_lib.grpo_metrics import RunMetrics
+    from qerl_lib.grpo_trainer import grpo_args, trainer_class
 
     out = Path(out_dir)
     device = resolve_device(config)
@@ -448,7 +354,7 @@ def build_trainer(config: TrainConfig, out_dir: str | os.PathLike, extra_rewards
     rollout = EngineRollout(config, tokenizer, AQNController(aqn_cfg) if aqn_cfg is not None else None)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*rollout_func.*experimental.*")
-        trainer = _trainer_class()(
+        trainer = trainer_class()(
             model=policy, reward_funcs=funcs, args=grpo_args(config, out / "checkpoints", device, weights),
             train_dataset=dataset, processing_class=tokenizer,
             callbacks=[RunMetrics(out, config, funcs, rollout, quiet=quiet), *(callbacks or [])],

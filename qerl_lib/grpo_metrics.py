@@ -102,9 +102,9 @@ class RunMetrics(TrainerCallback):
         if self.bar is not None:
             self.bar.update(state.global_step - self.bar.n)
             self.bar.write(progress_line(row, state.max_steps))
-            errors = [f for f in self.reward_funcs if getattr(f, "last_error", None)]
             if row["reward_errors"]:
-                self.bar.write(f"  {row['reward_errors']} reward error(s) scored 0; last: {errors[-1].last_error}")
+                last = [f"{f.__name__}: {f.last_error}" for f in self.reward_funcs if getattr(f, "last_error", None)]
+                self.bar.write(f"  {row['reward_errors']} completion(s) whose reward raised scored 0; last: {last[-1:]}")
 
     def on_save(self, args, state, control, **kwargs):
         folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"

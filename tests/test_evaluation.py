@@ -179,3 +179,27 @@ def test_bad_arguments_are_one_line_errors(qerl, capsys, extra, match):
     assert qerl(["eval", "--model", "smollm2"] + extra) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and match in err
+
+
+def test_qerl_eval_on_an_nvfp4_checkpoint(qerl, tmp_path, embedded_model_dir):
+    import shutil
+
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from qerl_lib.loader import quantize_checkpoint
+
+    # A tiny random Llama with the embedded tokenizer, quantized by the kit's native NVFP4A16 writer.
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                      tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16).save_pretrained(tmp_path / "dense")
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (embedded_model_dir / name).exists():
+            shutil.copy(embedded_model_dir / name, tmp_path / "dense" / name)
+    quantize_checkpoint(tmp_path / "dense", tmp_path / "nvfp4", backend="native")
+    args = ["eval", "--model", str(tmp_path / "nvfp4"), "--data", "arith", "--n", "2", "--max-new-tokens", "4",
+            "--greedy", "--device", "cpu", "--quiet", "--json", str(tmp_path / "nvfp4.json")]
+    assert qerl(args) == 0
+    result = json.loads((tmp_path / "nvfp4.json").read_text())
+    assert result["model"]["kind"] == "nvfp4" and result["summary"]["n_problems"] == 2

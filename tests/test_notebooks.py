@@ -21,7 +21,7 @@ SMOKE: dict[str, dict] = {
     "03_fp4_kernel": {},
     "04_adaptive_quantization_noise": {"n_problems": 2, "max_new_tokens": 16},
     "05_grpo_training": {"steps": 2},
-    "06_entropy_study": {"n_problems": 4, "max_new_tokens": 16},
+    "06_entropy_study": {"n_problems": 4, "max_new_tokens": 16, "samples": 1, "sigmas": [0.0, 0.01]},
 }
 
 pytestmark = pytest.mark.notebooks

@@ -54,7 +54,7 @@ def trainer(tiny_dir, tmp_path_factory):
 
 
 def test_grpo_config_takes_every_field_the_kit_sets_and_keeps_its_meaning(tmp_path):
-    from qerl_lib.grpo import grpo_args
+    from qerl_lib.grpo_trainer import grpo_args
 
     config = make_config("qwen2.5-7b-gsm8k", device="cpu", optim="adamw_torch")
     args = grpo_args(config, tmp_path, torch.device("cpu"), [1.0, 0.2])  # TypeError here = a field was removed

@@ -29,6 +29,9 @@ def plot_entropy_vs_sigma(metrics_json: str | Path, out_png: str | Path) -> Path
     bf16 = m["entropy"].get("bf16")
     if bf16:
         ax_abs.axhline(bf16["entropy"], ls=":", color=COLORS["bf16"], label="BF16, σ = 0")
+        values = [p["entropy"] for p in points] + [bf16["entropy"]]
+        pad = 0.08 * (max(values) - min(values)) or 0.01  # keep the BF16 line off the frame
+        ax_abs.set_ylim(min(values) - pad, max(values) + pad)
     ax_abs.set_ylabel("mean token entropy (nats)")
     ax_abs.set_title("teacher-forced on the worked solutions", fontsize=9)
     ax_abs.legend(fontsize=7)
@@ -41,7 +44,7 @@ def plot_entropy_vs_sigma(metrics_json: str | Path, out_png: str | Path) -> Path
     quant = m["entropy"].get("nvfp4_minus_bf16")
     if quant:  # what the quantization itself adds, for scale
         ax_diff.axhline(quant["mean_diff"], ls=":", color=COLORS["bf16"],
-                        label="NVFP4 − BF16 (σ = 0)")
+                        label="NVFP4 − BF16 at σ = 0 (mean)")
         ax_diff.legend(fontsize=7)
     ax_diff.axhline(0, color="0.3", lw=0.8)
     n = diffs[0].get("n", 0)

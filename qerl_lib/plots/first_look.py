@@ -18,7 +18,9 @@ def plot_format_comparison(metrics_json: str | Path, out_png: str | Path) -> Pat
         low, high = f["pass@1_ci95"]
         ax_acc.bar(x, f["pass@1"], color=COLORS.get(name, "0.5"))
         ax_acc.errorbar(x, f["pass@1"], yerr=[[f["pass@1"] - low], [high - f["pass@1"]]], color="k", capsize=4)
-        ax_ent.bar(x - 0.18, f["entropy"], width=0.36, color=COLORS.get(name, "0.5"), label="own completions" if x == 0 else None)
+        if f.get("entropy") is not None:
+            ax_ent.bar(x - 0.18, f["entropy"], width=0.36, color=COLORS.get(name, "0.5"),
+                       label="own completions" if x == 0 else None)
         ax_ent.bar(x + 0.18, f["entropy_on_reference"], width=0.36, color=COLORS.get(name, "0.5"), alpha=0.5,
                    hatch="//", label=f"{m['reference']} completions" if x == 0 else None)
     for ax in (ax_acc, ax_ent):

@@ -1,8 +1,8 @@
 """Training curves of `qerl train` runs (paper Fig. 4, 5, 8 style), from the runs' metrics.jsonl files.
 
-Four panels, one line per run (coloured by mode): reward (mean reward per step; thin raw line plus
-a moving average, accuracy dashed), trainer entropy on the loss tokens, AQN σ, and the per-step
-time split (rollout solid, everything else dashed).
+Five panels, one line per run (coloured by mode): reward (mean reward per step; thin raw line plus
+a moving average, accuracy dashed), trainer entropy on the loss tokens, AQN σ, the engine-vs-trainer
+log-prob mismatch (log scale), and the per-step time split (rollout solid, everything else dashed).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def plot_runs(runs: dict[str, str | Path] | list[str | Path], out_png: str | Pat
         runs = {Path(p).parent.name or str(p): p for p in runs}
     if not runs:
         raise ValueError("no runs to plot: pass at least one metrics.jsonl")
-    fig, (ax_reward, ax_entropy, ax_sigma, ax_time) = new_figure(ncols=4, width=3.6, height=3.2)
+    fig, (ax_reward, ax_entropy, ax_sigma, ax_gap, ax_time) = new_figure(ncols=5, width=3.4, height=3.2)
     for i, (label, path) in enumerate(runs.items()):
         rows = read_jsonl(path)
         if not rows:
@@ -51,7 +51,9 @@ def plot_runs(runs: dict[str, str | Path] | list[str | Path], out_png: str | Pat
         ax_entropy.plot(steps, entropy, color=color, alpha=0.25, lw=0.8)
         ax_entropy.plot(steps, moving_average(entropy, window), color=color, lw=1.8, label=label)
         steps, sigma = _series(rows, "sigma")
-        ax_sigma.step(steps, sigma, where="post", color=color, label=label)
+        ax_sigma.plot(steps, sigma, color=color, marker=".", ms=3, lw=1.0, label=label)
+        steps, gap = _series(rows, "logprob_mismatch")
+        ax_gap.plot(steps, gap, color=color, marker=".", ms=3, lw=1.0, label=label)
         steps, rollout = _series(rows, "rollout_seconds")
         ax_time.plot(steps, rollout, color=color, lw=1.2, label=f"{label} rollout")
         steps, other = _series(rows, "train_seconds")
@@ -59,8 +61,10 @@ def plot_runs(runs: dict[str, str | Path] | list[str | Path], out_png: str | Pat
     ax_reward.set_title(f"reward (moving mean of {window})", fontsize=9)
     ax_entropy.set_title("entropy (nats/token)", fontsize=9)
     ax_sigma.set_title("AQN σ (0: no added noise)", fontsize=9)
+    ax_gap.set_title("mean |Δ log-prob| engine vs trainer", fontsize=9)
+    ax_gap.set_yscale("log")
     ax_time.set_title("seconds per step", fontsize=9)
-    for ax in (ax_reward, ax_entropy, ax_sigma, ax_time):
+    for ax in (ax_reward, ax_entropy, ax_sigma, ax_gap, ax_time):
         ax.set_xlabel("optimizer step")
         ax.legend(fontsize=6)
     return save_figure(fig, out_png, source=next(iter(runs.values())))
