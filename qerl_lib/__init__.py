@@ -38,6 +38,8 @@ _LAZY = {
     # scoring and evaluation
     "score_answer": "qerl_lib.rewards", "extract_answer": "qerl_lib.rewards", "SafeReward": "qerl_lib.rewards",
     "evaluate": "qerl_lib.evaluation", "EvalConfig": "qerl_lib.evaluation",
+    # training
+    "train": "qerl_lib.grpo", "make_config": "qerl_lib.grpo_presets",
 }
 
 

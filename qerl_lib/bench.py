@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from qerl_lib.errors import UserError
-from qerl_lib.paths import CONFIGS_DIR
+from qerl_lib.paths import CONFIGS_DIR, load_model_config  # noqa: F401 (re-exported)
 
 FP4_BYTES_PER_WEIGHT = 0.5 + 1 / 16  # 4-bit code + one E4M3 scale per 16 weights
 BF16_BYTES_PER_WEIGHT = 2.0
@@ -174,14 +174,6 @@ class GemmShape:
     n: int
     k: int
     layout: str  # "hf": one module per projection (NVFP4Linear); "fused": vLLM-style q|k|v, gate|up
-
-
-def load_model_config(model: str) -> dict:
-    path = CONFIGS_DIR / f"{model}.json"
-    if not path.exists():
-        known = sorted(p.stem for p in CONFIGS_DIR.glob("*.json"))
-        raise UserError(f"unknown model {model!r}: no {path.name} in {CONFIGS_DIR} (known: {', '.join(known)})")
-    return json.loads(path.read_text(encoding="utf-8"))
 
 
 def projection_shapes(model: str, layouts: Sequence[str] = ("hf", "fused")) -> list[GemmShape]:

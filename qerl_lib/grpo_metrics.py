@@ -67,7 +67,7 @@ class RunMetrics(TrainerCallback):
 
     # ---- step timing -------------------------------------------------------------------------------
     def on_train_begin(self, args, state, control, **kwargs):
-        if not self.quiet:
+        if not self.quiet and state.is_world_process_zero:
             from tqdm.auto import tqdm
 
             self.bar = tqdm(total=state.max_steps, initial=state.global_step, desc=f"{self.config.mode}", unit="step",
@@ -85,8 +85,8 @@ class RunMetrics(TrainerCallback):
 
     # ---- one line per step -------------------------------------------------------------------------
     def on_log(self, args, state, control, logs=None, **kwargs):
-        if not logs or "reward" not in logs:  # the end-of-training summary log has no step metrics
-            return
+        if not logs or "reward" not in logs or not state.is_world_process_zero:
+            return  # the end-of-training summary log has no step metrics; one process writes
         row = {key: None for key in METRIC_KEYS}
         for key, value in logs.items():
             row[RENAMES.get(key, key)] = value
@@ -107,6 +107,8 @@ class RunMetrics(TrainerCallback):
                 self.bar.write(f"  {row['reward_errors']} completion(s) whose reward raised scored 0; last: {last[-1:]}")
 
     def on_save(self, args, state, control, **kwargs):
+        if not state.is_world_process_zero:
+            return
         folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
         aqn = self.rollout.aqn
         write_json_atomic(folder / SIDE_STATE, {"step": state.global_step,

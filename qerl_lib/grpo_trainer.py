@@ -93,7 +93,7 @@ def trainer_class():
 def __getattr__(name):  # `from qerl_lib.grpo_trainer import QeRLGRPOTrainer` builds the class lazily
     if name == "QeRLGRPOTrainer":
         return trainer_class()
-    raise AttributeError(f"module 'qerl_lib.grpo' has no attribute {name!r}")
+    raise AttributeError(f"module 'qerl_lib.grpo_trainer' has no attribute {name!r}")
 
 
 def grpo_args(config: TrainConfig, output_dir: str | os.PathLike, device: torch.device, reward_weights: list[float]):

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from qerl_lib.errors import UserError
 from qerl_lib.nvfp4 import GROUP_SIZE
-from qerl_lib.paths import CONFIGS_DIR
+from qerl_lib.paths import CONFIGS_DIR, load_model_config  # noqa: F401 (re-exported)
 
 # the same constants as qerl_lib.bench (not imported: bench sits on this module's floor)
 FP4_BYTES_PER_WEIGHT = 0.5 + 1 / GROUP_SIZE  # 4-bit code + one E4M3 scale per 16 weights
@@ -36,14 +36,6 @@ CEILING = BF16_BYTES_PER_WEIGHT / FP4_BYTES_PER_WEIGHT  # 16 / 4.5 = 3.56x
 
 TARGET_SPEEDUP_M_LE_16 = 3.0  # the kernel issue's targets
 TARGET_SPEEDUP_M_GE_1024 = 0.95
-
-
-def load_model_config(model: str) -> dict:
-    path = CONFIGS_DIR / f"{model}.json"
-    if not path.exists():
-        known = sorted(p.stem for p in CONFIGS_DIR.glob("*.json"))
-        raise UserError(f"unknown model {model!r}: no {path.name} in {CONFIGS_DIR} (known: {', '.join(known)})")
-    return json.loads(path.read_text(encoding="utf-8"))
 
 
 def current_kernel_hash() -> str:

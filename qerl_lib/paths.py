@@ -31,3 +31,16 @@ def hub_reachable(host: str = "huggingface.co", timeout: float = 3.0) -> bool:
             return True
     except OSError:
         return False
+
+
+def load_model_config(model: str) -> dict:
+    """`data/configs/<model>.json` (a Qwen2.5 architecture, shapes only) as a dict; unknown names list the known ones."""
+    import json
+
+    from qerl_lib.errors import UserError
+
+    path = CONFIGS_DIR / f"{model}.json"
+    if not path.exists():
+        known = sorted(p.stem for p in CONFIGS_DIR.glob("*.json"))
+        raise UserError(f"unknown model {model!r}: no {path.name} in {CONFIGS_DIR} (known: {', '.join(known)})")
+    return json.loads(path.read_text(encoding="utf-8"))

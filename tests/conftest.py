@@ -37,3 +37,25 @@ def _deterministic_threads():
     # Tests compare numbers; keep intra-op threading fixed so reductions are repeatable.
     torch.set_num_threads(int(os.environ.get("QERL_TEST_THREADS", "2")))
     yield
+
+
+@pytest.fixture(scope="module")
+def verifier():
+    """A math-verify worker with the default time limit (as training uses); closed after the module."""
+    from qerl_lib.verifier import MathVerifier
+
+    v = MathVerifier()
+    v.start()
+    yield v
+    v.close()
+
+
+@pytest.fixture(scope="module")
+def quick_verifier():
+    """A math-verify worker with a 1 s limit, for the slow-input cases."""
+    from qerl_lib.verifier import MathVerifier
+
+    v = MathVerifier(timeout_s=1.0)
+    v.start()
+    yield v
+    v.close()

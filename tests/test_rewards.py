@@ -32,20 +32,6 @@ from qerl_lib.rewards import (
 HEADROOM_S = 1.5
 
 
-@pytest.fixture(scope="module")
-def verifier():
-    v = MathVerifier()  # default limit, as training uses
-    v.start()
-    yield v
-    v.close()
-
-
-@pytest.fixture(scope="module")
-def quick_verifier():
-    v = MathVerifier(timeout_s=1.0)
-    v.start()
-    yield v
-    v.close()
 
 
 def wrap(answer: str) -> str:

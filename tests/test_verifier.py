@@ -23,20 +23,6 @@ HEADROOM_S = 1.5
 HANGING = "10^{10^{10^{10}}}"
 
 
-@pytest.fixture(scope="module")
-def verifier():
-    v = MathVerifier()  # default limit, as training uses
-    v.start()
-    yield v
-    v.close()
-
-
-@pytest.fixture(scope="module")
-def quick_verifier():
-    v = MathVerifier(timeout_s=1.0)
-    v.start()
-    yield v
-    v.close()
 
 
 @pytest.mark.parametrize("gold, pred, expected", [
