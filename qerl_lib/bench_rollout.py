@@ -84,6 +84,8 @@ class RolloutBenchConfig:
     init: str = "random_codes"  # NVFP4 random weights: "random_codes" or "quantize"
     seed: int = 0
     profile: bool = False  # print a kernel-time table of an eager decode step per model
+    fuse_projections: bool = True  # engine runs q/k/v and gate/up as one matmul each (layers_fused)
+    decode_attention: str | None = None  # None: the engine's default ("kernel" on CUDA)
 
     def __post_init__(self):
         for m in self.models:
@@ -172,10 +174,12 @@ def _prompts(batch: int, prompt_len: int, vocab: int, seed: int) -> list[list[in
     return torch.randint(10, vocab, (batch, prompt_len), generator=gen).tolist()
 
 
-def time_engine(model, row: Row, backend: str, lora, repeats: int, seed: int) -> Row:
+def time_engine(model, row: Row, backend: str, lora, repeats: int, seed: int, fuse_projections: bool = True,
+                decode_attention: str | None = None) -> Row:
     from qerl_lib.engine import RolloutEngine
 
-    engine = RolloutEngine(model, decode_backend=backend, max_seq_len=row.prompt_len + row.gen_len)
+    engine = RolloutEngine(model, decode_backend=backend, max_seq_len=row.prompt_len + row.gen_len,
+                           fuse_projections=fuse_projections, decode_attention=decode_attention)
     row.backend = engine.decode_backend
     prompts = _prompts(row.batch, row.prompt_len, model.config.vocab_size, seed)
     engine.warmup(row.batch, row.prompt_len, row.gen_len, lora=lora)
@@ -222,7 +226,7 @@ def time_hf_generate(model, row: Row, repeats: int, seed: int) -> Row:
     return row
 
 
-def profile_decode(model, batch: int, prompt_len: int, backend: str = "auto", steps: int = 8, rows: int = 22) -> str:
+def profile_decode(model, batch: int, prompt_len: int, backend: str = "auto", steps: int = 32, rows: int = 40) -> str:
     """Where a decode step's GPU time goes: torch.profiler's kernel table for ``steps`` steps of the
     given backend (CUPTI also records the kernels a replayed CUDA graph runs), prefill included."""
     from torch.profiler import ProfilerActivity, profile
@@ -281,7 +285,8 @@ def run_rollout_bench(cfg: RolloutBenchConfig, log=print, checkpoint=None) -> di
                 for rank in cfg.lora_ranks:
                     lora = random_lora(model, rank, cfg.seed) if rank else None
                     for backend in cfg.backends:
-                        rows.append(_measure(lambda row: time_engine(model, row, backend, lora, cfg.repeats, cfg.seed),
+                        rows.append(_measure(lambda row: time_engine(model, row, backend, lora, cfg.repeats, cfg.seed,
+                                                                     cfg.fuse_projections, cfg.decode_attention),
                                              Row(name, weights, batch, rank, backend, "qerl", cfg.prompt_len,
                                                  cfg.gen_len, weights_gib=weights_gib), log))
                     del lora
@@ -442,6 +447,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--init", choices=("random_codes", "quantize"), default="random_codes")
     p.add_argument("--profile", action="store_true",
                    help="print a kernel-time table of a few decode steps per model (torch.profiler)")
+    p.add_argument("--no-fuse-projections", action="store_false", dest="fuse_projections",
+                   help="call q/k/v and gate/up one by one (the engine fuses them on CUDA by default)")
+    p.add_argument("--decode-attention", choices=("kernel", "matmul", "sdpa"), default=None,
+                   help="decode attention of the engine (default: the split-KV Triton kernel on CUDA)")
     p.add_argument("--json", default=None, dest="json_out", help="write the results JSON here (atomically)")
     p.add_argument("--merge", nargs="+", default=None, metavar="JSON",
                    help="instead of measuring: merge these results files into --json and print the table")
@@ -465,7 +474,8 @@ def run_cli(args) -> int:
                              gen_len=args.gen_len, lora_ranks=args.lora_ranks, weights=args.weights,
                              backends=args.backends, repeats=args.repeats, hf_baseline=args.hf_baseline,
                              hf_gen_len=args.hf_gen_len, hf_batches=args.hf_batches, init=args.init,
-                             profile=args.profile)
+                             profile=args.profile, fuse_projections=args.fuse_projections,
+                             decode_attention=args.decode_attention)
     print(format_header(), flush=True)
     checkpoint = (lambda doc: write_json_atomic(args.json_out, doc)) if args.json_out else None
     result = run_rollout_bench(cfg, log=lambda line: print(line, flush=True), checkpoint=checkpoint)

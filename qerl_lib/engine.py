@@ -108,12 +108,16 @@ class RolloutEngine:
     1056 vs 1429 tok/s. "compile" gave 2.6k tok/s at SmolLM2 batch 64: its CUDA graphs were
     skipped because the step writes the KV cache in place (the cache is now marked a static
     address, which should let them run; not re-measured: its compile outlasted the time slot).
-    ``decode_attention``: "sdpa" (HF numerics, CPU default) or "matmul" (CUDA default).
+    ``decode_attention``: "sdpa" (HF numerics, CPU default), "matmul" (torch ops, K/V read once) or
+    "kernel" (split-KV Triton kernel, ``engine_attention``; CUDA default).
+    ``fuse_projections``: run q/k/v and gate/up as one matmul each over shared storage
+    (``layers_fused``; default: on CUDA). The model's modules become views of the shared buffers.
     """
 
     def __init__(self, model, max_seq_len: int | None = None, decode_backend: str = "auto",
                  decode_attention: str | None = None, length_step: int = 256,
-                 batch_buckets: tuple[int, ...] = BATCH_BUCKETS, check_every: int = 16, keep_alive: bool = True):
+                 batch_buckets: tuple[int, ...] = BATCH_BUCKETS, check_every: int = 16, keep_alive: bool = True,
+                 fuse_projections: bool | None = None):
         if decode_backend not in DECODE_BACKENDS:
             raise ValueError(f"decode_backend must be one of {DECODE_BACKENDS}, got {decode_backend!r}")
         view = ModelView(model)  # validates the architecture now, not at the first call
@@ -124,7 +128,12 @@ class RolloutEngine:
             raise ValueError(f"decode_backend {decode_backend!r} needs a CUDA model; use 'eager' on {view.device}")
         # ("graphs" off CUDA runs the graph path's buffers and buckets without capturing: a test aid.)
         self.decode_backend = decode_backend
-        self.decode_attention = decode_attention or ("matmul" if on_cuda else "sdpa")
+        # ("compile" traces the whole step with torch.compile, which the Triton attention kernel's launch
+        # logic would break into pieces: it keeps the torch-ops attention)
+        self.decode_attention = decode_attention or (("matmul" if decode_backend == "compile" else "kernel")
+                                                     if on_cuda else "sdpa")
+        # q/k/v and gate/up as one matmul each (layers_fused); off on CPU, where greedy tokens match HF bit for bit
+        self.fuse_projections = on_cuda if fuse_projections is None else bool(fuse_projections)
         self.max_seq_len = int(max_seq_len or view.max_positions or 4096)
         self.length_step = int(length_step)
         self.batch_buckets = tuple(batch_buckets)
@@ -217,10 +226,12 @@ class RolloutEngine:
         view = ModelView(model)
         bypass = lora is not None and view.is_peft
         signature = (view.signature(), bypass)
-        if signature != self._signature:
+        if signature != self._signature or (self._forward is not None and self._forward.is_stale()):
             self.release()
+            self._forward = None  # drop the old pass (and its fused-buffer references) before fusing anew
             fuse = self.decode_backend == "graphs+fused"
-            self._forward = ForwardPass(view, self.decode_attention, fuse_elementwise=fuse, bypass_peft=bypass)
+            self._forward = ForwardPass(view, self.decode_attention, fuse_elementwise=fuse, bypass_peft=bypass,
+                                        fuse_projections=self.fuse_projections)
             self._signature, self._view = signature, view
         return self._forward
 

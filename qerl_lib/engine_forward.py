@@ -18,9 +18,10 @@ tokens match ``model.generate`` on CPU:
   refused. ``rotate_half`` pairs dimension ``i`` with ``i + head_dim/2``.
 * **Attention**: SDPA with grouped-query attention on CPU and in prefill (HF's own rule: GQA
   through ``enable_gqa`` when there is no mask, repeated K/V otherwise). In the CUDA decode step
-  a single query token attends through two batched matmuls over the cache, with the query
-  heads of one KV head folded into the matmul's M dimension: K and V are read once, never
-  repeated (the math fallback SDPA takes for GQA + mask would copy them 7x for Qwen2.5-7B).
+  a single query token attends through ``engine_attention``'s split-KV Triton kernel (float32
+  online softmax, K and V read once; the math fallback SDPA takes for GQA + mask would copy them
+  7x for Qwen2.5-7B), or through two batched matmuls over the cache with the query heads of one
+  KV head folded into the matmul's M dimension (``decode_attention="matmul"``, HF's eager rounding).
 * Qwen2's q/k/v biases, Llama's optional attention/MLP biases and tied or untied embeddings
   need no code: the engine calls ``q_proj(x)``, ``lm_head(h)`` etc. as modules.
 
@@ -35,6 +36,12 @@ call, from the model or from ``norm_overrides`` (AQN's noisy weights). A CUDA gr
 addresses, so a new noisy weight each call takes effect without re-capturing, and the model's
 parameters are never written. LoRA adapters passed as ``lora=`` get the same treatment
 (``engine_lora``).
+
+Fused projections
+-----------------
+On CUDA, q/k/v and gate/up each run as one wider matmul over storage the members share
+(``layers_fused``): three launches fewer per layer, and no 1 MB k/v GEMMs that cannot reach
+bandwidth. The modules themselves keep working as before (their tensors become views).
 
 Fused glue
 ----------
@@ -52,10 +59,13 @@ from typing import Callable, NamedTuple
 import torch
 import torch.nn.functional as F
 
+from qerl_lib.engine_attention import decode_attention
 from qerl_lib.engine_lora import (LORA_GROUPS, PARENT, LoraAdapter, LoraBuffers, canonical_name, lora_signature,
                                   unwrap_model)
+from qerl_lib.layers_fused import fuse_group
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
+DECODE_ATTENTION = ("sdpa", "matmul", "kernel")
 _STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
@@ -192,7 +202,8 @@ def matmul_decode_attention(q, k, v, mask, scaling, probs_fn=attention_probs):
 class ForwardPass:
     """Prefill and one decode step over a ``ModelView``, with engine-owned norm weights and LoRA buffers.
 
-    ``decode_attention``: "sdpa" (HF's numerics; CPU default) or "matmul" (K/V read once; CUDA).
+    ``decode_attention``: "sdpa" (HF's numerics; CPU default), "matmul" (K/V read once, torch ops) or
+    "kernel" (``engine_attention``: one split-KV Triton kernel per layer; CUDA default).
     ``fuse_elementwise``: in the decode step, run the elementwise glue between matmuls through
     ``torch.compile``: residual add + RMSNorm, RoPE of q and k, the attention softmax, SiLU * up.
     Eagerly these are ~30 kernel launches per layer; fused, ~6. Worth it only inside a CUDA graph,
@@ -200,9 +211,9 @@ class ForwardPass:
     """
 
     def __init__(self, view: ModelView, decode_attention: str = "sdpa", fuse_elementwise: bool = False,
-                 bypass_peft: bool = False):
-        if decode_attention not in ("sdpa", "matmul"):
-            raise ValueError(f"decode_attention must be 'sdpa' or 'matmul', got {decode_attention!r}")
+                 bypass_peft: bool = False, fuse_projections: bool = False):
+        if decode_attention not in DECODE_ATTENTION:
+            raise ValueError(f"decode_attention must be one of {DECODE_ATTENTION}, got {decode_attention!r}")
         self.view = view
         self.decode_attention = decode_attention
         with torch.no_grad():
@@ -211,6 +222,10 @@ class ForwardPass:
         # bypass_peft: call peft's base layers, because the engine applies the adapters itself (lora=...)
         self._groups = [{g: [view.projection(i, p, base=bypass_peft) for p in members]
                          for g, members in LORA_GROUPS.items()} for i in range(view.n_layers)]
+        # fuse_projections: q/k/v and gate/up as one matmul each over shared storage (layers_fused);
+        # a group that cannot be fused (peft wrappers called as modules, mixed types) runs member by member
+        self._fused = [{g: (fuse_group(ms) if fuse_projections and len(ms) > 1 else None) for g, ms in groups.items()}
+                       for groups in self._groups]
         # One activation object for every layer (all use config.hidden_act): a compiled function
         # guards on the module it is given, and 28 different SiLU instances would mean 28 compiles.
         self._act = view.layers[0].mlp.act_fn
@@ -258,8 +273,16 @@ class ForwardPass:
         return changed
 
     # ---- the decoder ----------------------------------------------------------------------------
+    def fused_groups(self) -> int:
+        return sum(f is not None for groups in self._fused for f in groups.values())
+
+    def is_stale(self) -> bool:
+        """True when a fused group's members no longer read the shared buffers (tensors replaced)."""
+        return any(f is not None and not f.is_current() for groups in self._fused for f in groups.values())
+
     def _project(self, layer: int, group: str, x: torch.Tensor) -> list[torch.Tensor]:
-        outs = [module(x) for module in self._groups[layer][group]]
+        fused = self._fused[layer][group]
+        outs = fused(x) if fused is not None else [module(x) for module in self._groups[layer][group]]
         entry = self.lora.layout.get((layer, group)) if self.lora is not None else None
         if entry is not None:
             a_cat, slots = entry
@@ -323,7 +346,7 @@ class ForwardPass:
         x = self.view.embed(tokens[:, None])
         cos, sin = self.view.rotary(x, (column - pad)[:, None])
         mask = None
-        if masked:
+        if masked and self.decode_attention != "kernel":  # the kernel masks by pad and column itself
             if self._columns.numel() < kv_len:
                 self.reserve_columns(cache.length)  # eager paths; graph paths reserved before capturing
             idx = self._columns[:kv_len][None, :]
@@ -334,6 +357,10 @@ class ForwardPass:
             k_all.index_copy_(2, column, k)
             v_all.index_copy_(2, column, v)
             k_all, v_all = k_all[:, :, :kv_len], v_all[:, :, :kv_len]
+            if self.decode_attention == "kernel":
+                q1 = q[:, :, 0]
+                q1 = q1 if q1.stride(-1) == 1 else q1.contiguous()
+                return decode_attention(q1, k_all, v_all, pad, column, self.view.scaling)[:, :, None]
             if self.decode_attention == "matmul":
                 return matmul_decode_attention(q, k_all, v_all, mask, self.view.scaling, ops.attention_probs)
             return sdpa_attention(q, k_all, v_all, mask, self.view.scaling, causal=False)

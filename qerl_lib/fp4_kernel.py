@@ -36,9 +36,10 @@ K (split-K, below). Per K-step of 128:
    Marlin and ``nvfp4.reference_matmul`` do). ``1/gs`` is computed in-kernel with correct rounding,
    so no host sync is needed and the call can be captured in a CUDA graph.
 
-Parallelism. Small M gives only ``N / BLOCK_N`` programs (56 for a 3584-wide output), too few for
+Parallelism. Small M gives only ``N / BLOCK_N`` programs (28 for a 3584-wide output), too few for
 132 SMs, so K is split into slices that write fp32 partials; ``_splitk_reduce_kernel`` sums them
-in a fixed order (deterministic, no atomics) and runs the epilogue.
+in a fixed order (deterministic, no atomics) and runs the epilogue. ``fp4_kernel_config`` picks
+tile width and slices (about 2 programs per SM for 2 <= M <= 16, measured best on an H100).
 
 Large M (prefill, training forward) is compute-bound. Measured fastest: expand the weights once
 per call with ``_fp4_dequant_kernel`` (an exact bf16 copy of ``fp4 * s * 2^-8``, at ~97% of copy
@@ -69,6 +70,7 @@ from dataclasses import dataclass
 
 import torch
 
+from qerl_lib.fp4_kernel_config import KernelConfig, pick_config
 from qerl_lib.nvfp4 import GROUP_SIZE, NVFP4Weight, reference_matmul
 
 try:  # Triton is optional: the CPU reference path works without it.
@@ -241,74 +243,6 @@ def _check_x_bias(x: torch.Tensor, bias: torch.Tensor | None, n: int, k: int, de
             raise ValueError(f"bias is on {bias.device} but the weight is on {device}")
 
 
-# ============================================================================ kernel choice
-@dataclass(frozen=True)
-class KernelConfig:
-    """One launch shape of ``_fp4_gemm_kernel`` (or the dequantize + cuBLAS path).
-
-    ``swap_ab``: the weights are the MMA's A operand and ``x`` its narrow B operand (small M), else
-    ``x`` is A (large M). ``fragment``: the small-M path decoding straight into the wgmma A fragment
-    (``block_k`` 128, 4 warps). Measured and dropped (notes, runs 1-3): gathering ``x``, a load-time
-    repack of the codes, a one-launch split-K reduction with atomic counters, no prefetch.
-    """
-
-    block_m: int
-    block_n: int
-    block_k: int
-    split_k: int = 1
-    num_warps: int = 4
-    num_stages: int = 1
-    cublas: bool = False  # True: dequantize to bf16, then torch.addmm
-    swap_ab: bool = True
-    fragment: bool = False
-
-    def __post_init__(self):
-        for name in ("block_m", "block_n", "block_k"):
-            v = getattr(self, name)
-            if v < 16 or v & (v - 1):
-                raise ValueError(f"KernelConfig.{name} must be a power of two >= 16, got {v}")
-        if self.block_n < 64:
-            raise ValueError("KernelConfig.block_n must be >= 64 (one warpgroup MMA)")
-        if self.split_k < 1:
-            raise ValueError("KernelConfig.split_k must be >= 1")
-        if self.fragment and not (self.swap_ab and self.block_k == 128 and self.num_warps == 4 and self.block_m <= 64):
-            raise ValueError("KernelConfig.fragment needs swap_ab, block_k=128, num_warps=4 and block_m <= 64")
-
-
-# M above which the prepared path dequantizes once and calls cuBLAS (None: never). Set from the
-# measurements in results/notes_fp4_kernel.md; see pick_config.
-CUBLAS_MIN_M: int | None = 65
-
-
-def pick_config(m: int, n: int, k: int, num_sms: int = 132, allow_cublas: bool = True) -> KernelConfig:
-    """Deterministic kernel choice for an ``[m, k] x [k, n]`` problem (no autotuning, so results
-    are reproducible bit for bit), from the H200 sweep in results/notes_fp4_kernel.md (run 3):
-
-    * M <= 64: the fragment path with K-splits for ~4 programs per SM; 64-wide tiles for
-      M <= 2 and M > 16, 128-wide for 2 < M <= 16 (fewer x re-reads);
-    * M >= ``CUBLAS_MIN_M``: dequantize once + cuBLAS (the fused large-tile kernel measured
-      0.44-0.55x of cuBLAS, dequant + cuBLAS 0.80-0.95x at M >= 1024);
-    * in between (only when cuBLAS is not allowed): 128x128 fused tiles.
-    """
-    if allow_cublas and CUBLAS_MIN_M is not None and m >= CUBLAS_MIN_M:
-        return KernelConfig(128, 128, 64, cublas=True)
-    if m <= 64:
-        block_m = 16 if m <= 16 else 1 << (m - 1).bit_length()
-        block_n = 128 if 2 < m <= 16 else 64
-        tiles = math.ceil(n / block_n) * math.ceil(m / block_m)
-        return KernelConfig(block_m, block_n, 128, _split_k(tiles, math.ceil(k / 128), num_sms), 4, 1, fragment=True)
-    tiles = math.ceil(n / 128) * math.ceil(m / 128)
-    return KernelConfig(128, 128, 64, _split_k(tiles, math.ceil(k / 64), num_sms), 8, 3, swap_ab=False)
-
-
-def _split_k(tiles: int, k_iters: int, num_sms: int, programs_per_sm: int = 4) -> int:
-    """K-slices so that tiles * slices ~ programs_per_sm * SMs, each slice >= 2 K-steps, none empty."""
-    if tiles >= programs_per_sm * num_sms:
-        return 1
-    split = max(1, min(math.ceil(programs_per_sm * num_sms / tiles), max(1, k_iters // 2)))
-    return math.ceil(k_iters / math.ceil(k_iters / split))
-
-
 # ============================================================================ launch
 def _interpreted(t: torch.Tensor) -> bool:
     """CPU tensors reach the Triton kernels only under TRITON_INTERPRET=1. The interpreter cannot
@@ -352,7 +286,7 @@ def _triton_linear(x: torch.Tensor, weight: PreparedFP4Weight, bias: torch.Tenso
         x2, weight.words, weight.scales, weight.global_scale, bias_arg, out, ws,
         m, n, k, x2.stride(0), weight.words.stride(0), weight.scales.stride(0), out.stride(0), iters_per_split,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=split > 1, EVEN_K=k % cfg.block_k == 0,
-        SWAP_AB=cfg.swap_ab, HAS_BIAS=bias is not None, FRAG=cfg.fragment,
+        SWAP_AB=cfg.swap_ab, HAS_BIAS=bias is not None, FRAG=cfg.fragment, PREFETCH=cfg.prefetch,
         INTERPRETED=_interpreted(x2), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if split > 1:
@@ -509,7 +443,7 @@ if triton is not None:
         M, N, K, stride_xm, stride_wn, stride_sn, stride_om, iters_per_split,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
         EVEN_K: tl.constexpr, SWAP_AB: tl.constexpr,
-        HAS_BIAS: tl.constexpr, INTERPRETED: tl.constexpr, FRAG: tl.constexpr = False,
+        HAS_BIAS: tl.constexpr, INTERPRETED: tl.constexpr, FRAG: tl.constexpr = False, PREFETCH: tl.constexpr = True,
     ):
         """One (BLOCK_N x BLOCK_M) output tile over one K-slice. FRAG: the small-M fragment path
         (module docstring). Otherwise the generic path: W' is built in the decoder's K order (3-bit
@@ -529,9 +463,13 @@ if triton is not None:
             rows = _frag_rows(pid_n, N, BLOCK_N)
         q, sb, xt = _load_step(w_ptr, s_ptr, x_ptr, rows, offs_m, m_mask, it_begin * BLOCK_K, K,
                                stride_wn, stride_sn, stride_xm, BLOCK_N, BLOCK_K, EVEN_K, FRAG)
-        for it in range(it_begin, it_end):  # the last step re-reads its own block (an L2 hit)
-            q_n, sb_n, xt_n = _load_step(w_ptr, s_ptr, x_ptr, rows, offs_m, m_mask, tl.minimum(it + 1, it_end - 1) * BLOCK_K,
+        for it in range(it_begin, it_end):  # PREFETCH: the last step re-reads its own block (an L2 hit)
+            # PREFETCH=False: load this step's block here; Triton's pipeliner (num_stages > 1) stages it
+            q_n, sb_n, xt_n = _load_step(w_ptr, s_ptr, x_ptr, rows, offs_m, m_mask,
+                                         (tl.minimum(it + 1, it_end - 1) if PREFETCH else it) * BLOCK_K,
                                          K, stride_wn, stride_sn, stride_xm, BLOCK_N, BLOCK_K, EVEN_K, FRAG)
+            if not PREFETCH:
+                q, sb, xt = q_n, sb_n, xt_n
             if FRAG:
                 acc = _mma(_frag_dequant(q.to(tl.uint32, bitcast=True), sb, BLOCK_N, INTERPRETED),
                            _frag_x(xt, BLOCK_M, INTERPRETED), acc, INTERPRETED)

@@ -59,3 +59,40 @@ def quick_verifier():
     v.start()
     yield v
     v.close()
+
+
+def run_triton_interpreter(script: str, payload, timeout: int = 300) -> dict:
+    """Run ``script`` in a fresh Python with TRITON_INTERPRET=1 (it must be set before triton is
+    imported, and another test module may have imported triton already), passing ``payload`` as
+    JSON in argv[1]; the script prints one line "RESULTS <json>", which is returned. Skips with the
+    reason when this Triton's interpreter cannot run here."""
+    import json
+    import subprocess
+    import sys
+
+    reason = _interpreter_incompatible()
+    if reason:
+        pytest.skip(reason)
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=repo + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-c", script, json.dumps(payload)], env=env, cwd=repo,
+                          capture_output=True, text=True, timeout=timeout)
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS ")), None)
+    assert proc.returncode == 0 and line, f"interpreter subprocess failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+    return json.loads(line[len("RESULTS "):])
+
+
+def _interpreter_incompatible() -> str | None:
+    """Triton < 3.9's interpreter turns program ids into 1-element arrays and calls int() on them for
+    runtime loop bounds, which numpy >= 2.5 rejects ("only 0-dimensional arrays can be converted").
+    Seen on the GPU image (Triton 3.6, numpy 2.5.2); reproduced here with Triton 3.6 under
+    -W error::DeprecationWarning. Triton 3.9 (this kit's CPU environment) is unaffected."""
+    import numpy
+    try:
+        import triton
+    except ImportError:
+        return "triton is not installed"
+    version = lambda v: tuple(int(p) for p in v.split(".")[:2] if p.isdigit())  # noqa: E731
+    if version(triton.__version__) < (3, 9) and version(numpy.__version__) >= (2, 5):
+        return f"Triton {triton.__version__}'s interpreter is incompatible with numpy {numpy.__version__} (use Triton >= 3.9)"
+    return None

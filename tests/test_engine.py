@@ -8,6 +8,7 @@ one token, which would make "same tokens" a weak check.
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 
 import pytest
@@ -390,17 +391,33 @@ def test_nvfp4_model_greedy_equals_naive_loop():
 
 
 # ---- CUDA: graphs against eager, bf16 and NVFP4 -----------------------------------------------------
-def assert_greedy(model, prompt, tokens, margin):
-    """Every token must be the argmax of a teacher-forced forward over prompt + tokens, or within
-    `margin` of the max logit: a near tie that another kernel's rounding may break either way
-    (different M picks different GEMM tiles), which is not an engine error."""
-    with torch.no_grad():
-        logits = model(torch.tensor([list(prompt) + list(tokens)], device=model.device)).logits[0, len(prompt) - 1:-1]
-    top = logits.float().max(-1).values
-    chosen = logits.float().gather(-1, torch.tensor(tokens, device=model.device)[:, None]).squeeze(-1)
-    gap = (top - chosen).max().item()
-    assert gap <= margin, f"a generated token is {gap:.4f} below the argmax logit"
+def exact_twin(model):
+    """A float32 copy of ``model`` (NVFP4 layers on the dequantize-then-matmul reference path): the
+    same function evaluated without bf16 rounding, as the yardstick for "greedy"."""
+    from qerl_lib.layers import set_impl
 
+    twin = copy.deepcopy(model).float()
+    set_impl(twin, "reference")
+    return twin
+
+
+def assert_near_greedy(model, twin, prompt, tokens, factor=2.0):
+    """Every token must be the argmax of the exact (float32) teacher-forced logits over prompt + tokens,
+    or within ``factor`` x the bf16 noise of it, where the noise is how far transformers' own bf16
+    forward of the same ids lands from the exact logits (max over positions and vocabulary). bf16
+    paths that round differently (the engine's fused glue, matmul attention, M-dependent GEMM tiles)
+    may break a near tie either way; a real engine error (wrong position, cache, mask) is far larger."""
+    ids = torch.tensor([list(prompt) + list(tokens)], device=model.device)
+    with torch.no_grad():
+        exact = twin(ids).logits[0, len(prompt) - 1:-1].double()
+        rounded = model(ids).logits[0, len(prompt) - 1:-1].double()
+    noise = (rounded - exact).abs().max().item()
+    chosen = exact.gather(-1, torch.tensor(tokens, device=model.device)[:, None]).squeeze(-1)
+    gaps = exact.max(-1).values - chosen
+    at = int(gaps.argmax())
+    assert gaps[at].item() <= factor * noise, (
+        f"token {at} is {gaps[at].item():.4f} below the exact argmax logit; bf16 noise of this model is "
+        f"{noise:.4f} (allowed {factor}x)")
 
 
 @pytest.mark.cuda
@@ -429,21 +446,21 @@ def test_graph_path_bookkeeping_on_cpu(model):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("fuse", [False, True], ids=["unfused", "fused"])
 @pytest.mark.parametrize("weights", ["bf16", "nvfp4"])
-def test_cuda_greedy_batch_and_singles_are_greedy(weights):
-    # Not yet run on a GPU when written (the device budget went to the benchmarks); see the report.
+def test_cuda_greedy_batch_and_singles_are_greedy(weights, fuse):
     model = tiny_model("qwen2", dtype=torch.bfloat16)
     if weights == "nvfp4":
         from qerl_lib.loader import replace_linear_with_nvfp4
 
         replace_linear_with_nvfp4(model)
     model = model.cuda()
-    engine = RolloutEngine(model)  # graphs+fused on CUDA
+    twin = exact_twin(model)
+    engine = RolloutEngine(model, fuse_projections=fuse)  # graphs+fused on CUDA
     batch = engine.generate(PROMPTS, 24, temperature=0, stop_token_ids=[])
     singles = [engine.generate([p], 24, temperature=0, stop_token_ids=[])[0] for p in PROMPTS]
     for prompt, b, s in zip(PROMPTS, batch, singles):
-        # bf16 logits of this model are O(10) with ~0.05 rounding; 0.1 admits only genuine near ties
-        assert_greedy(model, prompt, b.token_ids, margin=0.1)
-        assert_greedy(model, prompt, s.token_ids, margin=0.1)
+        assert_near_greedy(model, twin, prompt, b.token_ids)
+        assert_near_greedy(model, twin, prompt, s.token_ids)
     agree = sum(b.token_ids == s.token_ids for b, s in zip(batch, singles))
     assert agree >= len(PROMPTS) - 1, "batched and single greedy runs should agree except on a rare near tie"

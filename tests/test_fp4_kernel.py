@@ -18,10 +18,7 @@ matches) -- far inside the issue's 1e-3, which is Marlin's bar. On GPU the bar i
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -29,8 +26,8 @@ import torch
 
 from qerl_lib import nvfp4
 from qerl_lib.fp4_kernel import KernelConfig, PreparedFP4Weight, fp4_linear, fp4_matmul, pick_config, prepare_fp4_weights
+from tests.conftest import run_triton_interpreter
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BF16_ULP_RTOL = 2.0**-7  # one bf16 unit in the last place, relative (worst case just above a power of two)
 CPU_MEAN_REL_TOL = 1e-5
 
@@ -92,33 +89,9 @@ INTERP_SCRIPT = textwrap.dedent("""
 """)
 
 
-def _interpreter_incompatible() -> str | None:
-    """Triton < 3.9's interpreter turns program ids into 1-element arrays and calls int() on them for
-    runtime loop bounds, which numpy >= 2.5 rejects ("only 0-dimensional arrays can be converted").
-    Seen on the GPU image (Triton 3.6, numpy 2.5.2); reproduced here with Triton 3.6 under
-    -W error::DeprecationWarning. Triton 3.9 (this kit's CPU environment) is unaffected."""
-    import numpy
-    try:
-        import triton
-    except ImportError:
-        return "triton is not installed"
-    version = lambda v: tuple(int(p) for p in v.split(".")[:2] if p.isdigit())  # noqa: E731
-    if version(triton.__version__) < (3, 9) and version(numpy.__version__) >= (2, 5):
-        return f"Triton {triton.__version__}'s interpreter is incompatible with numpy {numpy.__version__} (use Triton >= 3.9)"
-    return None
-
-
 @pytest.fixture(scope="module")
 def interp_results():
-    reason = _interpreter_incompatible()
-    if reason:
-        pytest.skip(reason)
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-c", INTERP_SCRIPT, json.dumps(INTERP_CASES)], env=env, cwd=REPO,
-                          capture_output=True, text=True, timeout=300)
-    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS ")), None)
-    assert proc.returncode == 0 and line, f"interpreter subprocess failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
-    return json.loads(line[len("RESULTS "):])
+    return run_triton_interpreter(INTERP_SCRIPT, INTERP_CASES, timeout=300)
 
 
 @pytest.mark.parametrize("case", INTERP_CASES, ids=[c[0] for c in INTERP_CASES])

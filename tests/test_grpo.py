@@ -191,6 +191,25 @@ def test_two_steps_train_adapters_only_and_log_every_metric(mode, tiny_model_dir
     assert (tmp_path / "checkpoints" / "checkpoint-2" / "qerl_state.json").is_file()
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU (CUDA not available)")
+@pytest.mark.parametrize("mode", ["lora", "qerl"], ids=lambda m: f"mode={m}")
+def test_two_steps_on_cuda_keep_the_base_frozen(mode, tiny_model_dir, tmp_path):
+    # On CUDA the rollout engine captures graphs and fuses q/k/v and gate/up over shared storage
+    # (layers_fused): the trainer must still train only the adapters on an untouched base.
+    from qerl_lib.grpo import train
+
+    config = tiny_config(tiny_model_dir, mode, device="cuda")
+    store: dict = {}
+    summary = train(config, tmp_path, extra_rewards=[("toy", toy_reward, 1.0)], callbacks=[snapshot_callback(store)],
+                    quiet=True)
+    before, after = store["base_before"], store["base_after"]
+    assert before.keys() == after.keys() and len(before) > 0
+    assert not [k for k in before if not torch.equal(before[k].cpu(), after[k].cpu())]
+    assert [k for k in store["lora_before"] if not torch.equal(store["lora_before"][k], store["lora_after"][k])]
+    assert summary["steps"] == 2 and [r["step"] for r in read_lines(tmp_path)] == [1, 2]
+
+
 def test_sigma_schedule_of_a_full_run_is_the_aqn_schedule():
     """The run's AQN config is Table 4's (1e-2 -> 5e-4, 10 stages, stage 0 clean); short runs get fewer stages."""
     from qerl_lib.aqn import AQNSchedule

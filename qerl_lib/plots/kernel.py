@@ -75,7 +75,7 @@ def plot_rollout(rollout_json: str | Path, out_png: str | Path) -> Path:
     """Three panels from ``qerl bench rollout --json``: (1) the kit's engine vs ``transformers.generate``
     on SmolLM2 bf16 at the baseline's lengths; (2) bf16 vs NVFP4 tokens/s for the Qwen2.5 shapes at
     batch 8, 256 + 2048 tokens, next to the paper's vLLM numbers (H100); (3) tokens/s vs LoRA rank
-    (Qwen2.5-7B, batch 8, 256 + 512 tokens)."""
+    (Qwen2.5-7B, batch 8, 256 + 512 or 2048 tokens, whichever has more ranks)."""
     doc = load_json(rollout_json)
     rows = doc["rows"]
     fig, (ax_hf, ax_fmt, ax_lora) = new_figure(ncols=3, width=4.2, height=3.8)
@@ -110,15 +110,20 @@ def plot_rollout(rollout_json: str | Path, out_png: str | Path) -> Path:
     ax_fmt.set_title("bf16 vs NVFP4 weights", fontsize=8)
     ax_fmt.legend(fontsize=6)
 
-    ranks = sorted({r["rank"] for r in rows if r["model"] == "qwen2.5-7b" and r["gen_len"] == 512})
+    # the generation length with the most LoRA ranks measured for 7B at batch 8 (512 or 2048 in the committed runs)
+    lora_rows = [r for r in rows if r["model"] == "qwen2.5-7b" and r["batch"] == 8 and r.get("tok_s")]
+    gen_lens = sorted({r["gen_len"] for r in lora_rows}, key=lambda g: (-len({r["rank"] for r in lora_rows if r["gen_len"] == g}), g))
+    lora_gen = gen_lens[0] if gen_lens else 512
+    ranks = sorted({r["rank"] for r in lora_rows if r["gen_len"] == lora_gen})
     for weights in ("bf16", "nvfp4"):
-        pts = [(k, _best(rows, model="qwen2.5-7b", weights=weights, batch=8, rank=k, gen_len=512, engine="qerl")) for k in ranks]
+        pts = [(k, _best(rows, model="qwen2.5-7b", weights=weights, batch=8, rank=k, gen_len=lora_gen, engine="qerl"))
+               for k in ranks]
         pts = [(k, r["tok_s"]) for k, r in pts if r]
         ax_lora.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", color=COLORS[weights], label=weights)
     ax_lora.set_xticks(ranks)
     ax_lora.set_ylim(bottom=0)
     ax_lora.set_xlabel("LoRA rank (all 7 projections, unmerged)")
-    ax_lora.set_ylabel("tokens/s (batch 8, 256+512 tok)")
+    ax_lora.set_ylabel(f"tokens/s (batch 8, 256+{lora_gen} tok)")
     ax_lora.set_title("Qwen2.5-7B: cost of the adapter", fontsize=8)
     ax_lora.legend(fontsize=6)
 

@@ -1,0 +1,176 @@
+"""One-token decode attention over the engine's KV cache as a split-KV Triton kernel (flash-decoding).
+
+Why a kernel
+------------
+In a decode step each row has one query token, and attention reads every cached key and value
+of the row once: with Qwen2.5-7B's 4 KV heads at 1,300 cached tokens that is 10 MB per layer for
+batch 8. Written with torch ops (``matmul_decode_attention``: scores matmul, float32 softmax,
+probabilities matmul) it costs three kernels and a round trip of the scores through memory per
+layer, and cuBLAS handles the tiny ``[7, D] x [D, L]`` products poorly. Here one program handles
+one (row, KV head, slice of the cache): the ``G = heads / kv_heads`` query heads that share the KV
+head are the rows of its ``tl.dot`` (K and V are read once, never repeated), and an online softmax
+(running max and sum, as in FlashAttention) walks the slice in blocks of ``BLOCK_L`` columns.
+Slices ("split-KV", as in flash-decoding) give the GPU enough programs at batch 8; a second small
+kernel merges the slices' partial results. Both run inside the engine's CUDA graphs: the current
+column is read from a device tensor, so a graph captured once serves every step of its length bucket.
+
+Masking matches the engine's layout: row ``b`` attends to cache columns ``pad[b] .. column``
+(left padding before, not-yet-written columns after).
+
+Numerics, and where this deviates from transformers: scores and the softmax are float32 from end
+to end and the probabilities are rounded to the activation dtype only as the second product's
+input (as FlashAttention/SDPA do); transformers' eager attention rounds the scores to bf16 first.
+The results therefore differ from ``matmul_decode_attention`` by bf16 rounding, which is why the
+engine uses this kernel on CUDA only (``decode_attention="kernel"``) and keeps HF's exact
+arithmetic on CPU. ``reference_decode_attention`` is the plain-torch oracle of the tests.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+try:  # Triton is optional: the CPU paths do not need it.
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover
+    triton = None
+    tl = None
+
+BLOCK_L = 64
+TARGET_PROGRAMS = 264  # ~2 per SM on an H100/H200; more slices than this only add merge work
+
+
+def reference_decode_attention(q, k, v, pad, column, scaling):
+    """Plain torch, float32: ``q [B, H, D]``, ``k, v [B, KV, L, D]``, ``pad [B]``, ``column`` (int or
+    1-element tensor). Row ``b`` attends to columns ``pad[b] .. column``. Returns ``[B, H, D]`` float32."""
+    b, h, d = q.shape
+    kv, length = k.shape[1], k.shape[2]
+    col = int(column)
+    idx = torch.arange(length, device=q.device)
+    allowed = (idx[None, :] >= pad[:, None]) & (idx[None, :] <= col)  # [B, L]
+    qg = q.float().reshape(b, kv, h // kv, d)
+    scores = torch.einsum("bkgd,bkld->bkgl", qg, k.float()) * scaling
+    scores = scores.masked_fill(~allowed[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.einsum("bkgl,bkld->bkgd", probs, v.float()).reshape(b, h, d)
+
+
+def num_splits(batch: int, kv_heads: int, kv_len: int, block: int = BLOCK_L, target: int = TARGET_PROGRAMS) -> int:
+    """Cache slices per (row, KV head): enough programs for the GPU, each slice >= one block."""
+    blocks = max(1, math.ceil(kv_len / block))
+    return max(1, min(blocks, math.ceil(target / max(1, batch * kv_heads))))
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pad: torch.Tensor, column: torch.Tensor,
+                     scaling: float, out: torch.Tensor | None = None, splits: int | None = None) -> torch.Tensor:
+    """Attention of one query token per row over the cache, on the GPU (or the Triton interpreter).
+
+    ``q [B, H, D]`` (any strides with unit last stride), ``k, v [B, KV, L, D]`` cache views (the
+    first ``L`` columns), ``pad [B]`` int64, ``column`` int64 ``[1]`` on the device (the column this
+    step wrote), ``scaling`` the softmax scale. Returns ``[B, H, D]`` in q's dtype (``out`` if given).
+    ``H`` must be a multiple of ``KV`` and ``D`` a power of two (16 to 256).
+    """
+    if triton is None:
+        raise ValueError("decode_attention needs the triton package; use the engine's 'matmul' attention instead")
+    b, h, d = q.shape
+    kv, length = k.shape[1], k.shape[2]
+    if h % kv or d & (d - 1) or not 16 <= d <= 256 or k.shape != v.shape or k.shape[0] != b or k.shape[3] != d:
+        raise ValueError(f"decode_attention: q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)} do not fit "
+                         "[B, H, D] / [B, KV, L, D] with H a multiple of KV and D a power of two in [16, 256]")
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+        raise ValueError("decode_attention: q, k and v need a unit stride in their last (head_dim) dimension")
+    groups = h // kv
+    splits = splits or num_splits(b, kv, length)
+    per_split = triton.cdiv(triton.cdiv(length, splits), BLOCK_L) * BLOCK_L
+    splits = triton.cdiv(length, per_split)
+    out = torch.empty(b, h, d, dtype=q.dtype, device=q.device) if out is None else out
+    interpreted = not q.is_cuda
+    if splits == 1:
+        part_acc = part_ml = out  # unused
+    else:
+        part_acc = torch.empty(b, h, splits, d, dtype=torch.float32, device=q.device)
+        part_ml = torch.empty(b, h, splits, 2, dtype=torch.float32, device=q.device)
+    _decode_attention_kernel[(b, kv, splits)](
+        q, k, v, pad, column, out, part_acc, part_ml, scaling, length, per_split,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+        out.stride(0), out.stride(1),
+        GROUPS=groups, GROUPS_P=max(16, triton.next_power_of_2(groups)), D=d, BLOCK=BLOCK_L, SPLIT=splits > 1,
+        INTERPRETED=interpreted, num_warps=4)
+    if splits > 1:
+        _merge_splits_kernel[(b, h)](part_acc, part_ml, out, out.stride(0), out.stride(1), h,
+                                     SPLITS=splits, SPLITS_P=triton.next_power_of_2(splits), D=d, num_warps=4)
+    return out
+
+
+if triton is not None:
+
+    @triton.jit
+    def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, pad_ptr, col_ptr, out_ptr, acc_ptr, ml_ptr, scaling, L, per_split,
+                                 sqb, sqh, skb, skh, skl, svb, svh, svl, sob, soh,
+                                 GROUPS: tl.constexpr, GROUPS_P: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
+                                 SPLIT: tl.constexpr, INTERPRETED: tl.constexpr):
+        """Program (row b, KV head j, slice s): the GROUPS query heads of KV head j over columns
+        [s * per_split, (s + 1) * per_split) intersected with [pad[b], column]."""
+        b, j, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        first = tl.load(pad_ptr + b).to(tl.int32)
+        last = tl.load(col_ptr).to(tl.int32)  # inclusive
+        lo = tl.maximum(s * per_split, (first // BLOCK) * BLOCK)
+        hi = tl.minimum((s + 1) * per_split, tl.minimum(last + 1, L))
+        g = tl.arange(0, GROUPS_P)
+        dd = tl.arange(0, D)
+        heads = j * GROUPS + g
+        g_ok = g < GROUPS
+        q = tl.load(q_ptr + b * sqb + heads[:, None] * sqh + dd[None, :], mask=g_ok[:, None], other=0.0)
+        m_i = tl.full([GROUPS_P], float("-inf"), tl.float32)
+        l_i = tl.zeros([GROUPS_P], tl.float32)
+        acc = tl.zeros([GROUPS_P, D], tl.float32)
+        k_base = k_ptr + b * skb + j * skh
+        v_base = v_ptr + b * svb + j * svh
+        for start in range(lo, hi, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            ok = (cols >= first) & (cols < hi)
+            kb = tl.load(k_base + cols[:, None] * skl + dd[None, :], mask=ok[:, None], other=0.0)  # [BLOCK, D]
+            if INTERPRETED:  # the interpreter mishandles bf16 dots: multiply in float32 there
+                scores = tl.dot(q.to(tl.float32), tl.trans(kb.to(tl.float32)), input_precision="ieee")
+            else:
+                scores = tl.dot(q, tl.trans(kb))
+            scores = tl.where(ok[None, :], scores * scaling, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a block with nothing allowed yet
+            alpha = tl.exp(m_i - m_safe)
+            p = tl.exp(scores - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            vt = tl.load(v_base + cols[:, None] * svl + dd[None, :], mask=ok[:, None], other=0.0)  # [BLOCK, D]
+            if INTERPRETED:
+                acc = acc * alpha[:, None] + tl.dot(p, vt.to(tl.float32), input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
+            m_i = m_new
+        if SPLIT:
+            row = (b * (tl.num_programs(1) * GROUPS) + heads) * tl.num_programs(2) + s  # [B, H, SPLITS] index
+            tl.store(acc_ptr + row[:, None] * D + dd[None, :], acc, mask=g_ok[:, None])
+            tl.store(ml_ptr + row * 2, m_i, mask=g_ok)
+            tl.store(ml_ptr + row * 2 + 1, l_i, mask=g_ok)
+        else:
+            o = acc / l_i[:, None]
+            tl.store(out_ptr + b * sob + heads[:, None] * soh + dd[None, :], o.to(out_ptr.dtype.element_ty),
+                     mask=g_ok[:, None])
+
+    @triton.jit
+    def _merge_splits_kernel(acc_ptr, ml_ptr, out_ptr, sob, soh, H, SPLITS: tl.constexpr, SPLITS_P: tl.constexpr,
+                             D: tl.constexpr):
+        """out[b, h] = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s (empty slices: m = -inf, l = 0)."""
+        b, h = tl.program_id(0), tl.program_id(1)
+        s = tl.arange(0, SPLITS_P)
+        dd = tl.arange(0, D)
+        row = (b * H + h) * SPLITS + s
+        ok = s < SPLITS
+        m = tl.load(ml_ptr + row * 2, mask=ok, other=float("-inf"))
+        l_s = tl.load(ml_ptr + row * 2 + 1, mask=ok, other=0.0)
+        top = tl.max(m, axis=0)
+        w = tl.where(m == float("-inf"), 0.0, tl.exp(m - top))
+        acc = tl.load(acc_ptr + row[:, None] * D + dd[None, :], mask=ok[:, None], other=0.0)
+        o = tl.sum(acc * w[:, None], axis=0) / tl.sum(l_s * w, axis=0)
+        tl.store(out_ptr + b * sob + h * soh + dd, o.to(out_ptr.dtype.element_ty))

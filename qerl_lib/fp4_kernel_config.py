@@ -1,0 +1,88 @@
+"""Which launch of the fused NVFP4 GEMM runs a given problem: ``KernelConfig`` and ``pick_config``.
+
+The choice is a fixed rule, not autotuning, so the same problem always runs the same kernel and
+gives the same bits. The rule and its thresholds come from the GPU sweeps recorded in
+``results/notes_fp4_kernel.md`` (runs 1-6, raw data in ``results/fp4_kernel_sweep_run*.jsonl``):
+small M is memory-bound and wants enough programs in flight (K-splits) without overflowing one
+wave; large M is compute-bound and goes to cuBLAS after one exact dequantization pass.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """One launch shape of ``_fp4_gemm_kernel`` (or the dequantize + cuBLAS path).
+
+    ``swap_ab``: the weights are the MMA's A operand and ``x`` its narrow B operand (small M), else
+    ``x`` is A (large M). ``fragment``: the small-M path decoding straight into the wgmma A fragment
+    (``block_k`` 128, 4 warps). Measured and dropped (notes, runs 1-6): gathering ``x``, a load-time
+    repack, a one-launch split-K reduction, Triton's cp.async pipeliner instead of prefetch.
+    """
+
+    block_m: int
+    block_n: int
+    block_k: int
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 1
+    cublas: bool = False  # True: dequantize to bf16, then torch.addmm
+    swap_ab: bool = True
+    fragment: bool = False
+    prefetch: bool = True  # False: no register prefetch; Triton's pipeliner (num_stages > 1) stages loads
+
+    def __post_init__(self):
+        for name in ("block_m", "block_n", "block_k"):
+            v = getattr(self, name)
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"KernelConfig.{name} must be a power of two >= 16, got {v}")
+        if self.block_n < 64:
+            raise ValueError("KernelConfig.block_n must be >= 64 (one warpgroup MMA)")
+        if self.split_k < 1:
+            raise ValueError("KernelConfig.split_k must be >= 1")
+        if self.fragment and not (self.swap_ab and self.block_k == 128 and self.num_warps == 4 and self.block_m <= 64):
+            raise ValueError("KernelConfig.fragment needs swap_ab, block_k=128, num_warps=4 and block_m <= 64")
+
+
+# M above which the prepared path dequantizes once and calls cuBLAS (None: never). Set from the
+# measurements in results/notes_fp4_kernel.md; see pick_config.
+CUBLAS_MIN_M: int | None = 65
+
+
+def pick_config(m: int, n: int, k: int, num_sms: int = 132, allow_cublas: bool = True) -> KernelConfig:
+    """Deterministic kernel choice for an ``[m, k] x [k, n]`` problem (no autotuning, so results
+    are reproducible bit for bit), from the sweeps in results/notes_fp4_kernel.md (runs 3, 6):
+
+    * M = 1: the fragment path, 64-wide tiles, K-splits for ~4 programs per SM;
+    * 2 <= M <= 16: 128-wide tiles and ~2 programs per SM (H100 run 6: 5-20% faster than the
+      M = 1 rule), except the shapes in ``SMALL_M_TUNED``; 17 <= M <= 64: as M = 1;
+    * M >= ``CUBLAS_MIN_M``: dequantize once + cuBLAS (the fused large-tile kernel measured
+      0.44-0.55x of cuBLAS, dequant + cuBLAS 0.80-0.95x at M >= 1024);
+    * in between (only when cuBLAS is not allowed): 128x128 fused tiles.
+    """
+    if allow_cublas and CUBLAS_MIN_M is not None and m >= CUBLAS_MIN_M:
+        return KernelConfig(128, 128, 64, cublas=True)
+    if m <= 64:
+        block_m = 16 if m <= 16 else 1 << (m - 1).bit_length()
+        block_n, per_sm = SMALL_M_TUNED.get((n, k), (128, 2)) if 2 <= m <= 16 else (64, 4)
+        tiles = math.ceil(n / block_n) * math.ceil(m / block_m)
+        split = _split_k(tiles, math.ceil(k / 128), num_sms, per_sm)
+        return KernelConfig(block_m, block_n, 128, split, 4, 1, fragment=True)
+    tiles = math.ceil(n / 128) * math.ceil(m / 128)
+    return KernelConfig(128, 128, 64, _split_k(tiles, math.ceil(k / 64), num_sms), 8, 3, swap_ab=False)
+
+
+# (N, K) -> (tile width, programs per SM) where 2 <= M <= 16 measured better than (128, 2) on an H100
+# (run 6): Qwen2.5-32B's fused gate_up, whose 432 128-wide tiles overflow one wave (88 vs 96+ us).
+SMALL_M_TUNED = {(55296, 5120): (64, 2)}
+
+
+def _split_k(tiles: int, k_iters: int, num_sms: int, programs_per_sm: int = 4) -> int:
+    """K-slices so that tiles * slices ~ programs_per_sm * SMs, each slice >= 2 K-steps, none empty."""
+    if tiles >= programs_per_sm * num_sms:
+        return 1
+    split = max(1, min(math.ceil(programs_per_sm * num_sms / tiles), max(1, k_iters // 2)))
+    return math.ceil(k_iters / math.ceil(k_iters / split))

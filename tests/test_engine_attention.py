@@ -1,0 +1,115 @@
+"""The split-KV decode-attention kernel (qerl_lib.engine_attention) against its float32 oracle.
+
+* CPU, Triton interpreter (a subprocess, since TRITON_INTERPRET=1 must be set before triton is
+  imported): awkward shapes -- odd group sizes (7 and 5 query heads per KV head, as Qwen2.5-7B and
+  -32B; 3 as SmolLM2), cache lengths not a multiple of the 64-column block, left padding that
+  empties whole slices, the current column at the first and last cache position, 1 to 9 slices.
+  Float32 inputs (the interpreter mishandles bf16 dots), tolerance 1e-5 absolute on outputs of
+  magnitude ~1: only the summation order differs from the oracle.
+  Also the engine end to end with ``decode_attention="kernel"``: same greedy tokens as SDPA.
+* CPU: bad shapes are refused with a message; the slice count rule.
+* CUDA: bf16 inputs vs the float32 oracle within bf16 rounding (2^-7 relative + 1e-2 absolute).
+"""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+import torch
+
+from qerl_lib.engine_attention import decode_attention, num_splits, reference_decode_attention
+from tests.conftest import run_triton_interpreter
+
+INTERP_TOL = 1e-5
+
+# (B, H, KV, L, D, column, max pad, splits or None for the rule)
+CASES = [
+    (3, 7, 1, 100, 16, 57, 20, None),
+    (2, 14, 2, 130, 32, 129, 100, 3),   # heavy padding: the first slices are empty for some rows
+    (4, 9, 3, 64, 64, 0, 0, 1),         # first column only
+    (2, 10, 2, 200, 16, 199, 5, 9),     # 5 heads per KV head, more slices than needed
+    (1, 4, 4, 70, 128, 69, 1, 2),       # no grouping, head_dim 128
+]
+
+INTERP_SCRIPT = textwrap.dedent("""
+    import json, os, sys
+    os.environ["TRITON_INTERPRET"] = "1"
+    import torch
+    from qerl_lib.engine_attention import decode_attention, reference_decode_attention
+    out = {}
+    for i, (b, h, kv, length, d, col, max_pad, splits) in enumerate(json.loads(sys.argv[1])):
+        g = torch.Generator().manual_seed(i)
+        q, k, v = (torch.randn(*s, generator=g) for s in ((b, h, d), (b, kv, length, d), (b, kv, length, d)))
+        pad = torch.randint(0, max_pad + 1, (b,), generator=g).clamp(max=col)
+        got = decode_attention(q, k, v, pad, torch.tensor([col]), 0.125, splits=splits)
+        ref = reference_decode_attention(q, k, v, pad, col, 0.125)
+        out[i] = float((got - ref).abs().max())
+    # the engine with the kernel vs the engine with SDPA, float32 tiny Qwen2 model
+    from qerl_lib.engine import RolloutEngine
+    from tests.test_engine import PROMPTS, tiny_model
+    model = tiny_model("qwen2")
+    a = RolloutEngine(model, decode_attention="kernel").generate(PROMPTS, 6, temperature=0, stop_token_ids=[])
+    b = RolloutEngine(model, decode_attention="sdpa").generate(PROMPTS, 6, temperature=0, stop_token_ids=[])
+    out["engine_tokens_equal"] = [c.token_ids for c in a] == [c.token_ids for c in b]
+    out["engine_logprob_diff"] = max(abs(x - y) for c, e in zip(a, b) for x, y in zip(c.logprobs, e.logprobs))
+    print("RESULTS " + json.dumps(out))
+""")
+
+
+@pytest.fixture(scope="module")
+def interpreted():
+    return run_triton_interpreter(INTERP_SCRIPT, CASES, timeout=600)
+
+
+@pytest.mark.parametrize("i", range(len(CASES)), ids=lambda i: "B{}_H{}_KV{}_L{}_D{}_col{}_pad{}_splits{}".format(*CASES[i]))
+def test_interpreted_kernel_matches_the_oracle(interpreted, i):
+    assert interpreted[str(i)] <= INTERP_TOL
+
+
+def test_engine_with_the_kernel_matches_sdpa(interpreted):
+    assert interpreted["engine_tokens_equal"]
+    assert interpreted["engine_logprob_diff"] <= 1e-4
+
+
+def test_reference_masks_padding_and_future_columns():
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 4, 16), torch.randn(2, 2, 10, 16), torch.randn(2, 2, 10, 16)
+    pad = torch.tensor([0, 3])
+    out = reference_decode_attention(q, k, v, pad, 5, 0.25)
+    k2, v2 = k.clone(), v.clone()
+    k2[1, :, :3], v2[1, :, :3] = 99.0, 99.0  # padding of row 1
+    k2[:, :, 6:], v2[:, :, 6:] = -99.0, -99.0  # columns after the current one
+    assert torch.allclose(out, reference_decode_attention(q, k2, v2, pad, 5, 0.25))
+
+
+def test_slice_rule():
+    assert num_splits(8, 4, 2304) == 9  # 32 (row, KV head) pairs -> ~264 programs
+    assert num_splits(64, 3, 2304) == 2
+    assert num_splits(8, 4, 10) == 1  # never more slices than 64-column blocks
+    assert num_splits(512, 8, 4096) == 1
+
+
+@pytest.mark.parametrize("shapes", [((2, 7, 16), (2, 2, 10, 16)), ((2, 8, 24), (2, 2, 10, 24)), ((2, 8, 16), (3, 2, 10, 16))],
+                         ids=["heads_not_multiple", "head_dim_not_pow2", "batch_mismatch"])
+def test_bad_shapes_are_refused(shapes):
+    qs, ks = shapes
+    with pytest.raises(ValueError, match="decode_attention"):
+        decode_attention(torch.randn(*qs), torch.randn(*ks), torch.randn(*ks), torch.zeros(qs[0], dtype=torch.long),
+                         torch.tensor([3]), 0.1)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU (CUDA not available)")
+@pytest.mark.parametrize("b,h,kv,length,d,col", [(8, 28, 4, 2304, 128, 1500), (8, 40, 8, 512, 128, 300),
+                                                 (64, 9, 3, 768, 64, 700), (3, 7, 1, 100, 128, 0)])
+def test_cuda_bf16_matches_the_oracle(b, h, kv, length, d, col):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(*s, generator=g, device="cuda").to(torch.bfloat16)
+               for s in ((b, h, d), (b, kv, length, d), (b, kv, length, d)))
+    pad = torch.randint(0, max(1, col // 2), (b,), generator=g, device="cuda").clamp(max=col)
+    out = torch.full((b, h, d), float("nan"), dtype=torch.bfloat16, device="cuda")
+    decode_attention(q, k, v, pad, torch.tensor([col], device="cuda"), d ** -0.5, out=out)
+    ref = reference_decode_attention(q, k, v, pad, col, d ** -0.5)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out.float(), ref, rtol=2.0**-7, atol=1e-2)
