@@ -112,6 +112,8 @@ class RolloutEngine:
     "kernel" (split-KV Triton kernel, ``engine_attention``; CUDA default).
     ``fuse_projections``: run q/k/v and gate/up as one matmul each over shared storage
     (``layers_fused``; default: on CUDA). The model's modules become views of the shared buffers.
+    On an H100 (Qwen2.5-7B shapes, batch 8, 256 + 2048 tokens, bf16 / NVFP4 tok/s) fusing took
+    1085 / 1649 to 1188 / 1786 and the attention kernel to 1235 / 1921 (results/README.md).
     """
 
     def __init__(self, model, max_seq_len: int | None = None, decode_backend: str = "auto",

@@ -90,6 +90,9 @@ def plot_rollout(rollout_json: str | Path, out_png: str | Path) -> Path:
                                  color=COLORS["qerl"], label="qerl engine"))
     ax_hf.set_xticks(list(xs), [f"batch {r['batch']}\n{r['prompt_len']}+{r['gen_len']} tok" for r in hf_rows], fontsize=7)
     ax_hf.set_yscale("log")
+    lows = [r["tok_s"] for r in hf_rows] + [e["tok_s"] for e in eng if e]
+    if lows:  # start the log axis well below the shortest bar, so it reads as a bar
+        ax_hf.set_ylim(bottom=min(lows) / 10)
     ax_hf.set_ylabel("tokens/s")
     ax_hf.set_title("SmolLM2-135M bf16: engine vs HF generate", fontsize=8)
     ax_hf.legend(fontsize=6)
