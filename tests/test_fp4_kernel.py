@@ -146,6 +146,18 @@ def test_pick_config_is_deterministic_and_has_no_empty_splits(m, n, k):
         assert (cfg.split_k - 1) * per < iters, "a K-slice would be empty"
 
 
+def test_small_m_launch_rule_follows_the_h100_sweep():
+    # run 6 (results/notes_fp4_kernel.md): M = 1 keeps 64-wide tiles and ~4 programs per SM; 2 <= M <= 16
+    # takes 128-wide tiles and ~2 per SM, except Qwen2.5-32B's fused gate_up (64 wide: one wave)
+    one = pick_config(1, 37888, 3584, num_sms=132)
+    eight = pick_config(8, 37888, 3584, num_sms=132)
+    assert (one.block_n, one.split_k) == (64, 1) and (eight.block_n, eight.split_k) == (128, 1)
+    down = pick_config(8, 3584, 18944, num_sms=132)
+    assert (down.block_n, down.split_k) == (128, 10)  # 28 tiles x 10 K-slices ~ 2 x 132 programs
+    assert pick_config(8, 55296, 5120, num_sms=132).block_n == 64
+    assert pick_config(32, 3584, 3584, num_sms=132).block_n == 64
+
+
 BAD_INPUTS = {
     "x_float32": (lambda q: (torch.randn(2, 96), q.weight_packed, q.weight_scale, q.weight_global_scale), "bfloat16"),
     "x_wrong_k": (lambda q: (torch.randn(2, 80).bfloat16(), q.weight_packed, q.weight_scale, q.weight_global_scale), "last dim"),

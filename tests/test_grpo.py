@@ -62,15 +62,14 @@ def byte_tokenizer():
     return tokenizer
 
 
-@pytest.fixture(scope="module")
-def tiny_model_dir(tmp_path_factory):
+def save_tiny_llama(folder: Path, hidden: int, layers: int, heads: int, kv_heads: int) -> Path:
+    """A random tiny Llama with the byte tokenizer, saved as a model folder (intermediate = 2 x hidden)."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    folder = tmp_path_factory.mktemp("tiny-llama")
     tokenizer = byte_tokenizer()
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-                         tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id,
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden,
+                         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                         max_position_embeddings=2048, tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id,
                          pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config)
@@ -78,6 +77,11 @@ def tiny_model_dir(tmp_path_factory):
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory):
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), hidden=64, layers=2, heads=4, kv_heads=2)
 
 
 def tiny_config(model_dir, mode: str, steps: int = 2, **overrides):

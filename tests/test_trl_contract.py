@@ -16,7 +16,7 @@ import torch
 from qerl_lib.grpo_presets import make_config
 
 trl = pytest.importorskip("trl")
-from test_grpo import byte_tokenizer, tiny_config, toy_reward  # noqa: E402  (shared tiny-model helpers)
+from test_grpo import save_tiny_llama, tiny_config, toy_reward  # noqa: E402  (shared tiny-model helpers)
 
 DRIFT = f"TRL DRIFT (installed trl {trl.__version__}, the kit is written against 1.16.0): "
 
@@ -31,17 +31,7 @@ def _one_thread():
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    folder = tmp_path_factory.mktemp("contract-llama")
-    tokenizer = byte_tokenizer()
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=2048,
-                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
+    return save_tiny_llama(tmp_path_factory.mktemp("contract-llama"), hidden=32, layers=1, heads=2, kv_heads=1)
 
 
 @pytest.fixture(scope="module")
