@@ -113,7 +113,8 @@ class RolloutEngine:
     ``fuse_projections``: run q/k/v and gate/up as one matmul each over shared storage
     (``layers_fused``; default: on CUDA). The model's modules become views of the shared buffers.
     On an H100 (Qwen2.5-7B shapes, batch 8, 256 + 2048 tokens, bf16 / NVFP4 tok/s) fusing took
-    1085 / 1649 to 1188 / 1786 and the attention kernel to 1235 / 1921 (results/README.md).
+    1085 / 1649 to 1188 / 1786, the attention kernel to 1235 / 1921; with the FP4 launch rule and
+    the fused RoPE + cache write the engine runs 1271 / 2199 (results/README.md).
     """
 
     def __init__(self, model, max_seq_len: int | None = None, decode_backend: str = "auto",

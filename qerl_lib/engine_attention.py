@@ -1,7 +1,7 @@
 """One-token decode attention over the engine's KV cache as a split-KV Triton kernel (flash-decoding).
 
-Why a kernel
-------------
+Why kernels
+-----------
 In a decode step each row has one query token, and attention reads every cached key and value
 of the row once: with Qwen2.5-7B's 4 KV heads at 1,300 cached tokens that is 10 MB per layer for
 batch 8. Written with torch ops (``matmul_decode_attention``: scores matmul, float32 softmax,
@@ -13,6 +13,8 @@ head are the rows of its ``tl.dot`` (K and V are read once, never repeated), and
 Slices ("split-KV", as in flash-decoding) give the GPU enough programs at batch 8; a second small
 kernel merges the slices' partial results. Both run inside the engine's CUDA graphs: the current
 column is read from a device tensor, so a graph captured once serves every step of its length bucket.
+``rope_and_cache`` does the step before in one launch too: RoPE on the new q and k, k and v written
+into the cache column (instead of two RoPE kernels and two ``index_copy_`` per layer).
 
 Masking matches the engine's layout: row ``b`` attends to cache columns ``pad[b] .. column``
 (left padding before, not-yet-written columns after).
@@ -104,7 +106,60 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pad: tor
     return out
 
 
+def rope_and_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   k_cache: torch.Tensor, v_cache: torch.Tensor, column: torch.Tensor) -> torch.Tensor:
+    """One kernel for what precedes decode attention: RoPE on the new token's q and k, then k and v
+    written into cache column ``column`` (a 1-element device tensor). Replaces two RoPE kernels and
+    two ``index_copy_`` launches per layer.
+
+    ``q [B, H, 1, D]``, ``k, v [B, KV, 1, D]`` (views with a unit last stride), ``cos, sin [B, 1, D]``,
+    caches ``[B, KV, L, D]``. Returns the rotated q as a new ``[B, H, D]`` tensor. Arithmetic: float32,
+    one rounding to the activation dtype at the end (as the ``torch.compile``d glue it replaces;
+    transformers rounds ``q * cos`` and ``rotate_half(q) * sin`` separately).
+    """
+    if triton is None:
+        raise ValueError("rope_and_cache needs the triton package")
+    b, h, _, d = q.shape
+    kv = k.shape[1]
+    if d % 2 or d & (d - 1) or q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1 \
+            or cos.stride(-1) != 1 or sin.stride(-1) != 1:
+        raise ValueError("rope_and_cache: head_dim must be a power of two and every last dimension unit-stride")
+    q_out = torch.empty(b, h, d, dtype=q.dtype, device=q.device)
+    _rope_cache_kernel[(b, h + kv)](
+        q, k, v, cos, sin, column, q_out, k_cache, v_cache, h,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0), sin.stride(0),
+        q_out.stride(0), q_out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), D=d, num_warps=1)
+    return q_out
+
+
 if triton is not None:
+
+    @triton.jit
+    def _rope_cache_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, col_ptr, qo_ptr, kc_ptr, vc_ptr, H,
+                           sqb, sqh, skb, skh, svb, svh, scb, ssb, sob, soh, skcb, skch, skcl, svcb, svch, svcl,
+                           D: tl.constexpr):
+        """Program (row b, head h): h < H rotates query head h; h >= H rotates key head h - H into the
+        cache and copies value head h - H. rotate_half pairs dimension i with i + D/2."""
+        b, h = tl.program_id(0), tl.program_id(1)
+        d = tl.arange(0, D)
+        partner = (d + D // 2) % D
+        sign = tl.where(d < D // 2, -1.0, 1.0)
+        cos = tl.load(cos_ptr + b * scb + d).to(tl.float32)
+        sin = tl.load(sin_ptr + b * ssb + d).to(tl.float32)
+        if h < H:
+            base = q_ptr + b * sqb + h * sqh
+            x = tl.load(base + d).to(tl.float32)
+            xp = tl.load(base + partner).to(tl.float32)
+            tl.store(qo_ptr + b * sob + h * soh + d, (x * cos + sign * xp * sin).to(qo_ptr.dtype.element_ty))
+        else:
+            j = h - H
+            col = tl.load(col_ptr)
+            base = k_ptr + b * skb + j * skh
+            x = tl.load(base + d).to(tl.float32)
+            xp = tl.load(base + partner).to(tl.float32)
+            tl.store(kc_ptr + b * skcb + j * skch + col * skcl + d, (x * cos + sign * xp * sin).to(kc_ptr.dtype.element_ty))
+            tl.store(vc_ptr + b * svcb + j * svch + col * svcl + d, tl.load(v_ptr + b * svb + j * svh + d))
 
     @triton.jit
     def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, pad_ptr, col_ptr, out_ptr, acc_ptr, ml_ptr, scaling, L, per_split,

@@ -59,7 +59,7 @@ from typing import Callable, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from qerl_lib.engine_attention import decode_attention
+from qerl_lib.engine_attention import decode_attention, rope_and_cache
 from qerl_lib.engine_lora import (LORA_GROUPS, PARENT, LoraAdapter, LoraBuffers, canonical_name, lora_signature,
                                   unwrap_model)
 from qerl_lib.layers_fused import fuse_group
@@ -354,18 +354,21 @@ class ForwardPass:
 
         def attend(i, q, k, v, ops):
             k_all, v_all = cache.k[i, :bsz], cache.v[i, :bsz]
+            if self.decode_attention == "kernel":  # q, k arrive un-rotated (see below)
+                q1 = rope_and_cache(q, k, v, cos, sin, k_all, v_all, column)
+                return decode_attention(q1, k_all[:, :, :kv_len], v_all[:, :, :kv_len], pad, column,
+                                        self.view.scaling)[:, :, None]
             k_all.index_copy_(2, column, k)
             v_all.index_copy_(2, column, v)
             k_all, v_all = k_all[:, :, :kv_len], v_all[:, :, :kv_len]
-            if self.decode_attention == "kernel":
-                q1 = q[:, :, 0]
-                q1 = q1 if q1.stride(-1) == 1 else q1.contiguous()
-                return decode_attention(q1, k_all, v_all, pad, column, self.view.scaling)[:, :, None]
             if self.decode_attention == "matmul":
                 return matmul_decode_attention(q, k_all, v_all, mask, self.view.scaling, ops.attention_probs)
             return sdpa_attention(q, k_all, v_all, mask, self.view.scaling, causal=False)
 
-        h = self._decoder(x, cos, sin, attend, self.decode_ops)
+        ops = self.decode_ops
+        if self.decode_attention == "kernel":  # RoPE happens in rope_and_cache, fused with the cache write
+            ops = ops._replace(rope=_rope_in_attention)
+        h = self._decoder(x, cos, sin, attend, ops)
         return self.view.lm_head(h)[:, -1].float()
 
 
@@ -387,6 +390,10 @@ def residual_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor
 
 def rope_qk(q, k, cos, sin):
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+
+def _rope_in_attention(q, k, cos, sin):
+    return q, k  # the kernel attention path rotates q and k itself (engine_attention.rope_and_cache)
 
 
 def gated_act(act, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

@@ -6,7 +6,8 @@
   empties whole slices, the current column at the first and last cache position, 1 to 9 slices.
   Float32 inputs (the interpreter mishandles bf16 dots), tolerance 1e-5 absolute on outputs of
   magnitude ~1: only the summation order differs from the oracle.
-  Also the engine end to end with ``decode_attention="kernel"``: same greedy tokens as SDPA.
+  ``rope_and_cache`` against the engine's torch RoPE and ``index_copy_``. Also the engine end to end
+  with ``decode_attention="kernel"`` (both kernels): same greedy tokens as SDPA.
 * CPU: bad shapes are refused with a message; the slice count rule.
 * CUDA: bf16 inputs vs the float32 oracle within bf16 rounding (2^-7 relative + 1e-2 absolute).
 """
@@ -45,6 +46,25 @@ INTERP_SCRIPT = textwrap.dedent("""
         got = decode_attention(q, k, v, pad, torch.tensor([col]), 0.125, splits=splits)
         ref = reference_decode_attention(q, k, v, pad, col, 0.125)
         out[i] = float((got - ref).abs().max())
+    # RoPE + cache write vs the engine's torch RoPE and index_copy_ (q/k/v as views of one fused output)
+    from qerl_lib.engine_attention import rope_and_cache
+    from qerl_lib.engine_forward import apply_rope
+    g = torch.Generator().manual_seed(99)
+    b, h, kv, d, length, col = 3, 14, 2, 32, 40, 23
+    fused = torch.randn(b, 1, (h + 2 * kv) * d, generator=g)
+    q = fused[..., :h * d].view(b, 1, h, d).transpose(1, 2)
+    k = fused[..., h * d:(h + kv) * d].view(b, 1, kv, d).transpose(1, 2)
+    v = fused[..., (h + kv) * d:].view(b, 1, kv, d).transpose(1, 2)
+    cos, sin = torch.randn(b, 1, d, generator=g), torch.randn(b, 1, d, generator=g)
+    kc, vc = torch.zeros(b, kv, length, d), torch.zeros(b, kv, length, d)
+    q_rot = rope_and_cache(q, k, v, cos, sin, kc, vc, torch.tensor([col]))
+    kr = apply_rope(k, cos, sin)[:, :, 0]
+    out["rope_q"] = float((q_rot - apply_rope(q, cos, sin)[:, :, 0]).abs().max())
+    out["rope_k"] = float((kc[:, :, col] - kr).abs().max())
+    out["rope_v_exact"] = bool(torch.equal(vc[:, :, col], v[:, :, 0]))
+    kc[:, :, col] = 0
+    vc[:, :, col] = 0
+    out["rope_other_columns_untouched"] = bool(kc.abs().sum() == 0 and vc.abs().sum() == 0)
     # the engine with the kernel vs the engine with SDPA, float32 tiny Qwen2 model
     from qerl_lib.engine import RolloutEngine
     from tests.test_engine import PROMPTS, tiny_model
@@ -65,6 +85,12 @@ def interpreted():
 @pytest.mark.parametrize("i", range(len(CASES)), ids=lambda i: "B{}_H{}_KV{}_L{}_D{}_col{}_pad{}_splits{}".format(*CASES[i]))
 def test_interpreted_kernel_matches_the_oracle(interpreted, i):
     assert interpreted[str(i)] <= INTERP_TOL
+
+
+def test_interpreted_rope_and_cache_write(interpreted):
+    # float32 both ways, same operations: equal up to fused multiply-add rounding
+    assert interpreted["rope_q"] <= 1e-6 and interpreted["rope_k"] <= 1e-6
+    assert interpreted["rope_v_exact"] and interpreted["rope_other_columns_untouched"]
 
 
 def test_engine_with_the_kernel_matches_sdpa(interpreted):
@@ -97,6 +123,29 @@ def test_bad_shapes_are_refused(shapes):
     with pytest.raises(ValueError, match="decode_attention"):
         decode_attention(torch.randn(*qs), torch.randn(*ks), torch.randn(*ks), torch.zeros(qs[0], dtype=torch.long),
                          torch.tensor([3]), 0.1)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU (CUDA not available)")
+def test_cuda_rope_and_cache_matches_torch():
+    from qerl_lib.engine_attention import rope_and_cache
+    from qerl_lib.engine_forward import apply_rope
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    b, h, kv, d, length, col = 8, 28, 4, 128, 300, 257
+    fused = torch.randn(b, 1, (h + 2 * kv) * d, generator=g, device="cuda").to(torch.bfloat16)
+    q = fused[..., :h * d].view(b, 1, h, d).transpose(1, 2)
+    k = fused[..., h * d:(h + kv) * d].view(b, 1, kv, d).transpose(1, 2)
+    v = fused[..., (h + kv) * d:].view(b, 1, kv, d).transpose(1, 2)
+    angle = torch.rand(b, 1, d, generator=g, device="cuda") * 6.3
+    cos, sin = angle.cos().to(torch.bfloat16), angle.sin().to(torch.bfloat16)
+    kc = torch.zeros(b, kv, length, d, dtype=torch.bfloat16, device="cuda")
+    vc = torch.zeros_like(kc)
+    q_rot = rope_and_cache(q, k, v, cos, sin, kc, vc, torch.tensor([col], device="cuda"))
+    exact = lambda t: apply_rope(t.float(), cos.float(), sin.float())[:, :, 0]  # noqa: E731
+    torch.testing.assert_close(q_rot.float(), exact(q), rtol=2.0**-8, atol=1e-2)  # one bf16 rounding
+    torch.testing.assert_close(kc[:, :, col].float(), exact(k), rtol=2.0**-8, atol=1e-2)
+    assert torch.equal(vc[:, :, col], v[:, :, 0])
 
 
 @pytest.mark.cuda
