@@ -53,7 +53,7 @@ class FusedProjection:
                  prepared=None):
         self.members = tuple(members)
         self.kind = kind  # "linear" or "nvfp4"
-        self.splits = tuple(_out_features(m) for m in members)
+        self.splits = tuple(int(m.out_features) for m in members)
         self.tensors = tensors  # the fused buffers the members' tensors are views of
         self.prepared = prepared  # fp4_kernel.PreparedFP4Weight for "nvfp4"
         # NVFP4 global scales are not fused (one per member, equal): remember which tensors and versions
@@ -72,8 +72,9 @@ class FusedProjection:
         """True while every member still reads its rows of the fused buffers (cheap: pointer checks)."""
         row = 0
         for module, n in zip(self.members, self.splits):
+            own = _member_tensors(module, self.kind)
             for name, fused in self.tensors.items():
-                t = _member_tensors(module, self.kind).get(name)
+                t = own.get(name)
                 if t is None or t.data_ptr() != fused[row:row + n].data_ptr() or t.shape != fused[row:row + n].shape:
                     return False
             row += n
@@ -94,13 +95,13 @@ def fuse_group(members: Sequence[nn.Module]) -> FusedProjection | None:
     kind = _kind(members)
     if kind is None:
         return None
-    names = list(_member_tensors(members[0], kind))
-    if any(list(_member_tensors(m, kind)) != names for m in members):
+    owned = [_member_tensors(m, kind) for m in members]
+    if any(own.keys() != owned[0].keys() for own in owned):
         return None  # bias on some members only
     tensors = {}
     with torch.no_grad():
-        for name in names:
-            parts = [_member_tensors(m, kind)[name] for m in members]
+        for name in owned[0]:
+            parts = [own[name] for own in owned]
             fused = _adjacent(parts)
             if fused is None:
                 fused = torch.cat([p.detach() for p in parts], dim=0)
@@ -121,10 +122,6 @@ def fuse_group(members: Sequence[nn.Module]) -> FusedProjection | None:
 
 
 # ---------------------------------------------------------------------------------------------- helpers
-def _out_features(m: nn.Module) -> int:
-    return int(m.out_features)
-
-
 def _kind(members: list[nn.Module]) -> str | None:
     first = members[0]
     if all(type(m) is nn.Linear for m in members):
@@ -152,16 +149,11 @@ def _same_scale(a: NVFP4Linear, b: NVFP4Linear) -> bool:
 
 
 def _member_tensors(m: nn.Module, kind: str) -> dict[str, torch.Tensor]:
-    """The per-row tensors of a member, by name (bias only when present)."""
+    """The per-row tensors of a member, by name (bias only when present): parameters of an
+    ``nn.Linear``, format buffers of an ``NVFP4Linear``."""
+    store = m._parameters if kind == "linear" else m._buffers
     names = ("weight", "bias") if kind == "linear" else ("weight_packed", "weight_scale", "bias")
-    out = {}
-    for name in names:
-        t = (m._parameters.get(name) if kind == "linear" else None)
-        if t is None:
-            t = m._buffers.get(name) if kind == "nvfp4" else None
-        if t is not None:
-            out[name] = t
-    return out
+    return {name: store[name] for name in names if store.get(name) is not None}
 
 
 def _rebind(m: nn.Module, kind: str, name: str, view: torch.Tensor) -> None:

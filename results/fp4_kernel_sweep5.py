@@ -25,7 +25,8 @@ import time
 import torch
 
 from qerl_lib.bench import _copies_needed, copy_bandwidth_gbps, l2_cache_bytes, mean_relative_error, time_graph
-from qerl_lib.fp4_kernel import KernelConfig, fp4_linear, pick_config, prepare_fp4_weights
+from qerl_lib.fp4_kernel import KernelConfig, fp4_linear, prepare_fp4_weights
+from qerl_lib.fp4_kernel_config import _split_k  # the K-slice rule pick_config uses
 from qerl_lib.nvfp4 import quantize, reference_matmul
 
 OUT = os.environ.get("OUT", ".")
@@ -43,13 +44,6 @@ def ceil(a, b):
     return -(-a // b)
 
 
-def split_for(tiles: int, k_iters: int, per_sm: int, sms: int) -> int:
-    if tiles >= per_sm * sms:
-        return 1
-    split = max(1, min(ceil(per_sm * sms, tiles), max(1, k_iters // 2)))
-    return ceil(k_iters, ceil(k_iters, split))
-
-
 def variants(m: int, n: int, k: int, sms: int, quick: bool, run6: bool = False):
     bm = 16 if m <= 16 else 32
     out = [("auto", None)]
@@ -57,7 +51,7 @@ def variants(m: int, n: int, k: int, sms: int, quick: bool, run6: bool = False):
         for bn in (64, 128):
             tiles = ceil(n, bn) * ceil(m, bm)
             for per_sm in (2, 4):
-                sp = split_for(tiles, ceil(k, 128), per_sm, sms)
+                sp = _split_k(tiles, ceil(k, 128), sms, per_sm)
                 for label, cfg in ((f"pf-n{bn}s{sp}", KernelConfig(bm, bn, 128, sp, 4, 1, fragment=True)),
                                    (f"n{bn}s{sp}st3", KernelConfig(bm, bn, 128, sp, 4, 3, fragment=True, prefetch=False)),
                                    (f"n{bn}s{sp}st4", KernelConfig(bm, bn, 128, sp, 4, 4, fragment=True, prefetch=False))):
@@ -67,7 +61,7 @@ def variants(m: int, n: int, k: int, sms: int, quick: bool, run6: bool = False):
     for bn in ((128,) if quick else (64, 128, 256)):
         tiles = ceil(n, bn) * ceil(m, bm)
         for per_sm in (2, 4):
-            sp = split_for(tiles, ceil(k, 128), per_sm, sms)
+            sp = _split_k(tiles, ceil(k, 128), sms, per_sm)
             for st in (2, 3, 4):
                 label = f"n{bn}s{sp}st{st}"
                 if not any(v[0] == label for v in out):

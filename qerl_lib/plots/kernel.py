@@ -115,9 +115,9 @@ def plot_rollout(rollout_json: str | Path, out_png: str | Path) -> Path:
 
     # the generation length with the most LoRA ranks measured for 7B at batch 8 (512 or 2048 in the committed runs)
     lora_rows = [r for r in rows if r["model"] == "qwen2.5-7b" and r["batch"] == 8 and r.get("tok_s")]
-    gen_lens = sorted({r["gen_len"] for r in lora_rows}, key=lambda g: (-len({r["rank"] for r in lora_rows if r["gen_len"] == g}), g))
-    lora_gen = gen_lens[0] if gen_lens else 512
-    ranks = sorted({r["rank"] for r in lora_rows if r["gen_len"] == lora_gen})
+    ranks_at = {g: {r["rank"] for r in lora_rows if r["gen_len"] == g} for g in {r["gen_len"] for r in lora_rows}}
+    lora_gen = max(ranks_at, key=lambda g: (len(ranks_at[g]), -g), default=512)
+    ranks = sorted(ranks_at.get(lora_gen, ()))
     for weights in ("bf16", "nvfp4"):
         pts = [(k, _best(rows, model="qwen2.5-7b", weights=weights, batch=8, rank=k, gen_len=lora_gen, engine="qerl"))
                for k in ranks]
