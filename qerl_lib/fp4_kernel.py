@@ -70,6 +70,7 @@ from dataclasses import dataclass
 
 import torch
 
+from qerl_lib import fp4_kernel_mma
 from qerl_lib.fp4_kernel_config import KernelConfig, pick_config
 from qerl_lib.nvfp4 import GROUP_SIZE, NVFP4Weight, reference_matmul
 
@@ -81,6 +82,32 @@ except ImportError:  # pragma: no cover - exercised only on installs without tri
     tl = None
 
 IMPLS = ("auto", "triton", "reference")
+SMALL_M_BACKENDS = ("auto", "mma", "triton")
+_small_m_backend = os.environ.get("QERL_FP4_SMALL_M", "auto")
+
+
+def set_small_m_backend(name: str) -> str:
+    """Which kernel runs CUDA calls with M <= 16 (the decode step): ``"mma"`` (the CUDA mma.sync
+    kernel of ``fp4_kernel_mma``; error if this machine cannot run it), ``"triton"`` (this module's
+    Triton kernel) or ``"auto"`` (mma where available, else Triton; the default, also settable
+    with the environment variable ``QERL_FP4_SMALL_M``). Returns the previous setting."""
+    global _small_m_backend
+    if name not in SMALL_M_BACKENDS:
+        raise ValueError(f"small-M backend must be one of {SMALL_M_BACKENDS}, got {name!r}")
+    previous, _small_m_backend = _small_m_backend, name
+    return previous
+
+
+def _use_mma(x2: torch.Tensor, k: int) -> bool:
+    if _small_m_backend == "triton" or not x2.is_cuda or not fp4_kernel_mma.supported_problem(x2.shape[0], k):
+        return False
+    index = x2.device.index if x2.device.index is not None else torch.cuda.current_device()
+    if fp4_kernel_mma.available(index):
+        return True
+    if _small_m_backend == "mma":
+        raise RuntimeError(f"small-M backend 'mma' cannot run here: {fp4_kernel_mma.unavailable_reason(index)}; "
+                           "use set_small_m_backend('auto') or QERL_FP4_SMALL_M=auto")
+    return False
 
 
 # ============================================================================ prepared weights
@@ -266,6 +293,11 @@ def _triton_linear(x: torch.Tensor, weight: PreparedFP4Weight, bias: torch.Tenso
     m = x2.shape[0]
     out = torch.empty(m, n, dtype=torch.bfloat16, device=x.device) if out is None else out.view(m, n)
     if m == 0:
+        return out.reshape(*lead, n)
+    if config is None and _use_mma(x2, k):
+        x2 = x2 if x2.is_contiguous() else x2.contiguous()
+        bias_c = bias.contiguous() if bias is not None else None
+        fp4_kernel_mma.mma_linear(x2, weight.words, weight.scales, weight.global_scale, bias_c, out)
         return out.reshape(*lead, n)
     cfg = config or pick_config(m, n, k, _num_sms(x.device), allow_cublas and not math.isnan(weight.inv_global_scale))
     if cfg.cublas:

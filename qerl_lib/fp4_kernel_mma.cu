@@ -1,0 +1,260 @@
+// NVFP4 x BF16 GEMM for few rows of x (M <= 16): out[M, N] = x[M, K] @ W[N, K]^T.
+// Compiled at run time by NVRTC (qerl_lib/fp4_kernel_mma.py), once per launch shape; the shape
+// comes in as the macros T_TILES, WARPS_R, WARPS_K, NB, DEPTH and KERNEL_NAME.
+//
+// Layout read in place (compressed-tensors): W codes as u32 words [N, K/8] (code k of a row is
+// nibble k%8 of word k/8), E4M3 block scales as bytes [N, K/16], fp32 global scale gs[1]
+// (the encode factor: w = fp4 * s / gs). x bf16 [M, ldx], out bf16 [M, ldo]. K % 128 == 0.
+//
+// Work split. A CTA owns ROWS_PER_CTA = 16 * T_TILES * WARPS_R output rows and a K-slice of
+// `chunks_per_split` chunks of 128 (blockIdx.y picks the slice). Warp (wr, wk) owns T_TILES
+// m16-tiles of rows and every WARPS_K-th chunk of the slice; the WARPS_K partial sums meet in
+// shared memory and are added in a fixed order. Slices (gridDim.y > 1) write fp32 partials;
+// the last CTA of a row block to finish (atomic counter, reset afterwards) adds them in slice
+// order and writes bf16. Every sum has a fixed order, so results are deterministic.
+//
+// Swap-AB mma.sync.m16n8k16: the weights are operand A (16 rows x 16 k, from registers), x is
+// operand B (16 k x 8 tokens). K is relabelled so that each thread's A fragment comes from one
+// 16-byte load per row and chunk: thread (g = lane/4, t = lane%4) reads codes 32t..32t+31 of
+// rows g and g+8 (four u32 words). Word w feeds two MMA steps; step P (0 or 2) uses the code
+// pairs (P, P+4) and (P+1, P+5) of the word, because a pair (i, i+4) sits 16 bits apart and
+// becomes one bf16x2 register in four integer ops (code_pair). x is permuted the same way
+// (prmt), so the dot product is unchanged: only the order of its terms moves.
+typedef unsigned int u32;
+typedef unsigned short u16;
+typedef unsigned char u8;
+struct __align__(16) U4 { u32 x, y, z, w; };
+
+#define ROWS_PER_WARP (16 * T_TILES)
+#define ROWS_PER_CTA (ROWS_PER_WARP * WARPS_R)
+#define NWARPS (WARPS_R * WARPS_K)
+#define MAXTOK (8 * NB)
+#define RED_STRIDE (ROWS_PER_CTA + 4)
+
+__device__ __forceinline__ U4 load_stream(const U4* p) {  // weights: read once, keep out of L1
+  U4 r;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+  return r;
+}
+
+__device__ __forceinline__ U4 load_shared_x(const U4* p) {  // x: reused by every CTA, keep in L1
+  U4 r;
+  asm volatile("ld.global.nc.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+  return r;
+}
+
+__device__ __forceinline__ u16 load_scale_pair(const u16* p) {
+  u16 r;
+  asm volatile("ld.global.nc.L1::no_allocate.u16 %0, [%1];" : "=h"(r) : "l"(p));
+  return r;
+}
+
+// Codes i and i+4 of a word as a bf16x2 holding fp4(code) * 2^-126 each: s<<15 | e1 e0 m<<6 is
+// exactly that bf16 (code 1 = 0.5 lands on a subnormal). One multiply places both nibbles.
+__device__ __forceinline__ u32 code_pair(u32 v, int i) {
+  return (((v >> (4 * i)) & 0x000F000Fu) * 0x1040u) & 0x81C081C0u;
+}
+
+// E4M3 byte -> bf16 bits of s * 2^118 (exact; E4M3 subnormals via an exact float product).
+__device__ __forceinline__ u32 scale_bits(u32 b) {
+  u32 mag = b & 0x7Fu;
+  u32 normal = (mag << 4) + 0x7700u;
+  u32 sub = __float_as_uint((float)mag * 6.49037107316853453566e32f) >> 16;  // 2^109
+  return (mag >= 8u ? normal : sub) | ((b & 0x80u) << 8);
+}
+
+__device__ __forceinline__ u32 mul_bf16x2(u32 a, u32 b) {
+  u32 d;
+  asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+
+__device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
+  u32 d;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
+  return d;
+}
+
+__device__ __forceinline__ void mma16816(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ u16 to_bf16(float v) {
+  u16 r;
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(v));
+  return r;
+}
+
+__device__ __forceinline__ float from_bf16(u16 v) { return __uint_as_float(((u32)v) << 16); }
+
+// bf16(acc * 2^8/gs) (2^8 undoes the W' scaling), then + bias after the cast, as the oracle.
+__device__ __forceinline__ u16 epilogue(float acc, float factor, const u16* bias, int row) {
+  u16 y = to_bf16(acc * factor);
+  if (bias != 0) y = to_bf16(from_bf16(y) + from_bf16(bias[row]));
+  return y;
+}
+
+extern "C" __global__ void __launch_bounds__(NWARPS * 32)
+KERNEL_NAME(const u16* __restrict__ x, const u32* __restrict__ wq, const u8* __restrict__ sc,
+            const float* __restrict__ gs, const u16* __restrict__ bias, u16* __restrict__ out,
+            float* __restrict__ ws, int* __restrict__ counters,
+            int M, int N, int K, int ldx, int ldo, int chunks_per_split) {
+  __shared__ float red[WARPS_K][MAXTOK][RED_STRIDE];
+  __shared__ int is_last;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int wr = warp % WARPS_R, wk = warp / WARPS_R;
+  const int g = lane >> 2, t = lane & 3;
+  const int row_cta = blockIdx.x * ROWS_PER_CTA;
+  const int row_warp = row_cta + wr * ROWS_PER_WARP;
+  const long words_per_row = K >> 3, scales_per_row = K >> 4;
+  const int n_chunks = K >> 7;
+  const int c_begin = blockIdx.y * chunks_per_split;
+  const int c_end = min(c_begin + chunks_per_split, n_chunks);
+  const int n_mine = c_end - c_begin > wk ? (c_end - c_begin - wk + WARPS_K - 1) / WARPS_K : 0;
+
+  const U4* wp[T_TILES][2];
+  const u16* sp[T_TILES][2];
+#pragma unroll
+  for (int i = 0; i < T_TILES; ++i)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = min(row_warp + i * 16 + g + 8 * h, N - 1);  // rows past N: read, never stored
+      wp[i][h] = reinterpret_cast<const U4*>(wq + r * words_per_row) + t;   // + 4 per chunk
+      sp[i][h] = reinterpret_cast<const u16*>(sc + r * scales_per_row) + t;  // + 4 per chunk
+    }
+  const U4* xp[NB];
+  bool x_valid[NB];
+#pragma unroll
+  for (int nb = 0; nb < NB; ++nb) {
+    const int tok = nb * 8 + g;
+    x_valid[nb] = tok < M;
+    xp[nb] = reinterpret_cast<const U4*>(x + (long)min(tok, M - 1) * ldx) + 4 * t;  // + 16 per chunk
+  }
+
+  float acc[T_TILES][NB][4];
+#pragma unroll
+  for (int i = 0; i < T_TILES; ++i)
+#pragma unroll
+    for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+      for (int q = 0; q < 4; ++q) acc[i][nb][q] = 0.f;
+
+  // register ring: chunk j of this warp lives in slot j % DEPTH
+  U4 wbuf[DEPTH][T_TILES][2];
+  u16 sbuf[DEPTH][T_TILES][2];
+  U4 xbuf[DEPTH][NB][4];
+
+#define LOAD_CHUNK(slot, j)                                                        \
+  if ((j) < n_mine) {                                                              \
+    const int c = c_begin + wk + (j) * WARPS_K;                                    \
+    _Pragma("unroll") for (int i = 0; i < T_TILES; ++i)                            \
+    _Pragma("unroll") for (int h = 0; h < 2; ++h) {                                \
+      wbuf[slot][i][h] = load_stream(wp[i][h] + 4 * c);                            \
+      sbuf[slot][i][h] = load_scale_pair(sp[i][h] + 4 * c);                        \
+    }                                                                              \
+    _Pragma("unroll") for (int nb = 0; nb < NB; ++nb)                              \
+    _Pragma("unroll") for (int w = 0; w < 4; ++w) {                                \
+      if (x_valid[nb]) xbuf[slot][nb][w] = load_shared_x(xp[nb] + 16 * c + w);     \
+      else xbuf[slot][nb][w] = U4{0u, 0u, 0u, 0u};                                 \
+    }                                                                              \
+  }
+
+#pragma unroll
+  for (int d = 0; d < DEPTH - 1; ++d) { LOAD_CHUNK(d, d) }
+
+  for (int j0 = 0; j0 < n_mine; j0 += DEPTH) {
+#pragma unroll
+    for (int d = 0; d < DEPTH; ++d) {
+      const int j = j0 + d;
+      if (j < n_mine) {
+        LOAD_CHUNK((d + DEPTH - 1) % DEPTH, j + DEPTH - 1)
+        // block scales of this chunk: groups 2t (words 0, 1) and 2t+1 (words 2, 3) per row
+        u32 s2[T_TILES][2][2];
+#pragma unroll
+        for (int i = 0; i < T_TILES; ++i)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const u32 pair = sbuf[d][i][h];
+            const u32 s_lo = scale_bits(pair & 0xFFu), s_hi = scale_bits(pair >> 8);
+            s2[i][h][0] = s_lo | (s_lo << 16);
+            s2[i][h][1] = s_hi | (s_hi << 16);
+          }
+#pragma unroll
+        for (int w = 0; w < 4; ++w) {
+          u32 b[NB][2][2];  // [n8 block][step P/2][b0, b1]
+#pragma unroll
+          for (int nb = 0; nb < NB; ++nb) {
+            const U4 xv = xbuf[d][nb][w];
+            b[nb][0][0] = prmt(xv.x, xv.z, 0x5410u);  // x codes (0, 4)
+            b[nb][0][1] = prmt(xv.x, xv.z, 0x7632u);  // (1, 5)
+            b[nb][1][0] = prmt(xv.y, xv.w, 0x5410u);  // (2, 6)
+            b[nb][1][1] = prmt(xv.y, xv.w, 0x7632u);  // (3, 7)
+          }
+#pragma unroll
+          for (int i = 0; i < T_TILES; ++i) {
+            const u32 v0 = w == 0 ? wbuf[d][i][0].x : w == 1 ? wbuf[d][i][0].y : w == 2 ? wbuf[d][i][0].z : wbuf[d][i][0].w;
+            const u32 v1 = w == 0 ? wbuf[d][i][1].x : w == 1 ? wbuf[d][i][1].y : w == 2 ? wbuf[d][i][1].z : wbuf[d][i][1].w;
+            const u32 sg = s2[i][0][w >> 1], sg8 = s2[i][1][w >> 1];
+#pragma unroll
+            for (int p = 0; p < 2; ++p) {
+              const u32 a0 = mul_bf16x2(code_pair(v0, 2 * p), sg);
+              const u32 a1 = mul_bf16x2(code_pair(v1, 2 * p), sg8);
+              const u32 a2 = mul_bf16x2(code_pair(v0, 2 * p + 1), sg);
+              const u32 a3 = mul_bf16x2(code_pair(v1, 2 * p + 1), sg8);
+#pragma unroll
+              for (int nb = 0; nb < NB; ++nb) mma16816(acc[i][nb], a0, a1, a2, a3, b[nb][p][0], b[nb][p][1]);
+            }
+          }
+        }
+      }
+    }
+  }
+#undef LOAD_CHUNK
+
+  // C fragment: c0, c1 = (row g, tokens 2t, 2t+1); c2, c3 = (row g+8, same tokens)
+#pragma unroll
+  for (int i = 0; i < T_TILES; ++i)
+#pragma unroll
+    for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const int rl = wr * ROWS_PER_WARP + i * 16 + g + (q >= 2 ? 8 : 0);
+        red[wk][nb * 8 + 2 * t + (q & 1)][rl] = acc[i][nb][q];
+      }
+  __syncthreads();
+
+  const float factor = __fdiv_rn(256.0f, gs[0]);
+  const int m_rows = min(M, MAXTOK);
+  const bool split = gridDim.y > 1;
+  for (int e = threadIdx.x; e < m_rows * ROWS_PER_CTA; e += NWARPS * 32) {
+    const int tok = e / ROWS_PER_CTA, rl = e % ROWS_PER_CTA, row = row_cta + rl;
+    if (row >= N) continue;
+    float s = 0.f;
+#pragma unroll
+    for (int w = 0; w < WARPS_K; ++w) s += red[w][tok][rl];
+    if (split) ws[((long)blockIdx.y * M + tok) * N + row] = s;
+    else out[(long)tok * ldo + row] = epilogue(s, factor, bias, row);
+  }
+  if (!split) return;
+
+  // K-slices: the last CTA of this row block adds the partials in slice order
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) is_last = atomicAdd(&counters[blockIdx.x], 1) == (int)gridDim.y - 1;
+  __syncthreads();
+  if (!is_last) return;
+  __threadfence();
+  for (int e = threadIdx.x; e < m_rows * ROWS_PER_CTA; e += NWARPS * 32) {
+    const int tok = e / ROWS_PER_CTA, row = row_cta + e % ROWS_PER_CTA;
+    if (row >= N) continue;
+    float s = 0.f;
+    for (int sl = 0; sl < (int)gridDim.y; ++sl) s += __ldcg(&ws[((long)sl * M + tok) * N + row]);
+    out[(long)tok * ldo + row] = epilogue(s, factor, bias, row);
+  }
+  if (threadIdx.x == 0) counters[blockIdx.x] = 0;  // ready for the next launch (and graph replay)
+}

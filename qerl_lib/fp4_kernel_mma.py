@@ -1,0 +1,281 @@
+"""The small-M NVFP4 GEMM as a CUDA kernel on ``mma.sync``, compiled at run time by NVRTC.
+
+Why a second kernel
+-------------------
+The Triton kernel (``fp4_kernel``) streams the weights at ~55% of copy bandwidth on an H100 for
+M <= 16 (results/notes_fp4_kernel.md): Hopper's ``wgmma`` wants its B operand (``x``) in shared
+memory, so every K-step stages ``x``, waits on a barrier and then on the MMA, with few programs
+per SM. Marlin's answer, which plain Triton cannot express, is ``mma.sync``: a warp-synchronous
+MMA whose operands all live in registers, so nothing waits but the loads. This module is that
+design in ~200 lines of CUDA (``fp4_kernel_mma.cu``, read it next to this docstring):
+
+* the compressed-tensors bytes are read **in place** (no repacked copy, no extra memory): K is
+  relabelled so that each thread's A fragment comes from one 16-byte load per row and chunk of
+  128 codes, and ``x`` is permuted the same way in registers (a dot product ignores term order);
+* decoding is Marlin's bit trick (spec 4.6) -- one multiply places two codes as bf16 -- and the
+  E4M3 block scale is applied exactly by one packed ``mul.rn.bf16x2``, as in the Triton kernel;
+* loads run ``DEPTH`` chunks ahead in a register ring (the role of Marlin's multi-stage
+  ``cp.async`` pipeline), and several warps split K inside a CTA so many bytes are in flight;
+* K-slices across CTAs meet through fp32 partials that the *last* CTA of a row block adds (an
+  atomic counter), in a fixed order: one launch, deterministic bits.
+
+Where we deviate from Marlin: no offline repack (Marlin permutes weights into its fragment order
+at load time; we relabel K instead, keeping the checkpoint layout and memory); E4M3-subnormal
+scales are kept (Marlin flushes them); register prefetch instead of ``cp.async`` into shared
+memory (for M <= 16 a weight is used by exactly one warp, so shared memory buys nothing).
+
+Compilation: NVRTC (the ``libnvrtc`` that CUDA builds of PyTorch ship) turns the source into a
+cubin for the GPU's architecture the first time a launch shape is used; ``cuModuleLoadData`` and
+``cuLaunchKernel`` (driver API through ``ctypes``) run it on PyTorch's current stream, so it is
+captured by CUDA graphs like any kernel. It needs sm_90 (Hopper) or newer (``mul.rn.bf16x2``);
+``available()`` says whether this machine can run it, and ``fp4_kernel`` falls back to Triton.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import functools
+import math
+import os
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+SOURCE_PATH = Path(__file__).with_name("fp4_kernel_mma.cu")
+MIN_CAPABILITY = (9, 0)
+CHUNK = 128  # codes per row per load step; K must be a multiple
+MAX_M = 16
+
+
+@dataclass(frozen=True)
+class MmaConfig:
+    """One launch shape of the mma.sync kernel.
+
+    ``tiles``: m16 tiles of rows per warp; ``warps_r`` x ``warps_k``: warps per CTA along rows
+    and along K (their partials meet in shared memory); ``depth``: chunks in the register ring
+    (``depth - 1`` loads ahead); ``split_k``: K-slices across CTAs (1 = no partials).
+    """
+
+    tiles: int = 2
+    warps_r: int = 2
+    warps_k: int = 4
+    depth: int = 2
+    split_k: int = 1
+
+    def __post_init__(self):
+        for name, lo, hi in (("tiles", 1, 4), ("warps_r", 1, 8), ("warps_k", 1, 8), ("depth", 2, 4), ("split_k", 1, 64)):
+            v = getattr(self, name)
+            if not isinstance(v, int) or not lo <= v <= hi:
+                raise ValueError(f"MmaConfig.{name} must be an int in [{lo}, {hi}], got {v!r}")
+        if self.warps_r * self.warps_k > 16:
+            raise ValueError(f"MmaConfig: warps_r * warps_k = {self.warps_r * self.warps_k} > 16 warps per CTA")
+
+    @property
+    def rows_per_cta(self) -> int:
+        return 16 * self.tiles * self.warps_r
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps_r * self.warps_k
+
+
+def pick_mma_config(m: int, n: int, k: int, num_sms: int = 132) -> MmaConfig:
+    """Launch shape for ``[m, k] x [k, n]`` (m <= 16): 64-row CTAs of 8 warps, K-slices only when
+    the row blocks alone give fewer than ~2 CTAs per SM (each slice keeps >= 4 chunks per warp)."""
+    cfg = MmaConfig()
+    blocks = math.ceil(n / cfg.rows_per_cta)
+    chunks = k // CHUNK
+    want = 2 * num_sms
+    split = 1
+    if blocks < want:
+        split = min(math.ceil(want / blocks), max(1, chunks // (4 * cfg.warps_k)))
+        split = math.ceil(chunks / math.ceil(chunks / split))  # no empty slice
+    return MmaConfig(cfg.tiles, cfg.warps_r, cfg.warps_k, cfg.depth, split)
+
+
+# ============================================================================ availability
+def supported_problem(m: int, k: int) -> bool:
+    """Shapes this kernel takes: 1 <= M <= 16 and K a multiple of 128."""
+    return 1 <= m <= MAX_M and k % CHUNK == 0
+
+
+@functools.lru_cache(maxsize=None)
+def available(device_index: int = 0) -> bool:
+    """True when a CUDA device of compute capability >= 9.0 is present and NVRTC + the driver
+    library load (the kernel is then compiled on first use)."""
+    return unavailable_reason(device_index) is None
+
+
+@functools.lru_cache(maxsize=None)
+def unavailable_reason(device_index: int = 0) -> str | None:
+    """Why ``available`` is False (one line), or None."""
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    cap = torch.cuda.get_device_capability(device_index)
+    if cap < MIN_CAPABILITY:
+        return f"compute capability {cap[0]}.{cap[1]} < 9.0 (mul.rn.bf16x2 needs Hopper or newer)"
+    try:
+        _nvrtc()
+        _driver()
+    except OSError as err:
+        return str(err)
+    return None
+
+
+# ============================================================================ NVRTC + driver
+@functools.lru_cache(maxsize=None)
+def _nvrtc() -> ctypes.CDLL:
+    """libnvrtc: PyTorch's own (CUDA wheels ship it), else ``QERL_NVRTC`` or the system one."""
+    try:
+        from torch.cuda._utils import _get_nvrtc_library  # private, but the best-matched copy
+        return _get_nvrtc_library()
+    except Exception:  # noqa: BLE001 - any failure means: look elsewhere
+        pass
+    names = [os.environ.get("QERL_NVRTC", ""), "libnvrtc.so", "libnvrtc.so.13", "libnvrtc.so.12",
+             ctypes.util.find_library("nvrtc") or ""]
+    for name in filter(None, names):
+        try:
+            return ctypes.CDLL(name)
+        except OSError:
+            continue
+    raise OSError("libnvrtc not found: install a CUDA build of PyTorch (it ships NVRTC) or set QERL_NVRTC=/path/libnvrtc.so")
+
+
+@functools.lru_cache(maxsize=None)
+def _driver() -> ctypes.CDLL:
+    try:
+        return ctypes.CDLL("libcuda.so.1")
+    except OSError as err:
+        raise OSError(f"CUDA driver library libcuda.so.1 not loadable: {err}") from err
+
+
+def kernel_name(cfg: MmaConfig, nb: int) -> str:
+    return f"qerl_fp4_mma_t{cfg.tiles}_r{cfg.warps_r}_k{cfg.warps_k}_n{nb}_d{cfg.depth}"
+
+
+def kernel_source(cfg: MmaConfig, nb: int) -> str:
+    """The CUDA source for one launch shape (``nb`` n8 blocks: 1 for M <= 8, 2 for M <= 16)."""
+    defines = (f"#define T_TILES {cfg.tiles}\n#define WARPS_R {cfg.warps_r}\n#define WARPS_K {cfg.warps_k}\n"
+               f"#define NB {nb}\n#define DEPTH {cfg.depth}\n#define KERNEL_NAME {kernel_name(cfg, nb)}\n")
+    return defines + SOURCE_PATH.read_text()
+
+
+def compile_cubin(source: str, name: str, arch: str, lib: ctypes.CDLL | None = None) -> bytes:
+    """NVRTC: CUDA source -> cubin for ``arch`` (e.g. ``"sm_90"``). Raises with the compiler log."""
+    lib = lib or _nvrtc()
+    prog = ctypes.c_void_p()
+    _nvrtc_check(lib, lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), f"{name}.cu".encode(), 0, None, None))
+    try:
+        opts = [f"--gpu-architecture={arch}".encode(), b"--std=c++17", b"-lineinfo"]
+        arr = (ctypes.c_char_p * len(opts))(*opts)
+        res = lib.nvrtcCompileProgram(prog, len(opts), arr)
+        if res != 0:
+            size = ctypes.c_size_t()
+            lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+            log = ctypes.create_string_buffer(size.value)
+            lib.nvrtcGetProgramLog(prog, log)
+            raise RuntimeError(f"NVRTC could not compile {name} for {arch}:\n{log.value.decode(errors='replace')}")
+        size = ctypes.c_size_t()
+        _nvrtc_check(lib, lib.nvrtcGetCUBINSize(prog, ctypes.byref(size)))
+        buf = ctypes.create_string_buffer(size.value)
+        _nvrtc_check(lib, lib.nvrtcGetCUBIN(prog, buf))
+        return buf.raw
+    finally:
+        lib.nvrtcDestroyProgram(ctypes.byref(prog))
+
+
+def _nvrtc_check(lib: ctypes.CDLL, res: int) -> None:
+    if res != 0:
+        lib.nvrtcGetErrorString.restype = ctypes.c_char_p
+        raise RuntimeError(f"NVRTC error {res}: {lib.nvrtcGetErrorString(res).decode()}")
+
+
+def _cu_check(res: int, what: str) -> None:
+    if res != 0:
+        msg = ctypes.c_char_p()
+        _driver().cuGetErrorString(res, ctypes.byref(msg))
+        raise RuntimeError(f"CUDA driver error {res} in {what}: {(msg.value or b'?').decode()}")
+
+
+class _Kernel:
+    """A loaded cubin function and a lean launcher on PyTorch's current stream."""
+
+    def __init__(self, cubin: bytes, name: str):
+        drv = _driver()
+        self._module = ctypes.c_void_p()
+        _cu_check(drv.cuModuleLoadData(ctypes.byref(self._module), cubin), "cuModuleLoadData")
+        self._func = ctypes.c_void_p()
+        _cu_check(drv.cuModuleGetFunction(ctypes.byref(self._func), self._module, name.encode()), "cuModuleGetFunction")
+        self._launch = drv.cuLaunchKernel
+
+    def __call__(self, grid: tuple[int, int], threads: int, args: list) -> None:
+        vals = [ctypes.c_void_p(a.data_ptr()) if isinstance(a, torch.Tensor) else
+                ctypes.c_void_p(0) if a is None else ctypes.c_int(a) for a in args]
+        params = (ctypes.c_void_p * len(vals))(*[ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in vals])
+        stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
+        _cu_check(self._launch(self._func, grid[0], grid[1], 1, threads, 1, 1, 0, stream, params, None), "cuLaunchKernel")
+
+
+_KERNELS: dict[tuple, _Kernel] = {}
+_COUNTERS: dict[int, torch.Tensor] = {}
+_LOCK = threading.Lock()
+
+
+def _get_kernel(cfg: MmaConfig, nb: int, device: torch.device) -> _Kernel:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    key = (index, cfg.tiles, cfg.warps_r, cfg.warps_k, cfg.depth, nb)
+    kern = _KERNELS.get(key)
+    if kern is None:
+        with _LOCK, torch.cuda.device(index):
+            if torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("fp4_kernel_mma: first use of a launch shape inside CUDA-graph capture; "
+                                   "run the call once before capturing (warm-up)")
+            major, minor = torch.cuda.get_device_capability(index)
+            name = kernel_name(cfg, nb)
+            cubin = compile_cubin(kernel_source(cfg, nb), name, f"sm_{major}{minor}")
+            torch.cuda.synchronize(index)  # makes PyTorch's primary context current on this thread
+            kern = _KERNELS[key] = _Kernel(cubin, name)
+    return kern
+
+
+def _counters(device: torch.device, blocks: int) -> torch.Tensor:
+    """Per-row-block arrival counters for K-slices; zero between launches (the kernel resets them)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    buf = _COUNTERS.get(index)
+    if buf is None or buf.numel() < blocks:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("fp4_kernel_mma: counter buffer must grow inside CUDA-graph capture; warm up first")
+        buf = _COUNTERS[index] = torch.zeros(max(blocks, 4096), dtype=torch.int32, device=device)
+    return buf
+
+
+# ============================================================================ launch
+def mma_linear(x2: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor,
+               bias: torch.Tensor | None, out: torch.Tensor, config: MmaConfig | None = None) -> torch.Tensor:
+    """``out[m, n] = bf16(x2 @ W.T * 2^8/gs ...)`` (+ bias) for contiguous bf16 ``x2 [m, k]``, ``m <= 16``.
+
+    ``words``: int32 ``[N, K/8]``, ``scales``: uint8 ``[N, K/16]`` (the compressed-tensors bytes),
+    ``out``: bf16 ``[m, N]`` contiguous. Validation of dtypes/shapes is ``fp4_kernel``'s job; this
+    checks only what the kernel itself assumes.
+    """
+    m, k = x2.shape
+    n = words.shape[0]
+    if not supported_problem(m, k):
+        raise ValueError(f"fp4_kernel_mma takes 1 <= M <= {MAX_M} and K % {CHUNK} == 0, got M={m}, K={k}")
+    if x2.stride(1) != 1 or x2.stride(0) % 8 or x2.data_ptr() % 16 or words.data_ptr() % 16:
+        raise ValueError("fp4_kernel_mma needs 16-byte aligned x rows (stride % 8 == 0) and weights")
+    cfg = config or pick_mma_config(m, n, k, torch.cuda.get_device_properties(x2.device).multi_processor_count)
+    nb = 1 if m <= 8 else 2
+    kern = _get_kernel(cfg, nb, x2.device)
+    blocks = math.ceil(n / cfg.rows_per_cta)
+    chunks = k // CHUNK
+    per_split = math.ceil(chunks / cfg.split_k)
+    split = math.ceil(chunks / per_split)
+    ws = torch.empty(split, m, n, dtype=torch.float32, device=x2.device) if split > 1 else out
+    counters = _counters(x2.device, blocks)
+    kern((blocks, split), cfg.threads,
+         [x2, words, scales, global_scale, bias, out, ws, counters, m, n, k, x2.stride(0), out.stride(0), per_split])
+    return out
