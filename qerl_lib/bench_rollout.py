@@ -86,6 +86,7 @@ class RolloutBenchConfig:
     profile: bool = False  # print a kernel-time table of an eager decode step per model
     fuse_projections: bool = True  # engine runs q/k/v and gate/up as one matmul each (layers_fused)
     decode_attention: str | None = None  # None: the engine's default ("kernel" on CUDA)
+    fp4_small_m: str = "auto"  # NVFP4 GEMM for M <= 16: "auto" (mma.sync CUDA kernel where it runs), "mma", "triton"
 
     def __post_init__(self):
         for m in self.models:
@@ -98,6 +99,8 @@ class RolloutBenchConfig:
             raise ValueError("batches, prompt_len and repeats must be >= 1 and gen_len >= 2")
         if min(self.lora_ranks) < 0:
             raise ValueError("LoRA ranks must be >= 0 (0 = no adapter)")
+        if self.fp4_small_m not in ("auto", "mma", "triton"):
+            raise ValueError(f"fp4_small_m must be auto, mma or triton, got {self.fp4_small_m!r}")
         if self.init not in ("random_codes", "quantize"):
             raise ValueError(f"init must be 'random_codes' or 'quantize', got {self.init!r}")
 
@@ -255,6 +258,11 @@ def run_rollout_bench(cfg: RolloutBenchConfig, log=print, checkpoint=None) -> di
         raise UserError("qerl bench rollout needs a CUDA GPU (the engine's speed path is CUDA graphs)")
     device = torch.device("cuda")
     prov = provenance()
+    from qerl_lib import fp4_kernel, fp4_kernel_mma
+
+    fp4_kernel.set_small_m_backend(cfg.fp4_small_m)
+    prov["fp4_small_m_kernel"] = ("triton" if cfg.fp4_small_m == "triton" or not fp4_kernel_mma.available()
+                                  else "mma (qerl_lib/fp4_kernel_mma.cu)")
 
     class _Rows(list):  # every finished row is also written out, so a run cut short keeps its numbers
         def append(self, row):
@@ -451,6 +459,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="call q/k/v and gate/up one by one (the engine fuses them on CUDA by default)")
     p.add_argument("--decode-attention", choices=("kernel", "matmul", "sdpa"), default=None,
                    help="decode attention of the engine (default: the split-KV Triton kernel on CUDA)")
+    p.add_argument("--fp4-small-m", choices=("auto", "mma", "triton"), default="auto",
+                   help="NVFP4 GEMM kernel for decode (M <= 16): auto = the mma.sync CUDA kernel where it runs")
     p.add_argument("--json", default=None, dest="json_out", help="write the results JSON here (atomically)")
     p.add_argument("--merge", nargs="+", default=None, metavar="JSON",
                    help="instead of measuring: merge these results files into --json and print the table")
@@ -475,7 +485,7 @@ def run_cli(args) -> int:
                              backends=args.backends, repeats=args.repeats, hf_baseline=args.hf_baseline,
                              hf_gen_len=args.hf_gen_len, hf_batches=args.hf_batches, init=args.init,
                              profile=args.profile, fuse_projections=args.fuse_projections,
-                             decode_attention=args.decode_attention)
+                             decode_attention=args.decode_attention, fp4_small_m=args.fp4_small_m)
     print(format_header(), flush=True)
     checkpoint = (lambda doc: write_json_atomic(args.json_out, doc)) if args.json_out else None
     result = run_rollout_bench(cfg, log=lambda line: print(line, flush=True), checkpoint=checkpoint)

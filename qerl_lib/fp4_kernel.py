@@ -87,10 +87,10 @@ _small_m_backend = os.environ.get("QERL_FP4_SMALL_M", "auto")
 
 
 def set_small_m_backend(name: str) -> str:
-    """Which kernel runs CUDA calls with M <= 16 (the decode step): ``"mma"`` (the CUDA mma.sync
-    kernel of ``fp4_kernel_mma``; error if this machine cannot run it), ``"triton"`` (this module's
-    Triton kernel) or ``"auto"`` (mma where available, else Triton; the default, also settable
-    with the environment variable ``QERL_FP4_SMALL_M``). Returns the previous setting."""
+    """Which kernel runs CUDA calls with M <= 8 and K % 128 == 0 (the decode step): ``"mma"`` (the
+    CUDA mma.sync kernel of ``fp4_kernel_mma``; error if this machine cannot run it), ``"triton"``
+    (this module's Triton kernel) or ``"auto"`` (mma where available, else Triton; the default,
+    also settable with the environment variable ``QERL_FP4_SMALL_M``). Returns the previous setting."""
     global _small_m_backend
     if name not in SMALL_M_BACKENDS:
         raise ValueError(f"small-M backend must be one of {SMALL_M_BACKENDS}, got {name!r}")
@@ -99,7 +99,9 @@ def set_small_m_backend(name: str) -> str:
 
 
 def _use_mma(x2: torch.Tensor, k: int) -> bool:
-    if _small_m_backend == "triton" or not x2.is_cuda or not fp4_kernel_mma.supported_problem(x2.shape[0], k):
+    m = x2.shape[0]
+    if _small_m_backend == "triton" or not x2.is_cuda or m > fp4_kernel_mma.AUTO_MAX_M \
+            or not fp4_kernel_mma.supported_problem(m, k):
         return False
     index = x2.device.index if x2.device.index is not None else torch.cuda.current_device()
     if fp4_kernel_mma.available(index):

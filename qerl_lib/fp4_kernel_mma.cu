@@ -6,6 +6,12 @@
 // nibble k%8 of word k/8), E4M3 block scales as bytes [N, K/16], fp32 global scale gs[1]
 // (the encode factor: w = fp4 * s / gs). x bf16 [M, ldx], out bf16 [M, ldo]. K % 128 == 0.
 //
+// Loads: each warp keeps DEPTH - 1 chunks of weights in flight in a register ring, addressed with
+// immediate offsets from pointers that advance once per DEPTH chunks. Decoding is kept to two
+// integer-pipe ops per code pair (mask, final mask; the multiply runs on the FMA pipe), and the
+// E4M3 scales come from a 256-entry table in shared memory: the kernel is bound by the integer
+// pipe as much as by DRAM (results/notes_fp4_kernel.md, runs 8-10), so every op counts.
+//
 // Work split. A CTA owns ROWS_PER_CTA = 16 * T_TILES * WARPS_R output rows and a K-slice of
 // `chunks_per_split` chunks of 128 (blockIdx.y picks the slice). Warp (wr, wk) owns T_TILES
 // m16-tiles of rows and every WARPS_K-th chunk of the slice; the WARPS_K partial sums meet in
@@ -45,17 +51,21 @@ __device__ __forceinline__ U4 load_shared_x(const U4* p) {  // x: reused by ever
   return r;
 }
 
-__device__ __forceinline__ u16 load_scale_pair(const u16* p) {
-  u16 r;
-  asm volatile("ld.global.nc.L1::no_allocate.u16 %0, [%1];" : "=h"(r) : "l"(p));
+__device__ __forceinline__ u16 load_scale_pair(const u16* p) {  // 8 B per row and chunk: the
+  u16 r;                                                             // warps on the next chunks
+  asm volatile("ld.global.nc.u16 %0, [%1];" : "=h"(r) : "l"(p));    // read the same sector
   return r;
 }
 
 // Codes i and i+4 of a word as a bf16x2 holding fp4(code) * 2^-126 each: s<<15 | e1 e0 m<<6 is
 // exactly that bf16 (code 1 = 0.5 lands on a subnormal). One multiply places both nibbles.
+// Codes (0, 4) and (1, 5) are masked in place (the multiplier absorbs nibble 1's offset);
+// codes (2, 6) and (3, 7) the same way from v >> 8. code_pair is the plain definition (tests).
 __device__ __forceinline__ u32 code_pair(u32 v, int i) {
   return (((v >> (4 * i)) & 0x000F000Fu) * 0x1040u) & 0x81C081C0u;
 }
+__device__ __forceinline__ u32 code_pair_even(u32 v) { return ((v & 0x000F000Fu) * 0x1040u) & 0x81C081C0u; }
+__device__ __forceinline__ u32 code_pair_odd(u32 v) { return ((v & 0x00F000F0u) * 0x104u) & 0x81C081C0u; }
 
 // E4M3 byte -> bf16 bits of s * 2^118 (exact; E4M3 subnormals via an exact float product).
 __device__ __forceinline__ u32 scale_bits(u32 b) {
@@ -99,13 +109,18 @@ __device__ __forceinline__ u16 epilogue(float acc, float factor, const u16* bias
   return y;
 }
 
-extern "C" __global__ void __launch_bounds__(NWARPS * 32)
+extern "C" __global__ void __launch_bounds__(NWARPS * 32, MIN_CTAS)
 KERNEL_NAME(const u16* __restrict__ x, const u32* __restrict__ wq, const u8* __restrict__ sc,
             const float* __restrict__ gs, const u16* __restrict__ bias, u16* __restrict__ out,
             float* __restrict__ ws, int* __restrict__ counters,
             int M, int N, int K, int ldx, int ldo, int chunks_per_split) {
   __shared__ float red[WARPS_K][MAXTOK][RED_STRIDE];
+  __shared__ u32 scale_lut[256];  // E4M3 byte -> bf16x2 (s * 2^118, twice)
   __shared__ int is_last;
+  for (int b = threadIdx.x; b < 256; b += NWARPS * 32) {
+    const u32 s = scale_bits(b);
+    scale_lut[b] = s | (s << 16);
+  }
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int wr = warp % WARPS_R, wk = warp / WARPS_R;
   const int g = lane >> 2, t = lane & 3;
@@ -116,7 +131,10 @@ KERNEL_NAME(const u16* __restrict__ x, const u32* __restrict__ wq, const u8* __r
   const int c_begin = blockIdx.y * chunks_per_split;
   const int c_end = min(c_begin + chunks_per_split, n_chunks);
   const int n_mine = c_end - c_begin > wk ? (c_end - c_begin - wk + WARPS_K - 1) / WARPS_K : 0;
+  const int c0 = c_begin + wk;  // this warp's chunks: c0, c0 + WARPS_K, ...
 
+  // pointers at chunk c0; chunk c0 + j * WARPS_K sits j * (4 * WARPS_K) U4 further (weights),
+  // j * (4 * WARPS_K) u16 further (scales), j * (16 * WARPS_K) U4 further (x)
   const U4* wp[T_TILES][2];
   const u16* sp[T_TILES][2];
 #pragma unroll
@@ -124,8 +142,8 @@ KERNEL_NAME(const u16* __restrict__ x, const u32* __restrict__ wq, const u8* __r
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int r = min(row_warp + i * 16 + g + 8 * h, N - 1);  // rows past N: read, never stored
-      wp[i][h] = reinterpret_cast<const U4*>(wq + r * words_per_row) + t;   // + 4 per chunk
-      sp[i][h] = reinterpret_cast<const u16*>(sc + r * scales_per_row) + t;  // + 4 per chunk
+      wp[i][h] = reinterpret_cast<const U4*>(wq + r * words_per_row) + t + 4 * c0;
+      sp[i][h] = reinterpret_cast<const u16*>(sc + r * scales_per_row) + t + 4 * c0;
     }
   const U4* xp[NB];
   bool x_valid[NB];
@@ -133,7 +151,7 @@ KERNEL_NAME(const u16* __restrict__ x, const u32* __restrict__ wq, const u8* __r
   for (int nb = 0; nb < NB; ++nb) {
     const int tok = nb * 8 + g;
     x_valid[nb] = tok < M;
-    xp[nb] = reinterpret_cast<const U4*>(x + (long)min(tok, M - 1) * ldx) + 4 * t;  // + 16 per chunk
+    xp[nb] = reinterpret_cast<const U4*>(x + (long)min(tok, M - 1) * ldx) + 4 * t + 16 * c0;
   }
 
   float acc[T_TILES][NB][4];
@@ -147,32 +165,34 @@ KERNEL_NAME(const u16* __restrict__ x, const u32* __restrict__ wq, const u8* __r
   // register ring: chunk j of this warp lives in slot j % DEPTH
   U4 wbuf[DEPTH][T_TILES][2];
   u16 sbuf[DEPTH][T_TILES][2];
-  U4 xbuf[DEPTH][NB][4];
 
-#define LOAD_CHUNK(slot, j)                                                        \
-  if ((j) < n_mine) {                                                              \
-    const int c = c_begin + wk + (j) * WARPS_K;                                    \
-    _Pragma("unroll") for (int i = 0; i < T_TILES; ++i)                            \
-    _Pragma("unroll") for (int h = 0; h < 2; ++h) {                                \
-      wbuf[slot][i][h] = load_stream(wp[i][h] + 4 * c);                            \
-      sbuf[slot][i][h] = load_scale_pair(sp[i][h] + 4 * c);                        \
-    }                                                                              \
-    _Pragma("unroll") for (int nb = 0; nb < NB; ++nb)                              \
-    _Pragma("unroll") for (int w = 0; w < 4; ++w) {                                \
-      if (x_valid[nb]) xbuf[slot][nb][w] = load_shared_x(xp[nb] + 16 * c + w);     \
-      else xbuf[slot][nb][w] = U4{0u, 0u, 0u, 0u};                                 \
-    }                                                                              \
+#define LOAD_CHUNK(slot, j, rel)                                                            \
+  if ((j) < n_mine) {                                                                       \
+    _Pragma("unroll") for (int i = 0; i < T_TILES; ++i)                                     \
+    _Pragma("unroll") for (int h = 0; h < 2; ++h) {                                         \
+      wbuf[slot][i][h] = load_stream(wp[i][h] + (rel) * 4 * WARPS_K);                       \
+      sbuf[slot][i][h] = load_scale_pair(sp[i][h] + (rel) * 4 * WARPS_K);                   \
+    }                                                                                       \
   }
 
 #pragma unroll
-  for (int d = 0; d < DEPTH - 1; ++d) { LOAD_CHUNK(d, d) }
+  for (int d = 0; d < DEPTH - 1; ++d) { LOAD_CHUNK(d, d, d) }
+  __syncthreads();  // scale_lut ready
 
   for (int j0 = 0; j0 < n_mine; j0 += DEPTH) {
 #pragma unroll
     for (int d = 0; d < DEPTH; ++d) {
       const int j = j0 + d;
       if (j < n_mine) {
-        LOAD_CHUNK((d + DEPTH - 1) % DEPTH, j + DEPTH - 1)
+        LOAD_CHUNK((d + DEPTH - 1) % DEPTH, j + DEPTH - 1, d + DEPTH - 1)
+        // x of this chunk (L1/L2 hits: every warp on these K columns reads it), loaded here
+        // rather than in the ring so that it costs no registers while in flight
+        U4 xv[NB][4];
+#pragma unroll
+        for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+          for (int w = 0; w < 4; ++w)
+            xv[nb][w] = x_valid[nb] ? load_shared_x(xp[nb] + d * 16 * WARPS_K + w) : U4{0u, 0u, 0u, 0u};
         // block scales of this chunk: groups 2t (words 0, 1) and 2t+1 (words 2, 3) per row
         u32 s2[T_TILES][2][2];
 #pragma unroll
@@ -180,20 +200,18 @@ KERNEL_NAME(const u16* __restrict__ x, const u32* __restrict__ wq, const u8* __r
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
             const u32 pair = sbuf[d][i][h];
-            const u32 s_lo = scale_bits(pair & 0xFFu), s_hi = scale_bits(pair >> 8);
-            s2[i][h][0] = s_lo | (s_lo << 16);
-            s2[i][h][1] = s_hi | (s_hi << 16);
+            s2[i][h][0] = scale_lut[pair & 0xFFu];
+            s2[i][h][1] = scale_lut[pair >> 8];
           }
 #pragma unroll
         for (int w = 0; w < 4; ++w) {
           u32 b[NB][2][2];  // [n8 block][step P/2][b0, b1]
 #pragma unroll
           for (int nb = 0; nb < NB; ++nb) {
-            const U4 xv = xbuf[d][nb][w];
-            b[nb][0][0] = prmt(xv.x, xv.z, 0x5410u);  // x codes (0, 4)
-            b[nb][0][1] = prmt(xv.x, xv.z, 0x7632u);  // (1, 5)
-            b[nb][1][0] = prmt(xv.y, xv.w, 0x5410u);  // (2, 6)
-            b[nb][1][1] = prmt(xv.y, xv.w, 0x7632u);  // (3, 7)
+            b[nb][0][0] = prmt(xv[nb][w].x, xv[nb][w].z, 0x5410u);  // x codes (0, 4)
+            b[nb][0][1] = prmt(xv[nb][w].x, xv[nb][w].z, 0x7632u);  // (1, 5)
+            b[nb][1][0] = prmt(xv[nb][w].y, xv[nb][w].w, 0x5410u);  // (2, 6)
+            b[nb][1][1] = prmt(xv[nb][w].y, xv[nb][w].w, 0x7632u);  // (3, 7)
           }
 #pragma unroll
           for (int i = 0; i < T_TILES; ++i) {
@@ -201,11 +219,12 @@ KERNEL_NAME(const u16* __restrict__ x, const u32* __restrict__ wq, const u8* __r
             const u32 v1 = w == 0 ? wbuf[d][i][1].x : w == 1 ? wbuf[d][i][1].y : w == 2 ? wbuf[d][i][1].z : wbuf[d][i][1].w;
             const u32 sg = s2[i][0][w >> 1], sg8 = s2[i][1][w >> 1];
 #pragma unroll
-            for (int p = 0; p < 2; ++p) {
-              const u32 a0 = mul_bf16x2(code_pair(v0, 2 * p), sg);
-              const u32 a1 = mul_bf16x2(code_pair(v1, 2 * p), sg8);
-              const u32 a2 = mul_bf16x2(code_pair(v0, 2 * p + 1), sg);
-              const u32 a3 = mul_bf16x2(code_pair(v1, 2 * p + 1), sg8);
+            for (int p = 0; p < 2; ++p) {  // step P = 2p: code pairs (P, P+4) and (P+1, P+5)
+              const u32 u0 = p ? v0 >> 8 : v0, u1 = p ? v1 >> 8 : v1;
+              const u32 a0 = mul_bf16x2(code_pair_even(u0), sg);
+              const u32 a1 = mul_bf16x2(code_pair_even(u1), sg8);
+              const u32 a2 = mul_bf16x2(code_pair_odd(u0), sg);
+              const u32 a3 = mul_bf16x2(code_pair_odd(u1), sg8);
 #pragma unroll
               for (int nb = 0; nb < NB; ++nb) mma16816(acc[i][nb], a0, a1, a2, a3, b[nb][p][0], b[nb][p][1]);
             }
@@ -213,6 +232,15 @@ KERNEL_NAME(const u16* __restrict__ x, const u32* __restrict__ wq, const u8* __r
         }
       }
     }
+#pragma unroll
+    for (int i = 0; i < T_TILES; ++i)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        wp[i][h] += DEPTH * 4 * WARPS_K;
+        sp[i][h] += DEPTH * 4 * WARPS_K;
+      }
+#pragma unroll
+    for (int nb = 0; nb < NB; ++nb) xp[nb] += DEPTH * 16 * WARPS_K;
   }
 #undef LOAD_CHUNK
 

@@ -14,15 +14,17 @@ design in ~200 lines of CUDA (``fp4_kernel_mma.cu``, read it next to this docstr
   128 codes, and ``x`` is permuted the same way in registers (a dot product ignores term order);
 * decoding is Marlin's bit trick (spec 4.6) -- one multiply places two codes as bf16 -- and the
   E4M3 block scale is applied exactly by one packed ``mul.rn.bf16x2``, as in the Triton kernel;
-* loads run ``DEPTH`` chunks ahead in a register ring (the role of Marlin's multi-stage
-  ``cp.async`` pipeline), and several warps split K inside a CTA so many bytes are in flight;
+* loads run ``depth - 1`` chunks ahead in a register ring (the role of Marlin's multi-stage
+  ``cp.async`` pipeline), and several warps split K inside a CTA, so many bytes are in flight;
+* the kernel is bound by the integer pipe as much as by DRAM, so decoding is cut to two integer
+  ops per code pair and the E4M3 scales come from a 256-entry table in shared memory;
 * K-slices across CTAs meet through fp32 partials that the *last* CTA of a row block adds (an
   atomic counter), in a fixed order: one launch, deterministic bits.
 
 Where we deviate from Marlin: no offline repack (Marlin permutes weights into its fragment order
 at load time; we relabel K instead, keeping the checkpoint layout and memory); E4M3-subnormal
-scales are kept (Marlin flushes them); register prefetch instead of ``cp.async`` into shared
-memory (for M <= 16 a weight is used by exactly one warp, so shared memory buys nothing).
+scales are kept (Marlin flushes them); register prefetch instead of a ``cp.async`` ring (tried:
+slower, the shared-memory round trip costs more issue slots than it saves; notes, run 9).
 
 Compilation: NVRTC (the ``libnvrtc`` that CUDA builds of PyTorch ship) turns the source into a
 cubin for the GPU's architecture the first time a launch shape is used; ``cuModuleLoadData`` and
@@ -48,6 +50,8 @@ SOURCE_PATH = Path(__file__).with_name("fp4_kernel_mma.cu")
 MIN_CAPABILITY = (9, 0)
 CHUNK = 128  # codes per row per load step; K must be a multiple
 MAX_M = 16
+AUTO_MAX_M = 8  # fp4_kernel sends M <= 8 here; at 9-16 the Triton kernel measured as fast or faster
+SMEM_LIMIT = 48 * 1024  # static shared memory per CTA
 
 
 @dataclass(frozen=True)
@@ -56,22 +60,32 @@ class MmaConfig:
 
     ``tiles``: m16 tiles of rows per warp; ``warps_r`` x ``warps_k``: warps per CTA along rows
     and along K (their partials meet in shared memory); ``depth``: chunks in the register ring
-    (``depth - 1`` loads ahead); ``split_k``: K-slices across CTAs (1 = no partials).
+    (``depth - 1`` loads ahead); ``split_k``: K-slices across CTAs (1 = no partials);
+    ``min_ctas``: resident CTAs per SM the compiler must allow (caps registers; 1 = no cap).
     """
 
     tiles: int = 2
-    warps_r: int = 2
-    warps_k: int = 4
+    warps_r: int = 1
+    warps_k: int = 8
     depth: int = 2
     split_k: int = 1
+    min_ctas: int = 2
 
     def __post_init__(self):
-        for name, lo, hi in (("tiles", 1, 4), ("warps_r", 1, 8), ("warps_k", 1, 8), ("depth", 2, 4), ("split_k", 1, 64)):
+        for name, lo, hi in (("tiles", 1, 4), ("warps_r", 1, 8), ("warps_k", 1, 8), ("depth", 2, 4), ("split_k", 1, 64),
+                               ("min_ctas", 1, 8)):
             v = getattr(self, name)
             if not isinstance(v, int) or not lo <= v <= hi:
                 raise ValueError(f"MmaConfig.{name} must be an int in [{lo}, {hi}], got {v!r}")
         if self.warps_r * self.warps_k > 16:
             raise ValueError(f"MmaConfig: warps_r * warps_k = {self.warps_r * self.warps_k} > 16 warps per CTA")
+        self.check_shared(1)
+
+    def check_shared(self, nb: int) -> None:
+        need = self.shared_bytes(nb)
+        if need > SMEM_LIMIT:
+            raise ValueError(f"MmaConfig: {need} B of shared memory per CTA for M <= {8 * nb} > {SMEM_LIMIT}; "
+                             "lower depth, tiles or warps")
 
     @property
     def rows_per_cta(self) -> int:
@@ -81,19 +95,28 @@ class MmaConfig:
     def threads(self) -> int:
         return 32 * self.warps_r * self.warps_k
 
+    def shared_bytes(self, nb: int) -> int:
+        """Static shared memory of one CTA: the per-warp partial sums and the scale table."""
+        return self.warps_k * 8 * nb * (self.rows_per_cta + 4) * 4 + 256 * 4 + 16
 
-def pick_mma_config(m: int, n: int, k: int, num_sms: int = 132) -> MmaConfig:
-    """Launch shape for ``[m, k] x [k, n]`` (m <= 16): 64-row CTAs of 8 warps, K-slices only when
-    the row blocks alone give fewer than ~2 CTAs per SM (each slice keeps >= 4 chunks per warp)."""
-    cfg = MmaConfig()
-    blocks = math.ceil(n / cfg.rows_per_cta)
+
+def pick_mma_config(m: int, n: int, k: int) -> MmaConfig:
+    """Launch shape for ``[m, k] x [k, n]``, a fixed rule from the H200 sweep (notes, run 11; no
+    autotuning, so a problem always runs the same kernel and gives the same bits):
+
+    * default: 32-row CTAs of 8 warps that split K (``tiles=2, warps_k=8``), at most 128
+      registers (``min_ctas=2``), no K-slices: best or within 5% on every q/k/v and o shape;
+    * wide (N >= 8K, gate/up): 64-row CTAs, 4 warps along K;
+    * deep (K >= 4N, down): 128-row CTAs, 2 warps along K, and K-slices that leave each warp
+      about 8 chunks (more slices starve the register ring: a warp with 1-2 chunks has nothing
+      to prefetch, measured 1.5-2x slower).
+    """
     chunks = k // CHUNK
-    want = 2 * num_sms
-    split = 1
-    if blocks < want:
-        split = min(math.ceil(want / blocks), max(1, chunks // (4 * cfg.warps_k)))
-        split = math.ceil(chunks / math.ceil(chunks / split))  # no empty slice
-    return MmaConfig(cfg.tiles, cfg.warps_r, cfg.warps_k, cfg.depth, split)
+    if k >= 4 * n:
+        return MmaConfig(tiles=2, warps_r=4, warps_k=2, depth=2, split_k=max(1, chunks // 16), min_ctas=1)
+    if n >= 8 * k:
+        return MmaConfig(tiles=2, warps_r=2, warps_k=4, depth=2, split_k=1, min_ctas=2)
+    return MmaConfig(tiles=2, warps_r=1, warps_k=8, depth=2, split_k=1, min_ctas=2)
 
 
 # ============================================================================ availability
@@ -153,13 +176,14 @@ def _driver() -> ctypes.CDLL:
 
 
 def kernel_name(cfg: MmaConfig, nb: int) -> str:
-    return f"qerl_fp4_mma_t{cfg.tiles}_r{cfg.warps_r}_k{cfg.warps_k}_n{nb}_d{cfg.depth}"
+    return f"qerl_fp4_mma_t{cfg.tiles}_r{cfg.warps_r}_k{cfg.warps_k}_n{nb}_d{cfg.depth}_o{cfg.min_ctas}"
 
 
 def kernel_source(cfg: MmaConfig, nb: int) -> str:
     """The CUDA source for one launch shape (``nb`` n8 blocks: 1 for M <= 8, 2 for M <= 16)."""
     defines = (f"#define T_TILES {cfg.tiles}\n#define WARPS_R {cfg.warps_r}\n#define WARPS_K {cfg.warps_k}\n"
-               f"#define NB {nb}\n#define DEPTH {cfg.depth}\n#define KERNEL_NAME {kernel_name(cfg, nb)}\n")
+               f"#define NB {nb}\n#define DEPTH {cfg.depth}\n#define MIN_CTAS {cfg.min_ctas}\n"
+               f"#define KERNEL_NAME {kernel_name(cfg, nb)}\n")
     return defines + SOURCE_PATH.read_text()
 
 
@@ -211,12 +235,20 @@ class _Kernel:
         _cu_check(drv.cuModuleGetFunction(ctypes.byref(self._func), self._module, name.encode()), "cuModuleGetFunction")
         self._launch = drv.cuLaunchKernel
 
+    def ctas_per_sm(self, threads: int) -> int:
+        """Resident CTAs per SM for this kernel (driver occupancy calculator)."""
+        n = ctypes.c_int()
+        _cu_check(_driver().cuOccupancyMaxActiveBlocksPerMultiprocessor(ctypes.byref(n), self._func, threads, 0),
+                  "cuOccupancyMaxActiveBlocksPerMultiprocessor")
+        return n.value
+
     def __call__(self, grid: tuple[int, int], threads: int, args: list) -> None:
         vals = [ctypes.c_void_p(a.data_ptr()) if isinstance(a, torch.Tensor) else
                 ctypes.c_void_p(0) if a is None else ctypes.c_int(a) for a in args]
         params = (ctypes.c_void_p * len(vals))(*[ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in vals])
         stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
-        _cu_check(self._launch(self._func, grid[0], grid[1], 1, threads, 1, 1, 0, stream, params, None), "cuLaunchKernel")
+        _cu_check(self._launch(self._func, grid[0], grid[1], 1, threads, 1, 1, 0, stream, params, None),
+                  "cuLaunchKernel")
 
 
 _KERNELS: dict[tuple, _Kernel] = {}
@@ -226,7 +258,7 @@ _LOCK = threading.Lock()
 
 def _get_kernel(cfg: MmaConfig, nb: int, device: torch.device) -> _Kernel:
     index = device.index if device.index is not None else torch.cuda.current_device()
-    key = (index, cfg.tiles, cfg.warps_r, cfg.warps_k, cfg.depth, nb)
+    key = (index, cfg.tiles, cfg.warps_r, cfg.warps_k, cfg.depth, cfg.min_ctas, nb)
     kern = _KERNELS.get(key)
     if kern is None:
         with _LOCK, torch.cuda.device(index):
@@ -253,6 +285,7 @@ def _counters(device: torch.device, blocks: int) -> torch.Tensor:
 
 
 # ============================================================================ launch
+
 def mma_linear(x2: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor,
                bias: torch.Tensor | None, out: torch.Tensor, config: MmaConfig | None = None) -> torch.Tensor:
     """``out[m, n] = bf16(x2 @ W.T * 2^8/gs ...)`` (+ bias) for contiguous bf16 ``x2 [m, k]``, ``m <= 16``.
@@ -265,10 +298,11 @@ def mma_linear(x2: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, glob
     n = words.shape[0]
     if not supported_problem(m, k):
         raise ValueError(f"fp4_kernel_mma takes 1 <= M <= {MAX_M} and K % {CHUNK} == 0, got M={m}, K={k}")
-    if x2.stride(1) != 1 or x2.stride(0) % 8 or x2.data_ptr() % 16 or words.data_ptr() % 16:
-        raise ValueError("fp4_kernel_mma needs 16-byte aligned x rows (stride % 8 == 0) and weights")
-    cfg = config or pick_mma_config(m, n, k, torch.cuda.get_device_properties(x2.device).multi_processor_count)
+    if x2.stride(1) != 1 or x2.stride(0) % 8 or x2.data_ptr() % 16 or words.data_ptr() % 16 or scales.data_ptr() % 8:
+        raise ValueError("fp4_kernel_mma needs 16-byte aligned x rows (stride % 8 == 0) and weights, 8-byte aligned scales")
     nb = 1 if m <= 8 else 2
+    cfg = config or pick_mma_config(m, n, k)
+    cfg.check_shared(nb)
     kern = _get_kernel(cfg, nb, x2.device)
     blocks = math.ceil(n / cfg.rows_per_cta)
     chunks = k // CHUNK

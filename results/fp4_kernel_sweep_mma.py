@@ -1,4 +1,9 @@
-"""Run 8 of the FP4 kernel notes: the CUDA mma.sync kernel (qerl_lib/fp4_kernel_mma) against the Triton one.
+"""Runs 8-9 of the FP4 kernel notes: the CUDA mma.sync kernel (qerl_lib/fp4_kernel_mma) against the Triton one.
+
+Run 8: first version (register prefetch ring). Run 9: a cp.async shared-memory ring (slower; dropped).
+Run 10: register ring again with fewer integer ops (scale table, cheaper pair decode, immediate offsets).
+Run 11: x out of the ring, scales through L1, register cap (min_ctas) and K-slice variants.
+Run 12: --auto-only, the launch rule set from run 11.
 
 Question: with every operand in registers (mma.sync, no shared-memory staging of x, loads running
 ahead in a register ring), how close does the small-M GEMM get to copy bandwidth on the Qwen2.5
@@ -29,6 +34,7 @@ from qerl_lib.fp4_kernel import fp4_linear, prepare_fp4_weights, set_small_m_bac
 from qerl_lib.nvfp4 import quantize, reference_matmul
 
 OUT = os.environ.get("OUT", ".")
+AUTO_ONLY = False
 T0 = time.time()
 LOG = open(os.path.join(OUT, "sweep_mma.jsonl"), "a")
 
@@ -53,7 +59,8 @@ def quantized(n: int, k: int, seed: int):
 def correctness() -> bool:
     ok_all = True
     cases = [(200, 256, (1, 2, 3, 5, 8, 9, 13, 16), None), (4608, 3584, (1, 8, 16), None), (3584, 18944, (1, 8, 16), None),
-             (1000, 1024, (4, 11), mma.MmaConfig(split_k=3)), (130, 512, (7,), mma.MmaConfig(tiles=1, warps_r=4, warps_k=2, depth=3))]
+             (1000, 1024, (4, 11), mma.MmaConfig(split_k=3)), (130, 512, (7,), mma.MmaConfig(tiles=1, warps_r=4, warps_k=2, depth=3)),
+             (300, 2048, (2, 8), mma.MmaConfig(tiles=4, warps_r=1, warps_k=2, depth=3, split_k=5))]
     for n, k, ms, cfg in cases:
         _, q = quantized(n, k, n + k)
         w = prepare_fp4_weights(q.weight_packed, q.weight_scale, q.weight_global_scale)
@@ -99,24 +106,31 @@ def correctness() -> bool:
 
 
 def variants(m: int, n: int, k: int, sms: int, quick: bool):
-    base = mma.pick_mma_config(m, n, k, sms)
+    base = mma.pick_mma_config(m, n, k)
     out = [("mma-auto", base)]
-    shapes = [(2, 2, 4), (1, 4, 2), (2, 4, 2), (1, 2, 4), (4, 2, 2), (2, 1, 8), (1, 4, 4), (2, 2, 8)]
+    if AUTO_ONLY:
+        return out
+    shapes = [(2, 1, 8), (2, 2, 4), (2, 2, 2), (1, 2, 4), (2, 4, 2), (1, 1, 8), (4, 1, 4)]
     if quick:
         shapes = shapes[:2]
-    chunks = k // mma.CHUNK
+    nb = 1 if m <= 8 else 2
     for tiles, wr, wk in shapes:
         for depth in (2, 3):
-            rows = 16 * tiles * wr
-            blocks = math.ceil(n / rows)
-            for per_sm in (1, 2, 4):
-                want = per_sm * sms
-                split = 1 if blocks >= want else min(math.ceil(want / blocks), max(1, chunks // (2 * wk)))
-                split = math.ceil(chunks / math.ceil(chunks / split))
-                cfg = mma.MmaConfig(tiles, wr, wk, depth, split)
-                label = f"t{tiles}r{wr}k{wk}d{depth}s{split}"
-                if not any(v[0] == label for v in out) and cfg != base:
-                    out.append((label, cfg))
+            for min_ctas in (1, 2, 3):
+                if min_ctas > 1 and (tiles, wr, wk) not in ((2, 1, 8), (2, 2, 4), (1, 2, 4)):
+                    continue
+                try:
+                    probe = mma.MmaConfig(tiles, wr, wk, depth, 1, min_ctas)
+                    probe.check_shared(nb)
+                    occ = mma._get_kernel(probe, nb, torch.device("cuda", 0)).ctas_per_sm(probe.threads)
+                except (ValueError, RuntimeError):
+                    continue
+                splits = {1, max(1, (k // mma.CHUNK) // (8 * wk))}  # none; ~8 chunks per warp
+                for split in sorted(splits):
+                    cfg = mma.MmaConfig(tiles, wr, wk, depth, split, min_ctas)
+                    label = f"t{tiles}r{wr}k{wk}d{depth}o{min_ctas}s{split}(occ{occ})"
+                    if not any(v[0] == label for v in out) and cfg != base:
+                        out.append((label, cfg))
     return out
 
 
@@ -134,7 +148,7 @@ def sweep(quick: bool) -> None:
             ws = [prepare_fp4_weights(q.weight_packed.clone(), q.weight_scale.clone(), q.weight_global_scale.clone())
                   for _ in range(_copies_needed(fp4_bytes1, l2))]
             wb = [dense.clone() for _ in range(_copies_needed(n * k * 2.0, l2))]
-            for m in ((1, 8) if quick else (1, 8, 16)):
+            for m in ((1, 8) if quick else ((1, 8, 16) if model.endswith('7b') else (1, 8))):
                 x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
                 fp4_bytes = fp4_bytes1 + 2 * m * (k + n)
                 outs = [torch.empty(m, n, dtype=torch.bfloat16, device="cuda") for _ in ws]
@@ -171,7 +185,10 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--no-check", action="store_true")
+    ap.add_argument("--auto-only", action="store_true", help="time only pick_mma_config's choice")
     args = ap.parse_args()
+    global AUTO_ONLY
+    AUTO_ONLY = args.auto_only
     print(f"mma available: {mma.available()} ({mma.unavailable_reason()})", flush=True)
     if not args.no_check:
         ok = correctness()

@@ -1,0 +1,18 @@
+"""One 7B gate_up GEMM (N=37888, K=3584, M=8) through the mma.sync kernel and the Triton kernel, for
+Nsight Compute: pipe utilisation, stall reasons, DRAM throughput (notes, run 10).
+
+    ncu -k regex:"qerl_fp4|_fp4_gemm" -c 2 --set full python3 results/fp4_kernel_profile_ncu.py
+"""
+import torch, sys
+from qerl_lib import fp4_kernel_mma as mma
+from qerl_lib.fp4_kernel import prepare_fp4_weights, fp4_linear, set_small_m_backend
+from qerl_lib.nvfp4 import quantize
+n, k, m = 37888, 3584, 8
+q = quantize((torch.randn(n, k, device="cuda") * 0.02).to(torch.bfloat16))
+w = prepare_fp4_weights(q.weight_packed, q.weight_scale, q.weight_global_scale)
+x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+for _ in range(3): mma.mma_linear(x, w.words, w.scales, w.global_scale, None, out)
+set_small_m_backend("triton")
+for _ in range(3): fp4_linear(x, w, out=out)
+torch.cuda.synchronize()
