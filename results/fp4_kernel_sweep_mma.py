@@ -3,7 +3,8 @@
 Run 8: first version (register prefetch ring). Run 9: a cp.async shared-memory ring (slower; dropped).
 Run 10: register ring again with fewer integer ops (scale table, cheaper pair decode, immediate offsets).
 Run 11: x out of the ring, scales through L1, register cap (min_ctas) and K-slice variants.
-Run 12: --auto-only, the launch rule set from run 11.
+Run 12: --auto-only, the launch rule set from run 11. Run 13: x staged in shared memory (slower; dropped).
+Run 14: H100, 32B shapes at M = 8 (--models qwen2.5-32b --ms 8).
 
 Question: with every operand in registers (mma.sync, no shared-memory staging of x, loads running
 ahead in a register ring), how close does the small-M GEMM get to copy bandwidth on the Qwen2.5
@@ -35,6 +36,8 @@ from qerl_lib.nvfp4 import quantize, reference_matmul
 
 OUT = os.environ.get("OUT", ".")
 AUTO_ONLY = False
+MODELS: list[str] = []
+MS: tuple[int, ...] | None = None
 T0 = time.time()
 LOG = open(os.path.join(OUT, "sweep_mma.jsonl"), "a")
 
@@ -142,13 +145,15 @@ def sweep(quick: bool) -> None:
           "torch": torch.__version__})
     print(f"copy bandwidth {copy:.0f} GB/s, L2 {l2 >> 20} MiB, {sms} SMs", flush=True)
     for model, shapes in SHAPES.items():
+        if MODELS and model not in MODELS:
+            continue
         for name, n, k in (shapes[:2] if quick else shapes):
             dense, q = quantized(n, k, 0)
             fp4_bytes1 = n * k * 0.5625
             ws = [prepare_fp4_weights(q.weight_packed.clone(), q.weight_scale.clone(), q.weight_global_scale.clone())
                   for _ in range(_copies_needed(fp4_bytes1, l2))]
             wb = [dense.clone() for _ in range(_copies_needed(n * k * 2.0, l2))]
-            for m in ((1, 8) if quick else ((1, 8, 16) if model.endswith('7b') else (1, 8))):
+            for m in MS or ((1, 8) if quick else ((1, 8, 16) if model.endswith('7b') else (1, 8))):
                 x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
                 fp4_bytes = fp4_bytes1 + 2 * m * (k + n)
                 outs = [torch.empty(m, n, dtype=torch.bfloat16, device="cuda") for _ in ws]
@@ -186,9 +191,14 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--no-check", action="store_true")
     ap.add_argument("--auto-only", action="store_true", help="time only pick_mma_config's choice")
+    ap.add_argument("--models", default=",".join(SHAPES), help="comma list of " + ", ".join(SHAPES))
+    ap.add_argument("--ms", default=None, help="comma list of M (default 1,8 and 16 for 7B)")
     args = ap.parse_args()
     global AUTO_ONLY
     AUTO_ONLY = args.auto_only
+    global MODELS, MS
+    MODELS = args.models.split(",")
+    MS = tuple(int(v) for v in args.ms.split(",")) if args.ms else None
     print(f"mma available: {mma.available()} ({mma.unavailable_reason()})", flush=True)
     if not args.no_check:
         ok = correctness()

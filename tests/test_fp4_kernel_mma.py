@@ -246,7 +246,11 @@ def test_source_compiles_for_hopper(nb):
 
 
 # ============================================================================ GPU tests
-cuda_only = pytest.mark.skipif(not HAS_MMA, reason="needs a CUDA GPU with compute capability >= 9.0 and NVRTC")
+_mma_skip = pytest.mark.skipif(not HAS_MMA, reason="needs a CUDA GPU with compute capability >= 9.0 and NVRTC")
+
+
+def cuda_only(fn):
+    return pytest.mark.cuda(_mma_skip(fn))
 
 
 @cuda_only
