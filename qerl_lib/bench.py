@@ -211,7 +211,8 @@ def bench_gemm_shape(shape: GemmShape, ms: Sequence[int], *, l2: int, copy_gbps:
                      config=None, seed: int = 0, progress: Callable[[str], None] | None = None) -> list[dict]:
     """Time BF16 ``F.linear`` and ``fp4_linear`` on one projection shape for every M; check every
     FP4 output (NaN-poisoned, vs the oracle). The weight is quantized once per shape."""
-    from qerl_lib.fp4_kernel import fp4_linear, pick_config, prepare_fp4_weights
+    from qerl_lib.fp4_kernel import fp4_linear, pick_config, prepare_fp4_weights, uses_mma
+    from qerl_lib.fp4_kernel_mma import pick_mma_config
     from qerl_lib.nvfp4 import quantize, reference_matmul
 
     n, k = shape.n, shape.k
@@ -244,7 +245,12 @@ def bench_gemm_shape(shape: GemmShape, ms: Sequence[int], *, l2: int, copy_gbps:
         del sets, x0
         torch.cuda.empty_cache()
 
-        cfg = config or pick_config(m, n, k, sms)
+        if config is None and uses_mma(m, k, torch.device("cuda")):
+            path, cfg_doc = "mma", asdict(pick_mma_config(m, n, k))
+        else:
+            cfg = config or pick_config(m, n, k, sms)
+            path = "dequant+cublas" if cfg.cublas else ("fused-fragment" if cfg.fragment else "fused")
+            cfg_doc = asdict(cfg)
         fp4_gbps = fp4_bytes / (fp4_t.median_ms * 1e-3) / 1e9
         bf16_gbps = bf16_bytes / (bf16_t.median_ms * 1e-3) / 1e9
         row = {
@@ -257,8 +263,7 @@ def bench_gemm_shape(shape: GemmShape, ms: Sequence[int], *, l2: int, copy_gbps:
             "fp4_tflops": 2 * m * n * k / (fp4_t.median_ms * 1e-3) / 1e12,
             "bf16_tflops": 2 * m * n * k / (bf16_t.median_ms * 1e-3) / 1e12,
             "rel_err": rel, "unwritten": unwritten, "ok": unwritten == 0 and rel <= MAX_REL_ERR,
-            "path": "dequant+cublas" if cfg.cublas else ("fused-fragment" if cfg.fragment else "fused"),
-            "config": asdict(cfg), "repeats": fp4_t.repeats,
+            "path": path, "config": cfg_doc, "repeats": fp4_t.repeats,
         }
         rows.append(row)
         if progress:

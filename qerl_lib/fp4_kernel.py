@@ -54,11 +54,15 @@ pipeline with ``mma.sync``; E4M3-subnormal block scales (bytes 0x01-0x07) are ke
 compressed-tensors does, where Marlin flushes them to zero; the global scale (the *encode* factor
 ``gs``, ``w = fp4 * s / gs``) is read on device instead of being inverted on the host.
 
-Dispatch: CUDA tensors run the Triton kernel; CPU tensors run the plain-torch oracle
-``nvfp4.reference_matmul`` (dequantize-then-matmul in fp32), unless ``impl="triton"`` forces the
-kernel (CPU tensors then need ``TRITON_INTERPRET=1`` set before Triton is imported; the
-interpreter cannot run PTX and mishandles bf16 -- see ``_interpreted`` -- so it multiplies in
-fp32 instead: the same exact products, bit-identical results).
+Dispatch: CUDA tensors with M <= 8 and K % 128 == 0 (the decode step) run the CUDA ``mma.sync``
+kernel of ``fp4_kernel_mma`` where it can run (sm_90+ and NVRTC; ``set_small_m_backend`` or
+``QERL_FP4_SMALL_M`` choose), since it streams the weights faster than this Triton kernel
+(results/notes_fp4_kernel.md, section 5); other CUDA calls run the Triton kernel (or dequantize +
+cuBLAS for large M); CPU tensors run the plain-torch oracle ``nvfp4.reference_matmul``
+(dequantize-then-matmul in fp32), unless ``impl="triton"`` forces the kernel (CPU tensors then need
+``TRITON_INTERPRET=1`` set before Triton is imported; the interpreter cannot run PTX and mishandles
+bf16 -- see ``_interpreted`` -- so it multiplies in fp32 instead: the same exact products,
+bit-identical results).
 """
 
 from __future__ import annotations
@@ -98,11 +102,20 @@ def set_small_m_backend(name: str) -> str:
     return previous
 
 
-def _use_mma(x2: torch.Tensor, k: int) -> bool:
-    m = x2.shape[0]
-    if _small_m_backend == "triton" or not x2.is_cuda or m > fp4_kernel_mma.AUTO_MAX_M \
+def uses_mma(m: int, k: int, device: torch.device) -> bool:
+    """Whether an ``fp4_linear`` call with ``m`` rows, reduction ``k`` on ``device`` (and no explicit
+    Triton ``config``) runs the mma.sync CUDA kernel; raises if the backend is forced to "mma" but
+    this machine cannot run it."""
+    if _small_m_backend == "triton" or device.type != "cuda" or m > fp4_kernel_mma.AUTO_MAX_M \
             or not fp4_kernel_mma.supported_problem(m, k):
         return False
+    index = device.index if device.index is not None else (torch.cuda.current_device() if torch.cuda.is_available() else 0)
+    if fp4_kernel_mma.available(index):
+        return True
+    if _small_m_backend == "mma":
+        raise RuntimeError(f"small-M backend 'mma' cannot run here: {fp4_kernel_mma.unavailable_reason(index)}; "
+                           "use set_small_m_backend('auto') or QERL_FP4_SMALL_M=auto")
+    return False
     index = x2.device.index if x2.device.index is not None else torch.cuda.current_device()
     if fp4_kernel_mma.available(index):
         return True
@@ -296,7 +309,7 @@ def _triton_linear(x: torch.Tensor, weight: PreparedFP4Weight, bias: torch.Tenso
     out = torch.empty(m, n, dtype=torch.bfloat16, device=x.device) if out is None else out.view(m, n)
     if m == 0:
         return out.reshape(*lead, n)
-    if config is None and _use_mma(x2, k):
+    if config is None and uses_mma(x2.shape[0], k, x2.device):
         x2 = x2 if x2.is_contiguous() else x2.contiguous()
         bias_c = bias.contiguous() if bias is not None else None
         fp4_kernel_mma.mma_linear(x2, weight.words, weight.scales, weight.global_scale, bias_c, out)

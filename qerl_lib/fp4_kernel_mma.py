@@ -5,9 +5,9 @@ Why a second kernel
 The Triton kernel (``fp4_kernel``) streams the weights at ~55% of copy bandwidth on an H100 for
 M <= 16 (results/notes_fp4_kernel.md): Hopper's ``wgmma`` wants its B operand (``x``) in shared
 memory, so every K-step stages ``x``, waits on a barrier and then on the MMA, with few programs
-per SM. Marlin's answer, which plain Triton cannot express, is ``mma.sync``: a warp-synchronous
+per SM. This kernel streams the big 32B shapes at 69-81% at M <= 8 (notes, section 5). Marlin's answer, which plain Triton cannot express, is ``mma.sync``: a warp-synchronous
 MMA whose operands all live in registers, so nothing waits but the loads. This module is that
-design in ~200 lines of CUDA (``fp4_kernel_mma.cu``, read it next to this docstring):
+design in ~290 lines of CUDA (``fp4_kernel_mma.cu``, read it next to this docstring):
 
 * the compressed-tensors bytes are read **in place** (no repacked copy, no extra memory): K is
   relabelled so that each thread's A fragment comes from one 16-byte load per row and chunk of
@@ -21,7 +21,8 @@ design in ~200 lines of CUDA (``fp4_kernel_mma.cu``, read it next to this docstr
 * K-slices across CTAs meet through fp32 partials that the *last* CTA of a row block adds (an
   atomic counter), in a fixed order: one launch, deterministic bits.
 
-Where we deviate from Marlin: no offline repack (Marlin permutes weights into its fragment order
+Where we deviate from Marlin (and the paper's vLLM): only M <= 8 comes here (at 9-16 the Triton
+kernel was as fast); no offline repack (Marlin permutes weights into its fragment order
 at load time; we relabel K instead, keeping the checkpoint layout and memory); E4M3-subnormal
 scales are kept (Marlin flushes them); register prefetch instead of a ``cp.async`` ring (tried:
 slower, the shared-memory round trip costs more issue slots than it saves; notes, run 9).
@@ -38,6 +39,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import glob
 import math
 import os
 import threading
@@ -101,22 +103,26 @@ class MmaConfig:
 
 
 def pick_mma_config(m: int, n: int, k: int) -> MmaConfig:
-    """Launch shape for ``[m, k] x [k, n]``, a fixed rule from the H200 sweep (notes, run 11; no
-    autotuning, so a problem always runs the same kernel and gives the same bits):
+    """Launch shape for ``[m, k] x [k, n]``: a fixed rule from the sweeps on the Qwen2.5 7B/32B
+    decode shapes (notes, runs 11 and 14, H200 and H100; no autotuning, so a problem always runs
+    the same kernel and gives the same bits):
 
     * default: 32-row CTAs of 8 warps that split K (``tiles=2, warps_k=8``), at most 128
-      registers (``min_ctas=2``), no K-slices: best or within 5% on every q/k/v and o shape;
-    * wide (N >= 8K, gate/up): 64-row CTAs, 4 warps along K;
-    * deep (K >= 4N, down): 128-row CTAs, 2 warps along K, and K-slices that leave each warp
-      about 8 chunks (more slices starve the register ring: a warp with 1-2 chunks has nothing
-      to prefetch, measured 1.5-2x slower).
+      registers (``min_ctas=2``): best or within 5% on every q/k/v and o shape;
+    * deep (K >= 4N, down): the same, with K-slices that leave each warp about 8 chunks (more
+      slices starve the register ring: a warp with 1-2 chunks has nothing to prefetch, measured
+      1.5-2x slower);
+    * wide (N >= 8K, gate/up): more rows per CTA so fewer warps re-read x per weight byte --
+      64-row CTAs of 4 warps along K for K < 4096 (7B), 128-row CTAs of 2 warps along K from
+      K = 4096 (32B: 6% faster on the H100, 3% on the H200; 28% slower at 7B's K = 3584).
     """
     chunks = k // CHUNK
-    if k >= 4 * n:
-        return MmaConfig(tiles=2, warps_r=4, warps_k=2, depth=2, split_k=max(1, chunks // 16), min_ctas=1)
     if n >= 8 * k:
+        if k >= 4096:
+            return MmaConfig(tiles=2, warps_r=4, warps_k=2, depth=2, split_k=1, min_ctas=1)
         return MmaConfig(tiles=2, warps_r=2, warps_k=4, depth=2, split_k=1, min_ctas=2)
-    return MmaConfig(tiles=2, warps_r=1, warps_k=8, depth=2, split_k=1, min_ctas=2)
+    split = max(1, chunks // 64) if k >= 4 * n else 1
+    return MmaConfig(tiles=2, warps_r=1, warps_k=8, depth=2, split_k=split, min_ctas=2)
 
 
 # ============================================================================ availability
@@ -157,14 +163,28 @@ def _nvrtc() -> ctypes.CDLL:
         return _get_nvrtc_library()
     except Exception:  # noqa: BLE001 - any failure means: look elsewhere
         pass
-    names = [os.environ.get("QERL_NVRTC", ""), "libnvrtc.so", "libnvrtc.so.13", "libnvrtc.so.12",
-             ctypes.util.find_library("nvrtc") or ""]
+    names = [os.environ.get("QERL_NVRTC", "")] + _pip_nvrtc() + \
+        ["libnvrtc.so", "libnvrtc.so.13", "libnvrtc.so.12", ctypes.util.find_library("nvrtc") or ""]
     for name in filter(None, names):
         try:
             return ctypes.CDLL(name)
         except OSError:
             continue
     raise OSError("libnvrtc not found: install a CUDA build of PyTorch (it ships NVRTC) or set QERL_NVRTC=/path/libnvrtc.so")
+
+
+def _pip_nvrtc() -> list[str]:
+    """libnvrtc from the ``nvidia-cuda-nvrtc`` wheel (requirements.txt installs it on CPU machines,
+    so tests can compile the kernel for sm_90 without a GPU)."""
+    try:
+        import nvidia  # namespace package of NVIDIA's CUDA wheels
+    except ImportError:
+        return []
+    found = []
+    for base in getattr(nvidia, "__path__", []):
+        for pattern in ("cu13/lib/libnvrtc.so.*", "cuda_nvrtc/lib/libnvrtc.so.*", "cu12/lib/libnvrtc.so.*"):
+            found += sorted(glob.glob(os.path.join(base, pattern)))
+    return found
 
 
 @functools.lru_cache(maxsize=None)

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from qerl_lib import fp4_kernel_mma as mma
-from qerl_lib.fp4_kernel import fp4_linear, prepare_fp4_weights, set_small_m_backend
+from qerl_lib.fp4_kernel import fp4_linear, prepare_fp4_weights, set_small_m_backend, uses_mma
 from qerl_lib.nvfp4 import dequantize, quantize, reference_matmul
 
 HAS_MMA = mma.available() if torch.cuda.is_available() else False
@@ -228,6 +228,18 @@ def test_small_m_backend_setting():
         set_small_m_backend("cutlass")
     prev = set_small_m_backend("triton")
     assert set_small_m_backend(prev) == "triton"
+    assert not uses_mma(8, 4096, torch.device("cpu"))  # CPU tensors take the reference path
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without a GPU")
+def test_forcing_mma_without_a_gpu_names_the_fix():
+    prev = set_small_m_backend("mma")
+    try:
+        assert not uses_mma(8, 4096, torch.device("cpu"))  # CPU still goes to the reference
+        with pytest.raises(RuntimeError, match="set_small_m_backend"):
+            uses_mma(8, 4096, torch.device("cuda"))
+    finally:
+        set_small_m_backend(prev)
 
 
 def _nvrtc_or_none():
@@ -239,10 +251,13 @@ def _nvrtc_or_none():
 
 @pytest.mark.skipif(_nvrtc_or_none() is None, reason="no libnvrtc here (CUDA builds of PyTorch ship it; or set QERL_NVRTC)")
 @pytest.mark.parametrize("nb", [1, 2])
-def test_source_compiles_for_hopper(nb):
-    cfg = mma.MmaConfig()
-    cubin = mma.compile_cubin(mma.kernel_source(cfg, nb), mma.kernel_name(cfg, nb), "sm_90")
-    assert cubin[:4] == b"\x7fELF" and mma.kernel_name(cfg, nb).encode() in cubin
+def test_source_compiles_for_hopper_in_every_shape_the_rule_picks(nb):
+    shapes = [(4608, 3584), (37888, 3584), (3584, 18944), (55296, 5120), (5120, 27648)]  # Qwen2.5 7B / 32B
+    configs = {mma.pick_mma_config(8 * nb, n, k) for n, k in shapes}
+    assert len(configs) >= 3  # default, wide, wide at K >= 4096 (deep differs only in split_k)
+    for cfg in configs:
+        cubin = mma.compile_cubin(mma.kernel_source(cfg, nb), mma.kernel_name(cfg, nb), "sm_90")
+        assert cubin[:4] == b"\x7fELF" and mma.kernel_name(cfg, nb).encode() in cubin
 
 
 # ============================================================================ GPU tests
