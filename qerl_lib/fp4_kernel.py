@@ -106,17 +106,12 @@ def uses_mma(m: int, k: int, device: torch.device) -> bool:
     """Whether an ``fp4_linear`` call with ``m`` rows, reduction ``k`` on ``device`` (and no explicit
     Triton ``config``) runs the mma.sync CUDA kernel; raises if the backend is forced to "mma" but
     this machine cannot run it."""
+    if _small_m_backend not in SMALL_M_BACKENDS:
+        raise ValueError(f"QERL_FP4_SMALL_M must be one of {SMALL_M_BACKENDS}, got {_small_m_backend!r}")
     if _small_m_backend == "triton" or device.type != "cuda" or m > fp4_kernel_mma.AUTO_MAX_M \
             or not fp4_kernel_mma.supported_problem(m, k):
         return False
     index = device.index if device.index is not None else (torch.cuda.current_device() if torch.cuda.is_available() else 0)
-    if fp4_kernel_mma.available(index):
-        return True
-    if _small_m_backend == "mma":
-        raise RuntimeError(f"small-M backend 'mma' cannot run here: {fp4_kernel_mma.unavailable_reason(index)}; "
-                           "use set_small_m_backend('auto') or QERL_FP4_SMALL_M=auto")
-    return False
-    index = x2.device.index if x2.device.index is not None else torch.cuda.current_device()
     if fp4_kernel_mma.available(index):
         return True
     if _small_m_backend == "mma":

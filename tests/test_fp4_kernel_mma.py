@@ -231,6 +231,14 @@ def test_small_m_backend_setting():
     assert not uses_mma(8, 4096, torch.device("cpu"))  # CPU tensors take the reference path
 
 
+def test_a_bad_environment_setting_is_named(monkeypatch):
+    from qerl_lib import fp4_kernel
+
+    monkeypatch.setattr(fp4_kernel, "_small_m_backend", "cutlass")  # as if QERL_FP4_SMALL_M=cutlass
+    with pytest.raises(ValueError, match="QERL_FP4_SMALL_M"):
+        uses_mma(8, 4096, torch.device("cpu"))
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without a GPU")
 def test_forcing_mma_without_a_gpu_names_the_fix():
     prev = set_small_m_backend("mma")
