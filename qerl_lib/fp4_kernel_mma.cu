@@ -1,13 +1,14 @@
 // NVFP4 x BF16 GEMM for few rows of x (M <= 16): out[M, N] = x[M, K] @ W[N, K]^T.
 // Compiled at run time by NVRTC (qerl_lib/fp4_kernel_mma.py), once per launch shape; the shape
-// comes in as the macros T_TILES, WARPS_R, WARPS_K, NB, DEPTH and KERNEL_NAME.
+// comes in as the macros T_TILES, WARPS_R, WARPS_K, NB, DEPTH, MIN_CTAS and KERNEL_NAME.
 //
 // Layout read in place (compressed-tensors): W codes as u32 words [N, K/8] (code k of a row is
 // nibble k%8 of word k/8), E4M3 block scales as bytes [N, K/16], fp32 global scale gs[1]
 // (the encode factor: w = fp4 * s / gs). x bf16 [M, ldx], out bf16 [M, ldo]. K % 128 == 0.
 //
-// Loads: each warp keeps DEPTH - 1 chunks of weights in flight in a register ring, addressed with
-// immediate offsets from pointers that advance once per DEPTH chunks. Decoding is kept to two
+// Loads: each warp keeps DEPTH - 1 chunks of weights and scales in flight in a register ring,
+// addressed with immediate offsets from pointers that advance once per DEPTH chunks; x is read
+// per chunk through L1 (every warp on the same K columns reads it). Decoding is kept to two
 // integer-pipe ops per code pair (mask, final mask; the multiply runs on the FMA pipe), and the
 // E4M3 scales come from a 256-entry table in shared memory: the kernel is bound by the integer
 // pipe as much as by DRAM (results/notes_fp4_kernel.md, runs 8-10), so every op counts.
@@ -24,7 +25,8 @@
 // 16-byte load per row and chunk: thread (g = lane/4, t = lane%4) reads codes 32t..32t+31 of
 // rows g and g+8 (four u32 words). Word w feeds two MMA steps; step P (0 or 2) uses the code
 // pairs (P, P+4) and (P+1, P+5) of the word, because a pair (i, i+4) sits 16 bits apart and
-// becomes one bf16x2 register in four integer ops (code_pair). x is permuted the same way
+// becomes one bf16x2 register with a mask, a multiply and a mask (code_pair_even/odd; the odd
+// pair's multiplier absorbs its 4-bit offset, and v >> 8 serves pairs 2 and 3). x is permuted the same way
 // (prmt), so the dot product is unchanged: only the order of its terms moves.
 typedef unsigned int u32;
 typedef unsigned short u16;

@@ -312,7 +312,8 @@ def mma_linear(x2: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, glob
 
     ``words``: int32 ``[N, K/8]``, ``scales``: uint8 ``[N, K/16]`` (the compressed-tensors bytes),
     ``out``: bf16 ``[m, N]`` contiguous. Validation of dtypes/shapes is ``fp4_kernel``'s job; this
-    checks only what the kernel itself assumes.
+    checks only what the kernel itself assumes. K-sliced launches share one arrival-counter buffer
+    per device: run them on one stream at a time (the engine and the benchmarks do).
     """
     m, k = x2.shape
     n = words.shape[0]
