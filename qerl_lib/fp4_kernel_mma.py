@@ -121,7 +121,7 @@ def pick_mma_config(m: int, n: int, k: int) -> MmaConfig:
         if k >= 4096:
             return MmaConfig(tiles=2, warps_r=4, warps_k=2, depth=2, split_k=1, min_ctas=1)
         return MmaConfig(tiles=2, warps_r=2, warps_k=4, depth=2, split_k=1, min_ctas=2)
-    split = max(1, chunks // 64) if k >= 4 * n else 1
+    split = min(64, max(1, chunks // 64)) if k >= 4 * n else 1
     return MmaConfig(tiles=2, warps_r=1, warps_k=8, depth=2, split_k=split, min_ctas=2)
 
 
