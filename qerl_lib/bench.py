@@ -26,7 +26,6 @@ The timing helpers (``time_graph``, ``time_eager``, ``copy_bandwidth_gbps``, ``f
 
 from __future__ import annotations
 
-import json
 import math
 import statistics
 from collections.abc import Callable, Sequence

@@ -86,7 +86,7 @@ class RolloutBenchConfig:
     profile: bool = False  # print a kernel-time table of an eager decode step per model
     fuse_projections: bool = True  # engine runs q/k/v and gate/up as one matmul each (layers_fused)
     decode_attention: str | None = None  # None: the engine's default ("kernel" on CUDA)
-    fp4_small_m: str = "auto"  # NVFP4 GEMM for M <= 16: "auto" (mma.sync CUDA kernel where it runs), "mma", "triton"
+    fp4_small_m: str = "auto"  # NVFP4 GEMM for M <= 8: "auto" (mma.sync CUDA kernel where it runs), "mma", "triton"
 
     def __post_init__(self):
         for m in self.models:
@@ -325,8 +325,9 @@ def code_hashes() -> dict[str, str]:
     from pathlib import Path
 
     here = Path(__file__).resolve().parent
-    names = ("engine.py", "engine_forward.py", "engine_cache.py", "engine_lora.py", "sampling.py",
-             "fp4_kernel.py", "layers.py", "loader.py", "bench_rollout.py")
+    names = ("engine.py", "engine_forward.py", "engine_cache.py", "engine_lora.py", "engine_attention.py", "sampling.py",
+             "fp4_kernel.py", "fp4_kernel_config.py", "fp4_kernel_mma.py", "fp4_kernel_mma.cu", "layers.py",
+             "layers_fused.py", "loader.py", "bench_rollout.py")
     return {n: hashlib.sha256((here / n).read_bytes()).hexdigest()[:12] for n in names if (here / n).is_file()}
 
 
@@ -460,7 +461,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-attention", choices=("kernel", "matmul", "sdpa"), default=None,
                    help="decode attention of the engine (default: the split-KV Triton kernel on CUDA)")
     p.add_argument("--fp4-small-m", choices=("auto", "mma", "triton"), default="auto",
-                   help="NVFP4 GEMM kernel for decode (M <= 16): auto = the mma.sync CUDA kernel where it runs")
+                   help="NVFP4 GEMM kernel for decode (M <= 8): auto = the mma.sync CUDA kernel where it runs")
     p.add_argument("--json", default=None, dest="json_out", help="write the results JSON here (atomically)")
     p.add_argument("--merge", nargs="+", default=None, metavar="JSON",
                    help="instead of measuring: merge these results files into --json and print the table")

@@ -304,8 +304,7 @@ def _triton_linear(x: torch.Tensor, weight: PreparedFP4Weight, bias: torch.Tenso
     out = torch.empty(m, n, dtype=torch.bfloat16, device=x.device) if out is None else out.view(m, n)
     if m == 0:
         return out.reshape(*lead, n)
-    if config is None and uses_mma(x2.shape[0], k, x2.device):
-        x2 = x2 if x2.is_contiguous() else x2.contiguous()
+    if config is None and uses_mma(x2.shape[0], k, x2.device):  # x2 already meets its alignment needs
         bias_c = bias.contiguous() if bias is not None else None
         fp4_kernel_mma.mma_linear(x2, weight.words, weight.scales, weight.global_scale, bias_c, out)
         return out.reshape(*lead, n)

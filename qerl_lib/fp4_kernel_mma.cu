@@ -62,10 +62,8 @@ __device__ __forceinline__ u16 load_scale_pair(const u16* p) {  // 8 B per row a
 // Codes i and i+4 of a word as a bf16x2 holding fp4(code) * 2^-126 each: s<<15 | e1 e0 m<<6 is
 // exactly that bf16 (code 1 = 0.5 lands on a subnormal). One multiply places both nibbles.
 // Codes (0, 4) and (1, 5) are masked in place (the multiplier absorbs nibble 1's offset);
-// codes (2, 6) and (3, 7) the same way from v >> 8. code_pair is the plain definition (tests).
-__device__ __forceinline__ u32 code_pair(u32 v, int i) {
-  return (((v >> (4 * i)) & 0x000F000Fu) * 0x1040u) & 0x81C081C0u;
-}
+// codes (2, 6) and (3, 7) the same way from v >> 8. (Pair i in general: ((v >> 4i) & 0x000F000F)
+// * 0x1040 & 0x81C081C0; tests/test_fp4_kernel_mma.py checks both forms agree on every code.)
 __device__ __forceinline__ u32 code_pair_even(u32 v) { return ((v & 0x000F000Fu) * 0x1040u) & 0x81C081C0u; }
 __device__ __forceinline__ u32 code_pair_odd(u32 v) { return ((v & 0x00F000F0u) * 0x104u) & 0x81C081C0u; }
 

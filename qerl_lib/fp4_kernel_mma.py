@@ -102,6 +102,7 @@ class MmaConfig:
         return self.warps_k * 8 * nb * (self.rows_per_cta + 4) * 4 + 256 * 4 + 16
 
 
+@functools.lru_cache(maxsize=None)
 def pick_mma_config(m: int, n: int, k: int) -> MmaConfig:
     """Launch shape for ``[m, k] x [k, n]``: a fixed rule from the sweeps on the Qwen2.5 7B/32B
     decode shapes (notes, runs 11 and 14, H200 and H100; no autotuning, so a problem always runs
@@ -110,11 +111,11 @@ def pick_mma_config(m: int, n: int, k: int) -> MmaConfig:
     * default: 32-row CTAs of 8 warps that split K (``tiles=2, warps_k=8``), at most 128
       registers (``min_ctas=2``): best or within 5% on every q/k/v and o shape;
     * deep (K >= 4N, down): the same, with K-slices that leave each warp about 8 chunks (more
-      slices starve the register ring: a warp with 1-2 chunks has nothing to prefetch, measured
-      1.5-2x slower);
+      slices starve the register ring: a warp with 1-2 chunks has nothing to prefetch; an
+      occupancy-driven split rule measured 1.2-2.3x slower);
     * wide (N >= 8K, gate/up): more rows per CTA so fewer warps re-read x per weight byte --
       64-row CTAs of 4 warps along K for K < 4096 (7B), 128-row CTAs of 2 warps along K from
-      K = 4096 (32B: 6% faster on the H100, 3% on the H200; 28% slower at 7B's K = 3584).
+      K = 4096 (32B: 6% faster on the H100, 3% on the H200; 24% slower at 7B's K = 3584).
     """
     chunks = k // CHUNK
     if n >= 8 * k:
@@ -308,7 +309,7 @@ def _counters(device: torch.device, blocks: int) -> torch.Tensor:
 
 def mma_linear(x2: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor,
                bias: torch.Tensor | None, out: torch.Tensor, config: MmaConfig | None = None) -> torch.Tensor:
-    """``out[m, n] = bf16(x2 @ W.T * 2^8/gs ...)`` (+ bias) for contiguous bf16 ``x2 [m, k]``, ``m <= 16``.
+    """``out[m, n] = bf16(x2 @ W.T * 2^8/gs ...)`` (+ bias) for bf16 ``x2 [m, k]`` (unit column stride), ``m <= 16``.
 
     ``words``: int32 ``[N, K/8]``, ``scales``: uint8 ``[N, K/16]`` (the compressed-tensors bytes),
     ``out``: bf16 ``[m, N]`` contiguous. Validation of dtypes/shapes is ``fp4_kernel``'s job; this
@@ -319,8 +320,9 @@ def mma_linear(x2: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, glob
     n = words.shape[0]
     if not supported_problem(m, k):
         raise ValueError(f"fp4_kernel_mma takes 1 <= M <= {MAX_M} and K % {CHUNK} == 0, got M={m}, K={k}")
-    if x2.stride(1) != 1 or x2.stride(0) % 8 or x2.data_ptr() % 16 or words.data_ptr() % 16 or scales.data_ptr() % 8:
-        raise ValueError("fp4_kernel_mma needs 16-byte aligned x rows (stride % 8 == 0) and weights, 8-byte aligned scales")
+    if x2.stride(1) != 1 or (m > 1 and x2.stride(0) % 8) or x2.data_ptr() % 16 or words.data_ptr() % 16 \
+            or scales.data_ptr() % 2:
+        raise ValueError("fp4_kernel_mma needs 16-byte aligned x rows (stride % 8 == 0) and weights, 2-byte aligned scales")
     nb = 1 if m <= 8 else 2
     cfg = config or pick_mma_config(m, n, k)
     cfg.check_shared(nb)

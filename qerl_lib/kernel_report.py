@@ -20,12 +20,10 @@ Everything here is plain Python over ``data/configs`` and the results JSONs; not
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 from collections.abc import Sequence
 from pathlib import Path
 
-from qerl_lib.errors import UserError
 from qerl_lib.nvfp4 import GROUP_SIZE
 from qerl_lib.paths import CONFIGS_DIR, load_model_config  # noqa: F401 (re-exported)
 

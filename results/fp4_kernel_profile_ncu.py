@@ -3,7 +3,7 @@ Nsight Compute: pipe utilisation, stall reasons, DRAM throughput (notes, run 10)
 
     ncu -k regex:"qerl_fp4|_fp4_gemm" -c 2 --set full python3 results/fp4_kernel_profile_ncu.py
 """
-import torch, sys
+import torch
 from qerl_lib import fp4_kernel_mma as mma
 from qerl_lib.fp4_kernel import prepare_fp4_weights, fp4_linear, set_small_m_backend
 from qerl_lib.nvfp4 import quantize

@@ -323,7 +323,7 @@ def _check_equivalence(model, layer_indices, sigmas, seed):
                         worst, checked = max(worst, ratio), checked + 1
                         # negative control: forgetting the 1/w (scaling by 1 + Z) must fail the same bound
                         wrong = F.linear(clean, proj.weight * (1 + z)[None, :], proj.bias)
-                        assert ((a - wrong).abs() > bound).any(), f"the check cannot tell (1+Z) from (1+Z/w)"
+                        assert ((a - wrong).abs() > bound).any(), "the check cannot tell (1+Z) from (1+Z/w)"
     return worst, checked
 
 

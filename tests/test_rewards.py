@@ -16,7 +16,6 @@ import pytest
 
 from qerl_lib.errors import UserError
 from qerl_lib.rewards import (
-    MathVerifier,
     SafeReward,
     accuracy_reward,
     extract_answer,
