@@ -75,6 +75,7 @@ __all__ = ["Completion", "RolloutEngine", "generate", "release", "to_padded", "L
            "SUPPORTED_MODEL_TYPES"]
 
 DECODE_BACKENDS = ("auto", "eager", "graphs", "graphs+fused", "compile")
+GLUE_KERNELS = True  # default of RolloutEngine(glue_kernels=None); benchmarks flip it for ablations
 
 
 @dataclass
@@ -115,12 +116,14 @@ class RolloutEngine:
     On an H100 (Qwen2.5-7B shapes, batch 8, 256 + 2048 tokens, bf16 / NVFP4 tok/s) fusing took
     1085 / 1649 to 1188 / 1786, the attention kernel to 1235 / 1921; with the FP4 launch rule and
     the fused RoPE + cache write the engine runs 1271 / 2199 (results/README.md).
+    ``glue_kernels``: in "graphs+fused", the norms and SiLU * up run as ``engine_glue``'s Triton
+    kernels, which let the next NVFP4 matmul launch early (default ``GLUE_KERNELS``, on).
     """
 
     def __init__(self, model, max_seq_len: int | None = None, decode_backend: str = "auto",
                  decode_attention: str | None = None, length_step: int = 256,
                  batch_buckets: tuple[int, ...] = BATCH_BUCKETS, check_every: int = 16, keep_alive: bool = True,
-                 fuse_projections: bool | None = None):
+                 fuse_projections: bool | None = None, glue_kernels: bool | None = None):
         if decode_backend not in DECODE_BACKENDS:
             raise ValueError(f"decode_backend must be one of {DECODE_BACKENDS}, got {decode_backend!r}")
         view = ModelView(model)  # validates the architecture now, not at the first call
@@ -137,6 +140,8 @@ class RolloutEngine:
                                                      if on_cuda else "sdpa")
         # q/k/v and gate/up as one matmul each (layers_fused); off on CPU, where greedy tokens match HF bit for bit
         self.fuse_projections = on_cuda if fuse_projections is None else bool(fuse_projections)
+        # norms and SiLU * up of the fused decode step as engine_glue's Triton kernels (default: on)
+        self.glue_kernels = GLUE_KERNELS if glue_kernels is None else bool(glue_kernels)
         self.max_seq_len = int(max_seq_len or view.max_positions or 4096)
         self.length_step = int(length_step)
         self.batch_buckets = tuple(batch_buckets)
@@ -234,6 +239,7 @@ class RolloutEngine:
             self._forward = None  # drop the old pass (and its fused-buffer references) before fusing anew
             fuse = self.decode_backend == "graphs+fused"
             self._forward = ForwardPass(view, self.decode_attention, fuse_elementwise=fuse, bypass_peft=bypass,
+                                        glue_kernels=self.glue_kernels,
                                         fuse_projections=self.fuse_projections)
             self._signature, self._view = signature, view
         return self._forward

@@ -36,9 +36,13 @@ import torch
 try:  # Triton is optional: the CPU paths do not need it.
     import triton
     import triton.language as tl
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 except ImportError:  # pragma: no cover
     triton = None
     tl = None
+    gdc_launch_dependents = gdc_wait = None
+
+from qerl_lib import pdl
 
 BLOCK_L = 64
 TARGET_PROGRAMS = 264  # ~2 per SM on an H100/H200; more slices than this only add merge work
@@ -89,6 +93,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pad: tor
     splits = triton.cdiv(length, per_split)
     out = torch.empty(b, h, d, dtype=q.dtype, device=q.device) if out is None else out
     interpreted = not q.is_cuda
+    early = pdl.use_for(q.device)  # programmatic dependent launch (qerl_lib.pdl)
     if splits == 1:
         part_acc = part_ml = out  # unused
     else:
@@ -99,10 +104,11 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pad: tor
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         out.stride(0), out.stride(1),
         GROUPS=groups, GROUPS_P=max(16, triton.next_power_of_2(groups)), D=d, BLOCK=BLOCK_L, SPLIT=splits > 1,
-        INTERPRETED=interpreted, num_warps=4)
+        INTERPRETED=interpreted, PDL=early, launch_pdl=early, num_warps=4)
     if splits > 1:
         _merge_splits_kernel[(b, h)](part_acc, part_ml, out, out.stride(0), out.stride(1), h,
-                                     SPLITS=splits, SPLITS_P=triton.next_power_of_2(splits), D=d, num_warps=4)
+                                     SPLITS=splits, SPLITS_P=triton.next_power_of_2(splits), D=d, PDL=early,
+                                     launch_pdl=early, num_warps=4)
     return out
 
 
@@ -125,11 +131,12 @@ def rope_and_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch
             or cos.stride(-1) != 1 or sin.stride(-1) != 1:
         raise ValueError("rope_and_cache: head_dim must be a power of two and every last dimension unit-stride")
     q_out = torch.empty(b, h, d, dtype=q.dtype, device=q.device)
+    early = pdl.use_for(q.device)
     _rope_cache_kernel[(b, h + kv)](
         q, k, v, cos, sin, column, q_out, k_cache, v_cache, h,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0), sin.stride(0),
         q_out.stride(0), q_out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), D=d, num_warps=1)
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), D=d, PDL=early, launch_pdl=early, num_warps=1)
     return q_out
 
 
@@ -138,9 +145,12 @@ if triton is not None:
     @triton.jit
     def _rope_cache_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, col_ptr, qo_ptr, kc_ptr, vc_ptr, H,
                            sqb, sqh, skb, skh, svb, svh, scb, ssb, sob, soh, skcb, skch, skcl, svcb, svch, svcl,
-                           D: tl.constexpr):
+                           D: tl.constexpr, PDL: tl.constexpr):
         """Program (row b, head h): h < H rotates query head h; h >= H rotates key head h - H into the
         cache and copies value head h - H. rotate_half pairs dimension i with i + D/2."""
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
         b, h = tl.program_id(0), tl.program_id(1)
         d = tl.arange(0, D)
         partner = (d + D // 2) % D
@@ -165,9 +175,12 @@ if triton is not None:
     def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, pad_ptr, col_ptr, out_ptr, acc_ptr, ml_ptr, scaling, L, per_split,
                                  sqb, sqh, skb, skh, skl, svb, svh, svl, sob, soh,
                                  GROUPS: tl.constexpr, GROUPS_P: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
-                                 SPLIT: tl.constexpr, INTERPRETED: tl.constexpr):
+                                 SPLIT: tl.constexpr, INTERPRETED: tl.constexpr, PDL: tl.constexpr):
         """Program (row b, KV head j, slice s): the GROUPS query heads of KV head j over columns
         [s * per_split, (s + 1) * per_split) intersected with [pad[b], column]."""
+        if PDL:  # launched early: wait for the previous kernel, then let the next one launch
+            gdc_wait()
+            gdc_launch_dependents()
         b, j, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         first = tl.load(pad_ptr + b).to(tl.int32)
         last = tl.load(col_ptr).to(tl.int32)  # inclusive
@@ -215,8 +228,11 @@ if triton is not None:
 
     @triton.jit
     def _merge_splits_kernel(acc_ptr, ml_ptr, out_ptr, sob, soh, H, SPLITS: tl.constexpr, SPLITS_P: tl.constexpr,
-                             D: tl.constexpr):
+                             D: tl.constexpr, PDL: tl.constexpr):
         """out[b, h] = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s (empty slices: m = -inf, l = 0)."""
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
         b, h = tl.program_id(0), tl.program_id(1)
         s = tl.arange(0, SPLITS_P)
         dd = tl.arange(0, D)

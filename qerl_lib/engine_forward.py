@@ -49,7 +49,9 @@ Between the matmuls sit elementwise steps (residual add + RMSNorm, RoPE, softmax
 Run eagerly they are ~30 small kernel launches per layer, which at batch 8 cost as much as the
 weight-bound matmuls of an NVFP4 model. The ``Glue`` functions are written so that
 ``torch.compile`` can turn each into one kernel; the decode step uses the compiled ones when
-asked (``fuse_elementwise``), prefill and CPU runs the plain ones.
+asked (``fuse_elementwise``), prefill and CPU runs the plain ones. With ``glue_kernels`` (the CUDA
+default) the norms and SiLU * up run as ``engine_glue``'s Triton kernels instead, which let the
+next NVFP4 matmul launch while they run (programmatic dependent launch).
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ from typing import Callable, NamedTuple
 import torch
 import torch.nn.functional as F
 
+from qerl_lib import engine_glue
 from qerl_lib.engine_attention import decode_attention, rope_and_cache
 from qerl_lib.engine_lora import (LORA_GROUPS, PARENT, LoraAdapter, LoraBuffers, canonical_name, lora_signature,
                                   unwrap_model)
@@ -208,10 +211,12 @@ class ForwardPass:
     ``torch.compile``: residual add + RMSNorm, RoPE of q and k, the attention softmax, SiLU * up.
     Eagerly these are ~30 kernel launches per layer; fused, ~6. Worth it only inside a CUDA graph,
     where launches, not Python, are the cost. Prefill always runs the eager functions.
+    ``glue_kernels`` (with ``fuse_elementwise``, on CUDA): the norms and SiLU * up through
+    ``engine_glue``'s Triton kernels rather than ``torch.compile``.
     """
 
     def __init__(self, view: ModelView, decode_attention: str = "sdpa", fuse_elementwise: bool = False,
-                 bypass_peft: bool = False, fuse_projections: bool = False):
+                 bypass_peft: bool = False, fuse_projections: bool = False, glue_kernels: bool = False):
         if decode_attention not in DECODE_ATTENTION:
             raise ValueError(f"decode_attention must be one of {DECODE_ATTENTION}, got {decode_attention!r}")
         self.view = view
@@ -235,6 +240,11 @@ class ForwardPass:
             # dynamic=None: a shape that changes (the attention length bucket) turns dynamic after one
             # recompile instead of compiling once per bucket.
             self.decode_ops = Glue(*(torch.compile(f) for f in self.eager_ops))
+            if glue_kernels and view.device.type == "cuda" and engine_glue.triton is not None:
+                silu = getattr(view.config, "hidden_act", None) == "silu"
+                self.decode_ops = self.decode_ops._replace(
+                    norm=engine_glue.rms_norm, residual_norm=engine_glue.residual_rms_norm,
+                    gated=engine_glue.silu_mul if silu else self.decode_ops.gated)
         self._columns = torch.arange(0, dtype=torch.long, device=view.device)
 
     def reserve_columns(self, length: int) -> None:

@@ -28,6 +28,12 @@
 // becomes one bf16x2 register with a mask, a multiply and a mask (code_pair_even/odd; the odd
 // pair's multiplier absorbs its 4-bit offset, and v >> 8 serves pairs 2 and 3). x is permuted the same way
 // (prmt), so the dot product is unchanged: only the order of its terms moves.
+#ifndef PREFETCH
+#define PREFETCH 0  // chunks (of this warp's own, after the register ring's) prefetched into L2 before griddepcontrol.wait
+#endif
+#ifndef L2_HINT
+#define L2_HINT 0  // weight loads: 0 plain, 1 L2::128B, 2 L2::256B (L2 fetch size on a miss)
+#endif
 typedef unsigned int u32;
 typedef unsigned short u16;
 typedef unsigned char u8;
@@ -39,11 +45,22 @@ struct __align__(16) U4 { u32 x, y, z, w; };
 #define MAXTOK (8 * NB)
 #define RED_STRIDE (ROWS_PER_CTA + 4)
 
+#if L2_HINT == 2
+#define LOAD_STREAM_OP "ld.global.nc.L1::no_allocate.L2::256B.v4.u32"
+#elif L2_HINT == 1
+#define LOAD_STREAM_OP "ld.global.nc.L1::no_allocate.L2::128B.v4.u32"
+#else
+#define LOAD_STREAM_OP "ld.global.nc.L1::no_allocate.v4.u32"
+#endif
 __device__ __forceinline__ U4 load_stream(const U4* p) {  // weights: read once, keep out of L1
   U4 r;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+  asm volatile(LOAD_STREAM_OP " {%0,%1,%2,%3}, [%4];"
                : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
   return r;
+}
+
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+  asm volatile("prefetch.global.L2 [%0];" :: "l"(p) : "memory");
 }
 
 __device__ __forceinline__ U4 load_shared_x(const U4* p) {  // x: reused by every CTA, keep in L1
@@ -177,6 +194,23 @@ KERNEL_NAME(const u16* __restrict__ x, const u32* __restrict__ wq, const u8* __r
 
 #pragma unroll
   for (int d = 0; d < DEPTH - 1; ++d) { LOAD_CHUNK(d, d, d) }
+#if PREFETCH > 0
+  if ((t & 1) == 0) {  // lanes t = 0 and 2 point at the two 32-byte sectors of their rows' chunks
+#pragma unroll
+    for (int j = DEPTH - 1; j < DEPTH - 1 + PREFETCH; ++j)
+      if (j < n_mine) {
+#pragma unroll
+        for (int i = 0; i < T_TILES; ++i)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) prefetch_l2(wp[i][h] + j * 4 * WARPS_K);
+      }
+  }
+#endif
+  // Everything above reads only weights, scales and constants. With programmatic dependent
+  // launch (mma_linear(pdl=True)) this CTA may be running while the previous kernel in the
+  // stream still writes x: wait for it here, before the first read of x or any write.
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");  // the next kernel may launch (and wait)
   __syncthreads();  // scale_lut ready
 
   for (int j0 = 0; j0 < n_mine; j0 += DEPTH) {

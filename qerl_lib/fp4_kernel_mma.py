@@ -48,6 +48,8 @@ from pathlib import Path
 
 import torch
 
+from qerl_lib import pdl as pdl_switch
+
 SOURCE_PATH = Path(__file__).with_name("fp4_kernel_mma.cu")
 MIN_CAPABILITY = (9, 0)
 CHUNK = 128  # codes per row per load step; K must be a multiple
@@ -63,7 +65,10 @@ class MmaConfig:
     ``tiles``: m16 tiles of rows per warp; ``warps_r`` x ``warps_k``: warps per CTA along rows
     and along K (their partials meet in shared memory); ``depth``: chunks in the register ring
     (``depth - 1`` loads ahead); ``split_k``: K-slices across CTAs (1 = no partials);
-    ``min_ctas``: resident CTAs per SM the compiler must allow (caps registers; 1 = no cap).
+    ``min_ctas``: resident CTAs per SM the compiler must allow (caps registers; 1 = no cap);
+    ``prefetch``: chunks (of each warp's own, after the ring's) prefetched into L2 before the
+    kernel waits on the previous one (useful with programmatic dependent launch; 0 = none);
+    ``l2_hint``: L2 fetch size of the weight loads on a miss (0 default, 1 = 128 B, 2 = 256 B).
     """
 
     tiles: int = 2
@@ -72,10 +77,12 @@ class MmaConfig:
     depth: int = 2
     split_k: int = 1
     min_ctas: int = 2
+    prefetch: int = 0
+    l2_hint: int = 0
 
     def __post_init__(self):
         for name, lo, hi in (("tiles", 1, 4), ("warps_r", 1, 8), ("warps_k", 1, 8), ("depth", 2, 4), ("split_k", 1, 64),
-                               ("min_ctas", 1, 8)):
+                               ("min_ctas", 1, 8), ("prefetch", 0, 16), ("l2_hint", 0, 2)):
             v = getattr(self, name)
             if not isinstance(v, int) or not lo <= v <= hi:
                 raise ValueError(f"MmaConfig.{name} must be an int in [{lo}, {hi}], got {v!r}")
@@ -115,15 +122,17 @@ def pick_mma_config(m: int, n: int, k: int) -> MmaConfig:
       occupancy-driven split rule measured 1.2-2.3x slower);
     * wide (N >= 8K, gate/up): more rows per CTA so fewer warps re-read x per weight byte --
       64-row CTAs of 4 warps along K for K < 4096 (7B), 128-row CTAs of 2 warps along K from
-      K = 4096 (32B: 6% faster on the H100, 3% on the H200; 24% slower at 7B's K = 3584).
+      K = 4096 (32B: 6% faster on the H100, 3% on the H200; 24% slower at 7B's K = 3584);
+    * every shape: weight loads ask L2 for 128-byte fetches (``l2_hint=1``; run 16, H200: 1-7%
+      faster on all eight 7B/32B shapes, most on gate/up and down; 256 B gained less).
     """
     chunks = k // CHUNK
     if n >= 8 * k:
         if k >= 4096:
-            return MmaConfig(tiles=2, warps_r=4, warps_k=2, depth=2, split_k=1, min_ctas=1)
-        return MmaConfig(tiles=2, warps_r=2, warps_k=4, depth=2, split_k=1, min_ctas=2)
+            return MmaConfig(tiles=2, warps_r=4, warps_k=2, depth=2, split_k=1, min_ctas=1, l2_hint=1)
+        return MmaConfig(tiles=2, warps_r=2, warps_k=4, depth=2, split_k=1, min_ctas=2, l2_hint=1)
     split = min(64, max(1, chunks // 64)) if k >= 4 * n else 1
-    return MmaConfig(tiles=2, warps_r=1, warps_k=8, depth=2, split_k=split, min_ctas=2)
+    return MmaConfig(tiles=2, warps_r=1, warps_k=8, depth=2, split_k=split, min_ctas=2, l2_hint=1)
 
 
 # ============================================================================ availability
@@ -197,13 +206,15 @@ def _driver() -> ctypes.CDLL:
 
 
 def kernel_name(cfg: MmaConfig, nb: int) -> str:
-    return f"qerl_fp4_mma_t{cfg.tiles}_r{cfg.warps_r}_k{cfg.warps_k}_n{nb}_d{cfg.depth}_o{cfg.min_ctas}"
+    extra = (f"_p{cfg.prefetch}" if cfg.prefetch else "") + (f"_h{cfg.l2_hint}" if cfg.l2_hint else "")
+    return f"qerl_fp4_mma_t{cfg.tiles}_r{cfg.warps_r}_k{cfg.warps_k}_n{nb}_d{cfg.depth}_o{cfg.min_ctas}{extra}"
 
 
 def kernel_source(cfg: MmaConfig, nb: int) -> str:
     """The CUDA source for one launch shape (``nb`` n8 blocks: 1 for M <= 8, 2 for M <= 16)."""
     defines = (f"#define T_TILES {cfg.tiles}\n#define WARPS_R {cfg.warps_r}\n#define WARPS_K {cfg.warps_k}\n"
                f"#define NB {nb}\n#define DEPTH {cfg.depth}\n#define MIN_CTAS {cfg.min_ctas}\n"
+               f"#define PREFETCH {cfg.prefetch}\n#define L2_HINT {cfg.l2_hint}\n"
                f"#define KERNEL_NAME {kernel_name(cfg, nb)}\n")
     return defines + SOURCE_PATH.read_text()
 
@@ -245,6 +256,20 @@ def _cu_check(res: int, what: str) -> None:
         raise RuntimeError(f"CUDA driver error {res} in {what}: {(msg.value or b'?').decode()}")
 
 
+class _LaunchAttribute(ctypes.Structure):  # CUlaunchAttribute: id, 4 bytes of padding, a 64-byte value union
+    _fields_ = [("id", ctypes.c_uint), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int), ("rest", ctypes.c_char * 60)]
+
+
+class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
+    _fields_ = [("grid_x", ctypes.c_uint), ("grid_y", ctypes.c_uint), ("grid_z", ctypes.c_uint),
+                ("block_x", ctypes.c_uint), ("block_y", ctypes.c_uint), ("block_z", ctypes.c_uint),
+                ("shared_bytes", ctypes.c_uint), ("stream", ctypes.c_void_p),
+                ("attrs", ctypes.POINTER(_LaunchAttribute)), ("num_attrs", ctypes.c_uint)]
+
+
+_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+
+
 class _Kernel:
     """A loaded cubin function and a lean launcher on PyTorch's current stream."""
 
@@ -263,13 +288,20 @@ class _Kernel:
                   "cuOccupancyMaxActiveBlocksPerMultiprocessor")
         return n.value
 
-    def __call__(self, grid: tuple[int, int], threads: int, args: list) -> None:
+    def __call__(self, grid: tuple[int, int], threads: int, args: list, pdl: bool = False) -> None:
+        """Launch; ``pdl``: programmatic dependent launch (the CTAs may start while the previous
+        kernel in the stream runs, and wait for it in the kernel before touching its outputs)."""
         vals = [ctypes.c_void_p(a.data_ptr()) if isinstance(a, torch.Tensor) else
                 ctypes.c_void_p(0) if a is None else ctypes.c_int(a) for a in args]
         params = (ctypes.c_void_p * len(vals))(*[ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in vals])
         stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
-        _cu_check(self._launch(self._func, grid[0], grid[1], 1, threads, 1, 1, 0, stream, params, None),
-                  "cuLaunchKernel")
+        if not pdl:
+            _cu_check(self._launch(self._func, grid[0], grid[1], 1, threads, 1, 1, 0, stream, params, None),
+                      "cuLaunchKernel")
+            return
+        attr = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
+        config = _LaunchConfig(grid[0], grid[1], 1, threads, 1, 1, 0, stream, ctypes.pointer(attr), 1)
+        _cu_check(_driver().cuLaunchKernelEx(ctypes.byref(config), self._func, params, None), "cuLaunchKernelEx")
 
 
 _KERNELS: dict[tuple, _Kernel] = {}
@@ -279,7 +311,7 @@ _LOCK = threading.Lock()
 
 def _get_kernel(cfg: MmaConfig, nb: int, device: torch.device) -> _Kernel:
     index = device.index if device.index is not None else torch.cuda.current_device()
-    key = (index, cfg.tiles, cfg.warps_r, cfg.warps_k, cfg.depth, cfg.min_ctas, nb)
+    key = (index, cfg.tiles, cfg.warps_r, cfg.warps_k, cfg.depth, cfg.min_ctas, cfg.prefetch, cfg.l2_hint, nb)
     kern = _KERNELS.get(key)
     if kern is None:
         with _LOCK, torch.cuda.device(index):
@@ -308,7 +340,8 @@ def _counters(device: torch.device, blocks: int) -> torch.Tensor:
 # ============================================================================ launch
 
 def mma_linear(x2: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor,
-               bias: torch.Tensor | None, out: torch.Tensor, config: MmaConfig | None = None) -> torch.Tensor:
+               bias: torch.Tensor | None, out: torch.Tensor, config: MmaConfig | None = None,
+               pdl: bool | None = None) -> torch.Tensor:
     """``out[m, n] = bf16(x2 @ W.T * 2^8/gs ...)`` (+ bias) for bf16 ``x2 [m, k]`` (unit column stride), ``m <= 16``.
 
     ``words``: int32 ``[N, K/8]``, ``scales``: uint8 ``[N, K/16]`` (the compressed-tensors bytes),
@@ -334,5 +367,6 @@ def mma_linear(x2: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, glob
     ws = torch.empty(split, m, n, dtype=torch.float32, device=x2.device) if split > 1 else out
     counters = _counters(x2.device, blocks)
     kern((blocks, split), cfg.threads,
-         [x2, words, scales, global_scale, bias, out, ws, counters, m, n, k, x2.stride(0), out.stride(0), per_split])
+         [x2, words, scales, global_scale, bias, out, ws, counters, m, n, k, x2.stride(0), out.stride(0), per_split],
+         pdl=pdl_switch.use_for(x2.device) if pdl is None else pdl)
     return out

@@ -1,0 +1,83 @@
+"""Run 17 of the FP4 kernel notes: the decode step with the NVFP4 matmuls launched early (PDL).
+
+Question: the step breakdown (``rollout_step_breakdown.py``, H200, 7B NVFP4, batch 8, context
+1280) gives 3.0 ms per step, of which the NVFP4 matmuls take 1.94 ms; q/k/v and o stream at only
+26-30% of copy bandwidth (7-8 us for 7-9 MB): launch, first DRAM round trip and tail, per matmul.
+With programmatic dependent launch the matmul's CTAs start while the kernel before it runs, fetch
+their first weights and wait (``griddepcontrol.wait``) for x. That needs the kernel before to
+trigger early, so the norms and SiLU * up become ``engine_glue``'s Triton kernels (which do) instead
+of ``torch.compile``'s (which do not); the attention kernels trigger too. How much does each piece
+give, with the L2::128B load hint of run 16? Every decode kernel of the kit (matmul, norms, SiLU,
+RoPE + cache write, attention and its merge) waits for its predecessor and then triggers its
+successor (qerl_lib.pdl). Also: more attention programs (slices) per layer.
+
+Engine at Qwen2.5-7B shapes (random weights), batch 8, 256 prompt + 2048 generated, per setting.
+Writes $OUT/pdl_ablation.jsonl as it goes and prints a table last.
+
+    PYTHONPATH=$PWD python results/rollout_pdl_ablation.py
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+
+import torch
+
+import qerl_lib.engine as engine_mod
+from qerl_lib import engine_attention as attn
+from qerl_lib import fp4_kernel_mma as mma
+from qerl_lib import pdl
+from qerl_lib.bench_rollout import Row, load_bench_model, time_engine
+
+OUT = os.environ.get("OUT", ".")
+T0 = time.time()
+LOG = open(os.path.join(OUT, "pdl_ablation.jsonl"), "a")
+RULE = mma.pick_mma_config
+SPLITS = attn.num_splits
+
+# (label, weights, glue kernels, PDL, l2_hint, attention programs target)
+SETTINGS = [
+    ("before (compiled glue, no PDL, no hint)", "nvfp4", False, False, 0, 264),
+    ("L2 hint + Triton glue, no PDL", "nvfp4", True, False, 1, 264),
+    ("+ PDL on every decode kernel", "nvfp4", True, True, 1, 264),
+    ("+ PDL, attention 2x programs", "nvfp4", True, True, 1, 528),
+    ("+ PDL, attention 4x programs", "nvfp4", True, True, 1, 1056),
+    ("bf16, compiled glue, no PDL", "bf16", False, False, 0, 264),
+    ("bf16, Triton glue + PDL", "bf16", True, True, 0, 264),
+]
+
+
+def main() -> None:
+    rows, models = [], {}
+    for label, weights, glue, early, hint, programs in SETTINGS:
+        if weights not in models:
+            models.clear()
+            torch.cuda.empty_cache()
+            models[weights] = load_bench_model("qwen2.5-7b", weights, torch.device("cuda"))
+        engine_mod.GLUE_KERNELS = glue
+        pdl.set_enabled(early)
+        mma.pick_mma_config = lambda m, n, k, h=hint: dataclasses.replace(RULE(m, n, k), l2_hint=h)
+        attn.num_splits = lambda b, kv, length, p=programs: SPLITS(b, kv, length, target=p)
+        try:
+            row = time_engine(models[weights], Row("qwen2.5-7b", weights, 8, 0, "auto", "qerl", 256, 2048), "auto",
+                              None, 2, 0)
+        finally:
+            mma.pick_mma_config, attn.num_splits = RULE, SPLITS
+        rec = {"label": label, "glue_kernels": glue, "pdl": early, "l2_hint": hint, "attention_programs": programs,
+               **dataclasses.asdict(row), "t": round(time.time() - T0, 1),
+               "device": torch.cuda.get_device_name(0), "torch": torch.__version__}
+        LOG.write(json.dumps(rec) + "\n")
+        LOG.flush()
+        rows.append(rec)
+        print(f"{label:<42} {weights:>5} {row.tok_s:8.1f} tok/s {row.ms_per_step:7.3f} ms/step", flush=True)
+    print(f"\n{'setting':<42} {'w':>5} {'tok/s':>8} {'ms/step':>8}")
+    for r in rows:
+        print(f"{r['label']:<42} {r['weights']:>5} {r['tok_s']:8.1f} {r['ms_per_step']:8.3f}")
+    print(f"done in {time.time() - T0:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,139 @@
+"""Where one decode step's time goes: kernel time per category and the GPU's idle time between
+kernels, for the engine's CUDA-graph decode at Qwen2.5 shapes (random weights), batch 8.
+
+    python3 results/rollout_step_breakdown.py --models qwen2.5-7b --weights nvfp4,bf16 \
+        --contexts 256,1280,2240 --json OUT.json
+
+For each context length C the script profiles two calls with torch.profiler (CUPTI records the
+kernels a replayed graph runs): prompt C with 1 new token (prefill only) and prompt C with
+1 + STEPS new tokens. The difference of the two is STEPS decode steps near context C. Busy time is
+the union of kernel intervals; idle is the span of the decode kernels minus busy. The wall time
+per step comes from the same calls without the profiler (CUDA events around generate).
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import tempfile
+import time
+
+import torch
+
+from qerl_lib.bench_rollout import _prompts, load_bench_model
+from qerl_lib.engine import RolloutEngine
+from qerl_lib.envinfo import provenance
+
+CATEGORIES = (  # first match wins
+    ("fp4 gemm (mma)", ("qerl_fp4",)),
+    ("fp4 gemm (triton)", ("_fp4_gemm", "_splitk_reduce")),
+    ("attention", ("_decode_attention", "_merge_splits")),
+    ("rope + cache write", ("_rope_cache",)),
+    ("rmsnorm (+residual)", ("triton_red_fused",)),
+    ("silu * up", ("triton_poi_fused_mul_silu",)),
+    ("cublas gemm", ("nvjet", "gemm", "gemv", "cutlass", "sm90_xmma")),
+    ("sampling", ("SoftMax", "distribution", "reduce_kernel", "scatter", "index", "argmax", "sort", "cumsum")),
+)
+
+
+def category(name: str) -> str:
+    for label, keys in CATEGORIES:
+        if any(k in name for k in keys):
+            return label
+    return "other"
+
+
+def kernels(fn) -> list[tuple[str, float, float]]:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    path = tempfile.mktemp(suffix=".json")
+    prof.export_chrome_trace(path)
+    with open(path) as f:
+        events = json.load(f)["traceEvents"]
+    os.unlink(path)
+    out = [(e["name"], float(e["ts"]), float(e["dur"])) for e in events
+           if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memset", "gpu_memcpy")]
+    return sorted(out, key=lambda r: r[1])
+
+
+def summarize(ks: list[tuple[str, float, float]]) -> dict:
+    per_cat = collections.Counter()
+    counts = collections.Counter()
+    busy, end_busy = 0.0, None
+    for name, ts, dur in ks:
+        c = category(name)
+        per_cat[c] += dur
+        counts[c] += 1
+        if end_busy is None or ts >= end_busy:
+            busy += dur
+            end_busy = ts + dur
+        elif ts + dur > end_busy:
+            busy += ts + dur - end_busy
+            end_busy = ts + dur
+    span = (ks[-1][1] + ks[-1][2] - ks[0][1]) if ks else 0.0
+    return {"per_cat_us": dict(per_cat), "counts": dict(counts), "busy_us": busy, "span_us": span, "n": len(ks)}
+
+
+def wall_ms(engine, prompts, new_tokens) -> float:
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    engine.generate(prompts, new_tokens, temperature=1.0, seed=0, stop_token_ids=[])
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--models", default="qwen2.5-7b")
+    p.add_argument("--weights", default="nvfp4")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--contexts", default="256,1280,2240")
+    p.add_argument("--steps", type=int, default=48)
+    p.add_argument("--json", required=True)
+    args = p.parse_args()
+    device = torch.device("cuda")
+    doc = {"provenance": provenance(), "config": vars(args), "rows": []}
+    for name in args.models.split(","):
+        for weights in args.weights.split(","):
+            model = load_bench_model(name, weights, device)
+            for ctx in map(int, args.contexts.split(",")):
+                engine = RolloutEngine(model, max_seq_len=ctx + args.steps + 8)
+                prompts = _prompts(args.batch, ctx, model.config.vocab_size, 0)
+                engine.warmup(args.batch, ctx, args.steps + 1)
+                walls = [(wall_ms(engine, prompts, 1), wall_ms(engine, prompts, args.steps + 1)) for _ in range(3)]
+                ms_step = min(b - a for a, b in walls) / args.steps
+                pre = summarize(kernels(lambda: engine.generate(prompts, 1, stop_token_ids=[])))
+                full_k = kernels(lambda: engine.generate(prompts, args.steps + 1, stop_token_ids=[]))
+                full = summarize(full_k)
+                # decode region: the kernels after the prefill's (same count, same order)
+                dec = summarize(full_k[pre["n"]:])
+                per_step = {c: round(v / args.steps, 2) for c, v in sorted(dec["per_cat_us"].items(), key=lambda kv: -kv[1])}
+                row = {"model": name, "weights": weights, "batch": args.batch, "context": ctx, "steps": args.steps,
+                       "wall_ms_per_step": round(ms_step, 4), "busy_us_per_step": round(dec["busy_us"] / args.steps, 2),
+                       "span_us_per_step": round(dec["span_us"] / args.steps, 2),
+                       "idle_us_per_step": round((dec["span_us"] - dec["busy_us"]) / args.steps, 2),
+                       "kernels_per_step": round(dec["n"] / args.steps, 2), "us_per_step": per_step,
+                       "counts_per_step": {c: round(v / args.steps, 2) for c, v in dec["counts"].items()},
+                       "top_other": collections.Counter(n for n, _, _ in full_k[pre["n"]:]
+                                                        if category(n) == "other").most_common(12)}
+                doc["rows"].append(row)
+                print(json.dumps(row), flush=True)
+                engine.release()
+                with open(args.json + ".tmp", "w") as f:
+                    json.dump(doc, f, indent=1)
+                os.replace(args.json + ".tmp", args.json)
+            del model
+            torch.cuda.empty_cache()
+    print(f"{'model':>11} {'w':>5} {'ctx':>5} {'wall ms':>8} {'busy us':>8} {'idle us':>8} {'kern':>5}  top categories (us/step)")
+    for r in doc["rows"]:
+        top = ", ".join(f"{c} {v:.0f}" for c, v in list(r["us_per_step"].items())[:6])
+        print(f"{r['model']:>11} {r['weights']:>5} {r['context']:>5} {r['wall_ms_per_step']:8.3f} "
+              f"{r['busy_us_per_step']:8.0f} {r['idle_us_per_step']:8.0f} {r['kernels_per_step']:5.0f}  {top}")
+
+
+if __name__ == "__main__":
+    main()
