@@ -201,7 +201,8 @@ class RolloutEngine:
         step each at the bucket's last column; the K/V they write there are overwritten before
         any real step reads them (a step writes its column before attending to it)."""
         prompts = [[1] * prompt_len for _ in range(batch)]
-        self.generate(prompts, 2, temperature=0, stop_token_ids=[], lora=lora)  # also builds the forward pass
+        # also builds the forward pass, and compiles the fused sampler (temperature > 0 on CUDA)
+        self.generate(prompts, 2, temperature=1.0, seed=0, stop_token_ids=[], lora=lora)
         if self.decode_backend == "eager":
             return
         device = self._view.device

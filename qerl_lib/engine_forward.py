@@ -246,11 +246,20 @@ class ForwardPass:
                     norm=engine_glue.rms_norm, residual_norm=engine_glue.residual_rms_norm,
                     gated=engine_glue.silu_mul if silu else self.decode_ops.gated)
         self._columns = torch.arange(0, dtype=torch.long, device=view.device)
+        self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def reserve_columns(self, length: int) -> None:
-        """Allocate the column index used by decode masks before any capture (not inside one)."""
+        """Allocate, before any capture (not inside one), the column index used by decode masks and
+        the RoPE table: cos/sin of every position below ``length``, from the model's own rotary
+        module (the same elementwise arithmetic as a per-step call, so the same values), which the
+        decode step gathers from instead of recomputing them with ~8 small kernels per step."""
         if self._columns.numel() < length:
             self._columns = torch.arange(length, dtype=torch.long, device=self.view.device)
+        if self._rope_table is None or self._rope_table[0].shape[0] < length:
+            probe = torch.zeros(1, 1, 1, dtype=self.view.dtype, device=self.view.device)
+            with torch.no_grad():
+                cos, sin = self.view.rotary(probe, self._columns[:length][None])
+            self._rope_table = (cos[0], sin[0])  # [length, head_dim]
 
     # ---- per-call state -------------------------------------------------------------------------
     def load_norm_weights(self, overrides: dict[str, torch.Tensor] | None) -> None:
@@ -354,7 +363,12 @@ class ForwardPass:
         ``kv_len``. Returns float32 logits ``[b, V]``. Pure tensor work, so it can be captured."""
         bsz = tokens.shape[0]
         x = self.view.embed(tokens[:, None])
-        cos, sin = self.view.rotary(x, (column - pad)[:, None])
+        if self._rope_table is not None and self._rope_table[0].shape[0] >= kv_len:  # positions < kv_len
+            positions = column - pad
+            cos = self._rope_table[0].index_select(0, positions)[:, None]
+            sin = self._rope_table[1].index_select(0, positions)[:, None]
+        else:
+            cos, sin = self.view.rotary(x, (column - pad)[:, None])
         mask = None
         if masked and self.decode_attention != "kernel":  # the kernel masks by pad and column itself
             if self._columns.numel() < kv_len:

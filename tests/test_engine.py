@@ -464,3 +464,19 @@ def test_cuda_greedy_batch_and_singles_are_greedy(weights, fuse):
         assert_near_greedy(model, twin, prompt, s.token_ids)
     agree = sum(b.token_ids == s.token_ids for b, s in zip(batch, singles))
     assert agree >= len(PROMPTS) - 1, "batched and single greedy runs should agree except on a rare near tie"
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_rope_table_equals_the_rotary_module_at_every_position(kind):
+    from qerl_lib.engine_forward import ForwardPass, ModelView
+
+    model = tiny_model(kind, torch.bfloat16)
+    view = ModelView(model)
+    forward = ForwardPass(view)
+    forward.reserve_columns(300)
+    cos_t, sin_t = forward._rope_table
+    positions = torch.tensor([[0, 1, 37, 255, 299]])
+    probe = torch.zeros(1, 1, 1, dtype=torch.bfloat16)
+    cos, sin = view.rotary(probe, positions)
+    assert cos_t.shape[0] == 300
+    assert torch.equal(cos_t[positions[0]], cos[0]) and torch.equal(sin_t[positions[0]], sin[0])

@@ -110,8 +110,8 @@ def test_reference_masks_padding_and_future_columns():
 
 
 def test_slice_rule():
-    assert num_splits(8, 4, 2304) == 9  # 32 (row, KV head) pairs -> ~264 programs
-    assert num_splits(64, 3, 2304) == 2
+    assert num_splits(8, 4, 2304) == 17  # 32 (row, KV head) pairs -> ~528 programs
+    assert num_splits(64, 3, 2304) == 3
     assert num_splits(8, 4, 10) == 1  # never more slices than 64-column blocks
     assert num_splits(512, 8, 4096) == 1
 
