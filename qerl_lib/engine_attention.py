@@ -14,7 +14,8 @@ Slices ("split-KV", as in flash-decoding) give the GPU enough programs at batch 
 kernel merges the slices' partial results. Both run inside the engine's CUDA graphs: the current
 column is read from a device tensor, so a graph captured once serves every step of its length bucket.
 ``rope_and_cache`` does the step before in one launch too: RoPE on the new q and k, k and v written
-into the cache column (instead of two RoPE kernels and two ``index_copy_`` per layer).
+into the cache column (instead of two RoPE kernels and two ``index_copy_`` per layer);
+``rope_cache_attention``, what the engine calls, does both inside the attention kernel.
 
 Masking matches the engine's layout: row ``b`` attends to cache columns ``pad[b] .. column``
 (left padding before, not-yet-written columns after).
@@ -77,7 +78,8 @@ def num_splits(batch: int, kv_heads: int, kv_len: int, block: int | None = None,
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pad: torch.Tensor, column: torch.Tensor,
-                     scaling: float, out: torch.Tensor | None = None, splits: int | None = None) -> torch.Tensor:
+                     scaling: float, out: torch.Tensor | None = None, splits: int | None = None,
+                     _rope: tuple | None = None) -> torch.Tensor:
     """Attention of one query token per row over the cache, on the GPU (or the Triton interpreter).
 
     ``q [B, H, D]`` (any strides with unit last stride), ``k, v [B, KV, L, D]`` cache views (the
@@ -106,17 +108,37 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pad: tor
     else:
         part_acc = torch.empty(b, h, splits, d, dtype=torch.float32, device=q.device)
         part_ml = torch.empty(b, h, splits, 2, dtype=torch.float32, device=q.device)
+    k_new, v_new, cos, sin = _rope if _rope is not None else (k, v, q, q)  # (unused without ROPE)
     _decode_attention_kernel[(b, kv, splits)](
         q, k, v, pad, column, out, part_acc, part_ml, scaling, length, per_split,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-        out.stride(0), out.stride(1),
+        out.stride(0), out.stride(1), k_new, v_new, cos, sin, k_new.stride(0), k_new.stride(1), v_new.stride(0),
+        v_new.stride(1), cos.stride(0), sin.stride(0),
         GROUPS=groups, GROUPS_P=max(16, triton.next_power_of_2(groups)), D=d, BLOCK=BLOCK_L, SPLIT=splits > 1,
-        INTERPRETED=interpreted, PDL=early, launch_pdl=early, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+        ROPE=_rope is not None, INTERPRETED=interpreted, PDL=early, launch_pdl=early, num_warps=NUM_WARPS,
+        num_stages=NUM_STAGES)
     if splits > 1:
         _merge_splits_kernel[(b, h)](part_acc, part_ml, out, out.stride(0), out.stride(1), h,
                                      SPLITS=splits, SPLITS_P=triton.next_power_of_2(splits), D=d, PDL=early,
                                      launch_pdl=early, num_warps=4)
     return out
+
+
+def rope_cache_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                         k_cache: torch.Tensor, v_cache: torch.Tensor, pad: torch.Tensor, column: torch.Tensor,
+                         scaling: float) -> torch.Tensor:
+    """``rope_and_cache`` and ``decode_attention`` in one kernel launch (what the engine runs): each
+    program rotates its own query heads; the program whose slice holds ``column`` also rotates the
+    new key, writes it and the new value into the cache, and uses them for that column directly.
+    Same arithmetic and roundings as the two calls, so the same output bits; one kernel less per layer.
+
+    ``q [B, H, 1, D]``, ``k, v [B, KV, 1, D]`` (un-rotated views with unit last stride), ``cos, sin
+    [B, 1, D]``, caches ``[B, KV, L, D]`` (the first ``L`` columns are attended). Returns ``[B, H, D]``.
+    """
+    if q.shape[-1] % 2 or k.stride(-1) != 1 or v.stride(-1) != 1 or cos.stride(-1) != 1 or sin.stride(-1) != 1:
+        raise ValueError("rope_cache_attention: head_dim must be even and every last dimension unit-stride")
+    return decode_attention(q[:, :, 0], k_cache, v_cache, pad, column, scaling,
+                            _rope=(k[:, :, 0], v[:, :, 0], cos[:, 0], sin[:, 0]))
 
 
 def rope_and_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -181,10 +203,13 @@ if triton is not None:
     @triton.jit
     def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, pad_ptr, col_ptr, out_ptr, acc_ptr, ml_ptr, scaling, L, per_split,
                                  sqb, sqh, skb, skh, skl, svb, svh, svl, sob, soh,
+                                 kn_ptr, vn_ptr, cos_ptr, sin_ptr, sknb, sknh, svnb, svnh, scb, ssb,
                                  GROUPS: tl.constexpr, GROUPS_P: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
-                                 SPLIT: tl.constexpr, INTERPRETED: tl.constexpr, PDL: tl.constexpr):
+                                 SPLIT: tl.constexpr, ROPE: tl.constexpr, INTERPRETED: tl.constexpr, PDL: tl.constexpr):
         """Program (row b, KV head j, slice s): the GROUPS query heads of KV head j over columns
-        [s * per_split, (s + 1) * per_split) intersected with [pad[b], column]."""
+        [s * per_split, (s + 1) * per_split) intersected with [pad[b], column]. With ROPE, q is
+        rotated here, and the slice holding the column writes the rotated new key and the new value
+        into the cache and uses them for that column (the rope_cache kernel's arithmetic)."""
         if PDL:  # launched early: wait for the previous kernel, then let the next one launch
             gdc_wait()
             gdc_launch_dependents()
@@ -198,6 +223,20 @@ if triton is not None:
         heads = j * GROUPS + g
         g_ok = g < GROUPS
         q = tl.load(q_ptr + b * sqb + heads[:, None] * sqh + dd[None, :], mask=g_ok[:, None], other=0.0)
+        if ROPE:
+            partner = (dd + D // 2) % D
+            sign = tl.where(dd < D // 2, -1.0, 1.0)
+            cos = tl.load(cos_ptr + b * scb + dd).to(tl.float32)
+            sin = tl.load(sin_ptr + b * ssb + dd).to(tl.float32)
+            qp = tl.load(q_ptr + b * sqb + heads[:, None] * sqh + partner[None, :], mask=g_ok[:, None], other=0.0)
+            q = (q.to(tl.float32) * cos[None, :] + sign[None, :] * qp.to(tl.float32) * sin[None, :]).to(q_ptr.dtype.element_ty)
+            kx = tl.load(kn_ptr + b * sknb + j * sknh + dd).to(tl.float32)
+            kxp = tl.load(kn_ptr + b * sknb + j * sknh + partner).to(tl.float32)
+            k_new = (kx * cos + sign * kxp * sin).to(k_ptr.dtype.element_ty)
+            v_new = tl.load(vn_ptr + b * svnb + j * svnh + dd)
+            if (last >= s * per_split) & (last < (s + 1) * per_split):  # this slice holds the new column
+                tl.store(k_ptr + b * skb + j * skh + last * skl + dd, k_new)
+                tl.store(v_ptr + b * svb + j * svh + last * svl + dd, v_new)
         m_i = tl.full([GROUPS_P], float("-inf"), tl.float32)
         l_i = tl.zeros([GROUPS_P], tl.float32)
         acc = tl.zeros([GROUPS_P, D], tl.float32)
@@ -207,6 +246,8 @@ if triton is not None:
             cols = start + tl.arange(0, BLOCK)
             ok = (cols >= first) & (cols < hi)
             kb = tl.load(k_base + cols[:, None] * skl + dd[None, :], mask=ok[:, None], other=0.0)  # [BLOCK, D]
+            if ROPE:  # the new column comes from registers (its cache store may not be visible yet)
+                kb = tl.where(cols[:, None] == last, k_new[None, :], kb)
             if INTERPRETED:  # the interpreter mishandles bf16 dots: multiply in float32 there
                 scores = tl.dot(q.to(tl.float32), tl.trans(kb.to(tl.float32)), input_precision="ieee")
             else:
@@ -218,6 +259,8 @@ if triton is not None:
             p = tl.exp(scores - m_safe[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
             vt = tl.load(v_base + cols[:, None] * svl + dd[None, :], mask=ok[:, None], other=0.0)  # [BLOCK, D]
+            if ROPE:
+                vt = tl.where(cols[:, None] == last, v_new[None, :], vt)
             if INTERPRETED:
                 acc = acc * alpha[:, None] + tl.dot(p, vt.to(tl.float32), input_precision="ieee")
             else:

@@ -62,7 +62,7 @@ import torch
 import torch.nn.functional as F
 
 from qerl_lib import engine_glue
-from qerl_lib.engine_attention import decode_attention, rope_and_cache
+from qerl_lib.engine_attention import rope_cache_attention
 from qerl_lib.engine_lora import (LORA_GROUPS, PARENT, LoraAdapter, LoraBuffers, canonical_name, lora_signature,
                                   unwrap_model)
 from qerl_lib.layers_fused import fuse_group
@@ -378,10 +378,10 @@ class ForwardPass:
 
         def attend(i, q, k, v, ops):
             k_all, v_all = cache.k[i, :bsz], cache.v[i, :bsz]
-            if self.decode_attention == "kernel":  # q, k arrive un-rotated (see below)
-                q1 = rope_and_cache(q, k, v, cos, sin, k_all, v_all, column)
-                return decode_attention(q1, k_all[:, :, :kv_len], v_all[:, :, :kv_len], pad, column,
-                                        self.view.scaling)[:, :, None]
+            if self.decode_attention == "kernel":  # q, k arrive un-rotated (see below): one kernel does
+                # RoPE, the cache write and the attention (engine_attention.rope_cache_attention)
+                return rope_cache_attention(q, k, v, cos, sin, k_all[:, :, :kv_len], v_all[:, :, :kv_len], pad,
+                                            column, self.view.scaling)[:, :, None]
             k_all.index_copy_(2, column, k)
             v_all.index_copy_(2, column, v)
             k_all, v_all = k_all[:, :, :kv_len], v_all[:, :, :kv_len]
@@ -390,7 +390,7 @@ class ForwardPass:
             return sdpa_attention(q, k_all, v_all, mask, self.view.scaling, causal=False)
 
         ops = self.decode_ops
-        if self.decode_attention == "kernel":  # RoPE happens in rope_and_cache, fused with the cache write
+        if self.decode_attention == "kernel":  # RoPE happens in the attention kernel, fused with the cache write
             ops = ops._replace(rope=_rope_in_attention)
         h = self._decoder(x, cos, sin, attend, ops)
         return self.view.lm_head(h)[:, -1].float()
@@ -417,7 +417,7 @@ def rope_qk(q, k, cos, sin):
 
 
 def _rope_in_attention(q, k, cos, sin):
-    return q, k  # the kernel attention path rotates q and k itself (engine_attention.rope_and_cache)
+    return q, k  # the kernel attention path rotates q and k itself (engine_attention.rope_cache_attention)
 
 
 def gated_act(act, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

@@ -65,6 +65,34 @@ INTERP_SCRIPT = textwrap.dedent("""
     kc[:, :, col] = 0
     vc[:, :, col] = 0
     out["rope_other_columns_untouched"] = bool(kc.abs().sum() == 0 and vc.abs().sum() == 0)
+    # RoPE + cache write + attention in one kernel vs the two calls: same output and cache bits
+    from qerl_lib.engine_attention import decode_attention, rope_cache_attention
+    g = torch.Generator().manual_seed(7)
+    b, h, kv, d, length, col = 3, 14, 2, 32, 150, 97
+    fused = torch.randn(b, 1, (h + 2 * kv) * d, generator=g)
+    q = fused[..., :h * d].view(b, 1, h, d).transpose(1, 2)
+    k = fused[..., h * d:(h + kv) * d].view(b, 1, kv, d).transpose(1, 2)
+    v = fused[..., (h + kv) * d:].view(b, 1, kv, d).transpose(1, 2)
+    cos, sin = torch.randn(b, 1, d, generator=g), torch.randn(b, 1, d, generator=g)
+    pad = torch.tensor([0, 5, 40])
+    kc1, vc1 = torch.randn(b, kv, length, d, generator=g), torch.randn(b, kv, length, d, generator=g)
+    kc2, vc2 = kc1.clone(), vc1.clone()
+    column = torch.tensor([col])
+    two = decode_attention(rope_and_cache(q, k, v, cos, sin, kc1, vc1, column), kc1[:, :, :col + 30],
+                           vc1[:, :, :col + 30], pad, column, 0.2, splits=3)
+    one_launch = []
+    import qerl_lib.engine_attention as ea
+    for splits in (1, 3):
+        kc2.copy_(kc1), vc2.copy_(vc1)
+        kc2[:, :, col], vc2[:, :, col] = 9.0, 9.0  # stale values the kernel must overwrite, not read
+        ea_num_splits, ea.num_splits = ea.num_splits, (lambda *a, s=splits, **kw: s)
+        try:
+            got = rope_cache_attention(q, k, v, cos, sin, kc2[:, :, :col + 30], vc2[:, :, :col + 30], pad, column, 0.2)
+        finally:
+            ea.num_splits = ea_num_splits
+        one_launch.append(float((got - two).abs().max()))
+        out[f"fused_cache_equal_{splits}"] = bool(torch.equal(kc2, kc1) and torch.equal(vc2, vc1))
+    out["fused_vs_two_calls"] = max(one_launch)
     # the engine with the kernel vs the engine with SDPA, float32 tiny Qwen2 model
     from qerl_lib.engine import RolloutEngine
     from tests.test_engine import PROMPTS, tiny_model
@@ -91,6 +119,12 @@ def test_interpreted_rope_and_cache_write(interpreted):
     # float32 both ways, same operations: equal up to fused multiply-add rounding
     assert interpreted["rope_q"] <= 1e-6 and interpreted["rope_k"] <= 1e-6
     assert interpreted["rope_v_exact"] and interpreted["rope_other_columns_untouched"]
+
+
+def test_interpreted_rope_cache_attention_equals_the_two_calls(interpreted):
+    # one slice and three: the slice holding the column rotates, writes and uses the new key/value
+    assert interpreted["fused_cache_equal_1"] and interpreted["fused_cache_equal_3"]
+    assert interpreted["fused_vs_two_calls"] <= 1e-6
 
 
 def test_engine_with_the_kernel_matches_sdpa(interpreted):
@@ -162,3 +196,32 @@ def test_cuda_bf16_matches_the_oracle(b, h, kv, length, d, col):
     ref = reference_decode_attention(q, k, v, pad, col, d ** -0.5)
     assert not out.isnan().any()
     torch.testing.assert_close(out.float(), ref, rtol=2.0**-7, atol=1e-2)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU (CUDA not available)")
+def test_cuda_rope_cache_attention_equals_the_two_calls():
+    from qerl_lib.engine_attention import rope_and_cache, rope_cache_attention
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    b, h, kv, d, length, col = 8, 28, 4, 128, 1536, 1300
+    fused = torch.randn(b, 1, (h + 2 * kv) * d, generator=g, device="cuda").to(torch.bfloat16)
+    q = fused[..., :h * d].view(b, 1, h, d).transpose(1, 2)
+    k = fused[..., h * d:(h + kv) * d].view(b, 1, kv, d).transpose(1, 2)
+    v = fused[..., (h + kv) * d:].view(b, 1, kv, d).transpose(1, 2)
+    angle = torch.rand(b, 1, d, generator=g, device="cuda") * 6.3
+    cos, sin = angle.cos().to(torch.bfloat16), angle.sin().to(torch.bfloat16)
+    kc1 = torch.randn(b, kv, length, d, generator=g, device="cuda").to(torch.bfloat16)
+    vc1 = torch.randn_like(kc1)
+    kc2, vc2 = kc1.clone(), vc1.clone()
+    pad, column = torch.randint(0, 200, (b,), generator=g, device="cuda"), torch.tensor([col], device="cuda")
+    two = decode_attention(rope_and_cache(q, k, v, cos, sin, kc1, vc1, column), kc1, vc1, pad, column, d ** -0.5)
+    one = rope_cache_attention(q, k, v, cos, sin, kc2, vc2, pad, column, d ** -0.5)
+    # same formulas; the compiler may contract multiply-adds differently in the two kernels, so the
+    # rotated key and the output may differ by one bf16 rounding step (in practice they are equal)
+    assert torch.equal(vc1, vc2)
+    others = torch.ones(length, dtype=torch.bool, device="cuda")
+    others[col] = False
+    assert torch.equal(kc1[:, :, others], kc2[:, :, others])
+    torch.testing.assert_close(kc2[:, :, col].float(), kc1[:, :, col].float(), rtol=2.0**-7, atol=1e-3)
+    torch.testing.assert_close(one.float(), two.float(), rtol=2.0**-7, atol=1e-3)
