@@ -325,7 +325,8 @@ def code_hashes() -> dict[str, str]:
     from pathlib import Path
 
     here = Path(__file__).resolve().parent
-    names = ("engine.py", "engine_forward.py", "engine_cache.py", "engine_lora.py", "engine_attention.py", "sampling.py",
+    names = ("engine.py", "engine_forward.py", "engine_cache.py", "engine_lora.py", "engine_attention.py",
+             "engine_glue.py", "pdl.py", "sampling.py",
              "fp4_kernel.py", "fp4_kernel_config.py", "fp4_kernel_mma.py", "fp4_kernel_mma.cu", "layers.py",
              "layers_fused.py", "loader.py", "bench_rollout.py")
     return {n: hashlib.sha256((here / n).read_bytes()).hexdigest()[:12] for n in names if (here / n).is_file()}

@@ -48,14 +48,14 @@ Caveats: graphs replay fixed addresses, so update adapters and weights *in place
 do); swapping modules or toggling peft adapters is detected and re-captures. The KV cache and
 graphs are kept between calls for speed; ``release(model)`` frees them before training.
 
-Measured (one H200, ``results/rollout_h200.json``, ``qerl bench rollout``)
-------------------------------------------------------------------------
-SmolLM2-135M bf16, batch 64, 256 + 512 tokens: 30.6k tokens/s against 2.0k for transformers'
-``generate`` (15x). Qwen2.5-7B shapes, batch 8, 256 + 2048 tokens: bf16 1369 tokens/s, 5.8 ms
-per step of which ~4.5 ms are cuBLAS matmuls reading the weights at ~3.1 TB/s and ~1 ms the
-fused glue, attention and launch gaps. NVFP4 weights at the same setting were *slower*
-(1126 tokens/s) because the FP4 GEMM then reached only ~0.7 TB/s; the engine's own share
-is the same for both.
+Measured (``qerl bench rollout``; history in results/README.md)
+----------------------------------------------------------------
+SmolLM2-135M bf16, batch 64, 256 + 512 tokens: 48.9k tokens/s against 1.9k for transformers'
+``generate`` (26x, H200, ``results/rollout_h200_mma_smollm2.json``). Qwen2.5-7B shapes, batch 8,
+256 + 2048 tokens (``results/rollout_h200_final.json``, H200): bf16 1735 tokens/s, NVFP4 2966
+(2.67 ms per step: ~1.9 ms NVFP4 matmuls, ~0.3 ms attention, 0.26 ms the bf16 lm_head, the rest
+norms, SiLU, sampling and launch gaps; ``results/rollout_step_breakdown*.json``). The first
+engine gave bf16 1369 and NVFP4 1126 tokens/s there: the FP4 GEMM then reached only ~0.7 TB/s.
 """
 
 from __future__ import annotations
@@ -115,7 +115,8 @@ class RolloutEngine:
     (``layers_fused``; default: on CUDA). The model's modules become views of the shared buffers.
     On an H100 (Qwen2.5-7B shapes, batch 8, 256 + 2048 tokens, bf16 / NVFP4 tok/s) fusing took
     1085 / 1649 to 1188 / 1786, the attention kernel to 1235 / 1921; with the FP4 launch rule and
-    the fused RoPE + cache write the engine runs 1271 / 2199 (results/README.md).
+    the fused RoPE + cache write the engine runs 1271 / 2199, with the CUDA decode GEMM 1277 / 2429,
+    and with PDL, the glue kernels, the fused sampler and attention 1302 / 2580 (results/README.md).
     ``glue_kernels``: in "graphs+fused", the norms and SiLU * up run as ``engine_glue``'s Triton
     kernels, which let the next NVFP4 matmul launch early (default ``GLUE_KERNELS``, on).
     """
