@@ -53,23 +53,6 @@ BLOCK_L = 64
 TARGET_PROGRAMS = 528  # ~4 per SM on an H100/H200; more slices than this only add merge work
 NUM_WARPS = 4
 NUM_STAGES = 2  # Triton's software pipelining depth of the K/V block loads
-# Slices are merged by the last program of each (row, KV head) to finish (an arrival counter), not by
-# a second kernel: one launch less per layer. False: the separate merge kernel (same arithmetic
-# except the order of the sum over slices).
-IN_KERNEL_MERGE = True
-_COUNTERS: dict[int, torch.Tensor] = {}
-
-
-def _counters(device: torch.device, n: int) -> torch.Tensor:
-    """Arrival counters, one per (row, KV head); zero between launches (the merging program resets
-    its own). One buffer per device: run decode attention on one stream at a time (the engine does)."""
-    index = device.index if device.index is not None else (torch.cuda.current_device() if device.type == "cuda" else -1)
-    buf = _COUNTERS.get(index)
-    if buf is None or buf.numel() < n or buf.device != device:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("decode_attention: counter buffer must grow inside CUDA-graph capture; warm up first")
-        buf = _COUNTERS[index] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
-    return buf
 
 
 def reference_decode_attention(q, k, v, pad, column, scaling):
@@ -126,17 +109,15 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pad: tor
         part_acc = torch.empty(b, h, splits, d, dtype=torch.float32, device=q.device)
         part_ml = torch.empty(b, h, splits, 2, dtype=torch.float32, device=q.device)
     k_new, v_new, cos, sin = _rope if _rope is not None else (k, v, q, q)  # (unused without ROPE)
-    merge_here = splits > 1 and IN_KERNEL_MERGE
-    counters = _counters(q.device, b * kv) if merge_here else pad  # (unused without the in-kernel merge)
     _decode_attention_kernel[(b, kv, splits)](
         q, k, v, pad, column, out, part_acc, part_ml, scaling, length, per_split,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         out.stride(0), out.stride(1), k_new, v_new, cos, sin, k_new.stride(0), k_new.stride(1), v_new.stride(0),
-        v_new.stride(1), cos.stride(0), sin.stride(0), counters,
+        v_new.stride(1), cos.stride(0), sin.stride(0),
         GROUPS=groups, GROUPS_P=max(16, triton.next_power_of_2(groups)), D=d, BLOCK=BLOCK_L, SPLIT=splits > 1,
-        ROPE=_rope is not None, MERGE=merge_here, INTERPRETED=interpreted, PDL=early, launch_pdl=early,
-        num_warps=NUM_WARPS, num_stages=NUM_STAGES)
-    if splits > 1 and not merge_here:
+        ROPE=_rope is not None, INTERPRETED=interpreted, PDL=early, launch_pdl=early, num_warps=NUM_WARPS,
+        num_stages=NUM_STAGES)
+    if splits > 1:
         _merge_splits_kernel[(b, h)](part_acc, part_ml, out, out.stride(0), out.stride(1), h,
                                      SPLITS=splits, SPLITS_P=triton.next_power_of_2(splits), D=d, PDL=early,
                                      launch_pdl=early, num_warps=4)
@@ -222,10 +203,9 @@ if triton is not None:
     @triton.jit
     def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, pad_ptr, col_ptr, out_ptr, acc_ptr, ml_ptr, scaling, L, per_split,
                                  sqb, sqh, skb, skh, skl, svb, svh, svl, sob, soh,
-                                 kn_ptr, vn_ptr, cos_ptr, sin_ptr, sknb, sknh, svnb, svnh, scb, ssb, cnt_ptr,
+                                 kn_ptr, vn_ptr, cos_ptr, sin_ptr, sknb, sknh, svnb, svnh, scb, ssb,
                                  GROUPS: tl.constexpr, GROUPS_P: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
-                                 SPLIT: tl.constexpr, ROPE: tl.constexpr, MERGE: tl.constexpr,
-                                 INTERPRETED: tl.constexpr, PDL: tl.constexpr):
+                                 SPLIT: tl.constexpr, ROPE: tl.constexpr, INTERPRETED: tl.constexpr, PDL: tl.constexpr):
         """Program (row b, KV head j, slice s): the GROUPS query heads of KV head j over columns
         [s * per_split, (s + 1) * per_split) intersected with [pad[b], column]. With ROPE, q is
         rotated here, and the slice holding the column writes the rotated new key and the new value
@@ -291,30 +271,6 @@ if triton is not None:
             tl.store(acc_ptr + row[:, None] * D + dd[None, :], acc, mask=g_ok[:, None])
             tl.store(ml_ptr + row * 2, m_i, mask=g_ok)
             tl.store(ml_ptr + row * 2 + 1, l_i, mask=g_ok)
-            if MERGE:  # the last program of (b, j) to arrive merges every slice's partials
-                tl.debug_barrier()  # all of this program's stores are done before it signals
-                nsplit = tl.num_programs(2)
-                arrived = tl.atomic_add(cnt_ptr + b * tl.num_programs(1) + j, 1, sem="acq_rel")
-                if arrived == nsplit - 1:
-                    first_row = (b * (tl.num_programs(1) * GROUPS) + heads) * nsplit  # slice 0 of each head
-                    top = tl.full([GROUPS_P], float("-inf"), tl.float32)
-                    for s2 in range(0, nsplit):
-                        top = tl.maximum(top, tl.load(ml_ptr + (first_row + s2) * 2, mask=g_ok, other=float("-inf"),
-                                                      cache_modifier=".cg"))
-                    num = tl.zeros([GROUPS_P, D], tl.float32)
-                    den = tl.zeros([GROUPS_P], tl.float32)
-                    for s2 in range(0, nsplit):  # partials written by other programs: read from L2
-                        m_s = tl.load(ml_ptr + (first_row + s2) * 2, mask=g_ok, other=float("-inf"), cache_modifier=".cg")
-                        l_s = tl.load(ml_ptr + (first_row + s2) * 2 + 1, mask=g_ok, other=0.0, cache_modifier=".cg")
-                        w = tl.where(m_s == float("-inf"), 0.0, tl.exp(m_s - top))
-                        a = tl.load(acc_ptr + (first_row + s2)[:, None] * D + dd[None, :], mask=g_ok[:, None], other=0.0,
-                                    cache_modifier=".cg")
-                        num += a * w[:, None]
-                        den += l_s * w
-                    o = num / den[:, None]
-                    tl.store(out_ptr + b * sob + heads[:, None] * soh + dd[None, :], o.to(out_ptr.dtype.element_ty),
-                             mask=g_ok[:, None])
-                    tl.atomic_xchg(cnt_ptr + b * tl.num_programs(1) + j, 0)  # ready for the next launch
         else:
             o = acc / l_i[:, None]
             tl.store(out_ptr + b * sob + heads[:, None] * soh + dd[None, :], o.to(out_ptr.dtype.element_ty),

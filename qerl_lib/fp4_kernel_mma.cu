@@ -28,6 +28,10 @@
 // becomes one bf16x2 register with a mask, a multiply and a mask (code_pair_even/odd; the odd
 // pair's multiplier absorbs its 4-bit offset, and v >> 8 serves pairs 2 and 3). x is permuted the same way
 // (prmt), so the dot product is unchanged: only the order of its terms moves.
+//
+// Launch order (qerl_lib/pdl.py): the kernel may start while the previous one in the stream runs
+// (programmatic dependent launch). Until griddepcontrol.wait it reads only weights, scales and
+// constants; after it, it lets the next kernel launch (griddepcontrol.launch_dependents).
 #ifndef PREFETCH
 #define PREFETCH 0  // chunks (of this warp's own, after the register ring's) prefetched into L2 before griddepcontrol.wait
 #endif

@@ -19,7 +19,12 @@ design in ~290 lines of CUDA (``fp4_kernel_mma.cu``, read it next to this docstr
 * the kernel is bound by the integer pipe as much as by DRAM, so decoding is cut to two integer
   ops per code pair and the E4M3 scales come from a 256-entry table in shared memory;
 * K-slices across CTAs meet through fp32 partials that the *last* CTA of a row block adds (an
-  atomic counter), in a fixed order: one launch, deterministic bits.
+  atomic counter), in a fixed order: one launch, deterministic bits;
+* it is launched with programmatic dependent launch (``qerl_lib.pdl``, ``cuLaunchKernelEx``): its
+  CTAs may start while the previous kernel runs, build the scale table and load their first
+  weights, then ``griddepcontrol.wait`` before reading x; weight loads ask L2 for 128-byte fetches
+  (``l2_hint``). Both from session 4 of the notes (runs 16-18, 7B on an H200: the hint +1.8% tok/s,
+  PDL on every decode kernel +3.3%).
 
 Where we deviate from Marlin (and the paper's vLLM): only M <= 8 comes here (at 9-16 the Triton
 kernel was as fast); no offline repack (Marlin permutes weights into its fragment order
