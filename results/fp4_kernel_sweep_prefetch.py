@@ -13,6 +13,12 @@ and matches the oracle; (2) device time per (shape, M, variant), CUDA-graph + L2
 each prefetch setting. Writes $OUT/sweep_prefetch.jsonl as it goes and prints a table last.
 
     PYTHONPATH=$PWD python results/fp4_kernel_sweep_prefetch.py [--no-rollout]
+
+Provenance note: in run 16 ``MmaConfig.prefetch`` meant an *in-loop* prefetch (after each ring load,
+lanes t = 0 issued ``cp.async.bulk.prefetch.L2`` for their rows' chunk PREFETCH ahead of the warp's
+own, 64 bytes, plus ``prefetch.global.L2`` for its scales). It lost everywhere and was removed before
+the kernel was committed; ``prefetch`` now means L2 prefetch *before the PDL wait*, so re-running this
+script measures that instead (run 17 measured it in the engine: also slower).
 """
 
 from __future__ import annotations
