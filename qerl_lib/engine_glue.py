@@ -37,11 +37,6 @@ from qerl_lib import pdl
 SILU_BLOCK = 2048
 
 
-def available(x: torch.Tensor) -> bool:
-    """Whether these kernels can run on ``x`` (CUDA tensor, Triton importable)."""
-    return triton is not None and x.is_cuda
-
-
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``engine_forward.rms_norm`` as one kernel: ``x [..., H]`` -> normed ``[..., H]``."""
     h = torch.empty_like(x)
