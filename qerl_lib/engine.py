@@ -53,8 +53,9 @@ Measured (``qerl bench rollout``; history in results/README.md)
 SmolLM2-135M bf16, batch 64, 256 + 512 tokens: 48.9k tokens/s against 1.9k for transformers'
 ``generate`` (26x, H200, ``results/rollout_h200_mma_smollm2.json``). Qwen2.5-7B shapes, batch 8,
 256 + 2048 tokens (``results/rollout_h200_final.json``, H200): bf16 1735 tokens/s, NVFP4 2966
-(2.67 ms per step: ~1.9 ms NVFP4 matmuls, ~0.3 ms attention, 0.26 ms the bf16 lm_head, the rest
-norms, SiLU, sampling and launch gaps; ``results/rollout_step_breakdown*.json``). The first
+(2.67 ms per step). Before the last round of engine changes a step took 3.0 ms at 1,280 cached
+tokens, of which 1.94 ms NVFP4 matmuls, 0.33 ms attention, 0.26 ms the bf16 lm_head and the rest
+norms, SiLU, sampling and launch gaps (``results/rollout_step_breakdown_h200.json``). The first
 engine gave bf16 1369 and NVFP4 1126 tokens/s there: the FP4 GEMM then reached only ~0.7 TB/s.
 """
 

@@ -285,6 +285,7 @@ class _Kernel:
         self._func = ctypes.c_void_p()
         _cu_check(drv.cuModuleGetFunction(ctypes.byref(self._func), self._module, name.encode()), "cuModuleGetFunction")
         self._launch = drv.cuLaunchKernel
+        self._launch_ex = drv.cuLaunchKernelEx
 
     def ctas_per_sm(self, threads: int) -> int:
         """Resident CTAs per SM for this kernel (driver occupancy calculator)."""
@@ -306,7 +307,7 @@ class _Kernel:
             return
         attr = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
         config = _LaunchConfig(grid[0], grid[1], 1, threads, 1, 1, 0, stream, ctypes.pointer(attr), 1)
-        _cu_check(_driver().cuLaunchKernelEx(ctypes.byref(config), self._func, params, None), "cuLaunchKernelEx")
+        _cu_check(self._launch_ex(ctypes.byref(config), self._func, params, None), "cuLaunchKernelEx")
 
 
 _KERNELS: dict[tuple, _Kernel] = {}

@@ -159,6 +159,17 @@ def test_bad_shapes_are_refused(shapes):
                          torch.tensor([3]), 0.1)
 
 
+def _cuda_new_token(g, b, h, kv, d):
+    """A decode step's new q, k, v (bf16 views of one fused q/k/v output, as the engine has them)
+    and the RoPE cos/sin of random angles."""
+    fused = torch.randn(b, 1, (h + 2 * kv) * d, generator=g, device="cuda").to(torch.bfloat16)
+    q = fused[..., :h * d].view(b, 1, h, d).transpose(1, 2)
+    k = fused[..., h * d:(h + kv) * d].view(b, 1, kv, d).transpose(1, 2)
+    v = fused[..., (h + kv) * d:].view(b, 1, kv, d).transpose(1, 2)
+    angle = torch.rand(b, 1, d, generator=g, device="cuda") * 6.3
+    return q, k, v, angle.cos().to(torch.bfloat16), angle.sin().to(torch.bfloat16)
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU (CUDA not available)")
 def test_cuda_rope_and_cache_matches_torch():
@@ -167,12 +178,7 @@ def test_cuda_rope_and_cache_matches_torch():
 
     g = torch.Generator(device="cuda").manual_seed(0)
     b, h, kv, d, length, col = 8, 28, 4, 128, 300, 257
-    fused = torch.randn(b, 1, (h + 2 * kv) * d, generator=g, device="cuda").to(torch.bfloat16)
-    q = fused[..., :h * d].view(b, 1, h, d).transpose(1, 2)
-    k = fused[..., h * d:(h + kv) * d].view(b, 1, kv, d).transpose(1, 2)
-    v = fused[..., (h + kv) * d:].view(b, 1, kv, d).transpose(1, 2)
-    angle = torch.rand(b, 1, d, generator=g, device="cuda") * 6.3
-    cos, sin = angle.cos().to(torch.bfloat16), angle.sin().to(torch.bfloat16)
+    q, k, v, cos, sin = _cuda_new_token(g, b, h, kv, d)
     kc = torch.zeros(b, kv, length, d, dtype=torch.bfloat16, device="cuda")
     vc = torch.zeros_like(kc)
     q_rot = rope_and_cache(q, k, v, cos, sin, kc, vc, torch.tensor([col], device="cuda"))
@@ -205,12 +211,7 @@ def test_cuda_rope_cache_attention_equals_the_two_calls():
 
     g = torch.Generator(device="cuda").manual_seed(3)
     b, h, kv, d, length, col = 8, 28, 4, 128, 1536, 1300
-    fused = torch.randn(b, 1, (h + 2 * kv) * d, generator=g, device="cuda").to(torch.bfloat16)
-    q = fused[..., :h * d].view(b, 1, h, d).transpose(1, 2)
-    k = fused[..., h * d:(h + kv) * d].view(b, 1, kv, d).transpose(1, 2)
-    v = fused[..., (h + kv) * d:].view(b, 1, kv, d).transpose(1, 2)
-    angle = torch.rand(b, 1, d, generator=g, device="cuda") * 6.3
-    cos, sin = angle.cos().to(torch.bfloat16), angle.sin().to(torch.bfloat16)
+    q, k, v, cos, sin = _cuda_new_token(g, b, h, kv, d)
     kc1 = torch.randn(b, kv, length, d, generator=g, device="cuda").to(torch.bfloat16)
     vc1 = torch.randn_like(kc1)
     kc2, vc2 = kc1.clone(), vc1.clone()
