@@ -52,8 +52,8 @@ Measured (``qerl bench rollout``; history in results/README.md)
 ----------------------------------------------------------------
 SmolLM2-135M bf16, batch 64, 256 + 512 tokens: 48.9k tokens/s against 1.9k for transformers'
 ``generate`` (26x, H200, ``results/rollout_h200_mma_smollm2.json``). Qwen2.5-7B shapes, batch 8,
-256 + 2048 tokens (``results/rollout_h200_final.json``, H200): bf16 1735 tokens/s, NVFP4 2966
-(2.67 ms per step). Before the last round of engine changes a step took 3.0 ms at 1,280 cached
+256 + 2048 tokens (``results/rollout_h200_final.json``, H200): bf16 1737 tokens/s, NVFP4 3088
+(2.56 ms per step). Before session 4's engine changes a step took 3.0 ms at 1,280 cached
 tokens, of which 1.94 ms NVFP4 matmuls, 0.33 ms attention, 0.26 ms the bf16 lm_head and the rest
 norms, SiLU, sampling and launch gaps (``results/rollout_step_breakdown_h200.json``). The first
 engine gave bf16 1369 and NVFP4 1126 tokens/s there: the FP4 GEMM then reached only ~0.7 TB/s.
@@ -117,7 +117,8 @@ class RolloutEngine:
     On an H100 (Qwen2.5-7B shapes, batch 8, 256 + 2048 tokens, bf16 / NVFP4 tok/s) fusing took
     1085 / 1649 to 1188 / 1786, the attention kernel to 1235 / 1921; with the FP4 launch rule and
     the fused RoPE + cache write the engine runs 1271 / 2199, with the CUDA decode GEMM 1277 / 2429,
-    and with PDL, the glue kernels, the fused sampler and attention 1302 / 2580 (results/README.md).
+    and with PDL, the glue kernels, the fused sampler and attention 1302 / 2580; the gate/up launch
+    shapes that fill whole waves of CTAs came after (results/README.md has every step).
     ``glue_kernels``: in "graphs+fused", the norms and SiLU * up run as ``engine_glue``'s Triton
     kernels, which let the next NVFP4 matmul launch early (default ``GLUE_KERNELS``, on).
     """

@@ -194,6 +194,7 @@ def test_code_pair_decodes_both_codes_of_every_word_position():
     (40, 384, 8, mma.MmaConfig(tiles=1, warps_r=1, warps_k=4, split_k=2)),   # N not a multiple of 16
     (64, 512, 13, mma.MmaConfig(tiles=2, warps_r=1, warps_k=2, split_k=3)),  # two n8 blocks, uneven slices
     (16, 128, 1, mma.MmaConfig(tiles=1, warps_r=1, warps_k=1)),
+    (100, 512, 8, mma.MmaConfig(tiles=3, warps_r=1, warps_k=4, min_ctas=3)),  # the wide rule's 48-row CTAs
 ])
 def test_emulated_kernel_matches_the_oracle(n, k, m, cfg):
     gen = torch.Generator().manual_seed(n * 7 + m)
@@ -223,6 +224,73 @@ def test_configs_validate_and_the_rule_never_leaves_an_empty_slice():
     assert mma.supported_problem(16, 256) and not mma.supported_problem(17, 256) and not mma.supported_problem(8, 200)
 
 
+def _nvrtc_or_none():
+    try:
+        return mma._nvrtc()
+    except OSError:
+        return None
+
+
+def test_wave_fill_counts_the_part_empty_last_wave():
+    assert mma.wave_fill(264, 264) == 1.0
+    assert mma.wave_fill(592, 264) == pytest.approx(592 / 792)  # 7B gate/up, 64-row CTAs: 2.24 waves
+    assert mma.wave_fill(790, 396) == pytest.approx(790 / 792)  # 48-row CTAs, three per SM
+    assert mma.wave_fill(100, 264) == pytest.approx(100 / 264)  # less than one wave
+
+
+def test_the_wide_rule_picks_the_best_filling_shape_in_order_of_preference():
+    shapes = [cfg for cfg, _ in mma.WIDE_SHAPES]
+    # runs 23-24 (H200, 132 SMs): the fastest of 9 timed shapes on each of these gate/up problems
+    assert mma.pick_mma_config(8, 37888, 3584, 132) == shapes[0]  # Qwen2.5-7B
+    assert mma.pick_mma_config(8, 55296, 5120, 132) == shapes[0]  # 32B
+    assert mma.pick_mma_config(8, 22016, 2048, 132) == shapes[1]  # 3B: 459 CTAs, four per SM
+    for sms in (78, 114, 132, 148):
+        for n in range(8 * 1024, 64 * 1024 + 1, 1000):
+            cfg = mma.pick_mma_config(8, n, 1024, sms)
+            fills = [mma.wave_fill(math.ceil(n / c.rows_per_cta), per_sm * sms) for c, per_sm in mma.WIDE_SHAPES]
+            chosen = fills[shapes.index(cfg)]
+            assert chosen >= max(fills) - 0.05
+            assert all(f < max(fills) - 0.05 for f in fills[:shapes.index(cfg)])  # nothing earlier qualified
+
+
+def _cubin_registers(cubin: bytes) -> int:
+    """Registers per thread of the one kernel in a cubin: the EIATTR_REGCOUNT (0x2f) record of the
+    ELF's ``.nv.info`` section (records: format byte, attribute byte, u16 size, payload)."""
+    import struct
+
+    shoff = struct.unpack_from("<Q", cubin, 0x28)[0]
+    entsize, count, names_index = struct.unpack_from("<HHH", cubin, 0x3A)
+    headers = [struct.unpack_from("<IIQQQQIIQQ", cubin, shoff + i * entsize) for i in range(count)]
+    names_at = headers[names_index][4]
+    for name_off, _, _, _, offset, size, *_ in headers:
+        if cubin[names_at + name_off:].split(b"\0", 1)[0] != b".nv.info":
+            continue
+        p = offset
+        while p < offset + size:
+            fmt, attr = cubin[p], cubin[p + 1]
+            if fmt != 4:  # fixed 4-byte records
+                p += 4
+                continue
+            length = struct.unpack_from("<H", cubin, p + 2)[0]
+            if attr == 0x2F:
+                return struct.unpack_from("<II", cubin, p + 4)[1]
+            p += 4 + length
+    raise AssertionError("no register count in the cubin")
+
+
+@pytest.mark.skipif(_nvrtc_or_none() is None, reason="no libnvrtc here (CUDA builds of PyTorch ship it; or set QERL_NVRTC)")
+def test_wide_shapes_run_at_the_ctas_per_sm_the_rule_assumes():
+    """The wave arithmetic of the rule rests on each shape's residency: check it from the registers
+    NVRTC allocates for sm_90 (65,536 per SM in 256-register warp granules), threads (2,048 per SM)
+    and shared memory (228 KiB per SM, 1 KiB reserved per CTA)."""
+    for cfg, per_sm in mma.WIDE_SHAPES:
+        regs = _cubin_registers(mma.compile_cubin(mma.kernel_source(cfg, 1), mma.kernel_name(cfg, 1), "sm_90"))
+        warps = cfg.warps_r * cfg.warps_k
+        by_regs = 65536 // (math.ceil(regs * 32 / 256) * 256 * warps)
+        by_smem = (228 * 1024) // (cfg.shared_bytes(1) + 1024)
+        assert min(by_regs, 2048 // cfg.threads, by_smem, 32) == per_sm, (cfg, regs)
+
+
 def test_small_m_backend_setting():
     with pytest.raises(ValueError, match="small-M backend"):
         set_small_m_backend("cutlass")
@@ -250,19 +318,12 @@ def test_forcing_mma_without_a_gpu_names_the_fix():
         set_small_m_backend(prev)
 
 
-def _nvrtc_or_none():
-    try:
-        return mma._nvrtc()
-    except OSError:
-        return None
-
-
 @pytest.mark.skipif(_nvrtc_or_none() is None, reason="no libnvrtc here (CUDA builds of PyTorch ship it; or set QERL_NVRTC)")
 @pytest.mark.parametrize("nb", [1, 2])
 def test_source_compiles_for_hopper_in_every_shape_the_rule_picks(nb):
-    shapes = [(4608, 3584), (37888, 3584), (3584, 18944), (55296, 5120), (5120, 27648)]  # Qwen2.5 7B / 32B
-    configs = {mma.pick_mma_config(8 * nb, n, k) for n, k in shapes}
-    assert len(configs) >= 3  # default, wide, wide at K >= 4096 (deep differs only in split_k)
+    shapes = [(4608, 3584), (37888, 3584), (3584, 18944), (55296, 5120), (5120, 27648), (22016, 2048)]  # 7B, 32B, 3B
+    configs = {mma.pick_mma_config(8 * nb, n, k, 132) for n, k in shapes}
+    assert len(configs) >= 4  # default, two wide shapes, and the deep shapes' K-slices
     for cfg in configs:
         cubin = mma.compile_cubin(mma.kernel_source(cfg, nb), mma.kernel_name(cfg, nb), "sm_90")
         assert cubin[:4] == b"\x7fELF" and mma.kernel_name(cfg, nb).encode() in cubin
