@@ -16,7 +16,8 @@ fixed-length throughput test), through ``qerl_lib.engine``:
 
 Method: ``engine.warmup`` first (one short generation for kernel selection and Triton autotuning,
 then a CUDA-graph capture of every cache-length bucket), then ``repeats`` timed generations;
-the table shows the median and the JSON keeps every repeat. Timings synchronise the device.
+``transformers.generate`` gets one untimed full-length call first. The table shows the median
+and the JSON keeps every repeat. Timings synchronise the device.
 
 Models: ``smollm2`` is the embedded SmolLM2-135M-Instruct (real weights; NVFP4 by quantizing
 them with ``replace_linear_with_nvfp4``), and the only model on which ``transformers``'
@@ -208,13 +209,18 @@ def time_engine(model, row: Row, backend: str, lora, repeats: int, seed: int, fu
 
 
 def time_hf_generate(model, row: Row, repeats: int, seed: int) -> Row:
-    """transformers' own generate: sampling at temperature 1, EOS suppressed with min_new_tokens."""
+    """transformers' own generate: sampling at temperature 1, EOS suppressed with min_new_tokens.
+
+    The warm-up is one full-length call: the first generate of each new sequence length pays
+    one-time costs (kernel and heuristic selection per shape), and an 8-token warm-up left them in
+    the first timed repeat, 2.7-2.9x slower than the second (``rollout_h{100,200}*_smollm2.json`` before
+    session 5), which understated transformers' speed in the median of two."""
     prompts = torch.tensor(_prompts(row.batch, row.prompt_len, model.config.vocab_size, seed), device=model.device)
     mask = torch.ones_like(prompts)
     kwargs = dict(attention_mask=mask, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
                   max_new_tokens=row.gen_len, min_new_tokens=row.gen_len, pad_token_id=0)
     with torch.no_grad():
-        model.generate(prompts, **{**kwargs, "max_new_tokens": 8, "min_new_tokens": 8})  # warm-up
+        model.generate(prompts, **kwargs)  # warm-up at full length (see the docstring)
         totals = []
         for _ in range(repeats):
             torch.cuda.synchronize()

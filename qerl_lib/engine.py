@@ -1,8 +1,8 @@
 """The rollout engine: batched sampling with a KV cache from the policy the trainer optimizes.
 
 GRPO spends most of its time generating. ``transformers``' ``generate`` is built for generality
-and is far from the hardware at small batch (about 1.6k tokens/s for the 135M embedded model
-at batch 64 on an H200). This engine is small enough to read in one sitting (like gpt-fast or
+and is far from the hardware at small batch (3.5k tokens/s for the 135M embedded model at
+batch 64 on an H200, bound by its Python loop). This engine is small enough to read in one sitting (like gpt-fast or
 nanochat's ``engine.py``) and samples from exactly the model the trainer holds: an NVFP4 or
 bf16 base called through its own modules, LoRA adapters applied *unmerged* (they change every
 step; the packed FP4 weights never do), and RMSNorm weights that AQN may replace per call.
@@ -50,8 +50,8 @@ graphs are kept between calls for speed; ``release(model)`` frees them before tr
 
 Measured (``qerl bench rollout``; history in results/README.md)
 ----------------------------------------------------------------
-SmolLM2-135M bf16, batch 64, 256 + 512 tokens: 48.9k tokens/s against 1.9k for transformers'
-``generate`` (26x, H200, ``results/rollout_h200_mma_smollm2.json``). Qwen2.5-7B shapes, batch 8,
+SmolLM2-135M bf16, batch 64, 256 + 512 tokens: 48.1k tokens/s against 3.5k for transformers'
+``generate`` (13.8x, H200, ``results/rollout_h200_smollm2_final.json``). Qwen2.5-7B shapes, batch 8,
 256 + 2048 tokens (``results/rollout_h200_final.json``, H200): bf16 1737 tokens/s, NVFP4 3088
 (2.56 ms per step). Before session 4's engine changes a step took 3.0 ms at 1,280 cached
 tokens, of which 1.94 ms NVFP4 matmuls, 0.33 ms attention, 0.26 ms the bf16 lm_head and the rest
