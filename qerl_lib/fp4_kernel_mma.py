@@ -134,10 +134,13 @@ def wave_fill(ctas: int, slots: int) -> float:
     return ctas / (math.ceil(ctas / slots) * slots)
 
 
-def _device_sms() -> int:
-    if torch.cuda.is_available():
-        return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
-    return DEFAULT_SMS
+@functools.lru_cache(maxsize=None)
+def _device_sms(index: int | None = None) -> int:
+    """SMs of CUDA device ``index`` (default: the current one); ``DEFAULT_SMS`` without a GPU."""
+    if not torch.cuda.is_available():
+        return DEFAULT_SMS
+    device = torch.cuda.current_device() if index is None else index
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 @functools.lru_cache(maxsize=None)
@@ -393,7 +396,7 @@ def mma_linear(x2: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, glob
             or scales.data_ptr() % 2:
         raise ValueError("fp4_kernel_mma needs 16-byte aligned x rows (stride % 8 == 0) and weights, 2-byte aligned scales")
     nb = 1 if m <= 8 else 2
-    cfg = config or pick_mma_config(m, n, k)
+    cfg = config or pick_mma_config(m, n, k, _device_sms(x2.device.index))
     cfg.check_shared(nb)
     kern = _get_kernel(cfg, nb, x2.device)
     blocks = math.ceil(n / cfg.rows_per_cta)
