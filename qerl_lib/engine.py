@@ -3,9 +3,10 @@
 GRPO spends most of its time generating. ``transformers``' ``generate`` is built for generality
 and is far from the hardware at small batch (3.5k tokens/s for the 135M embedded model at
 batch 64 on an H200, bound by its Python loop). This engine is small enough to read in one
-sitting (like gpt-fast or nanochat's ``engine.py``) and samples from exactly the model the trainer holds: an NVFP4 or
-bf16 base called through its own modules, LoRA adapters applied *unmerged* (they change every
-step; the packed FP4 weights never do), and RMSNorm weights that AQN may replace per call.
+sitting (like gpt-fast or nanochat's ``engine.py``) and samples from exactly the model the
+trainer holds: an NVFP4 or bf16 base called through its own modules, LoRA adapters applied
+*unmerged* (they change every step; the packed FP4 weights never do), and RMSNorm weights that
+AQN may replace per call.
 
 How one call works
 ------------------

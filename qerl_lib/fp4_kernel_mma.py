@@ -118,7 +118,7 @@ class MmaConfig:
 # (registers as NVRTC 13 allocates them for sm_90, checked by a test; threads and shared memory
 # allow more). Runs 23-24 (H200, M = 8): 48-row CTAs of 4 warps, three per SM, 7B gate/up 28.0 us
 # and 32B 53.6 us (64-row CTAs, the rule before: 30.2 and 57.5 us); four per SM (128 registers)
-# where that fills the waves better: 3B gate/up 11.8 us against 15.0-16.8 us for the others.
+# where that fills the waves better: 3B gate/up 11.8 us against 14.1-16.8 us for the other 8 shapes timed.
 WIDE_SHAPES: tuple[tuple[MmaConfig, int], ...] = (
     (MmaConfig(tiles=3, warps_r=1, warps_k=4, depth=2, split_k=1, min_ctas=3, l2_hint=1), 3),
     (MmaConfig(tiles=3, warps_r=1, warps_k=4, depth=2, split_k=1, min_ctas=4, l2_hint=1), 4),

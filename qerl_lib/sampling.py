@@ -34,7 +34,7 @@ takes per block of the vocabulary the max, the sum of exponentials and the best
 a second one combines the blocks into the token and its logprob. Eager PyTorch spent ~60 us per
 decode step here at Qwen2.5's 152k vocabulary (a softmax with one CTA per row among 8 kernels),
 ~2% of a 7B NVFP4 step. The arithmetic is the same up to summation order, so a token can differ
-from the eager path's only where two candidates tie to float32 rounding; ``tests/test_engine``
+from the eager path's only where two candidates tie to float32 rounding; ``tests/test_sampling_fused``
 checks both against each other on shared draws.
 """
 
