@@ -21,25 +21,25 @@ __version__ = "0.1.0"
 # public name -> module that defines it
 _LAZY = {
     # format
-    "quantize": "qerl_lib.nvfp4", "dequantize": "qerl_lib.nvfp4", "NVFP4Weight": "qerl_lib.nvfp4",
-    "fake_quantize_": "qerl_lib.formats",
+    "quantize": "qerl_lib.quant.nvfp4", "dequantize": "qerl_lib.quant.nvfp4", "NVFP4Weight": "qerl_lib.quant.nvfp4",
+    "fake_quantize_": "qerl_lib.quant.formats",
     # kernel and layers
-    "fp4_matmul": "qerl_lib.fp4_kernel", "fp4_linear": "qerl_lib.fp4_kernel",
-    "prepare_fp4_weights": "qerl_lib.fp4_kernel", "NVFP4Linear": "qerl_lib.layers",
+    "fp4_matmul": "qerl_lib.kernels.fp4_gemm", "fp4_linear": "qerl_lib.kernels.fp4_gemm",
+    "prepare_fp4_weights": "qerl_lib.kernels.fp4_gemm", "NVFP4Linear": "qerl_lib.models.nvfp4_linear",
     # models
-    "load_model": "qerl_lib.loader", "replace_linear_with_nvfp4": "qerl_lib.loader",
-    "quantize_checkpoint": "qerl_lib.loader", "save_nvfp4_checkpoint": "qerl_lib.loader",
-    "build_random_model": "qerl_lib.loader", "linear_weight_bytes": "qerl_lib.loader",
-    "attach_lora": "qerl_lib.lora", "merge_to_bf16": "qerl_lib.lora",
-    "prepare_embedded_model": "qerl_lib.embedded", "resolve_model": "qerl_lib.embedded",
+    "load_model": "qerl_lib.models.loader", "replace_linear_with_nvfp4": "qerl_lib.models.loader",
+    "quantize_checkpoint": "qerl_lib.models.loader", "save_nvfp4_checkpoint": "qerl_lib.models.loader",
+    "build_random_model": "qerl_lib.models.loader", "linear_weight_bytes": "qerl_lib.models.loader",
+    "attach_lora": "qerl_lib.models.lora", "merge_to_bf16": "qerl_lib.models.lora",
+    "prepare_embedded_model": "qerl_lib.models.embedded", "resolve_model": "qerl_lib.models.embedded",
     # rollouts and noise
-    "generate": "qerl_lib.engine", "RolloutEngine": "qerl_lib.engine", "Completion": "qerl_lib.engine",
-    "AQNConfig": "qerl_lib.aqn", "AQNController": "qerl_lib.aqn", "apply_norm_overrides": "qerl_lib.aqn",
+    "generate": "qerl_lib.engine.rollout", "RolloutEngine": "qerl_lib.engine.rollout", "Completion": "qerl_lib.engine.rollout",
+    "AQNConfig": "qerl_lib.train.aqn", "AQNController": "qerl_lib.train.aqn", "apply_norm_overrides": "qerl_lib.train.aqn",
     # scoring and evaluation
-    "score_answer": "qerl_lib.rewards", "extract_answer": "qerl_lib.rewards", "SafeReward": "qerl_lib.rewards",
-    "evaluate": "qerl_lib.evaluation", "EvalConfig": "qerl_lib.evaluation",
+    "score_answer": "qerl_lib.tasks.rewards", "extract_answer": "qerl_lib.tasks.rewards", "SafeReward": "qerl_lib.tasks.rewards",
+    "evaluate": "qerl_lib.evals.evaluation", "EvalConfig": "qerl_lib.evals.evaluation",
     # training
-    "train": "qerl_lib.grpo", "make_config": "qerl_lib.grpo_presets",
+    "train": "qerl_lib.train.grpo", "make_config": "qerl_lib.train.presets",
 }
 
 

@@ -4,9 +4,9 @@ Nsight Compute: pipe utilisation, stall reasons, DRAM throughput (notes, run 10)
     ncu -k regex:"qerl_fp4|_fp4_gemm" -c 2 --set full python3 results/fp4_kernel_profile_ncu.py
 """
 import torch
-from qerl_lib import fp4_kernel_mma as mma
-from qerl_lib.fp4_kernel import prepare_fp4_weights, fp4_linear, set_small_m_backend
-from qerl_lib.nvfp4 import quantize
+from qerl_lib.kernels import mma
+from qerl_lib.kernels.fp4_gemm import prepare_fp4_weights, fp4_linear, set_small_m_backend
+from qerl_lib.quant.nvfp4 import quantize
 n, k, m = 37888, 3584, 8
 q = quantize((torch.randn(n, k, device="cuda") * 0.02).to(torch.bfloat16))
 w = prepare_fp4_weights(q.weight_packed, q.weight_scale, q.weight_global_scale)

@@ -1,4 +1,4 @@
-"""Development sweep for qerl_lib.fp4_kernel on one GPU (kept for provenance; see notes_fp4_kernel.md).
+"""Development sweep for qerl_lib.kernels.fp4_gemm on one GPU (kept for provenance; see notes_fp4_kernel.md).
 
 Runs 1-3 of the notes used earlier versions of this script and of the kernel, with knobs since
 removed (load-time repack, gathered x, one-launch split-K, prefetch off); their raw records are the
@@ -22,9 +22,9 @@ import time
 
 import torch
 
-from qerl_lib.bench import copy_bandwidth_gbps, l2_cache_bytes, mean_relative_error, time_eager, time_graph, _copies_needed
-from qerl_lib.fp4_kernel import KernelConfig, fp4_linear, fp4_matmul, prepare_fp4_weights
-from qerl_lib.nvfp4 import quantize, reference_matmul
+from qerl_lib.bench.gemm import copy_bandwidth_gbps, l2_cache_bytes, mean_relative_error, time_eager, time_graph, _copies_needed
+from qerl_lib.kernels.fp4_gemm import KernelConfig, fp4_linear, fp4_matmul, prepare_fp4_weights
+from qerl_lib.quant.nvfp4 import quantize, reference_matmul
 
 OUT = os.environ.get("OUT", ".")
 LOG = open(os.path.join(OUT, "sweep.jsonl"), "a")

@@ -24,10 +24,10 @@ import time
 
 import torch
 
-from qerl_lib.bench import _copies_needed, copy_bandwidth_gbps, l2_cache_bytes, mean_relative_error, time_graph
-from qerl_lib.fp4_kernel import KernelConfig, fp4_linear, prepare_fp4_weights
-from qerl_lib.fp4_kernel_config import _split_k  # the K-slice rule pick_config uses
-from qerl_lib.nvfp4 import quantize, reference_matmul
+from qerl_lib.bench.gemm import _copies_needed, copy_bandwidth_gbps, l2_cache_bytes, mean_relative_error, time_graph
+from qerl_lib.kernels.fp4_gemm import KernelConfig, fp4_linear, prepare_fp4_weights
+from qerl_lib.kernels.launch_rule import _split_k  # the K-slice rule pick_config uses
+from qerl_lib.quant.nvfp4 import quantize, reference_matmul
 
 OUT = os.environ.get("OUT", ".")
 T0 = time.time()

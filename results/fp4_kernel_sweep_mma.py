@@ -28,10 +28,10 @@ import time
 
 import torch
 
-from qerl_lib import fp4_kernel_mma as mma
-from qerl_lib.bench import _copies_needed, copy_bandwidth_gbps, l2_cache_bytes, mean_relative_error, time_graph
-from qerl_lib.fp4_kernel import fp4_linear, prepare_fp4_weights, set_small_m_backend
-from qerl_lib.nvfp4 import quantize, reference_matmul
+from qerl_lib.kernels import mma
+from qerl_lib.bench.gemm import _copies_needed, copy_bandwidth_gbps, l2_cache_bytes, mean_relative_error, time_graph
+from qerl_lib.kernels.fp4_gemm import fp4_linear, prepare_fp4_weights, set_small_m_backend
+from qerl_lib.quant.nvfp4 import quantize, reference_matmul
 
 OUT = os.environ.get("OUT", ".")
 AUTO_ONLY = False

@@ -31,10 +31,10 @@ import time
 
 import torch
 
-from qerl_lib import fp4_kernel_mma as mma
-from qerl_lib.bench import _copies_needed, copy_bandwidth_gbps, l2_cache_bytes, mean_relative_error, time_graph
-from qerl_lib.fp4_kernel import prepare_fp4_weights
-from qerl_lib.nvfp4 import quantize, reference_matmul
+from qerl_lib.kernels import mma
+from qerl_lib.bench.gemm import _copies_needed, copy_bandwidth_gbps, l2_cache_bytes, mean_relative_error, time_graph
+from qerl_lib.kernels.fp4_gemm import prepare_fp4_weights
+from qerl_lib.quant.nvfp4 import quantize, reference_matmul
 
 OUT = os.environ.get("OUT", ".")
 T0 = time.time()
@@ -137,7 +137,7 @@ def sweep(ms_7b=(1, 8), ms_32b=(8,)) -> list[dict]:
 
 
 def rollout(settings) -> None:
-    from qerl_lib.bench_rollout import Row, load_bench_model, time_engine
+    from qerl_lib.bench.rollout import Row, load_bench_model, time_engine
 
     model = load_bench_model("qwen2.5-7b", "nvfp4", torch.device("cuda"))
     rule = mma.pick_mma_config

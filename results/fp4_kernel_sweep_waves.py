@@ -32,10 +32,10 @@ import time
 
 import torch
 
-from qerl_lib import fp4_kernel_mma as mma
-from qerl_lib.bench import _copies_needed, copy_bandwidth_gbps, l2_cache_bytes, mean_relative_error, time_graph
-from qerl_lib.fp4_kernel import prepare_fp4_weights
-from qerl_lib.nvfp4 import quantize, reference_matmul
+from qerl_lib.kernels import mma
+from qerl_lib.bench.gemm import _copies_needed, copy_bandwidth_gbps, l2_cache_bytes, mean_relative_error, time_graph
+from qerl_lib.kernels.fp4_gemm import prepare_fp4_weights
+from qerl_lib.quant.nvfp4 import quantize, reference_matmul
 
 OUT = os.environ.get("OUT", ".")
 T0 = time.time()
@@ -159,7 +159,7 @@ def sweep(ms=(1, 8), shapes=SHAPES, variants=variants) -> dict:
 
 
 def rollout(best: dict, rounds: int = 2, model_name: str = "qwen2.5-7b", settings=None, repeats: int = 3) -> None:
-    from qerl_lib.bench_rollout import Row, load_bench_model, time_engine
+    from qerl_lib.bench.rollout import Row, load_bench_model, time_engine
 
     model = load_bench_model(model_name, "nvfp4", torch.device("cuda"))
 

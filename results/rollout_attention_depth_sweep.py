@@ -23,10 +23,10 @@ import time
 
 import torch
 
-from qerl_lib import engine_attention as attn
-from qerl_lib import fp4_kernel_mma as mma
-from qerl_lib.bench import time_graph
-from qerl_lib.bench_rollout import Row, load_bench_model, time_engine
+from qerl_lib.engine import attention as attn
+from qerl_lib.kernels import mma
+from qerl_lib.bench.gemm import time_graph
+from qerl_lib.bench.rollout import Row, load_bench_model, time_engine
 
 OUT = os.environ.get("OUT", ".")
 T0 = time.time()

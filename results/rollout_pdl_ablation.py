@@ -9,7 +9,7 @@ trigger early, so the norms and SiLU * up become ``engine_glue``'s Triton kernel
 of ``torch.compile``'s (which do not); the attention kernels trigger too. How much does each piece
 give, with the L2::128B load hint of run 16? Every decode kernel of the kit (matmul, norms, SiLU,
 RoPE + cache write, attention and its merge) waits for its predecessor and then triggers its
-successor (qerl_lib.pdl). Also: more attention programs (slices) per layer.
+successor (qerl_lib.kernels.pdl). Also: more attention programs (slices) per layer.
 
 Engine at Qwen2.5-7B shapes (random weights), batch 8, 256 prompt + 2048 generated, per setting.
 Writes $OUT/pdl_ablation.jsonl as it goes and prints a table last.
@@ -26,11 +26,11 @@ import time
 
 import torch
 
-import qerl_lib.engine as engine_mod
-from qerl_lib import engine_attention as attn
-from qerl_lib import fp4_kernel_mma as mma
-from qerl_lib import pdl
-from qerl_lib.bench_rollout import Row, load_bench_model, time_engine
+import qerl_lib.engine.rollout as engine_mod
+from qerl_lib.engine import attention as attn
+from qerl_lib.kernels import mma
+from qerl_lib.kernels import pdl
+from qerl_lib.bench.rollout import Row, load_bench_model, time_engine
 
 OUT = os.environ.get("OUT", ".")
 T0 = time.time()

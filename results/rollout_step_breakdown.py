@@ -21,9 +21,9 @@ import time
 
 import torch
 
-from qerl_lib.bench_rollout import _prompts, load_bench_model
-from qerl_lib.engine import RolloutEngine
-from qerl_lib.envinfo import provenance
+from qerl_lib.bench.rollout import _prompts, load_bench_model
+from qerl_lib.engine.rollout import RolloutEngine
+from qerl_lib.io import provenance
 
 CATEGORIES = (  # first match wins
     ("fp4 gemm (mma)", ("qerl_fp4",)),

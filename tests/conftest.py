@@ -27,7 +27,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def embedded_model_dir():
     """The embedded SmolLM2-135M-Instruct as a Hugging Face folder (converted once, cached)."""
-    from qerl_lib.embedded import prepare_embedded_model
+    from qerl_lib.models.embedded import prepare_embedded_model
 
     return prepare_embedded_model(quiet=True)
 
@@ -42,7 +42,7 @@ def _deterministic_threads():
 @pytest.fixture(scope="module")
 def verifier():
     """A math-verify worker with the default time limit (as training uses); closed after the module."""
-    from qerl_lib.verifier import MathVerifier
+    from qerl_lib.tasks.verifier import MathVerifier
 
     v = MathVerifier()
     v.start()
@@ -53,7 +53,7 @@ def verifier():
 @pytest.fixture(scope="module")
 def quick_verifier():
     """A math-verify worker with a 1 s limit, for the slow-input cases."""
-    from qerl_lib.verifier import MathVerifier
+    from qerl_lib.tasks.verifier import MathVerifier
 
     v = MathVerifier(timeout_s=1.0)
     v.start()

@@ -18,8 +18,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from qerl_lib import aqn
-from qerl_lib.aqn import (DEFAULT_NORMS, SCHEDULES, AQNConfig, AQNController, AQNSchedule, apply_norm_overrides,
+from qerl_lib.train import aqn
+from qerl_lib.train.aqn import (DEFAULT_NORMS, SCHEDULES, AQNConfig, AQNController, AQNSchedule, apply_norm_overrides,
                           find_norms, merged_projection_weight, noise_to_overrides, realized_noise_stats,
                           sample_norm_noise, sample_norm_overrides, schedule_curves)
 

@@ -14,9 +14,9 @@ import random
 import pytest
 import torch
 
-from qerl_lib.aqn_study import (capture_norm_input, dequantize_nvfp4_linears_, entropy_vs_sigma,
+from qerl_lib.studies.aqn_noise import (capture_norm_input, dequantize_nvfp4_linears_, entropy_vs_sigma,
                                 equivalence_on_layer, verdict)
-from qerl_lib.entropy import mean_token_entropy, per_sequence_mean, token_entropies
+from qerl_lib.evals.entropy import mean_token_entropy, per_sequence_mean, token_entropies
 
 SEED = int(os.environ.get("QERL_TEST_SEED", random.SystemRandom().randrange(2**31)))
 
@@ -112,8 +112,8 @@ def test_verdict(diff, expected):
 
 
 def test_dequantized_linears_give_the_packed_models_logits(model):
-    from qerl_lib.layers import NVFP4Linear
-    from qerl_lib.loader import replace_linear_with_nvfp4
+    from qerl_lib.models.nvfp4_linear import NVFP4Linear
+    from qerl_lib.models.loader import replace_linear_with_nvfp4
 
     replace_linear_with_nvfp4(model, impl="reference")
     ids = torch.randint(0, 96, (2, 8), generator=torch.Generator().manual_seed(SEED + 2))

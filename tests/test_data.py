@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from qerl_lib import data
+from qerl_lib.tasks import problems as data
 from qerl_lib.errors import UserError
 
 SHARED_GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"

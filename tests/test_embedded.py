@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from qerl_lib import embedded
+from qerl_lib.models import embedded
 from qerl_lib.errors import UserError
 
 

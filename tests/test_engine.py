@@ -15,8 +15,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
-from qerl_lib.engine import Completion, LoraAdapter, RolloutEngine, generate, lora_from_peft, to_padded
-from qerl_lib.sampling import SamplingParams, process_logits, sample
+from qerl_lib.engine.rollout import Completion, LoraAdapter, RolloutEngine, generate, lora_from_peft, to_padded
+from qerl_lib.engine.sampling import SamplingParams, process_logits, sample
 
 PROMPTS = [[5, 7, 9, 11, 13], [3, 4], [100, 20, 30, 40, 50, 60, 70], [8]]
 NEW = 12
@@ -243,8 +243,8 @@ def _merged_copy(peft_model):
 
 
 def test_lora_unmerged_logits_equal_merged(lora_pair):
-    from qerl_lib.engine_cache import KVCache
-    from qerl_lib.engine_forward import ForwardPass, ModelView
+    from qerl_lib.engine.cache import KVCache
+    from qerl_lib.engine.forward import ForwardPass, ModelView
 
     peft_model, merged = lora_pair
     prompt = torch.tensor([PROMPTS[2]])
@@ -378,9 +378,9 @@ def test_embedded_model_greedy_equals_hf_generate(embedded_model_dir):
 
 
 # ---- NVFP4 weights (needs the loader) -----------------------------------------------------------
-@pytest.mark.skipif(importlib.util.find_spec("qerl_lib.loader") is None, reason="qerl_lib.loader not written yet")
+@pytest.mark.skipif(importlib.util.find_spec("qerl_lib.models.loader") is None, reason="qerl_lib.models.loader not written yet")
 def test_nvfp4_model_greedy_equals_naive_loop():
-    from qerl_lib.loader import replace_linear_with_nvfp4
+    from qerl_lib.models.loader import replace_linear_with_nvfp4
 
     model = tiny_model("qwen2", dtype=torch.bfloat16)
     replace_linear_with_nvfp4(model)
@@ -394,7 +394,7 @@ def test_nvfp4_model_greedy_equals_naive_loop():
 def exact_twin(model):
     """A float32 copy of ``model`` (NVFP4 layers on the dequantize-then-matmul reference path): the
     same function evaluated without bf16 rounding, as the yardstick for "greedy"."""
-    from qerl_lib.layers import set_impl
+    from qerl_lib.models.nvfp4_linear import set_impl
 
     twin = copy.deepcopy(model).float()
     set_impl(twin, "reference")
@@ -451,7 +451,7 @@ def test_graph_path_bookkeeping_on_cpu(model):
 def test_cuda_greedy_batch_and_singles_are_greedy(weights, fuse):
     model = tiny_model("qwen2", dtype=torch.bfloat16)
     if weights == "nvfp4":
-        from qerl_lib.loader import replace_linear_with_nvfp4
+        from qerl_lib.models.loader import replace_linear_with_nvfp4
 
         replace_linear_with_nvfp4(model)
     model = model.cuda()
@@ -468,7 +468,7 @@ def test_cuda_greedy_batch_and_singles_are_greedy(weights, fuse):
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 def test_rope_table_equals_the_rotary_module_at_every_position(kind):
-    from qerl_lib.engine_forward import ForwardPass, ModelView
+    from qerl_lib.engine.forward import ForwardPass, ModelView
 
     model = tiny_model(kind, torch.bfloat16)
     view = ModelView(model)

@@ -1,4 +1,4 @@
-"""The split-KV decode-attention kernel (qerl_lib.engine_attention) against its float32 oracle.
+"""The split-KV decode-attention kernel (qerl_lib.engine.attention) against its float32 oracle.
 
 * CPU, Triton interpreter (a subprocess, since TRITON_INTERPRET=1 must be set before triton is
   imported): awkward shapes -- odd group sizes (7 and 5 query heads per KV head, as Qwen2.5-7B and
@@ -19,7 +19,7 @@ import textwrap
 import pytest
 import torch
 
-from qerl_lib.engine_attention import decode_attention, num_splits, reference_decode_attention
+from qerl_lib.engine.attention import decode_attention, num_splits, reference_decode_attention
 from tests.conftest import run_triton_interpreter
 
 INTERP_TOL = 1e-5
@@ -37,7 +37,7 @@ INTERP_SCRIPT = textwrap.dedent("""
     import json, os, sys
     os.environ["TRITON_INTERPRET"] = "1"
     import torch
-    from qerl_lib.engine_attention import decode_attention, reference_decode_attention
+    from qerl_lib.engine.attention import decode_attention, reference_decode_attention
     out = {}
     for i, (b, h, kv, length, d, col, max_pad, splits) in enumerate(json.loads(sys.argv[1])):
         g = torch.Generator().manual_seed(i)
@@ -47,8 +47,8 @@ INTERP_SCRIPT = textwrap.dedent("""
         ref = reference_decode_attention(q, k, v, pad, col, 0.125)
         out[i] = float((got - ref).abs().max())
     # RoPE + cache write vs the engine's torch RoPE and index_copy_ (q/k/v as views of one fused output)
-    from qerl_lib.engine_attention import rope_and_cache
-    from qerl_lib.engine_forward import apply_rope
+    from qerl_lib.engine.attention import rope_and_cache
+    from qerl_lib.engine.forward import apply_rope
     g = torch.Generator().manual_seed(99)
     b, h, kv, d, length, col = 3, 14, 2, 32, 40, 23
     fused = torch.randn(b, 1, (h + 2 * kv) * d, generator=g)
@@ -66,7 +66,7 @@ INTERP_SCRIPT = textwrap.dedent("""
     vc[:, :, col] = 0
     out["rope_other_columns_untouched"] = bool(kc.abs().sum() == 0 and vc.abs().sum() == 0)
     # RoPE + cache write + attention in one kernel vs the two calls: same output and cache bits
-    from qerl_lib.engine_attention import decode_attention, rope_cache_attention
+    from qerl_lib.engine.attention import decode_attention, rope_cache_attention
     g = torch.Generator().manual_seed(7)
     b, h, kv, d, length, col = 3, 14, 2, 32, 150, 97
     fused = torch.randn(b, 1, (h + 2 * kv) * d, generator=g)
@@ -81,7 +81,7 @@ INTERP_SCRIPT = textwrap.dedent("""
     two = decode_attention(rope_and_cache(q, k, v, cos, sin, kc1, vc1, column), kc1[:, :, :col + 30],
                            vc1[:, :, :col + 30], pad, column, 0.2, splits=3)
     one_launch = []
-    import qerl_lib.engine_attention as ea
+    import qerl_lib.engine.attention as ea
     for splits in (1, 3):
         kc2.copy_(kc1), vc2.copy_(vc1)
         kc2[:, :, col], vc2[:, :, col] = 9.0, 9.0  # stale values the kernel must overwrite, not read
@@ -94,7 +94,7 @@ INTERP_SCRIPT = textwrap.dedent("""
         out[f"fused_cache_equal_{splits}"] = bool(torch.equal(kc2, kc1) and torch.equal(vc2, vc1))
     out["fused_vs_two_calls"] = max(one_launch)
     # the engine with the kernel vs the engine with SDPA, float32 tiny Qwen2 model
-    from qerl_lib.engine import RolloutEngine
+    from qerl_lib.engine.rollout import RolloutEngine
     from tests.test_engine import PROMPTS, tiny_model
     model = tiny_model("qwen2")
     a = RolloutEngine(model, decode_attention="kernel").generate(PROMPTS, 6, temperature=0, stop_token_ids=[])
@@ -173,8 +173,8 @@ def _cuda_new_token(g, b, h, kv, d):
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU (CUDA not available)")
 def test_cuda_rope_and_cache_matches_torch():
-    from qerl_lib.engine_attention import rope_and_cache
-    from qerl_lib.engine_forward import apply_rope
+    from qerl_lib.engine.attention import rope_and_cache
+    from qerl_lib.engine.forward import apply_rope
 
     g = torch.Generator(device="cuda").manual_seed(0)
     b, h, kv, d, length, col = 8, 28, 4, 128, 300, 257
@@ -207,7 +207,7 @@ def test_cuda_bf16_matches_the_oracle(b, h, kv, length, d, col):
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU (CUDA not available)")
 def test_cuda_rope_cache_attention_equals_the_two_calls():
-    from qerl_lib.engine_attention import rope_and_cache, rope_cache_attention
+    from qerl_lib.engine.attention import rope_and_cache, rope_cache_attention
 
     g = torch.Generator(device="cuda").manual_seed(3)
     b, h, kv, d, length, col = 8, 28, 4, 128, 1536, 1300

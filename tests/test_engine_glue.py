@@ -1,4 +1,4 @@
-"""The decode step's glue kernels (qerl_lib.engine_glue) against engine_forward's torch functions,
+"""The decode step's glue kernels (qerl_lib.engine.glue) against engine_forward's torch functions,
 and programmatic dependent launch of the NVFP4 mma kernel after them.
 
 * CPU, Triton interpreter (subprocess): float32 and float16 inputs, awkward widths (not a power of
@@ -24,8 +24,8 @@ INTERP_SCRIPT = textwrap.dedent("""
     import json, os, sys
     os.environ["TRITON_INTERPRET"] = "1"
     import torch
-    from qerl_lib import engine_glue as glue
-    from qerl_lib.engine_forward import gated_act, residual_rms_norm, rms_norm
+    from qerl_lib.engine import glue
+    from qerl_lib.engine.forward import gated_act, residual_rms_norm, rms_norm
     out = {}
     for dtype_name, width in json.loads(sys.argv[1]):
         dt = getattr(torch, dtype_name)
@@ -68,7 +68,7 @@ def test_glue_kernels_match_torch_in_the_interpreter(interpreted, dtype, width):
 
 
 def test_silu_mul_refuses_mismatched_shapes():
-    from qerl_lib import engine_glue
+    from qerl_lib.engine import glue as engine_glue
 
     if engine_glue.triton is None:
         pytest.skip("triton not installed")
@@ -79,8 +79,8 @@ def test_silu_mul_refuses_mismatched_shapes():
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU (CUDA not available)")
 def test_cuda_bf16_glue_within_one_rounding():
-    from qerl_lib import engine_glue as glue
-    from qerl_lib.engine_forward import gated_act, residual_rms_norm
+    from qerl_lib.engine import glue
+    from qerl_lib.engine.forward import gated_act, residual_rms_norm
 
     g = torch.Generator(device="cuda").manual_seed(0)
     x, d = (torch.randn(8, 1, 3584, generator=g, device="cuda").to(torch.bfloat16) for _ in range(2))
@@ -101,10 +101,10 @@ def test_cuda_bf16_glue_within_one_rounding():
                     reason="needs a CUDA GPU with compute capability >= 9.0 (PDL, mma kernel)")
 @pytest.mark.parametrize("n,k", [(4608, 3584), (3584, 18944)])
 def test_cuda_pdl_matmul_after_glue_kernel_in_a_graph(n, k):
-    from qerl_lib import engine_glue as glue
-    from qerl_lib import fp4_kernel_mma as mma
-    from qerl_lib.fp4_kernel import prepare_fp4_weights
-    from qerl_lib.nvfp4 import quantize
+    from qerl_lib.engine import glue
+    from qerl_lib.kernels import mma
+    from qerl_lib.kernels.fp4_gemm import prepare_fp4_weights
+    from qerl_lib.quant.nvfp4 import quantize
 
     if not mma.available():
         pytest.skip(f"mma kernel unavailable: {mma.unavailable_reason()}")

@@ -1,4 +1,4 @@
-"""Tests for qerl_lib.entropy_study and qerl_lib.plots.entropy.
+"""Tests for qerl_lib.studies.entropy and qerl_lib.plots.entropy.
 
 A tiny random Llama (2 layers, hidden 64) with the embedded model's tokenizer and chat template
 stands in for the real model, so the whole study runs in seconds. The checks are about
@@ -16,8 +16,8 @@ import shutil
 import pytest
 import torch
 
-from qerl_lib.entropy import token_entropies
-from qerl_lib.entropy_study import (StudyConfig, direction, grouped_token_entropies, load_format_model,
+from qerl_lib.evals.entropy import token_entropies
+from qerl_lib.studies.entropy import (StudyConfig, direction, grouped_token_entropies, load_format_model,
                                     paper_direction_holds, reference_completion, run_entropy_study, verdict_lines)
 from qerl_lib.errors import UserError
 
@@ -64,7 +64,7 @@ def test_study_config_rejects_bad_values(kwargs, match):
 
 
 def test_grouped_entropies_equal_the_plain_reference(tiny_model_dir):
-    from qerl_lib.loader import load_model
+    from qerl_lib.models.loader import load_model
 
     model = load_model(tiny_model_dir, dtype=torch.float32)
     gen = torch.Generator().manual_seed(1)
@@ -81,7 +81,7 @@ def test_grouped_entropies_equal_the_plain_reference(tiny_model_dir):
 
 
 def test_packed_nvfp4_has_the_fake_quantized_weights(tiny_model_dir):
-    from qerl_lib.layers import NVFP4Linear
+    from qerl_lib.models.nvfp4_linear import NVFP4Linear
 
     fake, report = load_format_model(tiny_model_dir, "nvfp4", "cpu", torch.bfloat16, nvfp4_backend="fake")
     packed, _ = load_format_model(tiny_model_dir, "nvfp4", "cpu", torch.bfloat16, nvfp4_backend="packed")
@@ -92,7 +92,7 @@ def test_packed_nvfp4_has_the_fake_quantized_weights(tiny_model_dir):
 
 
 def test_aqn_at_sigma_zero_is_the_unperturbed_model(tiny_model_dir):
-    from qerl_lib.aqn import apply_norm_overrides, sample_norm_overrides
+    from qerl_lib.train.aqn import apply_norm_overrides, sample_norm_overrides
 
     model, _ = load_format_model(tiny_model_dir, "nvfp4", "cpu", torch.float32)
     prompts = [[5, 6, 7, 8], [9, 10]]

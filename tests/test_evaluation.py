@@ -1,4 +1,4 @@
-"""Tests for qerl_lib.evaluation and `qerl eval` (qerl_lib/cli/eval_command.py).
+"""Tests for qerl_lib.evals.evaluation and `qerl eval` (qerl_lib/cli/eval_command.py).
 
 Model runs use the embedded SmolLM2-135M on CPU with a few problems and 8-32 new tokens. The
 CLI is run through `qerl_lib.cli.main`, so errors are checked exactly as a user sees them.
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from qerl_lib.evaluation import EvalConfig, bootstrap_interval, evaluate, summarise
+from qerl_lib.evals.evaluation import EvalConfig, bootstrap_interval, evaluate, summarise
 
 GSM8K_TEST = Path("/work/shared/data/gsm8k/test.jsonl")
 
@@ -41,7 +41,7 @@ def qerl(monkeypatch):
 def embedded(embedded_model_dir):
     from transformers import AutoTokenizer
 
-    from qerl_lib.loader import load_model
+    from qerl_lib.models.loader import load_model
 
     return load_model(embedded_model_dir, dtype=torch.float32), AutoTokenizer.from_pretrained(embedded_model_dir)
 
@@ -95,7 +95,7 @@ def test_eval_config_rejects_bad_values(kwargs, match):
 
 
 def test_same_seed_same_records_other_seed_other_samples(embedded):
-    from qerl_lib.data import generate_arith
+    from qerl_lib.tasks.problems import generate_arith
 
     model, tokenizer = embedded
     problems = generate_arith("test", 2, seed=0)
@@ -138,8 +138,8 @@ def test_qerl_eval_on_gsm8k_is_reproducible_with_a_seed(qerl, tmp_path, capsys):
 
 def test_qerl_eval_greedy_and_lora(qerl, tmp_path, embedded_model_dir):
     pytest.importorskip("peft")
-    from qerl_lib.loader import load_model
-    from qerl_lib.lora import attach_lora, save_adapters
+    from qerl_lib.models.loader import load_model
+    from qerl_lib.models.lora import attach_lora, save_adapters
 
     # A tiny adapter with large random B, so the LoRA model must write different text.
     peft_model = attach_lora(load_model(embedded_model_dir, dtype=torch.float32), rank=2)
@@ -186,7 +186,7 @@ def test_qerl_eval_on_an_nvfp4_checkpoint(qerl, tmp_path, embedded_model_dir):
 
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from qerl_lib.loader import quantize_checkpoint
+    from qerl_lib.models.loader import quantize_checkpoint
 
     # A tiny random Llama with the embedded tokenizer, quantized by the kit's native NVFP4A16 writer.
     torch.manual_seed(0)

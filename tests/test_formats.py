@@ -13,8 +13,10 @@ import random
 import pytest
 import torch
 
-from qerl_lib import formats, nvfp4
-from qerl_lib.formats import FORMAT_BITS, e8m0_to_float32, fake_quantize_, mxfp4_dequantize, mxfp4_quantize
+from qerl_lib.quant import formats
+
+from qerl_lib.quant import nvfp4
+from qerl_lib.quant.formats import FORMAT_BITS, e8m0_to_float32, fake_quantize_, mxfp4_dequantize, mxfp4_quantize
 
 SEED = int(os.environ.get("QERL_TEST_SEED", random.SystemRandom().randrange(2**31)))
 BF16 = torch.bfloat16

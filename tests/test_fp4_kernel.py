@@ -1,4 +1,4 @@
-"""Tests of the fused NVFP4 x BF16 GEMM (qerl_lib.fp4_kernel) against the plain-torch oracle.
+"""Tests of the fused NVFP4 x BF16 GEMM (qerl_lib.kernels.fp4_gemm) against the plain-torch oracle.
 
 * CPU, Triton interpreter: the real kernels on small awkward shapes (M in {1, 3, 17}, K a multiple
   of 16 but not of 64, N not a multiple of the 64/128-wide tile, split-K, tails, bias). The
@@ -24,8 +24,8 @@ import textwrap
 import pytest
 import torch
 
-from qerl_lib import nvfp4
-from qerl_lib.fp4_kernel import KernelConfig, PreparedFP4Weight, fp4_linear, fp4_matmul, pick_config, prepare_fp4_weights
+from qerl_lib.quant import nvfp4
+from qerl_lib.kernels.fp4_gemm import KernelConfig, PreparedFP4Weight, fp4_linear, fp4_matmul, pick_config, prepare_fp4_weights
 from tests.conftest import run_triton_interpreter
 
 BF16_ULP_RTOL = 2.0**-7  # one bf16 unit in the last place, relative (worst case just above a power of two)
@@ -54,8 +54,8 @@ INTERP_SCRIPT = textwrap.dedent("""
     import json, os, sys, zlib
     os.environ["TRITON_INTERPRET"] = "1"
     import torch
-    from qerl_lib import nvfp4
-    from qerl_lib.fp4_kernel import KernelConfig, fp4_linear, fp4_matmul, prepare_fp4_weights, dequantize_exact
+    from qerl_lib.quant import nvfp4
+    from qerl_lib.kernels.fp4_gemm import KernelConfig, fp4_linear, fp4_matmul, prepare_fp4_weights, dequantize_exact
     cases = json.loads(sys.argv[1])
     results = {}
     for name, m, n, k, cfg, use_bias in cases:
@@ -211,7 +211,7 @@ def test_kernel_config_validation():
 
 # ---------------------------------------------------------------------------------- CUDA
 def _qwen7b_shapes():
-    from qerl_lib.bench import projection_shapes
+    from qerl_lib.bench.gemm import projection_shapes
     return [(s.name, s.n, s.k) for s in projection_shapes("qwen2.5-7b")]
 
 
@@ -219,7 +219,7 @@ def _qwen7b_shapes():
 @pytest.mark.parametrize("m", [1, 3, 16, 17, 64, 300], ids=lambda m: f"m{m}")
 @pytest.mark.parametrize("shape", _qwen7b_shapes(), ids=lambda s: f"{s[0]}_{s[1]}x{s[2]}")
 def test_cuda_projection_shapes(shape, m):
-    from qerl_lib.bench import mean_relative_error
+    from qerl_lib.bench.gemm import mean_relative_error
     _, n, k = shape
     gen = torch.Generator(device="cuda").manual_seed(m * 7 + n)
     q = nvfp4.quantize((torch.randn(n, k, device="cuda", generator=gen) * 0.02).bfloat16())
@@ -242,7 +242,7 @@ def test_cuda_projection_shapes(shape, m):
                                  KernelConfig(16, 64, 128, split_k=7), KernelConfig(64, 128, 128, split_k=3, fragment=True)],
                          ids=["cublas", "fused_large", "generic_split7", "fragment_bm64_split3"])
 def test_cuda_forced_paths(cfg):
-    from qerl_lib.bench import mean_relative_error
+    from qerl_lib.bench.gemm import mean_relative_error
     m, n, k = 257, 1000, 1040
     q = nvfp4.quantize(torch.randn(n, k, device="cuda").bfloat16())
     x = torch.randn(m, k, device="cuda").bfloat16()

@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 import torch
 
-from qerl_lib import fp4_kernel_mma as mma
-from qerl_lib.fp4_kernel import fp4_linear, prepare_fp4_weights, set_small_m_backend, uses_mma
-from qerl_lib.nvfp4 import dequantize, quantize, reference_matmul
+from qerl_lib.kernels import mma
+from qerl_lib.kernels.fp4_gemm import fp4_linear, prepare_fp4_weights, set_small_m_backend, uses_mma
+from qerl_lib.quant.nvfp4 import dequantize, quantize, reference_matmul
 
 HAS_MMA = mma.available() if torch.cuda.is_available() else False
 
@@ -300,7 +300,7 @@ def test_small_m_backend_setting():
 
 
 def test_a_bad_environment_setting_is_named(monkeypatch):
-    from qerl_lib import fp4_kernel
+    from qerl_lib.kernels import fp4_gemm as fp4_kernel
 
     monkeypatch.setattr(fp4_kernel, "_small_m_backend", "cutlass")  # as if QERL_FP4_SMALL_M=cutlass
     with pytest.raises(ValueError, match="QERL_FP4_SMALL_M"):

@@ -1,4 +1,4 @@
-"""QeRL training on TRL (qerl_lib.grpo): two real steps per mode on a tiny random Llama, on CPU.
+"""QeRL training on TRL (qerl_lib.train.grpo): two real steps per mode on a tiny random Llama, on CPU.
 
 What must move and what must not (house rule P11): the frozen base (bf16 weights, NF4 codes and
 absmax, NVFP4 packed codes and scales) is byte-identical after training, the LoRA adapters
@@ -21,8 +21,8 @@ import pytest
 import torch
 
 from qerl_lib.errors import UserError
-from qerl_lib.grpo_metrics import METRIC_KEYS
-from qerl_lib.grpo_presets import PRESETS, make_config
+from qerl_lib.train.metrics import METRIC_KEYS
+from qerl_lib.train.presets import PRESETS, make_config
 
 # keys that must hold a number on every line of every mode in these runs
 NUMERIC_KEYS = ("step", "learning_rate", "loss", "grad_norm", "reward", "reward_std", "accuracy", "format_rate",
@@ -158,8 +158,8 @@ BASE_LAYER = {"lora": "Linear", "qlora": "Linear4bit", "nvfp4": "NVFP4Linear", "
 
 @pytest.mark.parametrize("mode", ["lora", "qlora", "nvfp4", "qerl"], ids=lambda m: f"mode={m}")
 def test_two_steps_train_adapters_only_and_log_every_metric(mode, tiny_model_dir, tmp_path):
-    from qerl_lib.aqn import AQNSchedule
-    from qerl_lib.grpo import aqn_config, train
+    from qerl_lib.train.aqn import AQNSchedule
+    from qerl_lib.train.grpo import aqn_config, train
 
     config = tiny_config(tiny_model_dir, mode)
     store: dict = {}
@@ -201,7 +201,7 @@ def test_two_steps_train_adapters_only_and_log_every_metric(mode, tiny_model_dir
 def test_two_steps_on_cuda_keep_the_base_frozen(mode, tiny_model_dir, tmp_path):
     # On CUDA the rollout engine captures graphs and fuses q/k/v and gate/up over shared storage
     # (layers_fused): the trainer must still train only the adapters on an untouched base.
-    from qerl_lib.grpo import train
+    from qerl_lib.train.grpo import train
 
     config = tiny_config(tiny_model_dir, mode, device="cuda")
     store: dict = {}
@@ -216,8 +216,8 @@ def test_two_steps_on_cuda_keep_the_base_frozen(mode, tiny_model_dir, tmp_path):
 
 def test_sigma_schedule_of_a_full_run_is_the_aqn_schedule():
     """The run's AQN config is Table 4's (1e-2 -> 5e-4, 10 stages, stage 0 clean); short runs get fewer stages."""
-    from qerl_lib.aqn import AQNSchedule
-    from qerl_lib.grpo import aqn_config
+    from qerl_lib.train.aqn import AQNSchedule
+    from qerl_lib.train.grpo import aqn_config
 
     full = AQNSchedule(aqn_config(make_config("smollm2-arith", mode="qerl", steps=100)))
     assert [full.sigma(s) for s in (0, 9)] == [0.0, 0.0]
@@ -232,7 +232,7 @@ def test_sigma_schedule_of_a_full_run_is_the_aqn_schedule():
 def test_aqn_target_both_makes_the_trainer_score_the_noisy_policy(tiny_model_dir, tmp_path):
     """target "rollout" (paper): the trainer scores the clean policy, so at σ > 0 its log-probs differ from
     the engine's by the noise. target "both": the trainer's forward sees the same Z, so only numerics remain."""
-    from qerl_lib.grpo import train
+    from qerl_lib.train.grpo import train
 
     mismatch = {}
     for target in ("rollout", "both"):
@@ -253,7 +253,7 @@ def test_killed_and_resumed_run_repeats_the_uninterrupted_step(tiny_model_dir, t
     (except wall-clock keys)."""
     from transformers import TrainerCallback
 
-    from qerl_lib.grpo import train
+    from qerl_lib.train.grpo import train
 
     class StopAfter(TrainerCallback):
         def __init__(self, step):
@@ -319,7 +319,7 @@ def test_every_preset_is_valid_and_mirrors_table_4():
 
 
 def _no_model_load(monkeypatch):
-    import qerl_lib.grpo as grpo
+    import qerl_lib.train.grpo as grpo
 
     def refuse(*args, **kwargs):
         raise AssertionError("a model was loaded before the input error was reported")
@@ -328,7 +328,7 @@ def _no_model_load(monkeypatch):
 
 
 def test_empty_dataset_fails_before_any_model_loads(tiny_model_dir, tmp_path, monkeypatch):
-    from qerl_lib.grpo import train
+    from qerl_lib.train.grpo import train
 
     _no_model_load(monkeypatch)
     empty = tmp_path / "empty.jsonl"
@@ -340,7 +340,7 @@ def test_empty_dataset_fails_before_any_model_loads(tiny_model_dir, tmp_path, mo
 
 
 def test_output_folder_rules(tiny_model_dir, tmp_path, monkeypatch):
-    from qerl_lib.grpo import train
+    from qerl_lib.train.grpo import train
 
     _no_model_load(monkeypatch)
     config = tiny_config(tiny_model_dir, "lora")

@@ -61,34 +61,58 @@ def test_notebook_defines_no_functions(path):
 # ---------------------------------------------------------------------------------------------
 # Modules: size and layering
 
-# rank of each floor; a module may import only lower floors (utilities are floor 0).
-UTILITIES = {"io", "errors", "paths", "envinfo", "__init__"}
-STANDALONE = {"aqn", "data", "rewards", "verifier", "plots"}  # ground floor: only utilities below them
-# modules split along one concept may import each other (engine -> engine_forward, rewards -> verifier)
-CONCEPT_OF = {"verifier": "rewards"}
-RANKS = {"nvfp4": 1, "formats": 2, "fp4_kernel": 2, "layers": 3, "embedded": 3, "checkpoint": 3.5, "loader": 4, "lora": 5,
-         "models": 4, "engine": 6, "sampling": 5, "kv_cache": 6, "entropy": 7, "entropy_study": 9, "evaluation": 8,
-         "grpo": 8, "bench": 8, "notebook_runner": 8, "cli": 10, "__main__": 11}
+# The floors of qerl_lib, by subpackage (or top-level utility module). A module may import its own
+# floor's package and any lower floor; packages that share a floor number may not import each other.
+FLOORS = {
+    "errors": 0, "io": 0, "paths": 0,              # utilities
+    "quant": 1, "tasks": 1, "plots": 1,            # ground floor
+    "kernels": 2,
+    "models": 3,
+    "engine": 4,
+    "train": 5, "evals": 5, "bench": 5,
+    "studies": 6,
+    "cli": 7, "__main__": 8,
+}
+UTILITY_FLOOR = 0
 
 
-def _floor(module: str) -> str:
+def floor_of(module: str) -> str:
+    """'qerl_lib.engine.forward' -> 'engine'; 'qerl_lib.io' -> 'io'."""
     parts = module.split(".")
     return parts[1] if len(parts) > 1 else parts[0]
 
 
-def _concept(name: str) -> str:
-    return CONCEPT_OF.get(name, name.split("_")[0])
+def qerl_imports(source: str) -> set[str]:
+    imported = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("qerl_lib"):
+            if node.module == "qerl_lib":  # `from qerl_lib import io` names modules, not the lazy index
+                imported |= {f"qerl_lib.{a.name}" for a in node.names}
+            else:
+                imported.add(node.module)
+        elif isinstance(node, ast.Import):
+            imported |= {a.name for a in node.names if a.name.startswith("qerl_lib")}
+    return imported
 
 
-def _rank(name: str) -> int:
-    if name in UTILITIES:
-        return 0
-    if name in STANDALONE:
-        return 1
-    for prefix, rank in sorted(RANKS.items(), key=lambda kv: -len(kv[0])):
-        if name == prefix or name.startswith(prefix):
-            return rank
-    return 8  # new modules default to the trainer/evaluation floor
+def layering_violations(module: str, source: str) -> list[str]:
+    """The rule broken by each import of `source` (module `module`, dotted) that reaches a higher or sibling floor."""
+    me = floor_of(module)
+    if me not in FLOORS:
+        return [f"{module}: not in a known floor; add its package to FLOORS in tests/test_hygiene.py"]
+    out = []
+    for mod in sorted(qerl_imports(source)):
+        other = floor_of(mod)
+        if mod == "qerl_lib" or other == me:
+            continue
+        if other not in FLOORS:
+            out.append(f"{module} imports {mod}, which is in no floor")
+        elif FLOORS[me] == UTILITY_FLOOR and FLOORS[other] == UTILITY_FLOOR:
+            continue  # the utilities may use each other
+        elif FLOORS[other] >= FLOORS[me]:
+            out.append(f"{module} (floor {FLOORS[me]}, {me}) imports {mod} (floor {FLOORS[other]}, {other}): "
+                       f"a module may import only lower floors (see each subpackage's __init__ docstring)")
+    return out
 
 
 @pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(ROOT)))
@@ -96,27 +120,39 @@ def test_module_size_and_layering(path):
     lines = path.read_text().count("\n")
     assert lines <= 600, f"{path.name} has {lines} lines: split it along a concept (house cap 600)"
     rel = path.relative_to(ROOT).with_suffix("")
-    me = _floor(".".join(rel.parts))
-    if path.name == "__init__.py" and len(rel.parts) == 2:
-        return  # the package's lazy index
-    tree = ast.parse(path.read_text())
-    imported = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("qerl_lib"):
-            imported.add(node.module)
-        elif isinstance(node, ast.Import):
-            imported |= {a.name for a in node.names if a.name.startswith("qerl_lib")}
-    for mod in imported:
-        other = _floor(mod)
-        if other == me or mod == "qerl_lib" or _concept(other) == _concept(me):
-            continue
-        if me in UTILITIES and other in UTILITIES:
-            continue  # the utility floor: io, errors, paths, envinfo
-        if me in STANDALONE:
-            assert _rank(other) == 0, f"{rel}: ground-floor module imports qerl_lib.{other}; it must stand alone"
-        else:
-            assert _rank(other) < _rank(me) or (me == "cli"), (
-                f"{rel} (floor {_rank(me)}) imports qerl_lib.{other} (floor {_rank(other)}): only lower floors")
+    if rel.parts == ("qerl_lib", "__init__"):
+        return  # the package's lazy index names every floor by string
+    assert not layering_violations(".".join(rel.parts), path.read_text()), layering_violations(".".join(rel.parts), path.read_text())
+
+
+def test_layering_check_catches_a_planted_upward_import():
+    planted = "from qerl_lib.engine.rollout import RolloutEngine\n"
+    problems = layering_violations("qerl_lib.models.loader", planted)
+    assert len(problems) == 1 and "floor 3" in problems[0] and "only lower floors" in problems[0]
+    sibling = "import qerl_lib.evals.entropy\n"
+    assert layering_violations("qerl_lib.train.grpo", sibling), "same-floor packages must not import each other"
+    assert layering_violations("qerl_lib.quant.nvfp4", "from qerl_lib import plots\n"), "ground floor stands alone"
+    assert not layering_violations("qerl_lib.engine.forward", "from qerl_lib.kernels import pdl\n")
+    assert not layering_violations("qerl_lib.io", "from qerl_lib.errors import UserError\n")
+
+
+def test_top_level_holds_only_utilities():
+    loose = sorted(p.name for p in (ROOT / "qerl_lib").glob("*.py"))
+    assert loose == ["__init__.py", "__main__.py", "errors.py", "io.py", "paths.py"], loose
+
+
+def test_every_subpackage_states_its_floor():
+    for init in sorted((ROOT / "qerl_lib").glob("*/__init__.py")):
+        doc = ast.get_docstring(ast.parse(init.read_text())) or ""
+        assert init.parent.name in FLOORS, f"{init.parent.name}: add it to FLOORS"
+        assert f"Floor {FLOORS[init.parent.name]}" in doc, f"{init}: the docstring must say 'Floor N' and what it may import"
+
+
+def test_library_carries_no_run_history():
+    pattern = re.compile(r"\b(session [0-9]+|run [0-9]{1,2}\b|runs [0-9]{1,2}-[0-9]{1,2})")
+    for path in MODULES:
+        for i, line in enumerate(path.read_text().splitlines(), 1):
+            assert not pattern.search(line), f"{path.relative_to(ROOT)}:{i}: run history belongs in dev/LOG.md: {line.strip()}"
 
 
 def test_nothing_imports_the_cli_or_notebooks():
@@ -131,13 +167,41 @@ def test_nothing_imports_the_cli_or_notebooks():
 # README
 
 
+def readme_tree_paths(readme: str) -> set[str]:
+    """Paths named by the README's annotated tree (the first fenced block after '## File tree'),
+    resolved through indentation: 'qerl_lib/' then '  engine/' then '    rollout.py' -> qerl_lib/engine/rollout.py."""
+    block = readme.split("## File tree", 1)[1].split("```", 2)[1]
+    stack: list[tuple[int, str]] = []
+    paths = set()
+    for line in block.splitlines():
+        if not line.strip() or not line.lstrip()[0].isalnum() and not line.lstrip().startswith(("_", ".")):
+            continue
+        indent = len(line) - len(line.lstrip())
+        name = line.split()[0]
+        while stack and stack[-1][0] >= indent:
+            stack.pop()
+        if not (name.endswith("/") or "." in name):
+            continue  # a continuation line of a description
+        full = "".join(s for _, s in stack) + name
+        paths.add(full.rstrip("/"))
+        if name.endswith("/"):
+            stack.append((indent, name))
+    return paths
+
+
 def test_readme_tree_lists_every_module_and_notebook():
     readme = (ROOT / "README.md").read_text()
     assert "make reproduce" in readme and "make test" in readme
+    tree = readme_tree_paths(readme)
     for path in MODULES:
-        if path.name in ("__init__.py", "__main__.py"):
+        if path.name == "__main__.py" or path.name == "__init__.py" and path.parent.name == "qerl_lib":
             continue
-        assert path.name in readme, f"README's annotated tree does not mention {path.relative_to(ROOT)}"
+        rel = path.relative_to(ROOT)
+        named = str(rel.parent) if path.name == "__init__.py" else str(rel)
+        assert named in tree, f"README's annotated tree does not list {named}"
+    for listed in tree:
+        if listed.startswith("qerl_lib/") and listed.endswith(".py"):
+            assert (ROOT / listed).exists(), f"README's tree lists {listed}, which does not exist"
     for nb in NOTEBOOKS:
         assert nb.name in readme, f"README does not describe {nb.name}"
 

@@ -1,4 +1,4 @@
-"""Fused projection groups (qerl_lib.layers_fused): one matmul per q/k/v or gate/up group, no extra memory.
+"""Fused projection groups (qerl_lib.models.fused): one matmul per q/k/v or gate/up group, no extra memory.
 
 CPU, float32 tiny models: the fused call equals the members' own outputs (tolerance 1e-6 relative:
 only the matmul's blocking may differ), the modules still compute exactly what they computed before,
@@ -14,9 +14,9 @@ import pytest
 import torch
 import torch.nn as nn
 
-from qerl_lib.layers import NVFP4Linear
-from qerl_lib.layers_fused import fuse_group
-from qerl_lib.nvfp4 import global_scale
+from qerl_lib.models.nvfp4_linear import NVFP4Linear
+from qerl_lib.models.fused import fuse_group
+from qerl_lib.quant.nvfp4 import global_scale
 from tests.test_engine import PROMPTS, tiny_model
 
 REL_TOL = 1e-6
@@ -132,7 +132,7 @@ def test_nvfp4_fused_group_matches_members_on_cuda():
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 def test_engine_with_fused_projections_matches_unfused(kind):
-    from qerl_lib.engine import RolloutEngine
+    from qerl_lib.engine.rollout import RolloutEngine
 
     model = tiny_model(kind)
     plain = RolloutEngine(model, fuse_projections=False).generate(PROMPTS, 8, temperature=0, stop_token_ids=[])
@@ -150,7 +150,7 @@ def test_engine_with_fused_projections_matches_unfused(kind):
 def test_fused_model_saves_and_loads(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from qerl_lib.engine import RolloutEngine
+    from qerl_lib.engine.rollout import RolloutEngine
 
     model = tiny_model("qwen2")
     RolloutEngine(model, fuse_projections=True).generate(PROMPTS[:1], 2, temperature=0)
@@ -162,8 +162,8 @@ def test_fused_model_saves_and_loads(tmp_path):
 
 
 def test_engine_fused_projections_with_unmerged_lora():
-    from qerl_lib.bench_rollout import random_lora
-    from qerl_lib.engine import RolloutEngine
+    from qerl_lib.bench.rollout import random_lora
+    from qerl_lib.engine.rollout import RolloutEngine
 
     model = tiny_model("qwen2")
     lora = random_lora(model, rank=4, seed=1)

@@ -1,4 +1,4 @@
-"""Tests for qerl_lib.lmeval: the local lm-eval task over a GSM8K-schema jsonl, run offline.
+"""Tests for qerl_lib.evals.lmeval: the local lm-eval task over a GSM8K-schema jsonl, run offline.
 
 The filters and the metric are checked with lm-eval's own filter and metric code on canned
 responses (no model), so the YAML is tested as lm-eval will read it. One end-to-end run on the
@@ -13,7 +13,7 @@ import json
 import pytest
 
 from qerl_lib.errors import UserError
-from qerl_lib.lmeval import DEFAULT_TASK, run_lm_eval, summarise_results, task_config, write_task
+from qerl_lib.evals.lmeval import DEFAULT_TASK, run_lm_eval, summarise_results, task_config, write_task
 
 lm_eval = pytest.importorskip("lm_eval", reason="lm-eval is an optional dependency (requirements.txt)")
 
@@ -97,7 +97,7 @@ def test_written_task_loads_offline_with_the_kit_prompt(tmp_path, data_file, mon
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     from lm_eval.tasks import TaskManager
 
-    from qerl_lib.data import prompt_messages
+    from qerl_lib.tasks.problems import prompt_messages
 
     yaml_path = write_task(data_file, tmp_path / "tasks")
     assert yaml_path.name == f"{DEFAULT_TASK}.yaml"
@@ -128,8 +128,8 @@ def test_run_lm_eval_end_to_end_on_the_embedded_model(embedded_model_dir, data_f
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from qerl_lib.data import render_prompt
-    from qerl_lib.rewards import score_answer
+    from qerl_lib.tasks.problems import render_prompt
+    from qerl_lib.tasks.rewards import score_answer
 
     out = run_lm_eval(embedded_model_dir, data_file, limit=2, max_gen_toks=8, device="cpu")
     assert out["n"] == 2 and set(out["metrics"]) == {"answer-tag", "last-number"}

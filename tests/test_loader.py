@@ -20,11 +20,11 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from qerl_lib import nvfp4
+from qerl_lib.quant import nvfp4
 from qerl_lib.errors import UserError
-from qerl_lib.layers import NVFP4Linear, nvfp4_modules, set_impl
+from qerl_lib.models.nvfp4_linear import NVFP4Linear, nvfp4_modules, set_impl
 from qerl_lib.paths import CONFIGS_DIR
-from qerl_lib.loader import (build_random_model, linear_weight_bytes, load_model, quantize_checkpoint,
+from qerl_lib.models.loader import (build_random_model, linear_weight_bytes, load_model, quantize_checkpoint,
                              replace_linear_with_nvfp4, save_nvfp4_checkpoint)
 
 TINY_CONFIGS = {
@@ -250,7 +250,7 @@ def test_nvfp4_model_on_cuda_kernel_matches_reference(kind, native_ckpts):
 
 def _has_kernel() -> bool:
     try:
-        import qerl_lib.fp4_kernel  # noqa: F401
+        import qerl_lib.kernels.fp4_gemm  # noqa: F401
     except ImportError:
         return False
     return True

@@ -11,9 +11,9 @@ import json
 import pytest
 import torch
 
-from qerl_lib import lora
-from qerl_lib.layers import nvfp4_modules
-from qerl_lib.loader import load_model, replace_linear_with_nvfp4, save_nvfp4_checkpoint
+from qerl_lib.models import lora
+from qerl_lib.models.nvfp4_linear import nvfp4_modules
+from qerl_lib.models.loader import load_model, replace_linear_with_nvfp4, save_nvfp4_checkpoint
 
 CONFIG = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=True)
@@ -187,7 +187,7 @@ def test_export_model(requantize, trained, tmp_path):
 @pytest.mark.cuda
 def test_lora_step_on_cuda_with_fp4_kernel():
     peft_model = lora.attach_lora(_tiny(True).cuda(), rank=4)  # layers built with impl="reference"
-    from qerl_lib.layers import set_impl
+    from qerl_lib.models.nvfp4_linear import set_impl
 
     assert set_impl(peft_model, "kernel") == 7 * CONFIG["num_hidden_layers"]
     base_before = {n: t.detach().clone() for n, t in _snapshot_base(peft_model).items()}

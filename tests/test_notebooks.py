@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from qerl_lib.notebook_runner import UnknownParameterError, list_notebooks, run_notebook
+from qerl_lib.cli.notebook_runner import UnknownParameterError, list_notebooks, run_notebook
 
 SMOKE: dict[str, dict] = {
     "00_setup_check": {"max_new_tokens": 16},

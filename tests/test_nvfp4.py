@@ -12,8 +12,8 @@ import random
 import pytest
 import torch
 
-from qerl_lib import nvfp4
-from qerl_lib.nvfp4 import E2M1_VALUES, NVFP4Weight, dequantize, global_scale, quantize
+from qerl_lib.quant import nvfp4
+from qerl_lib.quant.nvfp4 import E2M1_VALUES, NVFP4Weight, dequantize, global_scale, quantize
 
 SEED = int(os.environ.get("QERL_TEST_SEED", random.SystemRandom().randrange(2**31)))
 BF16 = torch.bfloat16

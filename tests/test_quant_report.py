@@ -15,7 +15,11 @@ import random
 import pytest
 import torch
 
-from qerl_lib import formats, nvfp4, quant_report
+from qerl_lib.quant import formats
+
+from qerl_lib.quant import nvfp4
+
+from qerl_lib.studies import quant_formats as quant_report
 from qerl_lib.io import write_json_atomic
 
 SEED = int(os.environ.get("QERL_TEST_SEED", random.SystemRandom().randrange(2**31)))

@@ -1,4 +1,4 @@
-"""Tests for qerl_lib.rewards: answer extraction, equivalence, time limit, format reward, TRL glue.
+"""Tests for qerl_lib.tasks.rewards: answer extraction, equivalence, time limit, format reward, TRL glue.
 
 The math-verify worker is started once per module (about 0.5 s); cases that must time out use a
 second verifier with a 1 s limit so the file stays fast. The worker process itself (time limit,
@@ -15,7 +15,7 @@ from fractions import Fraction
 import pytest
 
 from qerl_lib.errors import UserError
-from qerl_lib.rewards import (
+from qerl_lib.tasks.rewards import (
     SafeReward,
     accuracy_reward,
     extract_answer,

@@ -1,4 +1,4 @@
-"""The fused CUDA sampler (qerl_lib.sampling.fused_sample) against the eager exponential race.
+"""The fused CUDA sampler (qerl_lib.engine.sampling.fused_sample) against the eager exponential race.
 
 Both draw the token as ``argmax(softmax(logits / T) / E)`` for the same Exponential(1) draws ``E``;
 the fused kernels compare ``logits / T - log E`` per block and combine blocks, which orders the
@@ -20,7 +20,7 @@ SCRIPT = textwrap.dedent("""
     import json, os, sys
     os.environ["TRITON_INTERPRET"] = "1"
     import torch
-    from qerl_lib.sampling import fused_sample
+    from qerl_lib.engine.sampling import fused_sample
     out = {}
     for rows, vocab, temperature, dtype in json.loads(sys.argv[1]):
         g = torch.Generator().manual_seed(vocab)
@@ -54,7 +54,7 @@ def test_fused_sampler_matches_the_eager_race(interpreted, case):
 
 
 def test_fused_sampler_refuses_bad_shapes():
-    from qerl_lib import sampling
+    from qerl_lib.engine import sampling
 
     if sampling.triton is None:
         pytest.skip("triton not installed")
@@ -65,7 +65,7 @@ def test_fused_sampler_refuses_bad_shapes():
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU (CUDA not available)")
 def test_cuda_fused_sampler_matches_the_eager_race_at_qwen_vocab():
-    from qerl_lib.sampling import fused_sample
+    from qerl_lib.engine.sampling import fused_sample
 
     g = torch.Generator(device="cuda").manual_seed(0)
     logits = torch.randn(8, 152064, generator=g, device="cuda") * 4

@@ -1,9 +1,9 @@
-"""Contract with TRL 1.16 (house rule P10): what qerl_lib.grpo passes to TRL, and the TRL internals it
+"""Contract with TRL 1.16 (house rule P10): what qerl_lib.train.grpo passes to TRL, and the TRL internals it
 relies on, still mean what the kit assumes.
 
 TRL marks ``rollout_func`` experimental and the kit overrides two private methods, so drift must fail
 loudly here rather than silently change training. A failure names the assumption that broke: fix
-qerl_lib/grpo.py (or re-pin TRL); never skip these tests.
+qerl_lib/train/grpo.py (or re-pin TRL); never skip these tests.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import inspect
 import pytest
 import torch
 
-from qerl_lib.grpo_presets import make_config
+from qerl_lib.train.presets import make_config
 
 trl = pytest.importorskip("trl")
 from test_grpo import save_tiny_llama, tiny_config, toy_reward  # noqa: E402  (shared tiny-model helpers)
@@ -36,7 +36,7 @@ def tiny_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def trainer(tiny_dir, tmp_path_factory):
-    from qerl_lib.grpo import build_trainer
+    from qerl_lib.train.grpo import build_trainer
 
     out = tmp_path_factory.mktemp("contract-run")
     return build_trainer(tiny_config(tiny_dir, "nvfp4", steps=1), out, extra_rewards=[("toy", toy_reward, 1.0)],
@@ -44,7 +44,7 @@ def trainer(tiny_dir, tmp_path_factory):
 
 
 def test_grpo_config_takes_every_field_the_kit_sets_and_keeps_its_meaning(tmp_path):
-    from qerl_lib.grpo_trainer import grpo_args
+    from qerl_lib.train.trainer import grpo_args
 
     config = make_config("qwen2.5-7b-gsm8k", device="cpu", optim="adamw_torch")
     args = grpo_args(config, tmp_path, torch.device("cpu"), [1.0, 0.2])  # TypeError here = a field was removed
@@ -77,7 +77,7 @@ def test_trainer_takes_the_arguments_the_kit_passes():
                                                     "batch_size"]}
     for name, args in hooks.items():
         method = getattr(GRPOTrainer, name, None)
-        assert method is not None, DRIFT + f"GRPOTrainer.{name} is gone (qerl_lib.grpo overrides or calls it)"
+        assert method is not None, DRIFT + f"GRPOTrainer.{name} is gone (qerl_lib.train.grpo overrides or calls it)"
         have = list(inspect.signature(method).parameters)
         assert all(a in have for a in args), DRIFT + f"GRPOTrainer.{name}{tuple(have)} no longer takes {args}"
 
@@ -167,4 +167,4 @@ def test_trl_only_applies_its_own_is_correction_with_vllm():
 
     source = inspect.getsource(GRPOTrainer._compute_loss)
     assert "self.use_vllm and self.vllm_importance_sampling_correction" in source, \
-        DRIFT + "TRL's importance-sampling gate changed; re-check qerl_lib.grpo's is_correction path"
+        DRIFT + "TRL's importance-sampling gate changed; re-check qerl_lib.train.grpo's is_correction path"

@@ -1,4 +1,4 @@
-"""Tests for qerl_lib.verifier: math-verify in a killable worker under a hard wall-clock limit.
+"""Tests for qerl_lib.tasks.verifier: math-verify in a killable worker under a hard wall-clock limit.
 
 Equivalence itself (what counts as equal) is math-verify's; these tests pin the machinery around
 it: the limit holds on inputs that hang math-verify, the worker recovers, threads are fine, stale
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from qerl_lib.verifier import DEFAULT_TIMEOUT_S, MathVerifier, shared_verifier
+from qerl_lib.tasks.verifier import DEFAULT_TIMEOUT_S, MathVerifier, shared_verifier
 
 # Wall-clock slack over the limit: killing the worker and thread wake-up take milliseconds, but
 # this 2-core machine is shared by several agents, so allow a generous 1.5 s.

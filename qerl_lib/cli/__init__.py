@@ -1,6 +1,6 @@
 """The `qerl` command line: one small module per command group, each with `register(subparsers)`.
 
-The CLI is the top floor: it imports the library, never the other way round. Errors the
+Floor 7, the top: it may import every floor; nothing imports it. Errors the
 user can fix (a bad path, an unknown model while offline, a bad flag) are raised as
 `UserError` anywhere in the kit and printed here as one line, with no traceback.
 """

@@ -1,4 +1,4 @@
-"""`qerl bench gemm` (NVFP4 x BF16 GEMM vs BF16) and `qerl bench rollout` (added by qerl_lib.bench_rollout).
+"""`qerl bench gemm` (NVFP4 x BF16 GEMM vs BF16) and `qerl bench rollout` (added by qerl_lib.bench.rollout).
 
 Heavy imports (torch, triton) happen inside the handlers, so `qerl --help` stays fast.
 """
@@ -41,17 +41,17 @@ def register(sub) -> None:
     p.add_argument("--json", default=None, help="write the full results JSON here (atomic)")
     p.set_defaults(func=_gemm)
 
-    # `qerl bench rollout`: its arguments and handler live in qerl_lib.bench_rollout
+    # `qerl bench rollout`: its arguments and handler live in qerl_lib.bench.rollout
     # (`add_arguments(parser)`, `run_cli(args) -> int`); absent until that module exists.
-    if importlib.util.find_spec("qerl_lib.bench_rollout") is not None:
-        rollout = importlib.import_module("qerl_lib.bench_rollout")
+    if importlib.util.find_spec("qerl_lib.bench.rollout") is not None:
+        rollout = importlib.import_module("qerl_lib.bench.rollout")
         p = bsub.add_parser("rollout", help="rollout speed (TTFT, TPOT, tok/s, peak VRAM): bf16 vs NVFP4 engines")
         rollout.add_arguments(p)
         p.set_defaults(func=rollout.run_cli)
 
 
 def _gemm(args) -> int:
-    from qerl_lib.bench import render_gemm_report, run_gemm_benchmark
+    from qerl_lib.bench.gemm import render_gemm_report, run_gemm_benchmark
     from qerl_lib.errors import UserError
     from qerl_lib.io import write_json_atomic
 

@@ -26,7 +26,7 @@ def register(sub) -> None:
 
 
 def _arith(args) -> int:
-    from qerl_lib.data import generate_arith, write_problems
+    from qerl_lib.tasks.problems import generate_arith, write_problems
 
     records = generate_arith(args.split, args.n, args.seed, args.level)
     print(f"wrote {len(records)} {args.split} problems to {write_problems(records, args.out)}")
@@ -34,7 +34,7 @@ def _arith(args) -> int:
 
 
 def _gsm8k(args) -> int:
-    from qerl_lib.data import load_gsm8k, write_problems
+    from qerl_lib.tasks.problems import load_gsm8k, write_problems
 
     records = load_gsm8k(args.split, args.path)[: args.n]
     print(f"wrote {len(records)} GSM8K {args.split} problems to {write_problems(records, args.out)}")

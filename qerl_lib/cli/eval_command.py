@@ -71,11 +71,11 @@ def _resolve_device_dtype(device: str, dtype: str):
 def _eval(args) -> int:
     from transformers import AutoTokenizer
 
-    from qerl_lib.data import load_problems
-    from qerl_lib.envinfo import provenance
-    from qerl_lib.evaluation import EvalConfig, evaluate
+    from qerl_lib.tasks.problems import load_problems
+    from qerl_lib.io import provenance
+    from qerl_lib.evals.evaluation import EvalConfig, evaluate
     from qerl_lib.io import write_json_atomic, write_jsonl_atomic
-    from qerl_lib.loader import is_nvfp4_checkpoint, load_model, resolve_model_dir
+    from qerl_lib.models.loader import is_nvfp4_checkpoint, load_model, resolve_model_dir
 
     if args.n is not None and args.n < 1:
         raise UserError(f"--n must be >= 1, got {args.n}")
@@ -97,7 +97,7 @@ def _eval(args) -> int:
     folder = resolve_model_dir(args.model)
     model = load_model(folder, device=device, dtype=dtype)
     if args.lora:
-        from qerl_lib.lora import load_adapters
+        from qerl_lib.models.lora import load_adapters
 
         model = load_adapters(model, args.lora, is_trainable=False)
     tokenizer = AutoTokenizer.from_pretrained(str(folder))

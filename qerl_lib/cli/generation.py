@@ -63,9 +63,9 @@ def _generate(args) -> int:
     import torch
     from transformers import AutoTokenizer
 
-    from qerl_lib.engine import generate
+    from qerl_lib.engine.rollout import generate
     from qerl_lib.errors import UserError
-    from qerl_lib.loader import load_model, resolve_model_dir
+    from qerl_lib.models.loader import load_model, resolve_model_dir
 
     if args.n < 1 or args.max_new_tokens < 1:
         raise UserError("--n and --max-new-tokens must be >= 1")
@@ -80,7 +80,7 @@ def _generate(args) -> int:
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
     model = load_model(folder, device=device, dtype=dtype)
     if args.lora:
-        from qerl_lib.lora import load_adapters
+        from qerl_lib.models.lora import load_adapters
 
         model = load_adapters(model, args.lora, is_trainable=False)  # the engine runs it unmerged
 

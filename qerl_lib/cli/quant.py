@@ -38,7 +38,7 @@ def register(sub) -> None:
 
 
 def _quantize(args) -> int:
-    from qerl_lib.loader import quantize_checkpoint
+    from qerl_lib.models.loader import quantize_checkpoint
 
     out = quantize_checkpoint(args.model, args.out, scheme=args.scheme, backend=args.backend, device=args.device)
     print(f"wrote {args.scheme} checkpoint ({args.backend}) to {out}")
@@ -47,7 +47,7 @@ def _quantize(args) -> int:
 
 def module_format_summary(model) -> list[dict]:
     """Modules with their own tensors, grouped over layer indices: kind, format, count, shapes, bytes."""
-    from qerl_lib.layers import NVFP4Linear
+    from qerl_lib.models.nvfp4_linear import NVFP4Linear
 
     rows: dict[tuple, dict] = {}
     seen: set = set()  # storages already counted: a tied lm_head shows as "tied", 0 bytes
@@ -75,7 +75,7 @@ def module_format_summary(model) -> list[dict]:
 
 def _inspect(args) -> int:
     from qerl_lib.errors import UserError
-    from qerl_lib.loader import build_random_model, linear_weight_bytes, load_model
+    from qerl_lib.models.loader import build_random_model, linear_weight_bytes, load_model
 
     if (args.model is None) == (args.config is None):
         raise UserError("pass either a MODEL (folder or hub id) or --config NAME (e.g. --config qwen2.5-7b)")
@@ -111,7 +111,7 @@ def _inspect(args) -> int:
 
 
 def _export(args) -> int:
-    from qerl_lib.lora import export_model
+    from qerl_lib.models.lora import export_model
 
     out = export_model(args.model, args.lora, args.out, requantize=args.requantize, device=args.device)
     kind = "NVFP4A16 (re-quantized)" if args.requantize else "bf16 (merged)"

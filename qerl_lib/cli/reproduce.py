@@ -16,7 +16,7 @@ def register(sub) -> None:
 def _reproduce(args) -> int:
     import time
 
-    from qerl_lib.notebook_runner import reproduce
+    from qerl_lib.cli.notebook_runner import reproduce
 
     start = time.perf_counter()
     runs = reproduce(device=args.device, out_dir=Path(args.out), only=args.only)

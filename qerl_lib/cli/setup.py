@@ -17,14 +17,14 @@ def register(sub) -> None:
 
 
 def _prepare_model(args) -> int:
-    from qerl_lib.embedded import prepare_embedded_model
+    from qerl_lib.models.embedded import prepare_embedded_model
 
     print(prepare_embedded_model(gguf=args.gguf, out=args.out, force=args.force, quiet=False))
     return 0
 
 
 def _env(args) -> int:
-    from qerl_lib.envinfo import provenance
+    from qerl_lib.io import provenance
 
     print(json.dumps(provenance(), indent=2))
     return 0

@@ -6,7 +6,7 @@ import json
 
 
 def register(sub) -> None:
-    from qerl_lib.grpo_presets import DECODE_BACKENDS, MODES, PRESETS
+    from qerl_lib.train.presets import DECODE_BACKENDS, MODES, PRESETS
 
     p = sub.add_parser("train", help="RL fine-tuning (GRPO/DAPO) of LoRA adapters on a frozen bf16/NF4/NVFP4 base",
                        description="Presets: " + ", ".join(PRESETS) + ". Modes: lora (bf16 base), qlora (NF4 base), "
@@ -21,7 +21,7 @@ def register(sub) -> None:
     p.add_argument("--data-path", default=None, help="local problems file (GSM8K-schema jsonl) for file/gsm8k data")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default=None)
     p.add_argument("--is-correction", choices=("on", "off"), default=None,
-                   help="truncated importance sampling with the engine's logprobs (default off, see qerl_lib/grpo.py)")
+                   help="truncated importance sampling with the engine's logprobs (default off, see qerl_lib/train/grpo.py)")
     p.add_argument("--decode-backend", choices=DECODE_BACKENDS, default=None,
                    help="rollout engine decode path (default auto: CUDA graphs on GPU, eager on CPU)")
     p.add_argument("--save-steps", type=int, default=None, help="checkpoint every N steps (default: the preset's)")
@@ -34,7 +34,7 @@ def register(sub) -> None:
 
 
 def _train(args) -> int:
-    from qerl_lib.grpo_presets import make_config
+    from qerl_lib.train.presets import make_config
     from qerl_lib.paths import ARTIFACTS_DIR
 
     overrides = {"model": args.model, "data_path": args.data_path, "device": args.device,
@@ -45,7 +45,7 @@ def _train(args) -> int:
                          **{k: v for k, v in overrides.items() if v is not None})
     out = args.out or ARTIFACTS_DIR / "train" / f"{config.preset}-{config.mode}-seed{config.seed}"
 
-    from qerl_lib.grpo import train
+    from qerl_lib.train.grpo import train
 
     summary = train(config, out, resume=args.resume)
     seconds = summary["seconds"]

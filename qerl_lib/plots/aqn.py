@@ -1,6 +1,6 @@
 """AQN noise schedules (paper Fig. 15 style): σ per stage for each decay shape, from a JSON the kit wrote.
 
-The JSON is `qerl_lib.aqn.schedule_curves(...)` (plus the writer's provenance):
+The JSON is `qerl_lib.train.aqn.schedule_curves(...)` (plus the writer's provenance):
 {"curves": [{"label", "schedule", "stage_sigmas", "stage_first_steps", "total_steps", ...}, ...]}.
 """
 
@@ -18,7 +18,7 @@ def plot_schedules(json_path: str | Path, out_png: str | Path) -> Path:
     data = load_json(json_path)
     curves = data.get("curves")
     if not curves:
-        raise ValueError(f"{json_path}: no 'curves' list; write it with qerl_lib.aqn.schedule_curves(...)")
+        raise ValueError(f"{json_path}: no 'curves' list; write it with qerl_lib.train.aqn.schedule_curves(...)")
     fig, (ax_steps, ax_log) = new_figure(ncols=2, width=4.8)
     for i, c in enumerate(curves):
         color = SCHEDULE_COLORS.get(c["schedule"], f"C{i}")

@@ -1,7 +1,7 @@
 """Figure of `notebooks/04_adaptive_quantization_noise.ipynb`: next-token entropy vs AQN σ on NVFP4.
 
 Drawn from the notebook's metrics JSON, whose "entropy" entry holds ``points`` (from
-`qerl_lib.aqn_study.entropy_vs_sigma`) and optionally ``bf16`` (the unquantized model at σ = 0)
+`qerl_lib.studies.aqn_noise.entropy_vs_sigma`) and optionally ``bf16`` (the unquantized model at σ = 0)
 and ``nvfp4_minus_bf16`` (its paired bootstrap against NVFP4 at σ = 0).
 Left: mean token entropy per σ, with BF16 as a dotted line. Right: the paired difference from
 σ = 0 with its 95% bootstrap interval; a bar whose interval clears zero is a detected change.
@@ -20,7 +20,7 @@ def plot_entropy_vs_sigma(metrics_json: str | Path, out_png: str | Path) -> Path
     m = load_json(metrics_json)
     points = (m.get("entropy") or {}).get("points")
     if not points:
-        raise ValueError(f"{metrics_json}: no entropy.points; write them with qerl_lib.aqn_study.entropy_vs_sigma")
+        raise ValueError(f"{metrics_json}: no entropy.points; write them with qerl_lib.studies.aqn_noise.entropy_vs_sigma")
     labels = ["0" if p["sigma"] == 0 else f"{p['sigma']:g}" for p in points]
     xs = list(range(len(points)))
     fig, (ax_abs, ax_diff) = new_figure(ncols=2, width=4.6)

@@ -1,5 +1,5 @@
 """Figure of `notebooks/06_entropy_study.ipynb`, drawn from the metrics JSON of
-`qerl_lib.entropy_study.run_entropy_study`.
+`qerl_lib.studies.entropy.run_entropy_study`.
 
 Three panels:
 

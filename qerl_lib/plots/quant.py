@@ -1,6 +1,6 @@
 """Figures of `notebooks/02_nvfp4_format.ipynb`, drawn from its metrics JSON (`02_nvfp4_format.metrics.json`).
 
-The JSON holds `qerl_lib.quant_report` outputs under these keys:
+The JSON holds `qerl_lib.studies.quant_formats` outputs under these keys:
 `e2m1` (`e2m1_table()`), `block` (`explain_block(...)`), `sqnr` (`sqnr_scan(...)`, with
 `gaussian_reference` added) and `layer` / `projection` naming the worked weight.
 """

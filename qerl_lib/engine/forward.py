@@ -1,0 +1,426 @@
+"""The engine's own forward pass over a Hugging Face Llama / Qwen2 model's modules.
+
+Why write the forward instead of calling ``model(...)``
+-------------------------------------------------------
+``model(input_ids, past_key_values=...)`` grows a ``DynamicCache`` by concatenation, builds masks
+in Python on every call and cannot be captured as one CUDA graph. The decoder itself is small:
+per layer ``x += o_proj(attn(rope(q_proj(n1(x))), rope(k_proj(n1(x))), v_proj(n1(x))))`` then
+``x += down_proj(silu(gate_proj(n2(x))) * up_proj(n2(x)))``. So the engine walks the modules
+itself (gpt-fast and nanochat do the same) and owns the KV cache. The arithmetic follows
+transformers 5.17 ``modeling_llama`` / ``modeling_qwen2`` operation for operation, so that greedy
+tokens match ``model.generate`` on CPU:
+
+* **RMSNorm**: upcast to float32, ``x * rsqrt(mean(x^2) + eps)``, cast back to the activation
+  dtype, *then* multiply by the weight (HF's order; multiplying in float32 rounds differently).
+* **RoPE**: cos/sin come from the model's own ``rotary_emb`` module (float32 angles, cast to the
+  activation dtype), so rope_theta, head_dim and static ``rope_scaling`` types (linear, llama3,
+  yarn) are handled exactly as HF does. Dynamic types, which depend on the sequence length, are
+  refused. ``rotate_half`` pairs dimension ``i`` with ``i + head_dim/2``.
+* **Attention**: SDPA with grouped-query attention on CPU and in prefill (HF's own rule: GQA
+  through ``enable_gqa`` when there is no mask, repeated K/V otherwise). In the CUDA decode step
+  a single query token attends through ``engine_attention``'s split-KV Triton kernel (float32
+  online softmax, K and V read once; the math fallback SDPA takes for GQA + mask would copy them
+  7x for Qwen2.5-7B), or through two batched matmuls over the cache with the query heads of one
+  KV head folded into the matmul's M dimension (``decode_attention="matmul"``, HF's eager rounding).
+* Qwen2's q/k/v biases, Llama's optional attention/MLP biases and tied or untied embeddings
+  need no code: the engine calls ``q_proj(x)``, ``lm_head(h)`` etc. as modules.
+
+Calling every projection as a module is what makes one engine serve bf16, NVFP4 and LoRA:
+an ``NVFP4Linear`` (packed FP4 weights + Triton kernel) or a peft ``LoraLayer`` (base output +
+``B(A(x)) * scale``, unmerged) is just another module with ``forward(x)``.
+
+Engine-owned weights: AQN norms and LoRA
+-----------------------------------------
+Every RMSNorm weight is *copied into an engine-owned buffer* at the start of each ``generate``
+call, from the model or from ``norm_overrides`` (AQN's noisy weights). A CUDA graph replays fixed
+addresses, so a new noisy weight each call takes effect without re-capturing, and the model's
+parameters are never written. LoRA adapters passed as ``lora=`` get the same treatment
+(``engine_lora``).
+
+Fused projections
+-----------------
+On CUDA, q/k/v and gate/up each run as one wider matmul over storage the members share
+(``layers_fused``): three launches fewer per layer, and no 1 MB k/v GEMMs that cannot reach
+bandwidth. The modules themselves keep working as before (their tensors become views).
+
+Fused glue
+----------
+Between the matmuls sit elementwise steps (residual add + RMSNorm, RoPE, softmax, SiLU * up).
+Run eagerly they are ~30 small kernel launches per layer, which at batch 8 cost as much as the
+weight-bound matmuls of an NVFP4 model. The ``Glue`` functions are written so that
+``torch.compile`` can turn each into one kernel; the decode step uses the compiled ones when
+asked (``fuse_elementwise``), prefill and CPU runs the plain ones. With ``glue_kernels`` (the CUDA
+default) the norms and SiLU * up run as ``engine_glue``'s Triton kernels instead, which let the
+next NVFP4 matmul launch while they run (programmatic dependent launch).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from qerl_lib.engine import glue as engine_glue
+from qerl_lib.engine.attention import rope_cache_attention
+from qerl_lib.engine.adapters import (LORA_GROUPS, PARENT, LoraAdapter, LoraBuffers, canonical_name, lora_signature,
+                                  unwrap_model)
+from qerl_lib.models.fused import fuse_group
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
+DECODE_ATTENTION = ("sdpa", "matmul", "kernel")
+_STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+class ModelView:
+    """Handles on the modules the engine calls, plus the shape facts it needs. Validates the model."""
+
+    def __init__(self, model):
+        lm, self.is_peft = unwrap_model(model)
+        config = lm.config
+        model_type = getattr(config, "model_type", None)
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"unsupported architecture {model_type!r} ({type(lm).__name__}): the rollout engine "
+                             f"supports the model types {', '.join(SUPPORTED_MODEL_TYPES)} "
+                             "(LlamaForCausalLM, Qwen2ForCausalLM)")
+        layer_types = getattr(config, "layer_types", None) or ()
+        if getattr(config, "use_sliding_window", False) and "sliding_attention" in layer_types:
+            raise ValueError("sliding-window attention is not supported by the rollout engine: "
+                             "set config.use_sliding_window=False (Qwen2.5 checkpoints ship with it off)")
+        rope = getattr(config, "rope_parameters", None) or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in _STATIC_ROPE_TYPES:
+            raise ValueError(f"rope type {rope_type!r} depends on the sequence length and is not supported: "
+                             f"the engine supports {', '.join(_STATIC_ROPE_TYPES)}")
+        self.default_stop_ids = _eos_ids(getattr(lm, "generation_config", None), config)
+        self.config = config  # no reference to `lm` itself: the engine cache must not keep the model alive
+        body = lm.model
+        self.embed = body.embed_tokens
+        self.layers = list(body.layers)
+        self.final_norm = body.norm
+        self.rotary = body.rotary_emb
+        self.lm_head = lm.lm_head
+        self.n_layers = len(self.layers)
+        self.n_heads = config.num_attention_heads
+        self.n_kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.hidden_size = config.hidden_size
+        self.vocab_size = self.embed.weight.shape[0]
+        self.scaling = getattr(self.layers[0].self_attn, "scaling", self.head_dim ** -0.5)
+        self.eps = [(layer.input_layernorm.variance_epsilon, layer.post_attention_layernorm.variance_epsilon)
+                    for layer in self.layers]
+        self.final_eps = self.final_norm.variance_epsilon
+        self.max_positions = getattr(config, "max_position_embeddings", None)
+        self.dtype = self.embed.weight.dtype
+        self.device = self.embed.weight.device
+        # RMSNorm modules by canonical name, in the engine's buffer order (2 per layer, then the final one).
+        self.norm_names = [f"model.layers.{i}.{n}" for i in range(self.n_layers)
+                           for n in ("input_layernorm", "post_attention_layernorm")] + ["model.norm"]
+        self.norm_modules = [m for l in self.layers for m in (l.input_layernorm, l.post_attention_layernorm)]
+        self.norm_modules.append(self.final_norm)
+
+    def projection(self, layer: int, name: str, base: bool = False):
+        """The module that computes ``name`` in ``layer``; ``base=True`` skips a peft LoRA wrapper."""
+        module = getattr(getattr(self.layers[layer], PARENT[name]), name)
+        return module.base_layer if base and hasattr(module, "base_layer") else module
+
+    def signature(self) -> tuple:
+        """Identity of every module a captured graph calls, and of peft's adapter switches: when it
+        changes (modules swapped, an adapter disabled or merged) cached graphs are stale."""
+        sig = [id(self.embed), id(self.lm_head), id(self.final_norm)]
+        for i in range(self.n_layers):
+            for name in PARENT:
+                m = self.projection(i, name)
+                sig.append(id(m))
+                if hasattr(m, "lora_A"):
+                    sig.append((bool(m.disable_adapters), bool(m.merged), tuple(m.active_adapters)))
+        return tuple(sig)
+
+
+def _eos_ids(generation_config, config) -> tuple[int, ...]:
+    """Stop tokens: the generation config's eos_token_id (int or list), else the model config's."""
+    eos = getattr(generation_config, "eos_token_id", None) if generation_config is not None else None
+    if eos is None:
+        eos = getattr(config, "eos_token_id", None)
+    if eos is None:
+        return ()
+    return tuple(int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]))
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF's LlamaRMSNorm / Qwen2RMSNorm arithmetic, with the weight passed in."""
+    dtype = x.dtype
+    h = x.to(torch.float32)
+    variance = h.pow(2).mean(-1, keepdim=True)
+    h = h * torch.rsqrt(variance + eps)
+    return weight * h.to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x [B, heads, T, D]``, ``cos/sin [B, T, D]`` (HF's apply_rotary_pos_emb, one tensor at a time)."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return (x * cos) + (_rotate_half(x) * sin)
+
+
+def sdpa_attention(q, k, v, mask, scaling, causal):
+    """Attention exactly as transformers' sdpa integration calls it (GQA without a mask, repeated K/V with one)."""
+    groups = q.shape[1] // k.shape[1]
+    kwargs = {}
+    if groups > 1:
+        if mask is None:
+            kwargs["enable_gqa"] = True
+        else:
+            k = k.repeat_interleave(groups, dim=1)
+            v = v.repeat_interleave(groups, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling,
+                                          is_causal=causal and mask is None and q.shape[2] > 1, **kwargs)
+
+
+def attention_probs(scores: torch.Tensor, mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
+    """``softmax(scores * scaling)`` in float32 over unmasked columns, cast back to the scores' dtype."""
+    s = scores.float() * scaling
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    return torch.softmax(s, dim=-1).to(scores.dtype)
+
+
+def matmul_decode_attention(q, k, v, mask, scaling, probs_fn=attention_probs):
+    """One query token per row: ``q [B, H, 1, D]``, cache slices ``k, v [B, KV, L, D]``, ``mask [B, 1, 1, L]``.
+
+    The ``H / KV`` query heads sharing a KV head become the rows of one matmul, so K and V are
+    read once. Scores come out of the matmul in the activation dtype (fp32 accumulation, as in
+    HF's eager attention); the softmax runs in float32.
+    """
+    b, h, _, d = q.shape
+    kv = k.shape[1]
+    scores = torch.matmul(q.reshape(b, kv, h // kv, d), k.transpose(-1, -2))  # [B, KV, G, L]
+    return torch.matmul(probs_fn(scores, mask, scaling), v).reshape(b, h, 1, d)
+
+
+class ForwardPass:
+    """Prefill and one decode step over a ``ModelView``, with engine-owned norm weights and LoRA buffers.
+
+    ``decode_attention``: "sdpa" (HF's numerics; CPU default), "matmul" (K/V read once, torch ops) or
+    "kernel" (``engine_attention``: one split-KV Triton kernel per layer; CUDA default).
+    ``fuse_elementwise``: in the decode step, run the elementwise glue between matmuls through
+    ``torch.compile``: residual add + RMSNorm, RoPE of q and k, the attention softmax, SiLU * up.
+    Eagerly these are ~30 kernel launches per layer; fused, ~6. Worth it only inside a CUDA graph,
+    where launches, not Python, are the cost. Prefill always runs the eager functions.
+    ``glue_kernels`` (with ``fuse_elementwise``, on CUDA): the norms and SiLU * up through
+    ``engine_glue``'s Triton kernels rather than ``torch.compile``.
+    """
+
+    def __init__(self, view: ModelView, decode_attention: str = "sdpa", fuse_elementwise: bool = False,
+                 bypass_peft: bool = False, fuse_projections: bool = False, glue_kernels: bool = False):
+        if decode_attention not in DECODE_ATTENTION:
+            raise ValueError(f"decode_attention must be one of {DECODE_ATTENTION}, got {decode_attention!r}")
+        self.view = view
+        self.decode_attention = decode_attention
+        with torch.no_grad():
+            self.norm_weights = [m.weight.detach().clone() for m in view.norm_modules]
+        self.lora: LoraBuffers | None = None
+        # bypass_peft: call peft's base layers, because the engine applies the adapters itself (lora=...)
+        self._groups = [{g: [view.projection(i, p, base=bypass_peft) for p in members]
+                         for g, members in LORA_GROUPS.items()} for i in range(view.n_layers)]
+        # fuse_projections: q/k/v and gate/up as one matmul each over shared storage (layers_fused);
+        # a group that cannot be fused (peft wrappers called as modules, mixed types) runs member by member
+        self._fused = [{g: (fuse_group(ms) if fuse_projections and len(ms) > 1 else None) for g, ms in groups.items()}
+                       for groups in self._groups]
+        # One activation object for every layer (all use config.hidden_act): a compiled function
+        # guards on the module it is given, and 28 different SiLU instances would mean 28 compiles.
+        self._act = view.layers[0].mlp.act_fn
+        self.eager_ops = Glue(rms_norm, residual_rms_norm, rope_qk, attention_probs, gated_act)
+        self.decode_ops = self.eager_ops
+        if fuse_elementwise:
+            # dynamic=None: a shape that changes (the attention length bucket) turns dynamic after one
+            # recompile instead of compiling once per bucket.
+            self.decode_ops = Glue(*(torch.compile(f) for f in self.eager_ops))
+            if glue_kernels and view.device.type == "cuda" and engine_glue.triton is not None:
+                silu = getattr(view.config, "hidden_act", None) == "silu"
+                self.decode_ops = self.decode_ops._replace(
+                    norm=engine_glue.rms_norm, residual_norm=engine_glue.residual_rms_norm,
+                    gated=engine_glue.silu_mul if silu else self.decode_ops.gated)
+        self._columns = torch.arange(0, dtype=torch.long, device=view.device)
+        self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def reserve_columns(self, length: int) -> None:
+        """Allocate, before any capture (not inside one), the column index used by decode masks and
+        the RoPE table: cos/sin of every position below ``length``, from the model's own rotary
+        module (the same elementwise arithmetic as a per-step call, so the same values), which the
+        decode step gathers from instead of recomputing them with ~8 small kernels per step."""
+        if self._columns.numel() < length:
+            self._columns = torch.arange(length, dtype=torch.long, device=self.view.device)
+        if self._rope_table is None or self._rope_table[0].shape[0] < length:
+            probe = torch.zeros(1, 1, 1, dtype=self.view.dtype, device=self.view.device)
+            with torch.no_grad():
+                cos, sin = self.view.rotary(probe, self._columns[:length][None])
+            self._rope_table = (cos[0], sin[0])  # [length, head_dim]
+
+    # ---- per-call state -------------------------------------------------------------------------
+    def load_norm_weights(self, overrides: dict[str, torch.Tensor] | None) -> None:
+        """Copy each RMSNorm weight (or its override) into the engine's buffer; the model is not touched."""
+        overrides = {canonical_name(k): v for k, v in (overrides or {}).items()}
+        unknown = sorted(set(overrides) - set(self.view.norm_names))
+        if unknown:
+            raise ValueError(f"norm_overrides names {unknown[:3]} are not RMSNorm modules of this model: "
+                             f"use names like {self.view.norm_names[0]!r}, {self.view.norm_names[1]!r} "
+                             "or 'model.norm'")
+        with torch.no_grad():
+            for name, module, buf in zip(self.view.norm_names, self.view.norm_modules, self.norm_weights):
+                src = overrides.get(name, module.weight)
+                if tuple(src.shape) != tuple(buf.shape):
+                    raise ValueError(f"norm_overrides[{name!r}] has shape {tuple(src.shape)}, "
+                                     f"expected {tuple(buf.shape)}")
+                buf.copy_(src)  # cast to the norm weight's dtype, as HF would multiply in it
+
+    def load_lora(self, adapters: dict[str, LoraAdapter] | None) -> bool:
+        """Point the engine at these adapters (copying their values). Returns True when the layout
+        changed, which invalidates captured graphs."""
+        if not adapters:
+            changed = self.lora is not None
+            self.lora = None
+            return changed
+        changed = self.lora is None or self.lora.signature != lora_signature(adapters)
+        if changed:
+            self.lora = LoraBuffers(self.view, adapters)
+        self.lora.refresh(adapters)
+        return changed
+
+    # ---- the decoder ----------------------------------------------------------------------------
+    def fused_groups(self) -> int:
+        return sum(f is not None for groups in self._fused for f in groups.values())
+
+    def is_stale(self) -> bool:
+        """True when a fused group's members no longer read the shared buffers (tensors replaced)."""
+        return any(f is not None and not f.is_current() for groups in self._fused for f in groups.values())
+
+    def _project(self, layer: int, group: str, x: torch.Tensor) -> list[torch.Tensor]:
+        fused = self._fused[layer][group]
+        outs = fused(x) if fused is not None else [module(x) for module in self._groups[layer][group]]
+        entry = self.lora.layout.get((layer, group)) if self.lora is not None else None
+        if entry is not None:
+            a_cat, slots = entry
+            xa = x.reshape(-1, x.shape[-1]) @ a_cat.t()  # all members' A at once: [tokens, sum of ranks]
+            for j, slot in enumerate(slots):
+                if slot is not None:
+                    start, end, b, scale = slot
+                    o = outs[j]
+                    o2 = o.reshape(-1, o.shape[-1])
+                    outs[j] = torch.addmm(o2, xa[:, start:end], b.t(), alpha=scale).view(o.shape)
+        return outs
+
+    def _decoder(self, x: torch.Tensor, cos, sin, attend, ops: "Glue") -> torch.Tensor:
+        """All layers, then the final norm: ``x [B, T, hidden]`` -> normed hidden states.
+
+        HF's order per layer: ``h = n1(x); x = x + o_proj(attn(h)); h = n2(x); x = x + mlp(h)``.
+        Written so that each residual add is fused with the norm that follows it (the next layer's
+        input norm, or the final norm after the last layer)."""
+        view, w = self.view, self.norm_weights
+        bsz, seq, _ = x.shape
+        h = ops.norm(x, w[0], view.eps[0][0])
+        for i in range(view.n_layers):
+            q, k, v = self._project(i, "qkv", h)
+            q = q.view(bsz, seq, -1, view.head_dim).transpose(1, 2)
+            k = k.view(bsz, seq, -1, view.head_dim).transpose(1, 2)
+            v = v.view(bsz, seq, -1, view.head_dim).transpose(1, 2)
+            q, k = ops.rope(q, k, cos, sin)
+            attn = attend(i, q, k, v, ops).transpose(1, 2).reshape(bsz, seq, -1)
+            (o,) = self._project(i, "o", attn)
+            x, h = ops.residual_norm(x, o, w[2 * i + 1], view.eps[i][1])
+            gate, up = self._project(i, "gate_up", h)
+            (down,) = self._project(i, "down", ops.gated(self._act, gate, up))
+            last = i == view.n_layers - 1
+            x, h = ops.residual_norm(x, down, w[-1] if last else w[2 * i + 2],
+                                     view.final_eps if last else view.eps[i + 1][0])
+        return h
+
+    def prefill(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None, cache) -> torch.Tensor:
+        """Run left-padded prompts ``tokens [B, P]`` through the model, writing K/V into cache columns
+        ``[0, P)``; return float32 logits of the last column ``[B, V]``. ``mask [B, 1, P, P]`` (bool,
+        True = may attend) or None for unpadded prompts (plain causal attention)."""
+        bsz, plen = tokens.shape
+        x = self.view.embed(tokens)
+        cos, sin = self.view.rotary(x, positions)
+
+        def attend(i, q, k, v, ops):
+            cache.k[i, :bsz, :, :plen].copy_(k)
+            cache.v[i, :bsz, :, :plen].copy_(v)
+            return sdpa_attention(q, k, v, mask, self.view.scaling, causal=True)
+
+        h = self._decoder(x, cos, sin, attend, self.eager_ops)
+        return self.view.lm_head(h[:, -1:])[:, -1].float()
+
+    def decode_step(self, tokens: torch.Tensor, column: torch.Tensor, pad: torch.Tensor, kv_len: int,
+                    cache, masked: bool = True) -> torch.Tensor:
+        """One token per row: ``tokens [b]`` written at cache ``column`` (a 1-element tensor, the
+        same for every row in the left-padded layout); row ``r`` sits at RoPE position
+        ``column - pad[r]`` and attends to cache columns ``pad[r] .. column`` among the first
+        ``kv_len``. Returns float32 logits ``[b, V]``. Pure tensor work, so it can be captured."""
+        bsz = tokens.shape[0]
+        x = self.view.embed(tokens[:, None])
+        if self._rope_table is not None and self._rope_table[0].shape[0] >= kv_len:  # positions < kv_len
+            positions = column - pad
+            cos = self._rope_table[0].index_select(0, positions)[:, None]
+            sin = self._rope_table[1].index_select(0, positions)[:, None]
+        else:
+            cos, sin = self.view.rotary(x, (column - pad)[:, None])
+        mask = None
+        if masked and self.decode_attention != "kernel":  # the kernel masks by pad and column itself
+            if self._columns.numel() < kv_len:
+                self.reserve_columns(cache.length)  # eager paths; graph paths reserved before capturing
+            idx = self._columns[:kv_len][None, :]
+            mask = ((idx >= pad[:, None]) & (idx <= column))[:, None, None, :]
+
+        def attend(i, q, k, v, ops):
+            k_all, v_all = cache.k[i, :bsz], cache.v[i, :bsz]
+            if self.decode_attention == "kernel":  # q, k arrive un-rotated (see below): one kernel does
+                # RoPE, the cache write and the attention (engine_attention.rope_cache_attention)
+                return rope_cache_attention(q, k, v, cos, sin, k_all[:, :, :kv_len], v_all[:, :, :kv_len], pad,
+                                            column, self.view.scaling)[:, :, None]
+            k_all.index_copy_(2, column, k)
+            v_all.index_copy_(2, column, v)
+            k_all, v_all = k_all[:, :, :kv_len], v_all[:, :, :kv_len]
+            if self.decode_attention == "matmul":
+                return matmul_decode_attention(q, k_all, v_all, mask, self.view.scaling, ops.attention_probs)
+            return sdpa_attention(q, k_all, v_all, mask, self.view.scaling, causal=False)
+
+        ops = self.decode_ops
+        if self.decode_attention == "kernel":  # RoPE happens in the attention kernel, fused with the cache write
+            ops = ops._replace(rope=_rope_in_attention)
+        h = self._decoder(x, cos, sin, attend, ops)
+        return self.view.lm_head(h)[:, -1].float()
+
+
+class Glue(NamedTuple):
+    """The elementwise functions between matmuls (eager, or each compiled into one kernel)."""
+
+    norm: Callable
+    residual_norm: Callable
+    rope: Callable
+    attention_probs: Callable
+    gated: Callable
+
+
+def residual_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float):
+    """``x + delta`` (HF's residual add, in the activation dtype) and its RMSNorm."""
+    x = x + delta
+    return x, rms_norm(x, weight, eps)
+
+
+def rope_qk(q, k, cos, sin):
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+
+def _rope_in_attention(q, k, cos, sin):
+    return q, k  # the kernel attention path rotates q and k itself (engine_attention.rope_cache_attention)
+
+
+def gated_act(act, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return act(gate) * up
+
+

@@ -1,0 +1,120 @@
+"""The decode step's elementwise glue as Triton kernels that take part in programmatic dependent launch.
+
+Why not leave it to ``torch.compile``
+-------------------------------------
+Between the matmuls of a decode step sit small kernels: residual add + RMSNorm (before q/k/v and
+before gate/up) and SiLU(gate) * up (before down). ``torch.compile`` fuses each into one kernel,
+and that is what ``engine_forward`` ran. At batch 8 each takes a few microseconds, and so do the
+gaps around it: a kernel is launched only when the one before has finished. On Hopper a kernel
+can be launched early (programmatic dependent launch, ``qerl_lib.kernels.pdl``) if the one before lets it;
+``torch.compile``'s kernels do not. These do: launched with PDL, they wait (``gdc_wait``) for the
+previous kernel's output, then at once allow the next kernel to launch (``gdc_launch_dependents``),
+so the NVFP4 matmul after them (``fp4_kernel_mma``, PDL too) loads its first weights meanwhile.
+Without PDL (``QERL_PDL=0``, older GPUs) they are plain kernels.
+
+Numerics follow ``engine_forward``'s functions (transformers' order): ``x + delta`` rounded to the
+activation dtype; RMSNorm in float32 on that, rounded, *then* times the weight (one more rounding);
+SiLU in float32 rounded to the activation dtype, times ``up`` rounded. Sums run in a different
+order than torch's, so results may differ by one rounding step now and then (tests: within
+1 unit of bf16 rounding on the normalized values).
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:  # Triton is optional: the CPU paths do not need it.
+    import triton
+    import triton.language as tl
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # pragma: no cover
+    triton = None
+    tl = None
+    gdc_launch_dependents = gdc_wait = None
+
+from qerl_lib.kernels import pdl
+
+SILU_BLOCK = 2048
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``engine_forward.rms_norm`` as one kernel: ``x [..., H]`` -> normed ``[..., H]``."""
+    h = torch.empty_like(x)
+    _launch_norm(x, None, weight, eps, None, h)
+    return h
+
+
+def residual_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float):
+    """``engine_forward.residual_rms_norm`` as one kernel: returns ``(x + delta, rms_norm(x + delta))``."""
+    summed, h = torch.empty_like(x), torch.empty_like(x)
+    _launch_norm(x, delta, weight, eps, summed, h)
+    return summed, h
+
+
+def silu_mul(act, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``engine_forward.gated_act`` for SiLU as one kernel (``act`` is the model's SiLU module)."""
+    if gate.shape != up.shape:
+        raise ValueError(f"silu_mul: gate {list(gate.shape)} and up {list(up.shape)} differ")
+    width = gate.shape[-1]
+    g2, u2 = gate.reshape(-1, width), up.reshape(-1, width)
+    if g2.stride(-1) != 1 or u2.stride(-1) != 1:
+        raise ValueError("silu_mul: gate and up need a unit stride in their last dimension")
+    out = torch.empty(g2.shape, dtype=gate.dtype, device=gate.device)
+    grid = (g2.shape[0], triton.cdiv(width, SILU_BLOCK))
+    early = pdl.use_for(gate.device)
+    _silu_mul_kernel[grid](g2, u2, out, width, g2.stride(0), u2.stride(0), out.stride(0), BLOCK=SILU_BLOCK,
+                           PDL=early, launch_pdl=early, num_warps=4)
+    return out.view(gate.shape)
+
+
+def _launch_norm(x, delta, weight, eps, summed, h) -> None:
+    width = x.shape[-1]
+    x2, h2 = x.reshape(-1, width), h.view(-1, width)
+    d2 = delta.reshape(-1, width) if delta is not None else x2
+    s2 = summed.view(-1, width) if summed is not None else h2
+    if x2.stride(-1) != 1 or d2.stride(-1) != 1 or weight.stride(-1) != 1:
+        raise ValueError("rms_norm: inputs need a unit stride in their last dimension")
+    block = triton.next_power_of_2(width)
+    early = pdl.use_for(x.device)
+    _rms_norm_kernel[(x2.shape[0],)](x2, d2, weight, s2, h2, float(eps), width, x2.stride(0), d2.stride(0),
+                                     s2.stride(0), h2.stride(0), HAS_DELTA=delta is not None, BLOCK=block,
+                                     PDL=early, launch_pdl=early, num_warps=8 if block >= 4096 else 4)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _rms_norm_kernel(x_ptr, d_ptr, w_ptr, s_ptr, h_ptr, eps, width, sx, sd, ss, sh,
+                         HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        """One program per row: (x + delta) and its RMSNorm times the weight."""
+        if PDL:  # launched early: wait for the previous kernel, then let the next one launch
+            gdc_wait()
+            gdc_launch_dependents()
+        row = tl.program_id(0)
+        cols = tl.arange(0, BLOCK)
+        ok = cols < width
+        x = tl.load(x_ptr + row * sx + cols, mask=ok, other=0.0)
+        if HAS_DELTA:
+            d = tl.load(d_ptr + row * sd + cols, mask=ok, other=0.0)
+            x = (x.to(tl.float32) + d.to(tl.float32)).to(x_ptr.dtype.element_ty)
+            tl.store(s_ptr + row * ss + cols, x, mask=ok)
+        hf = x.to(tl.float32)
+        variance = tl.sum(hf * hf, axis=0) / width
+        normed = (hf * (1.0 / tl.sqrt_rn(variance + eps))).to(x_ptr.dtype.element_ty)
+        w = tl.load(w_ptr + cols, mask=ok, other=0.0)
+        tl.store(h_ptr + row * sh + cols, (w.to(tl.float32) * normed.to(tl.float32)).to(h_ptr.dtype.element_ty),
+                 mask=ok)
+
+    @triton.jit
+    def _silu_mul_kernel(g_ptr, u_ptr, o_ptr, width, sg, su, so, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        """Program (row, block of columns): silu(gate) rounded, times up, rounded."""
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
+        row, blk = tl.program_id(0), tl.program_id(1)
+        cols = blk * BLOCK + tl.arange(0, BLOCK)
+        ok = cols < width
+        g = tl.load(g_ptr + row * sg + cols, mask=ok, other=0.0).to(tl.float32)
+        u = tl.load(u_ptr + row * su + cols, mask=ok, other=0.0)
+        a = (g / (1.0 + tl.exp(-g))).to(o_ptr.dtype.element_ty)
+        tl.store(o_ptr + row * so + cols, (a.to(tl.float32) * u.to(tl.float32)).to(o_ptr.dtype.element_ty), mask=ok)

@@ -1,0 +1,470 @@
+"""The rollout engine: batched sampling with a KV cache from the policy the trainer optimizes.
+
+GRPO spends most of its time generating. ``transformers``' ``generate`` is built for generality
+and is far from the hardware at small batch (3.5k tokens/s for the 135M embedded model at
+batch 64 on an H200, bound by its Python loop). This engine is small enough to read in one
+sitting (like gpt-fast or nanochat's ``engine.py``) and samples from exactly the model the
+trainer holds: an NVFP4 or bf16 base called through its own modules, LoRA adapters applied
+*unmerged* (they change every step; the packed FP4 weights never do), and RMSNorm weights that
+AQN may replace per call.
+
+How one call works
+------------------
+1. **Validate** everything before touching the GPU: architecture (Llama / Qwen2), sampling
+   parameters, that ``longest prompt + max_new_tokens`` fits ``max_seq_len`` (default: the
+   model's ``max_position_embeddings``), token ids, LoRA and norm-override names.
+2. **Left-pad** the prompts to the longest one, ``P`` tokens (right-padded input is re-packed).
+   Row ``r`` with ``pad[r]`` pad tokens has RoPE positions ``0, 1, ...`` starting at its first
+   real token, so padding never shifts positions, and a mask keeps real tokens from attending
+   to pads. Left padding makes decode step ``t`` write cache column ``P + t`` for every row.
+3. **Prefill**: one batched forward over ``[B, P]`` fills cache columns ``[0, P)`` and gives the
+   logits of the first new token.
+4. **Decode**: one token per row per step. On CUDA the step is replayed from a CUDA graph
+   captured per (batch bucket, cache-length bucket) (``engine_cache``); on CPU it runs eagerly.
+   Sampling (``sampling``) runs after the step in plain PyTorch, from a ``torch.Generator``
+   seeded with ``seed``.
+5. **Stop** rows independently: a row is finished at its first stop token (kept in the output,
+   ``finish_reason="stop"``) or at ``max_new_tokens`` (``"length"``). Finished rows keep
+   stepping with the batch (their extra tokens are discarded) instead of compacting the batch:
+   decode is bound by reading the weights, so a finished row costs almost nothing, and a fixed
+   batch keeps the graph valid. The loop checks every ``check_every`` steps (one host sync)
+   whether every row has finished, and stops early.
+
+What you get back: one ``Completion(token_ids, logprobs, finish_reason)`` per prompt, the prompt
+excluded. ``logprobs[t]`` is the log-probability of ``token_ids[t]`` under the distribution it was
+sampled from (after temperature, top-k, top-p; see ``sampling``) or, for greedy decoding
+(``temperature=0``), under the raw model distribution. ``to_padded`` turns completions into the
+padded ``ids / mask / logprobs`` tensors a trainer wants.
+
+How this differs from vLLM (what the paper used)
+------------------------------------------------
+No paged attention and no continuous batching: the batch is fixed for a call and the cache is
+one dense tensor, which is simpler and fine for GRPO's "generate a batch, then train" rhythm.
+No prefix sharing: a GRPO group's identical prompts are each prefilled (the prompt is short
+next to the 2048-token completion). LoRA runs as two plain matmuls per adapter group rather
+than punica's fused kernels. These choices cost peak throughput at large batch, not
+correctness.
+
+Caveats: graphs replay fixed addresses, so update adapters and weights *in place* (optimizers
+do); swapping modules or toggling peft adapters is detected and re-captures. The KV cache and
+graphs are kept between calls for speed; ``release(model)`` frees them before training.
+
+Measured (``qerl bench rollout``; history in results/README.md)
+----------------------------------------------------------------
+SmolLM2-135M bf16, batch 64, 256 + 512 tokens: 48.1k tokens/s against 3.5k for transformers'
+``generate`` (13.8x, H200, ``results/rollout_h200_smollm2_final.json``). Qwen2.5-7B shapes, batch 8,
+256 + 2048 tokens (``results/rollout_h200_final.json``, H200): bf16 1737 tokens/s, NVFP4 3088
+(2.56 ms per step). Before session 4's engine changes a step took 3.0 ms at 1,280 cached
+tokens, of which 1.94 ms NVFP4 matmuls, 0.33 ms attention, 0.26 ms the bf16 lm_head and the rest
+norms, SiLU, sampling and launch gaps (``results/rollout_step_breakdown_h200.json``). The first
+engine gave bf16 1369 and NVFP4 1126 tokens/s there: the FP4 GEMM then reached only ~0.7 TB/s.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+
+from qerl_lib.engine.cache import BATCH_BUCKETS, DecodeGraphs, KVCache, batch_bucket, length_bucket
+from qerl_lib.engine.forward import SUPPORTED_MODEL_TYPES, ForwardPass, ModelView
+from qerl_lib.engine.adapters import LoraAdapter, lora_from_peft
+from qerl_lib.engine.sampling import SamplingParams, sample
+
+__all__ = ["Completion", "RolloutEngine", "generate", "release", "to_padded", "LoraAdapter", "lora_from_peft",
+           "SUPPORTED_MODEL_TYPES"]
+
+DECODE_BACKENDS = ("auto", "eager", "graphs", "graphs+fused", "compile")
+GLUE_KERNELS = True  # default of RolloutEngine(glue_kernels=None); benchmarks flip it for ablations
+
+
+@dataclass
+class Completion:
+    """One generated continuation (prompt excluded)."""
+
+    token_ids: list[int]
+    logprobs: list[float]  # of each token under its sampling distribution (raw one when greedy)
+    finish_reason: str  # "stop" (ended with a stop token, included in token_ids) or "length"
+
+
+@dataclass
+class Timing:
+    """Wall-clock split of the last call (filled when ``generate(..., timing=True)``)."""
+
+    prefill_s: float = 0.0  # prompt forward + first token: time to first token
+    decode_s: float = 0.0  # every later token
+    steps: int = 0  # decode steps run (tokens per row after the first)
+    batch: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+class RolloutEngine:
+    """Reusable engine for one model: keeps the KV cache and the captured decode graphs.
+
+    ``decode_backend``: "auto" ("graphs+fused" on CUDA, "eager" on CPU), "eager", "graphs"
+    (CUDA graphs of the eager step), "graphs+fused" (CUDA graphs of a step whose elementwise glue
+    is fused by ``torch.compile``), or "compile" (``torch.compile(mode="reduce-overhead")`` of the
+    whole step, attending over the full cache). Measured on an H200 (decode, 256+512 tokens):
+    SmolLM2-135M batch 64: graphs 15.4k, graphs+fused 31.3k tok/s; Qwen2.5-7B shapes batch 8:
+    1056 vs 1429 tok/s. "compile" gave 2.6k tok/s at SmolLM2 batch 64: its CUDA graphs were
+    skipped because the step writes the KV cache in place (the cache is now marked a static
+    address, which should let them run; not re-measured: its compile outlasted the time slot).
+    ``decode_attention``: "sdpa" (HF numerics, CPU default), "matmul" (torch ops, K/V read once) or
+    "kernel" (split-KV Triton kernel, ``engine_attention``; CUDA default).
+    ``fuse_projections``: run q/k/v and gate/up as one matmul each over shared storage
+    (``layers_fused``; default: on CUDA). The model's modules become views of the shared buffers.
+    On an H100 (Qwen2.5-7B shapes, batch 8, 256 + 2048 tokens, bf16 / NVFP4 tok/s) fusing took
+    1085 / 1649 to 1188 / 1786, the attention kernel to 1235 / 1921; with the FP4 launch rule and
+    the fused RoPE + cache write the engine runs 1271 / 2199, with the CUDA decode GEMM 1277 / 2429,
+    and with PDL, the glue kernels, the fused sampler and attention 1302 / 2580; the gate/up launch
+    shapes that fill whole waves of CTAs came after (results/README.md has every step).
+    ``glue_kernels``: in "graphs+fused", the norms and SiLU * up run as ``engine_glue``'s Triton
+    kernels, which let the next NVFP4 matmul launch early (default ``GLUE_KERNELS``, on).
+    """
+
+    def __init__(self, model, max_seq_len: int | None = None, decode_backend: str = "auto",
+                 decode_attention: str | None = None, length_step: int = 256,
+                 batch_buckets: tuple[int, ...] = BATCH_BUCKETS, check_every: int = 16, keep_alive: bool = True,
+                 fuse_projections: bool | None = None, glue_kernels: bool | None = None):
+        if decode_backend not in DECODE_BACKENDS:
+            raise ValueError(f"decode_backend must be one of {DECODE_BACKENDS}, got {decode_backend!r}")
+        view = ModelView(model)  # validates the architecture now, not at the first call
+        on_cuda = view.device.type == "cuda"
+        if decode_backend == "auto":  # measured on an H200: graphs+fused 1.35-2x faster than graphs
+            decode_backend = "graphs+fused" if on_cuda else "eager"
+        if decode_backend in ("graphs+fused", "compile") and not on_cuda:
+            raise ValueError(f"decode_backend {decode_backend!r} needs a CUDA model; use 'eager' on {view.device}")
+        # ("graphs" off CUDA runs the graph path's buffers and buckets without capturing: a test aid.)
+        self.decode_backend = decode_backend
+        # ("compile" traces the whole step with torch.compile, which the Triton attention kernel's launch
+        # logic would break into pieces: it keeps the torch-ops attention)
+        self.decode_attention = decode_attention or (("matmul" if decode_backend == "compile" else "kernel")
+                                                     if on_cuda else "sdpa")
+        # q/k/v and gate/up as one matmul each (layers_fused); off on CPU, where greedy tokens match HF bit for bit
+        self.fuse_projections = on_cuda if fuse_projections is None else bool(fuse_projections)
+        # norms and SiLU * up of the fused decode step as engine_glue's Triton kernels (default: on)
+        self.glue_kernels = GLUE_KERNELS if glue_kernels is None else bool(glue_kernels)
+        self.max_seq_len = int(max_seq_len or view.max_positions or 4096)
+        self.length_step = int(length_step)
+        self.batch_buckets = tuple(batch_buckets)
+        self.check_every = int(check_every)
+        self._model_ref = weakref.ref(model)
+        self._keep = model if keep_alive else None
+        self._view, self._forward, self._signature = view, None, None
+        self.cache: KVCache | None = None
+        self.graphs: DecodeGraphs | None = None
+        self._compiled = None
+        self.last_timing = Timing()
+
+    # ---- public ---------------------------------------------------------------------------------
+    def generate(self, prompt_ids, max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
+                 top_k: int = 0, seed: int | None = None, stop_token_ids=None, lora=None, norm_overrides=None,
+                 prompt_mask: torch.Tensor | None = None, timing: bool = False) -> list[Completion]:
+        """See ``qerl_lib.engine.rollout.generate``."""
+        params = SamplingParams(temperature, top_p, top_k)
+        if int(max_new_tokens) != max_new_tokens or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens}")
+        max_new_tokens = int(max_new_tokens)
+        prompts = _as_prompt_lists(prompt_ids, prompt_mask)
+        if not prompts:
+            return []
+        model = self._model_ref()
+        if model is None:
+            raise RuntimeError("the model behind this engine was garbage-collected")
+        forward = self._prepare(model, lora)
+        view = forward.view
+        longest = max(len(p) for p in prompts)
+        if longest + max_new_tokens > self.max_seq_len:
+            raise ValueError(f"prompt of {longest} tokens + max_new_tokens={max_new_tokens} exceeds the cache limit "
+                             f"max_seq_len={self.max_seq_len}: shorten the prompt, lower max_new_tokens, "
+                             "or raise max_seq_len (up to the model's max_position_embeddings)")
+        top = max(max(p) for p in prompts)
+        low = min(min(p) for p in prompts)
+        if low < 0 or top >= view.vocab_size:
+            raise ValueError(f"token ids must be in [0, {view.vocab_size}), got values in [{low}, {top}]")
+        stops = view.default_stop_ids if stop_token_ids is None else tuple(int(t) for t in stop_token_ids)
+        adapters = _as_adapters(lora)
+        forward.load_norm_weights(norm_overrides)
+        if forward.load_lora(adapters) and self.graphs is not None:
+            self.graphs.clear()
+        training = [(m, m.training) for m in model.modules()]
+        model.eval()  # no dropout in rollouts (peft's LoRA dropout included); restored below
+        try:
+            with torch.no_grad():
+                return self._run(forward, prompts, max_new_tokens, params, seed, stops, timing)
+        finally:
+            for m, flag in training:
+                m.training = flag
+
+    def warmup(self, batch: int, prompt_len: int, max_new_tokens: int, lora=None) -> None:
+        """Do the one-time work of a (batch, prompt_len, max_new_tokens) call before timing one:
+        a short generation (kernel selection, Triton autotuning at these shapes), then a capture
+        of the decode graph of every length bucket the call will visit. The captures run one
+        step each at the bucket's last column; the K/V they write there are overwritten before
+        any real step reads them (a step writes its column before attending to it)."""
+        prompts = [[1] * prompt_len for _ in range(batch)]
+        # also builds the forward pass, and compiles the fused sampler (temperature > 0 on CUDA)
+        self.generate(prompts, 2, temperature=1.0, seed=0, stop_token_ids=[], lora=lora)
+        if self.decode_backend == "eager":
+            return
+        device = self._view.device
+        self._ensure_cache(self._forward, batch, prompt_len + max_new_tokens - 1)  # full size now
+        step = self._decoder(self._forward, batch, torch.zeros(batch, dtype=torch.long, device=device), prompt_len,
+                             padded=False)
+        token = torch.zeros(batch, dtype=torch.long, device=device)
+        last = prompt_len + max_new_tokens - 2  # the last column a call writes
+        if self.decode_backend == "compile":  # one graph over the whole cache
+            columns = [last]
+        else:  # the last column of every length bucket up to `last`
+            columns = sorted({min(c, last) for c in range(self.length_step - 1, last + self.length_step,
+                                                          self.length_step)})
+        with torch.no_grad():
+            for column in columns:
+                step(token, column)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    def release(self) -> None:
+        """Free the KV cache and the graphs (GPU memory) until the next call."""
+        self.cache, self._compiled = None, None
+        if self.graphs is not None:
+            self.graphs.clear()
+            self.graphs = None
+
+    # ---- internals ------------------------------------------------------------------------------
+    def _prepare(self, model, lora) -> ForwardPass:
+        """(Re)build the forward pass if the model's modules or the LoRA mode changed."""
+        view = ModelView(model)
+        bypass = lora is not None and view.is_peft
+        signature = (view.signature(), bypass)
+        if signature != self._signature or (self._forward is not None and self._forward.is_stale()):
+            self.release()
+            self._forward = None  # drop the old pass (and its fused-buffer references) before fusing anew
+            fuse = self.decode_backend == "graphs+fused"
+            self._forward = ForwardPass(view, self.decode_attention, fuse_elementwise=fuse, bypass_peft=bypass,
+                                        glue_kernels=self.glue_kernels,
+                                        fuse_projections=self.fuse_projections)
+            self._signature, self._view = signature, view
+        return self._forward
+
+    def _ensure_cache(self, forward: ForwardPass, batch: int, columns: int) -> KVCache:
+        view = forward.view
+        if self.decode_backend == "eager":
+            rows, length = batch, columns
+        else:
+            rows = batch_bucket(batch, self.batch_buckets)
+            length = length_bucket(columns, self.length_step, max(self.max_seq_len, columns))
+        if self.cache is None or not self.cache.fits(rows, length):
+            self.release()
+            self.cache = KVCache(view.n_layers, rows, view.n_kv_heads, length, view.head_dim, view.dtype, view.device)
+        return self.cache
+
+    def _run(self, forward, prompts, max_new_tokens, params, seed, stops, timing) -> list[Completion]:
+        view = forward.view
+        device = view.device
+        batch, plen = len(prompts), max(len(p) for p in prompts)
+        t0 = _now(device, timing)
+
+        # Left-padded prompt block, per-row pad counts, RoPE positions, prefill mask.
+        pad = torch.tensor([plen - len(p) for p in prompts], dtype=torch.long)
+        tokens = torch.zeros(batch, plen, dtype=torch.long)
+        for r, p in enumerate(prompts):
+            tokens[r, plen - len(p):] = torch.tensor(p, dtype=torch.long)
+        cols = torch.arange(plen)
+        positions = (cols[None, :] - pad[:, None]).clamp(min=0)
+        padded = bool((pad > 0).any())
+        mask = None
+        if padded:
+            causal = cols[None, :] <= cols[:, None]  # [query, key]
+            real_key = cols[None, None, :] >= pad[:, None, None]  # [B, 1, key]
+            mask = (causal[None] & real_key) | torch.eye(plen, dtype=torch.bool)[None]  # pad queries see themselves
+            mask = mask[:, None].to(device)
+        tokens, positions, pad = tokens.to(device), positions.to(device), pad.to(device)
+        cache = self._ensure_cache(forward, batch, plen + max_new_tokens - 1)
+        generator = torch.Generator(device=device).manual_seed(int(seed)) if seed is not None else None
+        stop_tensor = torch.tensor(stops, dtype=torch.long, device=device) if stops else None
+
+        out_tokens = torch.empty(batch, max_new_tokens, dtype=torch.long, device=device)
+        out_logprobs = torch.empty(batch, max_new_tokens, dtype=torch.float32, device=device)
+        done = torch.zeros(batch, dtype=torch.bool, device=device)
+
+        logits = forward.prefill(tokens, positions, mask, cache)
+        token, logprob = sample(logits, params, generator)
+        out_tokens[:, 0], out_logprobs[:, 0] = token, logprob
+        if stop_tensor is not None:
+            done |= torch.isin(token, stop_tensor)
+        t1 = _now(device, timing)
+
+        step = self._decoder(forward, batch, pad, plen, padded)
+        steps = 0
+        for t in range(1, max_new_tokens):
+            if stop_tensor is not None and t % self.check_every == 0 and bool(done.all()):
+                break
+            logits = step(token, plen + t - 1)
+            token, logprob = sample(logits, params, generator)
+            out_tokens[:, t], out_logprobs[:, t] = token, logprob
+            if stop_tensor is not None:
+                done |= torch.isin(token, stop_tensor)
+            steps = t
+        t2 = _now(device, timing)
+        if timing:
+            self.last_timing = Timing(prefill_s=t1 - t0, decode_s=t2 - t1, steps=steps, batch=batch,
+                                      extra={"backend": self.decode_backend, "cache_bytes": cache.nbytes})
+        return _completions(out_tokens[:, :steps + 1].cpu(), out_logprobs[:, :steps + 1].cpu(), set(stops))
+
+    def _decoder(self, forward: ForwardPass, batch: int, pad: torch.Tensor, plen: int, padded: bool):
+        """A function ``(last tokens [batch], column) -> logits [batch, V]`` for this call's backend."""
+        cache = self.cache
+        if self.decode_backend == "eager":
+            column = torch.zeros(1, dtype=torch.long, device=pad.device)
+
+            def eager_step(token, col):
+                column.fill_(col)
+                # exact length, and no mask when nothing is padded: the same calls HF makes
+                return forward.decode_step(token, column, pad, col + 1, cache, masked=padded)
+            return eager_step
+
+        rows = batch_bucket(batch, self.batch_buckets)
+        forward.reserve_columns(cache.length)
+        if self.graphs is None:
+            self.graphs = DecodeGraphs(lambda tok, col, pd, kv: forward.decode_step(tok, col, pd, kv, cache),
+                                       pad.device)
+        tok_buf, col_buf, pad_buf = self.graphs.static_inputs(rows)
+        pad_buf[:batch] = pad
+        pad_buf[batch:] = plen  # spare rows attend only to the decode columns they write themselves
+        tok_buf[batch:] = 0
+
+        if self.decode_backend == "compile":
+            if self._compiled is None:
+                self._compiled = torch.compile(forward.decode_step, mode="reduce-overhead", dynamic=False)
+
+            def compiled_step(token, col):
+                tok_buf[:batch] = token
+                col_buf.fill_(col)
+                return self._compiled(tok_buf, col_buf, pad_buf, cache.length, cache)[:batch]
+            return compiled_step
+
+        def graph_step(token, col):
+            tok_buf[:batch] = token
+            col_buf.fill_(col)
+            kv_len = length_bucket(col + 1, self.length_step, cache.length)
+            return self.graphs.run(rows, kv_len)[:batch]
+        return graph_step
+
+
+# ---- the functional API -------------------------------------------------------------------------
+_ENGINES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def generate(model, prompt_ids, max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
+             seed: int | None = None, stop_token_ids=None, lora=None, norm_overrides=None, *,
+             prompt_mask: torch.Tensor | None = None, max_seq_len: int | None = None,
+             decode_backend: str = "auto") -> list[Completion]:
+    """Sample continuations of a batch of prompts from a Llama/Qwen2 causal LM (bf16 or NVFP4).
+
+    prompt_ids: list of prompts (lists or 1-D tensors of token ids, any lengths), or a 2-D tensor
+        with ``prompt_mask`` marking real tokens (left or right padding). ``[]`` gives ``[]``.
+    temperature: 0 = greedy. ``top_p`` / ``top_k`` filter the distribution (1.0 / 0 = off).
+    seed: seeds this call's ``torch.Generator``; same seed, batch and device give the same samples.
+    stop_token_ids: default: the model's ``generation_config.eos_token_id``; ``[]`` = never stop early.
+    lora: ``{module name: LoraAdapter}`` (or ``(A, B, scale)`` tuples), e.g. ``lora_from_peft(peft_model)``,
+        applied unmerged by the engine. A PeftModel passed as ``model`` runs its own adapters unmerged
+        without this argument.
+    norm_overrides: ``{"model.layers.3.input_layernorm": weight, ...}`` used instead of those RMSNorm
+        weights for this call only (AQN's noisy weights); the model's parameters are never modified.
+
+    Returns one ``Completion`` per prompt. The engine (KV cache, CUDA graphs) is cached per model
+    and reused; ``release(model)`` frees it.
+    """
+    engine = _ENGINES.get(model)
+    if engine is None or engine.max_seq_len != (max_seq_len or engine.max_seq_len) or \
+            decode_backend not in ("auto", engine.decode_backend):
+        engine = RolloutEngine(model, max_seq_len=max_seq_len, decode_backend=decode_backend, keep_alive=False)
+        _ENGINES[model] = engine
+    return engine.generate(prompt_ids, max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+                           stop_token_ids=stop_token_ids, lora=lora, norm_overrides=norm_overrides,
+                           prompt_mask=prompt_mask)
+
+
+def release(model) -> None:
+    """Free the cached engine's KV cache and CUDA graphs for ``model`` (e.g. before a training step)."""
+    engine = _ENGINES.pop(model, None)
+    if engine is not None:
+        engine.release()
+
+
+def to_padded(completions: list[Completion], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(ids [B, T] long, mask [B, T] bool, logprobs [B, T] float32)``, right-padded with ``pad_id`` / 0."""
+    width = max((len(c.token_ids) for c in completions), default=0)
+    ids = torch.full((len(completions), width), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(completions), width, dtype=torch.bool)
+    logprobs = torch.zeros(len(completions), width, dtype=torch.float32)
+    for r, c in enumerate(completions):
+        n = len(c.token_ids)
+        ids[r, :n] = torch.tensor(c.token_ids, dtype=torch.long)
+        mask[r, :n] = True
+        logprobs[r, :n] = torch.tensor(c.logprobs, dtype=torch.float32)
+    return ids, mask, logprobs
+
+
+# ---- helpers ------------------------------------------------------------------------------------
+def _as_prompt_lists(prompt_ids, prompt_mask) -> list[list[int]]:
+    if isinstance(prompt_ids, torch.Tensor):
+        if prompt_ids.dim() != 2:
+            raise ValueError(f"a tensor of prompts must be 2-D [batch, length], got shape {tuple(prompt_ids.shape)}")
+        if prompt_mask is None:
+            prompts = [row.tolist() for row in prompt_ids]
+        elif prompt_mask.shape != prompt_ids.shape:
+            raise ValueError(f"prompt_mask shape {tuple(prompt_mask.shape)} != "
+                             f"prompt_ids shape {tuple(prompt_ids.shape)}")
+        else:
+            prompts = []
+            for r, (row, keep) in enumerate(zip(prompt_ids.tolist(), prompt_mask.bool().tolist())):
+                idx = [j for j, k in enumerate(keep) if k]
+                if idx and idx[-1] - idx[0] + 1 != len(idx):
+                    raise ValueError(f"prompt_mask row {r} is not one contiguous block: "
+                                     "only left or right padding is supported")
+                prompts.append([row[j] for j in idx])
+    else:
+        prompts = []
+        for p in prompt_ids:
+            if isinstance(p, (int,)) or (isinstance(p, torch.Tensor) and p.dim() == 0):
+                raise ValueError("prompt_ids must be a list of prompts (each a list of token ids); "
+                                 "wrap a single prompt in a list: [ids]")
+            prompts.append(p.tolist() if isinstance(p, torch.Tensor) else [int(t) for t in p])
+    for r, p in enumerate(prompts):
+        if not p:
+            _raise_empty(r)
+    return prompts
+
+
+def _raise_empty(r: int):
+    raise ValueError(f"prompt {r} is empty: every prompt needs at least one token (e.g. the BOS token)")
+
+
+def _as_adapters(lora) -> dict[str, LoraAdapter] | None:
+    if lora is None:
+        return None
+    if not isinstance(lora, dict):
+        raise ValueError("lora must be a dict {module name: LoraAdapter or (A, B, scale)}; "
+                         "for a PeftModel pass the model itself, or lora_from_peft(peft_model)")
+    return {name: a if isinstance(a, LoraAdapter) else LoraAdapter(*a) for name, a in lora.items()}
+
+
+def _completions(tokens: torch.Tensor, logprobs: torch.Tensor, stops: set[int]) -> list[Completion]:
+    out = []
+    for row_t, row_l in zip(tokens.tolist(), logprobs.tolist()):
+        end = next((j + 1 for j, t in enumerate(row_t) if t in stops), None)
+        if end is None:
+            out.append(Completion(row_t, row_l, "length"))
+        else:
+            out.append(Completion(row_t[:end], row_l[:end], "stop"))
+    return out
+
+
+def _now(device: torch.device, timing: bool) -> float:
+    if timing and device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()

@@ -1,0 +1,411 @@
+"""The small-M NVFP4 GEMM as a CUDA kernel on ``mma.sync``, compiled at run time by NVRTC.
+
+Why a second kernel
+-------------------
+The Triton kernel (``fp4_kernel``) streams the weights at ~55% of copy bandwidth on an H100 for
+M <= 16 (results/notes_fp4_kernel.md): Hopper's ``wgmma`` wants its B operand (``x``) in shared
+memory, so every K-step stages ``x``, waits on a barrier and then on the MMA, with few programs
+per SM. This kernel streams the big 32B shapes at 69-81% at M <= 8 (notes, section 5). Marlin's answer, which plain Triton cannot express, is ``mma.sync``: a warp-synchronous
+MMA whose operands all live in registers, so nothing waits but the loads. This module is that
+design in ~290 lines of CUDA (``mma.cu``, read it next to this docstring):
+
+* the compressed-tensors bytes are read **in place** (no repacked copy, no extra memory): K is
+  relabelled so that each thread's A fragment comes from one 16-byte load per row and chunk of
+  128 codes, and ``x`` is permuted the same way in registers (a dot product ignores term order);
+* decoding is Marlin's bit trick (spec 4.6) -- one multiply places two codes as bf16 -- and the
+  E4M3 block scale is applied exactly by one packed ``mul.rn.bf16x2``, as in the Triton kernel;
+* loads run ``depth - 1`` chunks ahead in a register ring (the role of Marlin's multi-stage
+  ``cp.async`` pipeline), and several warps split K inside a CTA, so many bytes are in flight;
+* the kernel is bound by the integer pipe as much as by DRAM, so decoding is cut to two integer
+  ops per code pair and the E4M3 scales come from a 256-entry table in shared memory;
+* K-slices across CTAs meet through fp32 partials that the *last* CTA of a row block adds (an
+  atomic counter), in a fixed order: one launch, deterministic bits;
+* it is launched with programmatic dependent launch (``qerl_lib.kernels.pdl``, ``cuLaunchKernelEx``): its
+  CTAs may start while the previous kernel runs, build the scale table and load their first
+  weights, then ``griddepcontrol.wait`` before reading x; weight loads ask L2 for 128-byte fetches
+  (``l2_hint``). Both from session 4 of the notes (runs 16-18, 7B on an H200: the hint +1.8% tok/s,
+  PDL on every decode kernel +3.3%).
+
+Where we deviate from Marlin (and the paper's vLLM): only M <= 8 comes here (at 9-16 the Triton
+kernel was as fast); no offline repack (Marlin permutes weights into its fragment order
+at load time; we relabel K instead, keeping the checkpoint layout and memory); E4M3-subnormal
+scales are kept (Marlin flushes them); register prefetch instead of a ``cp.async`` ring (tried:
+slower, the shared-memory round trip costs more issue slots than it saves; notes, run 9).
+
+Compilation: NVRTC (the ``libnvrtc`` that CUDA builds of PyTorch ship) turns the source into a
+cubin for the GPU's architecture the first time a launch shape is used; ``cuModuleLoadData`` and
+``cuLaunchKernel`` (driver API through ``ctypes``) run it on PyTorch's current stream, so it is
+captured by CUDA graphs like any kernel. It needs sm_90 (Hopper) or newer (``mul.rn.bf16x2``);
+``available()`` says whether this machine can run it, and ``fp4_kernel`` falls back to Triton.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import functools
+import glob
+import math
+import os
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from qerl_lib.kernels import pdl as pdl_switch
+
+SOURCE_PATH = Path(__file__).with_name("mma.cu")
+MIN_CAPABILITY = (9, 0)
+CHUNK = 128  # codes per row per load step; K must be a multiple
+MAX_M = 16
+AUTO_MAX_M = 8  # fp4_kernel sends M <= 8 here; at 9-16 the Triton kernel measured as fast or faster
+SMEM_LIMIT = 48 * 1024  # static shared memory per CTA
+
+
+@dataclass(frozen=True)
+class MmaConfig:
+    """One launch shape of the mma.sync kernel.
+
+    ``tiles``: m16 tiles of rows per warp; ``warps_r`` x ``warps_k``: warps per CTA along rows
+    and along K (their partials meet in shared memory); ``depth``: chunks in the register ring
+    (``depth - 1`` loads ahead); ``split_k``: K-slices across CTAs (1 = no partials);
+    ``min_ctas``: resident CTAs per SM the compiler must allow (caps registers; 1 = no cap);
+    ``prefetch``: chunks (of each warp's own, after the ring's) prefetched into L2 before the
+    kernel waits on the previous one (useful with programmatic dependent launch; 0 = none);
+    ``l2_hint``: L2 fetch size of the weight loads on a miss (0 default, 1 = 128 B, 2 = 256 B).
+    """
+
+    tiles: int = 2
+    warps_r: int = 1
+    warps_k: int = 8
+    depth: int = 2
+    split_k: int = 1
+    min_ctas: int = 2
+    prefetch: int = 0
+    l2_hint: int = 0
+
+    def __post_init__(self):
+        for name, lo, hi in (("tiles", 1, 4), ("warps_r", 1, 8), ("warps_k", 1, 8), ("depth", 2, 4), ("split_k", 1, 64),
+                               ("min_ctas", 1, 8), ("prefetch", 0, 16), ("l2_hint", 0, 2)):
+            v = getattr(self, name)
+            if not isinstance(v, int) or not lo <= v <= hi:
+                raise ValueError(f"MmaConfig.{name} must be an int in [{lo}, {hi}], got {v!r}")
+        if self.warps_r * self.warps_k > 16:
+            raise ValueError(f"MmaConfig: warps_r * warps_k = {self.warps_r * self.warps_k} > 16 warps per CTA")
+        self.check_shared(1)
+
+    def check_shared(self, nb: int) -> None:
+        need = self.shared_bytes(nb)
+        if need > SMEM_LIMIT:
+            raise ValueError(f"MmaConfig: {need} B of shared memory per CTA for M <= {8 * nb} > {SMEM_LIMIT}; "
+                             "lower depth, tiles or warps")
+
+    @property
+    def rows_per_cta(self) -> int:
+        return 16 * self.tiles * self.warps_r
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps_r * self.warps_k
+
+    def shared_bytes(self, nb: int) -> int:
+        """Static shared memory of one CTA: the per-warp partial sums and the scale table."""
+        return self.warps_k * 8 * nb * (self.rows_per_cta + 4) * 4 + 256 * 4 + 16
+
+
+# Gate/up-shaped launch shapes, in order of preference, each with the CTAs per SM it runs at
+# (registers as NVRTC 13 allocates them for sm_90, checked by a test; threads and shared memory
+# allow more). Runs 23-24 (H200, M = 8): 48-row CTAs of 4 warps, three per SM, 7B gate/up 28.0 us
+# and 32B 53.6 us (64-row CTAs, the rule before: 30.2 and 57.5 us); four per SM (128 registers)
+# where that fills the waves better: 3B gate/up 11.8 us against 14.1-16.8 us for the other 8 shapes timed.
+WIDE_SHAPES: tuple[tuple[MmaConfig, int], ...] = (
+    (MmaConfig(tiles=3, warps_r=1, warps_k=4, depth=2, split_k=1, min_ctas=3, l2_hint=1), 3),
+    (MmaConfig(tiles=3, warps_r=1, warps_k=4, depth=2, split_k=1, min_ctas=4, l2_hint=1), 4),
+    (MmaConfig(tiles=2, warps_r=2, warps_k=4, depth=2, split_k=1, min_ctas=2, l2_hint=1), 2),
+    (MmaConfig(tiles=2, warps_r=1, warps_k=8, depth=2, split_k=1, min_ctas=2, l2_hint=1), 2),
+)
+DEFAULT_SMS = 132  # H100 SXM and H200; the rule asks the current GPU when there is one
+
+
+def wave_fill(ctas: int, slots: int) -> float:
+    """Busy fraction of the CTA slots over a launch of ``ctas`` CTAs on ``slots`` resident slots:
+    1.0 when the CTAs fill whole waves, 0.58 for 459 CTAs on 396 slots (a second wave 16% full)."""
+    return ctas / (math.ceil(ctas / slots) * slots)
+
+
+@functools.lru_cache(maxsize=None)
+def _device_sms(index: int | None = None) -> int:
+    """SMs of CUDA device ``index`` (default: the current one); ``DEFAULT_SMS`` without a GPU."""
+    if not torch.cuda.is_available():
+        return DEFAULT_SMS
+    device = torch.cuda.current_device() if index is None else index
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+@functools.lru_cache(maxsize=None)
+def pick_mma_config(m: int, n: int, k: int, sms: int | None = None) -> MmaConfig:
+    """Launch shape for ``[m, k] x [k, n]`` on a GPU of ``sms`` SMs (default: the current one): a
+    fixed rule from the sweeps on the Qwen2.5 7B/32B decode shapes (notes, runs 11, 14 and 23,
+    H200 and H100; no autotuning, so a problem always runs the same kernel and gives the same bits):
+
+    * default: 32-row CTAs of 8 warps that split K (``tiles=2, warps_k=8``), at most 128
+      registers (``min_ctas=2``): best or within 5% on every q/k/v and o shape (run 23 again);
+    * deep (K >= 4N, down): the same, with K-slices that leave each warp about 8 chunks (more
+      slices starve the register ring: a warp with 1-2 chunks has nothing to prefetch; an
+      occupancy-driven split rule measured 1.2-2.3x slower);
+    * wide (N >= 8K, gate/up): the first of ``WIDE_SHAPES`` whose CTAs fill the GPU's resident
+      slots within 5% as well as the best-filling one does (``wave_fill``). A part-empty last wave
+      costs nearly a full wave's time: 7B's 592 CTAs of 64 rows on 264 slots are 2.24 waves,
+      its 790 CTAs of 48 rows on 396 slots 1.99 (runs 23-24: 7% faster alone, +4.2% tokens/s in
+      the engine; 32B +1.7%). Of 9 shapes timed on the 3B, 7B and 32B gate/up, the rule picks the
+      fastest on each;
+    * every shape: weight loads ask L2 for 128-byte fetches (``l2_hint=1``; run 16, H200: 1-7%
+      faster on all eight 7B/32B shapes, most on gate/up and down; 256 B gained less).
+    """
+    chunks = k // CHUNK
+    if n >= 8 * k:
+        sms = sms or _device_sms()
+        fills = [wave_fill(math.ceil(n / cfg.rows_per_cta), per_sm * sms) for cfg, per_sm in WIDE_SHAPES]
+        best = max(fills)
+        return next(cfg for (cfg, _), fill in zip(WIDE_SHAPES, fills) if fill >= best - 0.05)
+    split = min(64, max(1, chunks // 64)) if k >= 4 * n else 1
+    return MmaConfig(tiles=2, warps_r=1, warps_k=8, depth=2, split_k=split, min_ctas=2, l2_hint=1)
+
+
+# ============================================================================ availability
+def supported_problem(m: int, k: int) -> bool:
+    """Shapes this kernel takes: 1 <= M <= 16 and K a multiple of 128."""
+    return 1 <= m <= MAX_M and k % CHUNK == 0
+
+
+@functools.lru_cache(maxsize=None)
+def available(device_index: int = 0) -> bool:
+    """True when a CUDA device of compute capability >= 9.0 is present and NVRTC + the driver
+    library load (the kernel is then compiled on first use)."""
+    return unavailable_reason(device_index) is None
+
+
+@functools.lru_cache(maxsize=None)
+def unavailable_reason(device_index: int = 0) -> str | None:
+    """Why ``available`` is False (one line), or None."""
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    cap = torch.cuda.get_device_capability(device_index)
+    if cap < MIN_CAPABILITY:
+        return f"compute capability {cap[0]}.{cap[1]} < 9.0 (mul.rn.bf16x2 needs Hopper or newer)"
+    try:
+        _nvrtc()
+        _driver()
+    except OSError as err:
+        return str(err)
+    return None
+
+
+# ============================================================================ NVRTC + driver
+@functools.lru_cache(maxsize=None)
+def _nvrtc() -> ctypes.CDLL:
+    """libnvrtc: PyTorch's own (CUDA wheels ship it), else ``QERL_NVRTC`` or the system one."""
+    try:
+        from torch.cuda._utils import _get_nvrtc_library  # private, but the best-matched copy
+        return _get_nvrtc_library()
+    except Exception:  # noqa: BLE001 - any failure means: look elsewhere
+        pass
+    names = [os.environ.get("QERL_NVRTC", "")] + _pip_nvrtc() + \
+        ["libnvrtc.so", "libnvrtc.so.13", "libnvrtc.so.12", ctypes.util.find_library("nvrtc") or ""]
+    for name in filter(None, names):
+        try:
+            return ctypes.CDLL(name)
+        except OSError:
+            continue
+    raise OSError("libnvrtc not found: install a CUDA build of PyTorch (it ships NVRTC) or set QERL_NVRTC=/path/libnvrtc.so")
+
+
+def _pip_nvrtc() -> list[str]:
+    """libnvrtc from the ``nvidia-cuda-nvrtc`` wheel (requirements.txt installs it on CPU machines,
+    so tests can compile the kernel for sm_90 without a GPU)."""
+    try:
+        import nvidia  # namespace package of NVIDIA's CUDA wheels
+    except ImportError:
+        return []
+    found = []
+    for base in getattr(nvidia, "__path__", []):
+        for pattern in ("cu13/lib/libnvrtc.so.*", "cuda_nvrtc/lib/libnvrtc.so.*", "cu12/lib/libnvrtc.so.*"):
+            found += sorted(glob.glob(os.path.join(base, pattern)))
+    return found
+
+
+@functools.lru_cache(maxsize=None)
+def _driver() -> ctypes.CDLL:
+    try:
+        return ctypes.CDLL("libcuda.so.1")
+    except OSError as err:
+        raise OSError(f"CUDA driver library libcuda.so.1 not loadable: {err}") from err
+
+
+def kernel_name(cfg: MmaConfig, nb: int) -> str:
+    extra = (f"_p{cfg.prefetch}" if cfg.prefetch else "") + (f"_h{cfg.l2_hint}" if cfg.l2_hint else "")
+    return f"qerl_fp4_mma_t{cfg.tiles}_r{cfg.warps_r}_k{cfg.warps_k}_n{nb}_d{cfg.depth}_o{cfg.min_ctas}{extra}"
+
+
+def kernel_source(cfg: MmaConfig, nb: int) -> str:
+    """The CUDA source for one launch shape (``nb`` n8 blocks: 1 for M <= 8, 2 for M <= 16)."""
+    defines = (f"#define T_TILES {cfg.tiles}\n#define WARPS_R {cfg.warps_r}\n#define WARPS_K {cfg.warps_k}\n"
+               f"#define NB {nb}\n#define DEPTH {cfg.depth}\n#define MIN_CTAS {cfg.min_ctas}\n"
+               f"#define PREFETCH {cfg.prefetch}\n#define L2_HINT {cfg.l2_hint}\n"
+               f"#define KERNEL_NAME {kernel_name(cfg, nb)}\n")
+    return defines + SOURCE_PATH.read_text()
+
+
+def compile_cubin(source: str, name: str, arch: str, lib: ctypes.CDLL | None = None) -> bytes:
+    """NVRTC: CUDA source -> cubin for ``arch`` (e.g. ``"sm_90"``). Raises with the compiler log."""
+    lib = lib or _nvrtc()
+    prog = ctypes.c_void_p()
+    _nvrtc_check(lib, lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), f"{name}.cu".encode(), 0, None, None))
+    try:
+        opts = [f"--gpu-architecture={arch}".encode(), b"--std=c++17", b"-lineinfo"]
+        arr = (ctypes.c_char_p * len(opts))(*opts)
+        res = lib.nvrtcCompileProgram(prog, len(opts), arr)
+        if res != 0:
+            size = ctypes.c_size_t()
+            lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+            log = ctypes.create_string_buffer(size.value)
+            lib.nvrtcGetProgramLog(prog, log)
+            raise RuntimeError(f"NVRTC could not compile {name} for {arch}:\n{log.value.decode(errors='replace')}")
+        size = ctypes.c_size_t()
+        _nvrtc_check(lib, lib.nvrtcGetCUBINSize(prog, ctypes.byref(size)))
+        buf = ctypes.create_string_buffer(size.value)
+        _nvrtc_check(lib, lib.nvrtcGetCUBIN(prog, buf))
+        return buf.raw
+    finally:
+        lib.nvrtcDestroyProgram(ctypes.byref(prog))
+
+
+def _nvrtc_check(lib: ctypes.CDLL, res: int) -> None:
+    if res != 0:
+        lib.nvrtcGetErrorString.restype = ctypes.c_char_p
+        raise RuntimeError(f"NVRTC error {res}: {lib.nvrtcGetErrorString(res).decode()}")
+
+
+def _cu_check(res: int, what: str) -> None:
+    if res != 0:
+        msg = ctypes.c_char_p()
+        _driver().cuGetErrorString(res, ctypes.byref(msg))
+        raise RuntimeError(f"CUDA driver error {res} in {what}: {(msg.value or b'?').decode()}")
+
+
+class _LaunchAttribute(ctypes.Structure):  # CUlaunchAttribute: id, 4 bytes of padding, a 64-byte value union
+    _fields_ = [("id", ctypes.c_uint), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int), ("rest", ctypes.c_char * 60)]
+
+
+class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
+    _fields_ = [("grid_x", ctypes.c_uint), ("grid_y", ctypes.c_uint), ("grid_z", ctypes.c_uint),
+                ("block_x", ctypes.c_uint), ("block_y", ctypes.c_uint), ("block_z", ctypes.c_uint),
+                ("shared_bytes", ctypes.c_uint), ("stream", ctypes.c_void_p),
+                ("attrs", ctypes.POINTER(_LaunchAttribute)), ("num_attrs", ctypes.c_uint)]
+
+
+_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+
+
+class _Kernel:
+    """A loaded cubin function and a lean launcher on PyTorch's current stream."""
+
+    def __init__(self, cubin: bytes, name: str):
+        drv = _driver()
+        self._module = ctypes.c_void_p()
+        _cu_check(drv.cuModuleLoadData(ctypes.byref(self._module), cubin), "cuModuleLoadData")
+        self._func = ctypes.c_void_p()
+        _cu_check(drv.cuModuleGetFunction(ctypes.byref(self._func), self._module, name.encode()), "cuModuleGetFunction")
+        self._launch = drv.cuLaunchKernel
+        self._launch_ex = drv.cuLaunchKernelEx
+
+    def ctas_per_sm(self, threads: int) -> int:
+        """Resident CTAs per SM for this kernel (driver occupancy calculator)."""
+        n = ctypes.c_int()
+        _cu_check(_driver().cuOccupancyMaxActiveBlocksPerMultiprocessor(ctypes.byref(n), self._func, threads, 0),
+                  "cuOccupancyMaxActiveBlocksPerMultiprocessor")
+        return n.value
+
+    def __call__(self, grid: tuple[int, int], threads: int, args: list, pdl: bool = False) -> None:
+        """Launch; ``pdl``: programmatic dependent launch (the CTAs may start while the previous
+        kernel in the stream runs, and wait for it in the kernel before touching its outputs)."""
+        vals = [ctypes.c_void_p(a.data_ptr()) if isinstance(a, torch.Tensor) else
+                ctypes.c_void_p(0) if a is None else ctypes.c_int(a) for a in args]
+        params = (ctypes.c_void_p * len(vals))(*[ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in vals])
+        stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
+        if not pdl:
+            _cu_check(self._launch(self._func, grid[0], grid[1], 1, threads, 1, 1, 0, stream, params, None),
+                      "cuLaunchKernel")
+            return
+        attr = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
+        config = _LaunchConfig(grid[0], grid[1], 1, threads, 1, 1, 0, stream, ctypes.pointer(attr), 1)
+        _cu_check(self._launch_ex(ctypes.byref(config), self._func, params, None), "cuLaunchKernelEx")
+
+
+_KERNELS: dict[tuple, _Kernel] = {}
+_COUNTERS: dict[int, torch.Tensor] = {}
+_LOCK = threading.Lock()
+
+
+def _get_kernel(cfg: MmaConfig, nb: int, device: torch.device) -> _Kernel:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    key = (index, cfg.tiles, cfg.warps_r, cfg.warps_k, cfg.depth, cfg.min_ctas, cfg.prefetch, cfg.l2_hint, nb)
+    kern = _KERNELS.get(key)
+    if kern is None:
+        with _LOCK, torch.cuda.device(index):
+            if torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("fp4_kernel_mma: first use of a launch shape inside CUDA-graph capture; "
+                                   "run the call once before capturing (warm-up)")
+            major, minor = torch.cuda.get_device_capability(index)
+            name = kernel_name(cfg, nb)
+            cubin = compile_cubin(kernel_source(cfg, nb), name, f"sm_{major}{minor}")
+            torch.cuda.synchronize(index)  # makes PyTorch's primary context current on this thread
+            kern = _KERNELS[key] = _Kernel(cubin, name)
+    return kern
+
+
+def _counters(device: torch.device, blocks: int) -> torch.Tensor:
+    """Per-row-block arrival counters for K-slices; zero between launches (the kernel resets them)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    buf = _COUNTERS.get(index)
+    if buf is None or buf.numel() < blocks:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("fp4_kernel_mma: counter buffer must grow inside CUDA-graph capture; warm up first")
+        buf = _COUNTERS[index] = torch.zeros(max(blocks, 4096), dtype=torch.int32, device=device)
+    return buf
+
+
+# ============================================================================ launch
+
+def mma_linear(x2: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor,
+               bias: torch.Tensor | None, out: torch.Tensor, config: MmaConfig | None = None,
+               pdl: bool | None = None) -> torch.Tensor:
+    """``out[m, n] = bf16(x2 @ W.T * 2^8/gs ...)`` (+ bias) for bf16 ``x2 [m, k]`` (unit column stride), ``m <= 16``.
+
+    ``words``: int32 ``[N, K/8]``, ``scales``: uint8 ``[N, K/16]`` (the compressed-tensors bytes),
+    ``out``: bf16 ``[m, N]`` contiguous. Validation of dtypes/shapes is ``fp4_kernel``'s job; this
+    checks only what the kernel itself assumes. K-sliced launches share one arrival-counter buffer
+    per device: run them on one stream at a time (the engine and the benchmarks do).
+    """
+    m, k = x2.shape
+    n = words.shape[0]
+    if not supported_problem(m, k):
+        raise ValueError(f"fp4_kernel_mma takes 1 <= M <= {MAX_M} and K % {CHUNK} == 0, got M={m}, K={k}")
+    if x2.stride(1) != 1 or (m > 1 and x2.stride(0) % 8) or x2.data_ptr() % 16 or words.data_ptr() % 16 \
+            or scales.data_ptr() % 2:
+        raise ValueError("fp4_kernel_mma needs 16-byte aligned x rows (stride % 8 == 0) and weights, 2-byte aligned scales")
+    nb = 1 if m <= 8 else 2
+    cfg = config or pick_mma_config(m, n, k, _device_sms(x2.device.index))
+    cfg.check_shared(nb)
+    kern = _get_kernel(cfg, nb, x2.device)
+    blocks = math.ceil(n / cfg.rows_per_cta)
+    chunks = k // CHUNK
+    per_split = math.ceil(chunks / cfg.split_k)
+    split = math.ceil(chunks / per_split)
+    ws = torch.empty(split, m, n, dtype=torch.float32, device=x2.device) if split > 1 else out
+    counters = _counters(x2.device, blocks)
+    kern((blocks, split), cfg.threads,
+         [x2, words, scales, global_scale, bias, out, ws, counters, m, n, k, x2.stride(0), out.stride(0), per_split],
+         pdl=pdl_switch.use_for(x2.device) if pdl is None else pdl)
+    return out

@@ -1,0 +1,291 @@
+"""NVFP4Linear: a frozen 4-bit Linear layer that holds only the packed NVFP4 tensors.
+
+How it works
+------------
+``nn.Linear`` holds a bf16 ``weight [N, K]`` (2 bytes per weight). ``NVFP4Linear`` holds the
+three compressed-tensors buffers instead (see ``qerl_lib.quant.nvfp4`` for the format):
+
+``weight_packed``        uint8 ``[N, K/2]``           two E2M1 codes per byte
+``weight_scale``         float8_e4m3fn ``[N, K/16]``  one block scale per 16 weights
+``weight_global_scale``  float32 ``[1]``              the per-tensor encode factor
+
+(+ an optional ``bias`` in the model dtype), i.e. 4.5 bits per weight, 28% of bf16. The
+names are exactly the checkpoint suffixes, so ``model.load_state_dict(shard, assign=True)``
+drops a compressed-tensors shard straight into the module (the "two-phase" pattern:
+pack offline, swap ``nn.Linear`` for a module with packed-shape buffers, assign-load).
+
+Forward, chosen per layer by the ``impl`` argument (not a global switch):
+
+* ``"reference"``: ``F.linear(x, dequantize(W), bias)``. ``dequantize`` is bit-exact with
+  compressed-tensors, so this layer computes exactly what transformers computes on a
+  checkpoint loaded with ``CompressedTensorsConfig(dequantize=True)``. The bf16 weight is a
+  temporary that lives for one matmul.
+* ``"kernel"``: ``qerl_lib.kernels.fp4_gemm.fp4_linear`` on a zero-copy ``PreparedFP4Weight`` cached
+  by the layer (the Triton FP4 x BF16 GEMM on CUDA; on CPU that module's Marlin-style oracle
+  ``nvfp4.reference_matmul``). It applies ``1/gs`` to the fp32 accumulator like Marlin, so it
+  differs from ``"reference"`` in the last bits. It needs bf16 activations.
+* ``"auto"`` (default): ``"kernel"`` for CUDA inputs, ``"reference"`` otherwise.
+
+Training through a frozen 4-bit layer
+-------------------------------------
+LoRA needs ``dL/dx`` of every base layer (to reach the adapters of earlier layers) but never
+``dL/dW``. A plain ``F.linear(x, dequantize(W))`` would make autograd keep each layer's
+dequantized bf16 weight alive from forward to backward, i.e. a full bf16 copy of the model
+during training. ``_FrozenNVFP4Matmul`` saves only the packed buffers (already resident) and
+dequantizes again in backward: ``dx = dy @ W``, the QLoRA trick (bitsandbytes ``MatMul4Bit``).
+The buffers never require grad, so no gradient can reach them.
+
+Playing well with transformers and peft
+---------------------------------------
+* ``weight`` is a read-only property that returns the dequantized bf16 weight, computed on
+  demand and never stored: code that only looks at ``layer.weight.dtype``/``.device``/
+  ``.shape`` (peft does, when wrapping a layer) gets correct answers, and code that reads
+  values gets the true values. A weak reference remembers the last result while someone
+  still holds it, so peft's repeated ``hasattr(layer, "weight")`` costs one dequantization,
+  not nine. Assigning ``layer.weight = ...`` raises: the packed weight cannot absorb it.
+* ``model.to(dtype)`` / ``.half()`` cast only the bias and ``compute_dtype``; the format
+  buffers keep uint8 / float8_e4m3fn / float32 (a bf16 global scale would change the
+  arithmetic, nvfp4 docstring), while device moves apply to everything.
+* ``_load_from_state_dict`` checks the three format tensors' dtype and shape and raises
+  naming the full key, so a wrong shard can never be copied in with a silent cast.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from qerl_lib.quant import nvfp4
+
+IMPLS = ("auto", "reference", "kernel")
+FORMAT_BUFFERS = ("weight_packed", "weight_scale", "weight_global_scale")
+
+
+def _check_impl(impl: str) -> str:
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    return impl
+
+
+def resolve_impl(impl: str, device: torch.device) -> str:
+    """``"auto"`` -> ``"kernel"`` on CUDA, ``"reference"`` elsewhere; other values pass through."""
+    _check_impl(impl)
+    if impl == "auto":
+        return "kernel" if device.type == "cuda" else "reference"
+    return impl
+
+
+class _FrozenNVFP4Matmul(torch.autograd.Function):
+    """``y = x @ W.T + b`` with W stored in NVFP4; gradient for ``x`` only (W and b are frozen)."""
+
+    @staticmethod
+    def forward(ctx, x, packed, scale, global_scale, bias, prepared):
+        ctx.save_for_backward(packed, scale, global_scale)  # resident buffers: saving them is free
+        if prepared is not None:  # the fp4_kernel path
+            from qerl_lib.kernels.fp4_gemm import fp4_linear
+
+            return fp4_linear(x, prepared, bias)
+        weight = nvfp4.dequantize(nvfp4.NVFP4Weight(packed, scale, global_scale), dtype=x.dtype)  # temporary
+        return F.linear(x, weight, None if bias is None else bias.to(x.dtype))
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        packed, scale, global_scale = ctx.saved_tensors
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            # Dequantize again instead of keeping a bf16 copy from forward (QLoRA's trick). For the
+            # kernel path this is the bf16-rounded W, within one bf16 ulp of the kernel's exact W.
+            weight = nvfp4.dequantize(nvfp4.NVFP4Weight(packed, scale, global_scale), dtype=grad_out.dtype)
+            grad_x = grad_out @ weight
+        return grad_x, None, None, None, None, None
+
+
+class NVFP4Linear(nn.Module):
+    """A frozen Linear layer stored as NVFP4 (compressed-tensors layout); see the module docstring.
+
+    Args:
+        in_features: K, must be a multiple of 16 (the NVFP4 block size).
+        out_features: N.
+        bias: whether the layer has a (frozen) bias buffer.
+        impl: ``"auto"`` | ``"reference"`` | ``"kernel"`` (forward path for this layer).
+        compute_dtype: dtype of ``weight``/``dequantize()`` and of the bias (bf16 normally).
+        device: where the (uninitialised) buffers are allocated; ``"meta"`` for a skeleton.
+        name: the layer's name in its model, used in error messages.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, impl: str = "auto",
+                 compute_dtype: torch.dtype = torch.bfloat16, device=None, name: str = "NVFP4Linear"):
+        super().__init__()
+        if in_features % nvfp4.GROUP_SIZE != 0:
+            raise ValueError(
+                f"{name}: in_features = {in_features} must be a multiple of {nvfp4.GROUP_SIZE} (NVFP4 block size); "
+                "leave this layer unquantized (add it to ignore)"
+            )
+        self.in_features = int(in_features)
+        self.out_features = int(out_features)
+        self.impl = _check_impl(impl)
+        self.compute_dtype = compute_dtype
+        self.layer_name = name
+        self.register_buffer("weight_packed", torch.empty(out_features, in_features // 2, dtype=torch.uint8, device=device))
+        self.register_buffer("weight_scale", torch.empty(out_features, in_features // nvfp4.GROUP_SIZE,
+                                                         dtype=torch.float8_e4m3fn, device=device))
+        self.register_buffer("weight_global_scale", torch.ones(1, dtype=torch.float32, device=device))
+        self.register_buffer("bias", torch.zeros(out_features, dtype=compute_dtype, device=device) if bias else None)
+        self._weight_ref = None  # weakref to the last dequantized weight (see `weight`)
+        self._weight_key = None
+        self._prepared = None  # fp4_kernel.PreparedFP4Weight (zero-copy views + host-side 1/gs), cached
+        self._prepared_key = None
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, global_scale: torch.Tensor | None = None, impl: str = "auto",
+                    name: str = "linear") -> NVFP4Linear:
+        """Quantize an ``nn.Linear`` (bit-exact with llm-compressor). Pass the fused group's
+        ``nvfp4.global_scale(q, k, v)`` as ``global_scale`` to share it, as llm-compressor does."""
+        if not isinstance(linear, nn.Linear):
+            raise ValueError(f"{name}: from_linear expects nn.Linear, got {type(linear).__name__}")
+        weight = linear.weight.detach()
+        q = nvfp4.quantize(weight, global_scale=global_scale, name=name)
+        layer = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, impl=impl,
+                    compute_dtype=weight.dtype, device="meta", name=name)
+        layer.set_nvfp4_weight(q)
+        if linear.bias is not None:
+            layer.bias = linear.bias.detach().clone()
+        return layer
+
+    def set_nvfp4_weight(self, q: nvfp4.NVFP4Weight) -> None:
+        """Replace the three format buffers (validated: dtypes, shapes, devices)."""
+        q.validate(self.layer_name)
+        if q.shape != (self.out_features, self.in_features):
+            raise ValueError(f"{self.layer_name}: NVFP4 weight has shape {list(q.shape)}, "
+                             f"the layer is [{self.out_features}, {self.in_features}]")
+        self.weight_packed, self.weight_scale, self.weight_global_scale = (
+            q.weight_packed, q.weight_scale, q.weight_global_scale)
+        self._forget_derived()
+
+    def _forget_derived(self) -> None:
+        self._weight_ref = self._weight_key = None
+        self._prepared = self._prepared_key = None
+
+    def prepare_kernel(self):
+        """The fp4_kernel view of the buffers, built once and cached (it reads ``1/gs`` to the host, one
+        sync, so do this before capturing CUDA graphs: ``layers.prepare_kernels(model)``). Zero-copy: the
+        kernel reads ``weight_packed``/``weight_scale`` in place, so no second copy of the weight exists."""
+        from qerl_lib.kernels.fp4_gemm import prepare_fp4_weights
+
+        key = (self.weight_packed.data_ptr(), self.weight_scale.data_ptr(), self.weight_global_scale.data_ptr(),
+               self.weight_global_scale._version, self.weight_packed.device)
+        if self._prepared is None or self._prepared_key != key:
+            self._prepared = prepare_fp4_weights(self.weight_packed, self.weight_scale, self.weight_global_scale)
+            self._prepared_key = key
+        return self._prepared
+
+    # ------------------------------------------------------------------ views of the weight
+    @property
+    def nvfp4_weight(self) -> nvfp4.NVFP4Weight:
+        """The three buffers as an ``nvfp4.NVFP4Weight`` (no copy)."""
+        return nvfp4.NVFP4Weight(self.weight_packed, self.weight_scale, self.weight_global_scale)
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The dense weight ``[N, K]`` (bit-exact with compressed-tensors' decompress); a fresh tensor."""
+        with torch.no_grad():
+            return nvfp4.dequantize(self.nvfp4_weight, dtype=dtype or self.compute_dtype)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """Read-only dequantized weight (compute_dtype), made on demand, never stored in the module."""
+        key = tuple((t.data_ptr(), t._version, t.device) for t in
+                    (self.weight_packed, self.weight_scale, self.weight_global_scale)) + (self.compute_dtype,)
+        cached = self._weight_ref() if self._weight_ref is not None else None
+        if cached is not None and self._weight_key == key:
+            return cached
+        weight = self.dequantize()
+        self._weight_ref, self._weight_key = weakref.ref(weight), key
+        return weight
+
+    @weight.setter
+    def weight(self, value) -> None:
+        raise AttributeError(
+            f"{self.layer_name}: NVFP4Linear.weight is read-only (it is dequantized from the packed buffers); "
+            "quantize a new weight with nvfp4.quantize and call set_nvfp4_weight, or keep this layer as nn.Linear"
+        )
+
+    @property
+    def resident_bytes(self) -> int:
+        """Bytes of the format buffers (the bias is counted separately by callers)."""
+        return sum(getattr(self, n).numel() * getattr(self, n).element_size() for n in FORMAT_BUFFERS)
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"{self.layer_name}: input last dim {x.shape[-1]} != in_features {self.in_features}")
+        prepared = self.prepare_kernel() if resolve_impl(self.impl, x.device) == "kernel" else None
+        return _FrozenNVFP4Matmul.apply(x, self.weight_packed, self.weight_scale, self.weight_global_scale,
+                                        self.bias, prepared)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"format=nvfp4 (4.5 bits/weight), impl={self.impl}")
+
+    # ------------------------------------------------------------------ dtype/device moves, loading
+    def _apply(self, fn, recurse=True):
+        # `.to(dtype)`/`.half()` must not turn the fp8 scales or the fp32 global scale into another float
+        # dtype (that would change the arithmetic); honour only the device part for the format buffers.
+        originals = {name: getattr(self, name) for name in FORMAT_BUFFERS}
+        super()._apply(fn, recurse)
+        for name, old in originals.items():
+            new = getattr(self, name)
+            if new.dtype != old.dtype:
+                self._buffers[name] = old.to(new.device)
+        probe = fn(torch.empty(0, dtype=self.compute_dtype, device=self.weight_packed.device))
+        if probe.dtype.is_floating_point:
+            self.compute_dtype = probe.dtype
+        self._forget_derived()
+        return self
+
+    def __getstate__(self):
+        state = super().__getstate__()
+        # weak references do not pickle; the kernel view is rebuilt on first use
+        state.update(_weight_ref=None, _weight_key=None, _prepared=None, _prepared_key=None)
+        return state
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        expected = {
+            "weight_packed": (torch.uint8, (self.out_features, self.in_features // 2)),
+            "weight_scale": (torch.float8_e4m3fn, (self.out_features, self.in_features // nvfp4.GROUP_SIZE)),
+            "weight_global_scale": (torch.float32, (1,)),
+        }
+        for name, (dtype, shape) in expected.items():
+            tensor = state_dict.get(prefix + name)
+            if tensor is not None and (tensor.dtype != dtype or tuple(tensor.shape) != shape):
+                raise ValueError(f"{prefix}{name}: expected {dtype} {list(shape)}, got {tensor.dtype} "
+                                 f"{list(tensor.shape)} (not an NVFP4 compressed-tensors tensor for this layer)")
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+        self._forget_derived()
+
+
+def nvfp4_modules(model: nn.Module) -> dict[str, NVFP4Linear]:
+    """All NVFP4Linear layers of a model by qualified name (peft-wrapped ones included)."""
+    return {name: m for name, m in model.named_modules() if isinstance(m, NVFP4Linear)}
+
+
+def prepare_kernels(model: nn.Module) -> int:
+    """Build every NVFP4Linear's fp4_kernel view now (one host sync each), e.g. before CUDA-graph capture."""
+    layers = nvfp4_modules(model)
+    for layer in layers.values():
+        layer.prepare_kernel()
+    return len(layers)
+
+
+def set_impl(model: nn.Module, impl: str) -> int:
+    """Set the forward path of every NVFP4Linear in ``model``; returns how many layers changed."""
+    _check_impl(impl)
+    layers = nvfp4_modules(model)
+    for layer in layers.values():
+        layer.impl = impl
+    return len(layers)

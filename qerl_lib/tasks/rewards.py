@@ -1,0 +1,366 @@
+"""Rewards for math RL: find the final answer, decide whether it equals the gold answer, check the format.
+
+How a completion is scored
+--------------------------
+1. **Text.** A completion is a string or, for chat datasets, TRL's list of ``{"role", "content"}``
+   messages; we score the content of the last assistant message (`completion_text`).
+2. **Extraction** (`extract_answer`), first rule that applies wins:
+
+   a. the last *closed* ``<answer>...</answer>`` block (the tags the kit's prompt asks for). If it
+      holds a ``\\boxed{...}``, the boxed content is the answer. This block is final even when it is
+      empty: an empty block gives no answer, we do not go looking elsewhere;
+   b. else the last ``\\boxed{...}`` (braces balanced; ``\\fbox`` too), the MATH/BigMath habit;
+   c. else the last ``#### N`` (GSM8K's own answer format, and the paper-era official prompt's);
+   d. else, only if ``last_number_fallback=True``, the last number anywhere in the text.
+
+   The training reward keeps (d) **off**: producing a marked answer is part of the task, and the
+   paper-era official scorer also required its marker. (d) is for scoring base models that ignore
+   the instruction. Tags are case-sensitive; an unclosed ``<answer>`` (truncated output) gives no answer.
+3. **Equivalence** (`answers_match`), pred vs gold:
+
+   * fast path, exact: when both sides read as a *plain number* (`parse_plain_number`) they are
+     compared as exact `Fraction`s, so 7 == 7.0 == 7.00, 0.5 == 1/2, 1,234 == 1234. A plain number
+     is one number (thousands commas in groups of three, optional sign and decimals, or ``a/b``)
+     with only words around it: ``$18``, ``18 dollars``, ``She has 18 apples.``, ``25%`` (the ``%``
+     is ignored, so "25%" equals 25, not 0.25), ``5 + 13 = 18`` (the text after the last ``=``);
+   * otherwise math-verify (``parse`` + ``verify``) on the answer wrapped in ``$...$``, for LaTeX,
+     fractions and expressions (``\\frac{1}{2}``, ``\\sqrt{4}``, ``2^{3}``); it runs in a worker
+     process under a hard wall-clock limit (`MathVerifier`, default 2 s per answer).
+4. **Format** (`format_reward`): 1.0 iff the completion is exactly one non-empty ``<think>`` block
+   followed by one non-empty ``<answer>`` block, with only whitespace around them.
+
+Why math-verify runs in a worker process
+----------------------------------------
+math-verify's own time limit is ``signal.alarm``, which cannot interrupt a C-level big-integer
+power (``10**10**10**10``) and does not work off the main thread. `qerl_lib.tasks.verifier.MathVerifier`
+runs it in a killable worker process instead (details there). Answers longer than
+``max_answer_chars`` (1000) score 0 without parsing. Model output is never ``eval``'ed: numbers go
+through `Fraction`, the rest through math-verify's LaTeX/sympy parser.
+
+Where we deviate from the official code (paper.md section 7, 9)
+---------------------------------------------------------------
+* Official HEAD GSM8K correctness zipped two *strings* and kept element ``[0]``: a first-character
+  match, so "75" scored full marks against gold "72" (and an empty answer raised). Here "75" vs
+  "72" is 0 (pinned by a regression test).
+* Official HEAD gave 2.0 for a correct answer, the paper-era commit 1.0; the paper plots accuracy
+  reward on 0-1. We return 1.0/0.0 and 1.0/0.0 for format; the weights (official: format 0.2) live in
+  the trainer config, not here.
+* Official soft format used ``re.match`` (start-anchored, any trailing text, empty blocks allowed);
+  ours also rejects trailing text, repeated tags and empty blocks, so rambling past the answer or
+  stuffing several answer blocks does not earn the format reward.
+
+TRL glue: `accuracy_reward` and `format_reward_func` take TRL's ``reward_funcs`` signature;
+`SafeReward` wraps any of them so that one completion that raises scores 0.0 and is counted.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+from fractions import Fraction
+from typing import Any, Callable
+
+from qerl_lib.errors import UserError
+from qerl_lib.tasks.verifier import DEFAULT_TIMEOUT_S, MathVerifier, shared_verifier
+
+__all__ = [  # the verifier names are re-exported: callers import everything scoring needs from here
+    "DEFAULT_TIMEOUT_S", "DEFAULT_MAX_ANSWER_CHARS", "MathVerifier", "SafeReward", "accuracy_reward",
+    "answers_match", "completion_text", "extract_answer", "extract_gold", "format_reward",
+    "format_reward_func", "last_boxed", "parse_plain_number", "score_answer", "shared_verifier",
+]
+DEFAULT_MAX_ANSWER_CHARS = 1000  # no GSM8K/MATH final answer is this long; longer ones score 0 unparsed
+
+# ---- Completion text and answer extraction -------------------------------------------------------
+
+
+def completion_text(completion: Any) -> str:
+    """The text of a completion: a string as is; for TRL's conversational form (a list of
+    ``{"role", "content"}`` dicts) the content of the last assistant message (the last message if
+    none is marked assistant). Content given as a list of parts keeps its ``text`` parts."""
+    if isinstance(completion, str):
+        return completion
+    if isinstance(completion, dict):
+        completion = [completion]
+    if isinstance(completion, (list, tuple)):
+        if not completion:
+            return ""
+        if not all(isinstance(m, dict) for m in completion):
+            raise TypeError("a conversational completion must be a list of {'role', 'content'} dicts")
+        assistant = [m for m in completion if m.get("role") == "assistant"]
+        content = (assistant or list(completion))[-1].get("content") or ""
+        if isinstance(content, list):  # multimodal-style parts: [{"type": "text", "text": ...}, ...]
+            content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+        if not isinstance(content, str):
+            raise TypeError(f"message content must be a string, got {type(content).__name__}")
+        return content
+    raise TypeError(f"a completion must be a string or a list of messages, got {type(completion).__name__}")
+
+
+# Number token: optional sign, thousands commas in groups of three (or plain digits), optional
+# decimals. ASCII only, so exotic Unicode digits never reach Fraction. No exponent notation:
+# Fraction("1e999999999") would build a billion-digit integer.
+_NUM = r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|[-+]?\.\d+"
+_NUMBER_RE = re.compile(rf"(?<![\w.])(?:{_NUM})(?!\d|[.,]\d)", re.ASCII)
+_HASH_ANSWER_RE = re.compile(r"####[ \t]*([^\n]*)")
+_BOX_COMMANDS = ("\\boxed", "\\fbox")
+_MAX_BOX_TRIES = 8  # how many earlier \boxed to try when the last ones are unbalanced (truncated)
+
+
+def _braced_content(text: str, start: int) -> str | None:
+    """Content of the ``{...}`` group opening at ``text[start:]`` after optional spaces, braces
+    balanced; None when there is no group or it never closes."""
+    i = start
+    while i < len(text) and text[i] in " \t":
+        i += 1
+    if i >= len(text) or text[i] != "{":
+        return None
+    depth = 0
+    for j in range(i, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[j], 0)
+        if depth == 0:
+            return text[i + 1:j]
+    return None
+
+
+def last_boxed(text: str) -> str | None:
+    """Content of the last balanced ``\\boxed{...}`` (or ``\\fbox{...}``) in `text`, else None."""
+    end = len(text)
+    for _ in range(_MAX_BOX_TRIES):
+        found = [(text.rfind(cmd, 0, end), cmd) for cmd in _BOX_COMMANDS]
+        pos, cmd = max(found)
+        if pos < 0:
+            return None
+        content = _braced_content(text, pos + len(cmd))
+        if content is not None:
+            return content
+        end = pos
+    return None
+
+
+def _last_answer_block(text: str) -> str | None:
+    # rfind, not a regex: ".*?" between tags is quadratic on 100k characters of repeated "<answer>".
+    close = text.rfind("</answer>")
+    if close < 0:
+        return None
+    open_ = text.rfind("<answer>", 0, close)
+    return None if open_ < 0 else text[open_ + len("<answer>"):close]
+
+
+def extract_answer(completion: Any, *, last_number_fallback: bool = False) -> str | None:
+    """The final answer of a completion (rules a-d in the module docstring), stripped; None if none.
+
+    >>> extract_answer("<think>12+60=72</think><answer>72</answer>")
+    '72'
+    """
+    text = completion_text(completion)
+    block = _last_answer_block(text)
+    if block is not None:
+        boxed = last_boxed(block)
+        answer = (boxed if boxed is not None else block).strip()
+        return answer or None
+    boxed = last_boxed(text)
+    if boxed is not None:
+        return boxed.strip() or None
+    for match in reversed(list(_HASH_ANSWER_RE.finditer(text))):
+        candidate = match.group(1).strip()
+        # A markdown heading "#### Step 3" is not an answer: require something number- or LaTeX-like.
+        if candidate and candidate[0] in "-+$\\.0123456789\u2212":
+            return candidate
+    if last_number_fallback:
+        numbers = _NUMBER_RE.findall(text)
+        if numbers:
+            return numbers[-1]
+    return None
+
+
+def extract_gold(answer_field: str) -> str:
+    """The gold final answer from a GSM8K-schema ``answer`` field (worked solution ending in
+    ``#### N``: the text after the last ``####``, first line), or the field itself when it is
+    already a bare answer. Returned as written (commas kept); equivalence handles them."""
+    if isinstance(answer_field, (int, float)) and not isinstance(answer_field, bool):
+        answer_field = str(answer_field)  # a numeric dataset column
+    if not isinstance(answer_field, str):
+        raise UserError(f"gold answer must be a string, got {type(answer_field).__name__}")
+    text = answer_field
+    if "####" in text:
+        tail = text.rsplit("####", 1)[1].strip()
+        text = tail.splitlines()[0] if tail else ""
+    text = text.strip()
+    if not text:
+        raise UserError("gold answer is empty: the answer field must end with '#### N' (GSM8K schema) "
+                        "or be the bare final answer")
+    return text
+
+
+# ---- Equivalence: exact fast path for plain numbers ----------------------------------------------
+
+_TEXT_WRAPPERS_RE = re.compile(r"\\(?:text|textbf|textit|textrm|mathrm|mathbf|mbox|operatorname)\s*\{([^{}]*)\}")
+_LATEX_SPACES_RE = re.compile(r"\\[,!;: ]|~")
+_FRACTION_RE = re.compile(r"([-+]?\d+)\s*/\s*(\d+)", re.ASCII)
+# What may surround the one number of a plain answer: words, spaces, light punctuation, currency
+# and %, and "/" only between letters (km/h). No digits, no operators, no braces.
+_PROSE_RE = re.compile(r"(?:[A-Za-z\s%.,:;'!?&()\u20ac\u00a3-]|(?<=[A-Za-z])/(?=[A-Za-z]))*")
+
+
+def _normalize(text: str) -> str:
+    s = text.replace("\u2212", "-").replace("\u2248", "=").replace("\\%", "%")
+    s = s.replace("\\$", "").replace("$", "")
+    for delim in ("\\(", "\\)", "\\[", "\\]"):
+        s = s.replace(delim, "")
+    for _ in range(3):  # \text{\textbf{18}} nests at most a couple of levels in practice
+        s = _TEXT_WRAPPERS_RE.sub(r"\1", s)
+    s = _LATEX_SPACES_RE.sub(" ", s)
+    if s.lstrip().startswith("####"):
+        s = s.lstrip()[4:]
+    return s.strip()
+
+
+def parse_plain_number(text: str) -> Fraction | None:
+    """The exact value of a plain-number answer (see module docstring), or None when `text` is not
+    one (no number, several numbers, operators, LaTeX): those go to math-verify."""
+    s = _normalize(text)
+    if "=" in s:
+        s = s.rsplit("=", 1)[1]
+    s = s.strip().strip("*_").strip()  # markdown emphasis: **18**
+    s = s.rstrip(".").strip()
+    fraction = _FRACTION_RE.fullmatch(s)
+    if fraction:
+        numerator, denominator = int(fraction.group(1)), int(fraction.group(2))
+        return Fraction(numerator, denominator) if denominator else None
+    numbers = list(_NUMBER_RE.finditer(s))
+    if len(numbers) != 1:
+        return None
+    number = numbers[0]
+    if not _PROSE_RE.fullmatch(s[:number.start()] + " " + s[number.end():]):
+        return None
+    return Fraction(number.group().replace(",", ""))
+
+
+def answers_match(pred: str, gold: str, *, timeout_s: float | None = None,
+                  verifier: MathVerifier | None = None) -> bool:
+    """Whether answer `pred` equals answer `gold`: exact on plain numbers, else math-verify under
+    a time limit (`timeout_s`, default the verifier's). A timeout counts as not equal."""
+    gold_value, pred_value = parse_plain_number(gold), parse_plain_number(pred)
+    if gold_value is not None and pred_value is not None:
+        return gold_value == pred_value
+    return (verifier or shared_verifier()).equivalent(gold, pred, timeout_s=timeout_s)
+
+
+def score_answer(completion: Any, gold: str, *, last_number_fallback: bool = False,
+                 timeout_s: float | None = None, verifier: MathVerifier | None = None,
+                 max_answer_chars: int = DEFAULT_MAX_ANSWER_CHARS) -> float:
+    """1.0 when the completion's final answer equals `gold`, else 0.0. `gold` may be the bare answer
+    or a whole GSM8K answer field (``... #### N``)."""
+    pred = extract_answer(completion, last_number_fallback=last_number_fallback)
+    if pred is None or len(pred) > max_answer_chars:
+        return 0.0
+    return 1.0 if answers_match(pred, extract_gold(gold), timeout_s=timeout_s, verifier=verifier) else 0.0
+
+
+# ---- Format reward -------------------------------------------------------------------------------
+
+_FORMAT_RE = re.compile(r"\A\s*<think>(.*?)</think>\s*<answer>(.*?)</answer>\s*\Z", re.DOTALL)
+_TAGS = ("<think>", "</think>", "<answer>", "</answer>")
+
+
+def format_reward(completion: Any) -> float:
+    """1.0 iff the completion is ``<think>R</think> <answer>A</answer>`` with R and A non-empty, each
+    tag exactly once, only whitespace around; else 0.0. The opening ``<think>`` must be in the
+    completion (the kit's prompt does not pre-fill it)."""
+    text = completion_text(completion)
+    if any(text.count(tag) != 1 for tag in _TAGS):
+        return 0.0
+    match = _FORMAT_RE.match(text)
+    return 1.0 if match and match.group(1).strip() and match.group(2).strip() else 0.0
+
+
+# ---- TRL reward functions ------------------------------------------------------------------------
+
+
+def accuracy_reward(prompts: list, completions: list, answer: list, *, last_number_fallback: bool = False,
+                    timeout_s: float | None = None, verifier: MathVerifier | None = None,
+                    **kwargs) -> list[float]:
+    """TRL ``reward_funcs`` entry: `score_answer` per completion against the dataset's ``answer``
+    column (GSM8K ``... #### N`` or bare). Options via ``functools.partial``. One raising completion
+    fails the batch: wrap in `SafeReward` for training."""
+    if len(answer) != len(completions):
+        raise ValueError(f"got {len(completions)} completions but {len(answer)} gold answers: the "
+                         f"dataset needs an 'answer' column, one per prompt")
+    return [score_answer(c, a, last_number_fallback=last_number_fallback, timeout_s=timeout_s, verifier=verifier)
+            for c, a in zip(completions, answer)]
+
+
+def format_reward_func(prompts: list, completions: list, **kwargs) -> list[float]:
+    """TRL ``reward_funcs`` entry: `format_reward` per completion."""
+    return [format_reward(c) for c in completions]
+
+
+def _callable_name(func: Callable) -> str:
+    while hasattr(func, "func") and not hasattr(func, "__name__"):  # functools.partial
+        func = func.func
+    return getattr(func, "__name__", type(func).__name__)
+
+
+class SafeReward:
+    """Wrap a TRL reward function so a completion whose scoring raises gets `default` (0.0) instead
+    of crashing the step, and is counted.
+
+    The wrapped function is called once per completion, with every per-sample keyword (a list as
+    long as `completions`) sliced to that sample, so one bad completion costs only its own reward.
+    Argument mismatches (a missing dataset column) raise at once instead of being counted.
+    ``errors`` is the running total, ``take_errors()`` returns the count since the last take (one
+    number per trainer step), ``last_error`` the latest message. When TRL passes its ``log_metric``
+    callback, the per-call count is also logged as ``<name>/errors``. ``__name__`` is the wrapped
+    function's (TRL names the reward columns with it).
+    """
+
+    def __init__(self, func: Callable, *, default: float = 0.0, name: str | None = None):
+        if not callable(func):
+            raise TypeError(f"SafeReward wraps a reward function, got {type(func).__name__}")
+        self.func = func
+        self.default = float(default)
+        self.__name__ = name or _callable_name(func)
+        self.errors = self.scored = self._errors_taken = 0
+        self.last_error: str | None = None
+
+    def __call__(self, prompts: list | None, completions: list, **kwargs) -> list[float | None]:
+        n = len(completions)
+        prompts = [None] * n if prompts is None else prompts
+        if len(prompts) != n:
+            raise ValueError(f"got {len(prompts)} prompts for {n} completions: they must pair one to one")
+        try:  # a missing dataset column is a setup bug for every sample: raise it, do not count it
+            inspect.signature(self.func).bind(prompts=prompts, completions=completions, **kwargs)
+        except TypeError as exc:
+            raise TypeError(f"reward function {self.__name__} cannot take these arguments ({exc}): check the "
+                            f"dataset columns it needs") from exc
+        except ValueError:  # no introspectable signature (a builtin): let the calls decide
+            pass
+        per_sample = {k for k, v in kwargs.items() if isinstance(v, (list, tuple)) and len(v) == n}
+        rewards: list[float | None] = []
+        errors_now = 0
+        for i in range(n):
+            sample_kwargs = {k: ([v[i]] if k in per_sample else v) for k, v in kwargs.items()}
+            try:
+                out = self.func(prompts=[prompts[i]], completions=[completions[i]], **sample_kwargs)
+                if len(out) != 1:
+                    raise ValueError(f"returned {len(out)} rewards for 1 completion")
+                rewards.append(None if out[0] is None else float(out[0]))  # None: TRL's "no reward"
+            except Exception as exc:  # noqa: BLE001 -- the point of the wrapper; KeyboardInterrupt passes
+                errors_now += 1
+                self.last_error = f"{type(exc).__name__}: {exc}"[:500]
+                rewards.append(self.default)
+        self.errors += errors_now
+        self.scored += n
+        log_metric = kwargs.get("log_metric")
+        if callable(log_metric):
+            log_metric(f"{self.__name__}/errors", float(errors_now))
+        return rewards
+
+    def take_errors(self) -> int:
+        """Errors since the previous call (the first call: since creation)."""
+        new = self.errors - self._errors_taken
+        self._errors_taken = self.errors
+        return new
+
+    def __repr__(self) -> str:
+        return f"SafeReward({self.__name__}, errors={self.errors}, scored={self.scored})"

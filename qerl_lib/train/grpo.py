@@ -1,0 +1,388 @@
+"""QeRL training: GRPO/DAPO on TRL's GRPOTrainer, rollouts from the kit's engine, LoRA on a frozen base.
+
+What one optimizer step does
+----------------------------
+1. **Rollout** (`EngineRollout`, TRL's ``rollout_func`` hook). TRL hands over the step's prompts,
+   each already repeated G times (its sampler groups them). We render each with the model's chat
+   template, and the kit's engine samples one completion per entry from the policy as it is
+   *now*: the frozen base (bf16, NF4 or NVFP4) with the LoRA adapters applied unmerged (no merged
+   copy of the base exists) and, in mode ``qerl``, the RMSNorm weights replaced by
+   ``w + N(0, σ²)`` with σ from the AQN schedule. The engine returns each token's log-probability
+   under the distribution it was drawn from.
+2. **Rewards** (TRL). accuracy (1.0 if the final answer equals the gold one) + 0.2 x format,
+   each wrapped in `rewards.SafeReward`: a completion whose scoring raises gets 0 and is counted.
+3. **Advantages** (TRL). A_i = (r_i - mean of the group) / (std of the group + 1e-4).
+4. **Mismatch** (`grpo_trainer.QeRLGRPOTrainer`). The trainer recomputes the log-probs of the sampled tokens
+   with the clean model (no AQN noise, its own matmul path) and we log how far they are from the
+   engine's. With ``is_correction`` the advantages are weighted by a truncated importance ratio.
+5. **Loss and update** (TRL). Clipped surrogate, AdamW, cosine schedule, checkpoints.
+
+Every algorithmic choice, and where it comes from (paper.md §1, §5, §7, §9)
+-------------------------------------------------------------------------
+ 1. Policy-gradient objective: PPO-style clipped surrogate min(ρA, clip(ρ, 1-ε_low, 1+ε_high)A)
+    with ε = 0.2 / 0.28 (Table 4; DAPO's clip-higher). TRL computes it.
+ 2. Loss normalisation: ``grpo`` (mean over each sequence's tokens, then over sequences) for the
+    GSM8K presets, as the paper says GSM8K runs use GRPO; ``dapo`` (sum over all tokens of the
+    accumulated batch / their count) for BigMath. The scripts use ``bnpo`` everywhere, equal to
+    ``dapo`` on one GPU without accumulation.
+ 3. Advantages scaled by the group std (``scale_rewards="group"``), as in standard GRPO
+    (DeepSeekMath). No Dr. GRPO un-scaling.
+ 4. No KL term (β = 0) and no entropy bonus, as Table 4 says ("without using entropy or KL losses").
+    With β = 0 TRL loads no reference model.
+ 5. μ (policy updates per rollout): 4 on GSM8K, 1 on BigMath (Table 4, read as TRL's
+    ``num_iterations``; see grpo_presets). With μ = 1 the ratio ρ is exactly 1 at the single update,
+    so clipping never acts: the step is REINFORCE with a group baseline.
+ 6. Truncated completions (no end-of-turn token within the limit) are masked out of the loss
+    (``mask_truncated_completions``, official scripts; DAPO's overlong filtering) in the Qwen
+    presets; ``smollm2-arith`` keeps them (see grpo_presets for the measurement behind that).
+ 7. Rollouts at temperature 1.0, top-p 1.0, no top-k (Table 4, scripts). The engine's logprobs are
+    of softmax(logits / T), the same distribution TRL scores; a top-p/top-k filter is refused.
+ 8. LoRA rank 32, alpha = rank, all seven projections, dropout 0, norms frozen (paper §4.1; the
+    scripts' rank 16 and trainable norms are options).
+ 9. AdamW (8-bit on GPU, Table 4), betas (0.9, 0.99), weight decay 0.1, warm-up 10 %, cosine,
+    grad-norm clip 0.2 (scripts). lr 1e-5 quantized / 5e-6 bf16 (Table 4).
+10. AQN: σ_start 1e-2 → σ_end 5e-4 over 10 stages, exponential, stage 0 noise-free (Table 4,
+    Eq. 8 with the official code's exponent, see `aqn`); one fresh draw per rollout, on the input
+    and post-attention RMSNorms, *rollout only*, as the paper and code intend. The official code
+    most likely never applied it (class check on transformers' RMSNorm inside vLLM); here it reaches
+    the engine, and ``noise_rms`` in the metrics shows the realised perturbation.
+11. Rewards: 1.0 / 0.0 accuracy + 0.2 x format (paper-era official code: gsm8k_score 1.0 +
+    think_reward 0.2). HEAD gives 2.0 for a correct answer; the paper plots rewards on 0-1.
+12. Rollout/trainer mismatch is measured every step; the truncated-IS correction is off by default
+    (below).
+
+Rollout/trainer mismatch: where the "old" log-probs come from
+-------------------------------------------------------------
+TRL computes the ratio ρ = π_θ / π_old with π_old = its own forward at rollout time when it has
+to (μ > 1, or generation spanning several optimizer steps); otherwise (μ = 1) it uses
+``π_θ.detach()``, so ρ = 1. Either way π_old is the *trainer's* clean model, not the engine
+that sampled, exactly like the official code (paper.md §5.2). The behaviour policy differs from
+π_old in two ways: the AQN noise (intended: it is the exploration) and numerics (FP4 kernel vs
+the trainer's dequantised matmul, KV-cache decode vs one full forward, bf16 rounding). We
+log per step, over the loss tokens, with Δ = log π_old − log π_engine:
+``logprob_mismatch`` = mean |Δ|, ``logprob_mismatch_max``, ``mismatch_kl`` = mean(e^Δ − 1 − Δ)
+(the k3 estimate of KL(engine ‖ trainer)), and ``is_ratio_*`` = min(e^Δ, C) statistics.
+
+With ``is_correction=True`` each token's advantage is multiplied by min(e^Δ, C) (truncated
+importance sampling, token level, C = ``is_cap`` = 2). Because that weight is detached and ≥ 0,
+``-min(ρ·wA, clip(ρ)·wA) = w · -min(ρA, clip(ρ)A)``: it equals TRL's own vLLM-path correction
+(``per_token_loss * importance_sampling_ratio``), which TRL only enables with ``use_vllm``. We pass
+it through TRL's documented (B, T)-advantage path instead of flipping that switch.
+
+Why the correction is off by default: it is not in the paper or the official code, and in mode
+``qerl`` it would largely undo AQN. Weighting by π_clean/π_noisy re-targets the gradient to the
+clean policy, removing the shift the noise introduces, and that shift is the exploration the method
+wants. Measured on the embedded SmolLM2-135M, smollm2-arith (Δ in nats per token, over the loss tokens):
+
+==================================  ===========  =========  ===========  ==============
+run, step's noise                   mean abs Δ   max abs Δ  mismatch_kl  is ratio range
+==================================  ===========  =========  ===========  ==============
+CPU fp32, nvfp4 (σ = 0)             1.6e-5       4.1e-5     1.4e-9       [0.99996, 1.00001]
+CPU fp32, qerl σ = 1e-2             0.28         1.56       0.074        [0.21, 3.27]
+CPU fp32, qerl σ = 5e-4             0.015        0.078      2.2e-4       [0.93, 1.08]
+H200 bf16, qerl σ = 0 (steps 1-10)  0.048        0.91       2.2e-3       [0.40, 2.32]
+H200 bf16, qerl σ = 1e-2 (11-20)    0.29         6.8        0.082        [0.001, 19]
+H200 bf16, qerl σ = 5e-4 (91-100)   0.050        0.74       2.5e-3       [0.58, 2.10]
+==================================  ===========  =========  ===========  ==============
+
+(CPU: 3-step runs of `train`, 8 completions x ≤ 32 tokens, seed 0. H200: the first 100-step GPU
+run, 64 completions x ≤ 128 tokens per step, committed as ``results/train_smollm2_qerl_h200_*``.)
+Three readings. On a CPU the engine and the trainer run the same fp32 arithmetic, so the numerical
+gap is negligible (1e-5). On a GPU in bf16 the two paths round differently and the gap without any noise is
+already ~0.05 nats per token, as large as AQN's at σ_end = 5e-4, so the last stages' noise is
+hidden in numerical noise there. At σ_start = 1e-2 the noise dominates (KL ~0.08 per token, several
+nats per completion) and truncated IS would reweight the batch heavily. Turn the correction on to
+study off-policy correction, or when engine and trainer numerics diverge further (another kernel).
+
+Checkpoints and resume
+----------------------
+TRL/transformers save adapters, optimizer, scheduler, RNG and trainer state every ``save_steps``;
+`grpo_metrics` adds the AQN controller state and truncates ``metrics.jsonl`` back to the checkpoint
+on resume. Rollout seeds and AQN draws are functions of (seed, step, call), so a resumed run
+samples exactly what the uninterrupted run would have.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from qerl_lib.errors import UserError
+from qerl_lib.train.presets import TrainConfig, describe
+
+__all__ = ["train", "build_trainer", "build_dataset", "load_policy", "EngineRollout", "reward_functions", "aqn_config",
+           "resolve_device"]
+
+
+# ----------------------------------------------------------------------------- devices, data, model
+def resolve_device(config: TrainConfig) -> torch.device:
+    if config.device == "cuda" and not torch.cuda.is_available():
+        raise UserError("--device cuda was requested but CUDA is not available: use --device cpu (or auto)")
+    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if config.device == "auto" else config.device)
+    if device.type == "cpu" and "8bit" in config.optim:
+        raise UserError(f"optim={config.optim!r} (bitsandbytes 8-bit AdamW, the paper's) needs a GPU: on a CPU pass "
+                        "optim='adamw_torch' (Python API) or use the smollm2-arith preset")
+    needs_bnb = [what for what, used in (("mode qlora (NF4 base)", config.base == "nf4"),
+                                         (f"optim={config.optim!r}", "8bit" in config.optim)) if used]
+    if needs_bnb and importlib.util.find_spec("bitsandbytes") is None:
+        raise UserError(f"{' and '.join(needs_bnb)} need bitsandbytes, which is not installed: "
+                        "pip install bitsandbytes (requirements.txt pins the tested version)")
+    return device
+
+
+def compute_dtype(device: torch.device) -> torch.dtype:
+    # bf16 on GPUs (the paper's setting); fp32 on CPUs, which have no fast bf16 matmul here
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def load_tokenizer(config: TrainConfig):
+    from transformers import AutoTokenizer
+
+    from qerl_lib.models.embedded import resolve_model
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model(config.model))
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise UserError(f"{config.model}'s tokenizer has no chat template: use an instruct/chat model")
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def build_dataset(config: TrainConfig, tokenizer):
+    """The training problems as a TRL dataset: ``prompt`` (chat messages) and ``answer`` (gold text).
+
+    Problems whose rendered prompt exceeds ``max_prompt_tokens`` are dropped (the scripts' limit).
+    Raises `UserError` for an empty result, before any model is loaded.
+    """
+    from datasets import Dataset
+
+    from qerl_lib.tasks.problems import load_problems, prompt_messages
+
+    if config.data == "file" and not config.data_path:
+        raise UserError(f"preset {config.preset!r} reads its problems from a file: pass --data-path FILE.jsonl "
+                        "(GSM8K schema: 'question' and an 'answer' ending with '#### <answer>')")
+    records = load_problems(config.data, "train", n=config.n_train if config.data == "arith" else None,
+                            seed=0, path=config.data_path, level=config.data_level)
+    if config.n_train is not None:
+        records = records[: config.n_train]
+    rows = []
+    for rec in records:
+        messages = prompt_messages(rec["question"])
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        if len(tokenizer(text, add_special_tokens=False)["input_ids"]) <= config.max_prompt_tokens:
+            rows.append({"prompt": messages, "answer": rec["answer"]})
+    if len(rows) < config.prompts_per_step:
+        raise UserError(f"only {len(rows)} of {len(records)} problems fit max_prompt_tokens={config.max_prompt_tokens}, "
+                        f"fewer than one step's {config.prompts_per_step} prompts: raise max_prompt_tokens or add data")
+    return Dataset.from_list(rows)
+
+
+def load_policy(config: TrainConfig, device: torch.device, dtype: torch.dtype):
+    """The frozen base of ``config.mode`` with fresh LoRA adapters (a peft ``PeftModel``)."""
+    from qerl_lib.models.embedded import resolve_model
+    from qerl_lib.models.loader import is_nvfp4_checkpoint, load_model, replace_linear_with_nvfp4
+    from qerl_lib.models.lora import attach_lora
+
+    path = resolve_model(config.model)
+    if config.base == "nf4":
+        model = _load_nf4(path, device, dtype)
+    else:
+        model = load_model(path, device=device, dtype=dtype)
+        if config.base == "nvfp4" and not is_nvfp4_checkpoint(path):
+            # a dense checkpoint: round-to-nearest NVFP4 in memory (the official quantize script's recipe)
+            replace_linear_with_nvfp4(model)
+        elif config.base == "bf16" and is_nvfp4_checkpoint(path):
+            raise UserError(f"mode lora needs a dense checkpoint, but {config.model} is NVFP4: pass the bf16 model")
+    return attach_lora(model, rank=config.lora_rank, alpha=config.lora_alpha, dropout=config.lora_dropout,
+                       targets=config.lora_targets, train_norms=config.train_norms)
+
+
+def _load_nf4(path: str, device: torch.device, dtype: torch.dtype):
+    """QLoRA's base: bitsandbytes NF4 with its default settings (the paper: 'default QLoRA configuration')."""
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                               bnb_4bit_compute_dtype=dtype)
+    model = AutoModelForCausalLM.from_pretrained(path, quantization_config=quant, dtype=dtype,
+                                                 device_map={"": str(device)}, use_safetensors=True)
+    return model.eval()
+
+
+# ----------------------------------------------------------------------------- AQN and rewards
+def aqn_config(config: TrainConfig):
+    """The run's `AQNConfig` (None unless mode qerl). Runs shorter than the stage count get fewer stages."""
+    if not config.aqn:
+        return None
+    from qerl_lib.train.aqn import AQNConfig
+
+    stages = max(2, min(config.aqn_stages, config.steps))
+    sigma_end = config.sigma_start if stages == 2 else config.sigma_end  # K = 2: one noisy stage
+    return AQNConfig(total_steps=max(config.steps, stages), sigma_start=config.sigma_start, sigma_end=sigma_end,
+                     num_stages=stages, schedule=config.aqn_schedule, seed=config.seed, target=config.aqn_target)
+
+
+def reward_functions(config: TrainConfig, extra: list | None = None):
+    """(reward functions, weights): accuracy and format, each wrapped in `SafeReward`, plus ``extra``
+    ((name, function, weight) triples, also wrapped)."""
+    from qerl_lib.tasks.rewards import SafeReward, accuracy_reward, format_reward_func
+
+    accuracy = functools.partial(accuracy_reward, last_number_fallback=config.answer_fallback)
+    funcs = [SafeReward(accuracy, name="accuracy"), SafeReward(format_reward_func, name="format")]
+    weights = [config.accuracy_weight, config.format_weight]
+    for name, func, weight in extra or []:
+        funcs.append(SafeReward(func, name=name))
+        weights.append(float(weight))
+    return funcs, weights
+
+
+# ----------------------------------------------------------------------------- the rollout function
+_ROLLOUT_STREAM = 0x5A3D  # keeps rollout seeds apart from AQN's, which hash (seed, step, call) too
+
+
+def _seed(*words: int) -> int:
+    state = np.random.SeedSequence([_ROLLOUT_STREAM, *(int(w) for w in words)]).generate_state(2, dtype=np.uint32)
+    return int(state[0]) << 32 | int(state[1])
+
+
+class EngineRollout:
+    """TRL ``rollout_func``: chat-template the prompts, sample from the engine, return ids and logprobs.
+
+    Sampling seeds are functions of (run seed, optimizer step, rollout number, chunk), so the
+    samples do not depend on any global RNG state (and a resumed run repeats them exactly).
+    """
+
+    def __init__(self, config: TrainConfig, tokenizer, aqn=None):
+        self.config, self.tokenizer, self.aqn = config, tokenizer, aqn
+        self.engine = None
+        self._calls_step, self._calls = None, 0  # rollouts within the current step (part of the seed)
+        self._noise_step, self._noise = None, {}
+        self._encoded: dict[str, list[int]] = {}
+
+    def noise_for(self, model, step: int) -> dict:
+        """This step's AQN norm overrides (drawn once per step, reused by every rollout of the step)."""
+        if self.aqn is None:
+            return {}
+        if self._noise_step != step:
+            self._noise = self.aqn.overrides_for_step(model, step)
+            self._noise_step = step
+        return self._noise
+
+    def _encode(self, messages) -> list[int]:
+        key = repr(messages)
+        if key not in self._encoded:
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            self._encoded[key] = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return self._encoded[key]
+
+    def __call__(self, prompts: list, trainer) -> dict:
+        from qerl_lib.engine.rollout import RolloutEngine, lora_from_peft
+
+        model = trainer.accelerator.unwrap_model(trainer.model)
+        step = trainer.state.global_step
+        if self.engine is None:
+            self.engine = RolloutEngine(model, max_seq_len=self.config.max_prompt_tokens + trainer.max_completion_length,
+                                        decode_backend=self.config.decode_backend, keep_alive=False)
+        overrides = self.noise_for(model, step)
+        adapters = lora_from_peft(model)  # views of the live LoRA tensors: unmerged, no copy of the base
+        if self._calls_step != step:
+            self._calls_step, self._calls = step, 0
+        prompt_ids = [self._encode(p) for p in prompts]
+        device = next(model.parameters()).device
+        _sync(device)
+        start = time.perf_counter()
+        completions = []
+        chunk = self.config.rollout_batch
+        for i in range(0, len(prompt_ids), chunk):
+            completions += self.engine.generate(
+                prompt_ids[i:i + chunk], max_new_tokens=trainer.max_completion_length, temperature=trainer.temperature,
+                top_p=trainer.top_p, top_k=trainer.top_k or 0, seed=_seed(self.config.seed, step, self._calls, i),
+                stop_token_ids=trainer.eos_token_ids, lora=adapters, norm_overrides=overrides)
+        _sync(device)
+        seconds = time.perf_counter() - start
+        self._calls += 1
+        tokens = sum(len(c.token_ids) for c in completions)
+        metrics = trainer._metrics["train" if model.training else "eval"]
+        metrics["rollout_seconds"].append(seconds)
+        metrics["rollout_tokens"].append(float(tokens))
+        metrics["rollout_tokens_per_s"].append(tokens / max(seconds, 1e-9))
+        if self.aqn is not None:
+            stats = self.aqn.last_stats
+            metrics["sigma"].append(float(self.aqn.sigma(step)))
+            metrics["aqn_stage"].append(float(self.aqn.stage(step)))
+            metrics["noise_rms"].append(float(stats.get("realized_rms", 0.0)))
+        else:
+            metrics["sigma"].append(0.0)
+            metrics["noise_rms"].append(0.0)
+        return {"prompt_ids": prompt_ids, "completion_ids": [c.token_ids for c in completions],
+                "logprobs": [c.logprobs for c in completions]}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# ----------------------------------------------------------------------------- the entry point
+def build_trainer(config: TrainConfig, out_dir: str | os.PathLike, extra_rewards: list | None = None,
+                  callbacks: list | None = None, quiet: bool = False):
+    """The ready-to-train `QeRLGRPOTrainer` for ``config`` (metrics go to ``out_dir``). Data and rewards are
+    prepared, and their errors raised, before the model loads."""
+    from transformers import PrinterCallback, ProgressCallback
+
+    from qerl_lib.train.aqn import AQNController
+    from qerl_lib.train.metrics import RunMetrics
+    from qerl_lib.train.trainer import grpo_args, trainer_class
+
+    out = Path(out_dir)
+    device = resolve_device(config)
+    tokenizer = load_tokenizer(config)
+    dataset = build_dataset(config, tokenizer)
+    funcs, weights = reward_functions(config, extra_rewards)
+    if not quiet:
+        print(describe(config))
+        print(f"  device {device}, {len(dataset)} training problems, output {out}")
+    torch.manual_seed(config.seed)  # LoRA's A init is drawn from the global RNG: fix it per run
+    policy = load_policy(config, device, compute_dtype(device))
+    aqn_cfg = aqn_config(config)
+    rollout = EngineRollout(config, tokenizer, AQNController(aqn_cfg) if aqn_cfg is not None else None)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*rollout_func.*experimental.*")
+        trainer = trainer_class()(
+            model=policy, reward_funcs=funcs, args=grpo_args(config, out / "checkpoints", device, weights),
+            train_dataset=dataset, processing_class=tokenizer,
+            callbacks=[RunMetrics(out, config, funcs, rollout, quiet=quiet), *(callbacks or [])],
+            rollout=rollout, is_correction=config.is_correction, is_cap=config.is_cap)
+    for cb in (PrinterCallback, ProgressCallback):  # our callback prints one line per step instead
+        trainer.remove_callback(cb)
+    return trainer
+
+
+def train(config: TrainConfig, out_dir: str | os.PathLike, resume: bool = False, extra_rewards: list | None = None,
+          callbacks: list | None = None, quiet: bool = False) -> dict:
+    """Run (or resume) one training run; return the summary dict (also written to OUT/summary.json).
+
+    OUT holds ``run.json`` (config + provenance), ``metrics.jsonl`` (one line per step),
+    ``checkpoints/checkpoint-N`` (TRL), ``adapter/`` (final LoRA adapters) and ``summary.json``.
+    Every input error (unknown preset or mode, impossible batch, empty dataset, a resume that does
+    not match) raises `UserError` before any model is loaded. ``extra_rewards``: (name, function,
+    weight) triples added to accuracy and format; ``callbacks``: more TRL callbacks.
+    """
+    from qerl_lib.train import metrics as gm
+    from qerl_lib.models.lora import save_adapters
+
+    out = Path(out_dir)
+    resolve_device(config)
+    checkpoint = gm.prepare_output(out, config, resume)  # validates a resume against run.json, before loading
+    trainer = build_trainer(config, out, extra_rewards, callbacks, quiet)
+    if checkpoint is not None:
+        gm.load_side_state(checkpoint, trainer.qerl_rollout)
+    trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint is not None else None)
+    save_adapters(trainer.accelerator.unwrap_model(trainer.model), out / "adapter")
+    return gm.write_summary(out, config)

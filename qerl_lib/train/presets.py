@@ -1,0 +1,273 @@
+"""Training presets: one dataclass holds every knob of a QeRL/GRPO run, validated before any model loads.
+
+Modes (the base model the LoRA adapters ride on)
+------------------------------------------------
+=========  =======================================  ===================  =========================
+mode       frozen base                              AQN                  learning rate (Table 4)
+=========  =======================================  ===================  =========================
+``lora``   bf16                                     off                  5e-6
+``qlora``  NF4 (bitsandbytes, QLoRA defaults)       off                  1e-5
+``nvfp4``  NVFP4 (``NVFP4Linear``, FP4 kernel)      off                  1e-5
+``qerl``   NVFP4                                    on (σ 1e-2 → 5e-4)   1e-5
+=========  =======================================  ===================  =========================
+
+Where each preset value comes from (paper.md §1, §7, §9 item 10)
+---------------------------------------------------------------
+The ``qwen2.5-*`` presets follow the paper's Table 4 where it states a value, and the official
+scripts where the paper is silent:
+
+* Table 4: AdamW-8bit, lr 1e-5 (NVFP4, NF4) / 5e-6 (bf16 LoRA), 8 generations (GSM8K) / 16
+  (BigMath), max response 4096 / 8192, rollout temperature 1.0, ε 0.2 / 0.28, σ 1e-2 → 5e-4,
+  no KL and no entropy loss (β = 0, entropy_coef = 0), training batch 128, 4 policy updates per
+  rollout on GSM8K (we read this as TRL's μ = ``num_iterations`` = 4; UNCONFIRMED: it could also mean 4
+  optimizer steps on quarters of one rollout batch) and 1 on BigMath. §4.1: LoRA rank 32.
+* Official scripts (the paper does not say): Adam betas (0.9, 0.99), weight decay 0.1, warm-up
+  ratio 0.1, cosine schedule, max grad norm 0.2, ``mask_truncated_completions=True``, top-p 1.0,
+  LoRA on q/k/v/o/gate/up/down with alpha = rank (scale 1), prompt limits 256 (GSM8K) / 1024
+  (BigMath) tokens.
+* "Training batch size 128" is read as 128 *completions* per optimizer step (TRL's convention):
+  16 prompts x 8 on GSM8K, 8 x 16 on BigMath. UNCONFIRMED (it could be 128 prompts).
+* Loss: GRPO for GSM8K (paper §4.1); DAPO for BigMath. The scripts use TRL's ``bnpo`` everywhere
+  ("bnpo equals to DAPO"); TRL's ``dapo`` normalises by the tokens of the whole accumulated
+  batch, which is what DAPO means, and equals ``bnpo`` on one GPU without accumulation.
+* Where the scripts and the paper differ (rank 16 vs 32, 2 vs 8 generations, completion 2048 vs
+  4096, σ_end 1e-4 vs 5e-4, trainable layer norms), we take the paper. ``train_norms=True``
+  reproduces the scripts' ``--ln True``.
+
+``smollm2-arith`` is the kit's own: the embedded SmolLM2-135M-Instruct on generated level-1
+arithmetic problems (one operation), sized for a 100-step GPU run in minutes. ``smollm2-arith-cpu``
+is the same run shrunk to what a 2-core CPU does in minutes (4 steps of 1 prompt x 4 completions of
+≤ 16 tokens; on a CPU the NVFP4 layers dequantize every weight at every token, ~10x a dense
+forward): it exercises every mechanism but is too small to learn. Both keep the GSM8K
+presets' algorithm (GRPO loss, ε 0.2/0.28, β 0, group scaling, rank 32, AQN schedule, AdamW with
+warm-up and cosine) and changes what a tiny model on a short run needs, each measured or argued:
+
+* the accuracy reward also takes the last number of a completion without answer tags
+  (``answer_fallback``): at step 0 the model writes the tags 0 % of the time (64 CPU samples), so
+  without the fallback every reward is 0 and GRPO has no signal;
+* big groups, 8 prompts x 16 completions per step: even with the fallback only 1.1 % of the
+  completions are right (6400 completions of a first H200 run at 8 x 8, where 57 of 100 steps had
+  no group with any reward spread, i.e. no gradient). With G = 16 a group holds at least one right
+  answer about twice as often (1 - 0.989^16 = 16 % vs 8.5 %). 128 completions per step keep a
+  100-step run at about 5 minutes on one H200 (the first run: 1.5 s per step at 64);
+* truncated completions stay in the loss (``mask_truncated_completions=False``): about 60 % of its
+  completions do not finish within 128 tokens; masking them would discard most of each batch,
+  while keeping them lets rambling answers receive their (negative) advantage;
+* learning rates 1e-4 (quantized) / 5e-5 (bf16): 10x Table 4, the same 2:1 ratio (100 steps, not 600);
+* μ = 1, 128 completion tokens, micro-batches of 32, plain fp32 AdamW (``adamw_torch``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields, replace
+
+from qerl_lib.errors import UserError
+
+MODES = ("lora", "qlora", "nvfp4", "qerl")
+MODE_BASE = {"lora": "bf16", "qlora": "nf4", "nvfp4": "nvfp4", "qerl": "nvfp4"}
+LOSS_TYPES = ("grpo", "dapo", "bnpo", "dr_grpo")  # the clipped-surrogate losses; see grpo.py's docstring
+SCALE_REWARDS = ("group", "batch", "none")
+DATA_SOURCES = ("arith", "gsm8k", "file")
+DEVICES = ("auto", "cpu", "cuda")
+DECODE_BACKENDS = ("auto", "eager", "graphs", "graphs+fused")  # qerl_lib.engine.rollout's decode paths
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """Every setting of one run. Build it with `make_config(preset, ...)`; fields are documented inline."""
+
+    preset: str
+    mode: str = "qerl"  # lora | qlora | nvfp4 | qerl (table above)
+    model: str = "smollm2"  # local folder, hub id, or the embedded alias; an NVFP4 checkpoint is used as is
+    # --- data
+    data: str = "arith"  # arith (generated) | gsm8k (hub or data_path) | file (data_path, GSM8K schema)
+    data_path: str | None = None
+    data_level: int | None = None  # arith: number of operations (None: mixed 1-4)
+    n_train: int | None = None  # problems to train on (None: all / 2048 generated)
+    max_prompt_tokens: int = 256  # rendered prompts longer than this are dropped (scripts: 256 / 1024)
+    # --- batch shape: one optimizer step sees prompts_per_step x num_generations completions
+    prompts_per_step: int = 16
+    num_generations: int = 8  # G, completions per prompt (a GRPO group)
+    micro_batch: int = 8  # completions per forward/backward; the rest is gradient accumulation
+    num_iterations: int = 1  # μ: optimizer passes over each rollout batch (TRL num_iterations)
+    max_completion_length: int = 4096
+    rollout_batch: int = 256  # most sequences per engine call (bounds the KV cache)
+    decode_backend: str = "auto"  # engine decode path: auto (CUDA graphs on GPU, eager on CPU) | eager | graphs
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    # --- optimisation
+    lr_quantized: float = 1e-5  # qlora / nvfp4 / qerl (Table 4)
+    lr_bf16: float = 5e-6  # lora (Table 4: higher "will collapse in the late training stage")
+    optim: str = "adamw_8bit"  # Table 4; smollm2-arith uses adamw_torch (8-bit AdamW needs CUDA)
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.99
+    weight_decay: float = 0.1
+    warmup_ratio: float = 0.1
+    lr_scheduler_type: str = "cosine"
+    max_grad_norm: float = 0.2
+    # --- loss (TRL GRPOConfig fields of the same names)
+    loss_type: str = "grpo"
+    beta: float = 0.0  # KL coefficient: none in QeRL
+    epsilon: float = 0.2  # ε_low
+    epsilon_high: float = 0.28  # ε_high (DAPO clip-higher)
+    scale_rewards: str = "group"  # divide advantages by the group's reward std (standard GRPO)
+    mask_truncated_completions: bool = True
+    # --- behaviour-policy mismatch: truncated importance sampling with the engine's logprobs
+    is_correction: bool = False  # off by default: see grpo.py ("Rollout/trainer mismatch")
+    is_cap: float = 2.0  # C in min(π_train / π_engine, C)
+    # --- LoRA
+    lora_rank: int = 32
+    lora_alpha: float | None = None  # None -> alpha = rank (scale 1, as the scripts)
+    lora_dropout: float = 0.0
+    lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    train_norms: bool = False  # True = official scripts' --ln True
+    # --- AQN (mode qerl only)
+    sigma_start: float = 1e-2
+    sigma_end: float = 5e-4
+    aqn_stages: int = 10
+    aqn_schedule: str = "exponential"
+    aqn_target: str = "rollout"  # rollout (paper) | both (also the trainer's forward)
+    # --- rewards: weighted sum (paper-era official code: 1.0 correct, 0.2 format)
+    accuracy_weight: float = 1.0
+    format_weight: float = 0.2
+    answer_fallback: bool = False  # also accept the last number of an unmarked completion (small models)
+    # --- run
+    steps: int = 100
+    seed: int = 0
+    device: str = "auto"
+    gradient_checkpointing: bool = False  # paper: off for 3B/7B, on for 14B/32B
+    save_steps: int = 25
+    save_total_limit: int = 2
+
+    def __post_init__(self):
+        object.__setattr__(self, "lora_targets", tuple(self.lora_targets))
+        _one_of("mode", self.mode, MODES, "--mode")
+        _one_of("data", self.data, DATA_SOURCES, "--data")
+        _one_of("loss_type", self.loss_type, LOSS_TYPES, "loss_type")
+        _one_of("scale_rewards", self.scale_rewards, SCALE_REWARDS, "scale_rewards")
+        _one_of("device", self.device, DEVICES, "--device")
+        _one_of("decode_backend", self.decode_backend, DECODE_BACKENDS, "--decode-backend")
+        for name in ("prompts_per_step", "num_generations", "micro_batch", "num_iterations", "max_completion_length",
+                     "rollout_batch", "steps", "lora_rank", "save_steps", "max_prompt_tokens", "save_total_limit"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise UserError(f"{name}={value!r}: must be a positive integer")
+        if self.num_generations < 2:
+            raise UserError(f"num_generations={self.num_generations}: GRPO compares completions within a group, "
+                            "so it needs at least 2 per prompt")
+        batch = self.prompts_per_step * self.num_generations
+        if batch % self.micro_batch:
+            raise UserError(f"impossible batch: prompts_per_step x num_generations = {self.prompts_per_step} x "
+                            f"{self.num_generations} = {batch} completions per step is not a multiple of "
+                            f"micro_batch={self.micro_batch}; pick a micro_batch that divides {batch}")
+        if self.n_train is not None and self.n_train < self.prompts_per_step:
+            raise UserError(f"n_train={self.n_train} is smaller than one step's prompts_per_step="
+                            f"{self.prompts_per_step}: use more problems or fewer prompts per step")
+        for name in ("lr_quantized", "lr_bf16", "temperature", "top_p", "epsilon", "epsilon_high"):
+            if not getattr(self, name) > 0:
+                raise UserError(f"{name}={getattr(self, name)!r}: must be > 0")
+        if self.top_p != 1.0 or self.top_k != 0:
+            # TRL scores tokens under softmax(logits / temperature) without top-p/top-k, so a filter
+            # would make the engine's and the trainer's distributions differ by construction.
+            raise UserError("top_p/top_k filter the rollout distribution but not the trainer's log-probs: "
+                            "keep top_p=1.0 and top_k=0 (the paper's setting)")
+        if self.beta < 0 or self.is_cap <= 1.0:
+            raise UserError(f"beta={self.beta} must be >= 0 and is_cap={self.is_cap} > 1")
+        if self.aqn_target not in ("rollout", "both"):
+            raise UserError(f"aqn_target={self.aqn_target!r}: use 'rollout' (paper) or 'both'")
+        if self.aqn_target == "both" and self.num_iterations != 1:
+            raise UserError("aqn_target='both' needs one rollout per optimizer step (num_iterations=1), so the trainer "
+                            "can score the exact noisy policy that sampled")
+
+    # derived values ------------------------------------------------------------------------------
+    @property
+    def base(self) -> str:
+        return MODE_BASE[self.mode]
+
+    @property
+    def aqn(self) -> bool:
+        return self.mode == "qerl"
+
+    @property
+    def learning_rate(self) -> float:
+        return self.lr_bf16 if self.mode == "lora" else self.lr_quantized
+
+    @property
+    def completions_per_step(self) -> int:
+        return self.prompts_per_step * self.num_generations
+
+    @property
+    def gradient_accumulation_steps(self) -> int:
+        return self.completions_per_step // self.micro_batch
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "learning_rate": self.learning_rate, "base": self.base,
+                "gradient_accumulation_steps": self.gradient_accumulation_steps}
+
+
+def _one_of(name: str, value, allowed: tuple, flag: str) -> None:
+    if value not in allowed:
+        raise UserError(f"unknown {name} {value!r}: {flag} must be one of {', '.join(allowed)}")
+
+
+def _qwen(size: str, data: str, **kw) -> TrainConfig:
+    big = size in ("14b", "32b")
+    gsm8k = data == "gsm8k"
+    return TrainConfig(
+        preset=f"qwen2.5-{size}-{data}", model=f"Qwen/Qwen2.5-{size.upper()}-Instruct",
+        data="gsm8k" if gsm8k else "file", max_prompt_tokens=256 if gsm8k else 1024,
+        prompts_per_step=16 if gsm8k else 8, num_generations=8 if gsm8k else 16, micro_batch=8,
+        num_iterations=4 if gsm8k else 1, max_completion_length=4096 if gsm8k else 8192,
+        rollout_batch=64 if big else 128, loss_type="grpo" if gsm8k else "dapo",
+        gradient_checkpointing=big, steps=600 if gsm8k else 500, save_steps=50, **kw)
+
+
+_SMOLLM2 = TrainConfig(
+    preset="smollm2-arith", model="smollm2", data="arith", data_level=1, n_train=2048, max_prompt_tokens=256,
+    prompts_per_step=8, num_generations=16, micro_batch=32, num_iterations=1, max_completion_length=128,
+    rollout_batch=256, lr_quantized=1e-4, lr_bf16=5e-5, optim="adamw_torch", answer_fallback=True,
+    mask_truncated_completions=False, steps=100, save_steps=25)
+
+PRESETS: dict[str, TrainConfig] = {
+    "smollm2-arith": _SMOLLM2,
+    "smollm2-arith-cpu": replace(_SMOLLM2, preset="smollm2-arith-cpu", prompts_per_step=1, num_generations=4,
+                                 micro_batch=4, max_completion_length=16, steps=4, save_steps=2),
+    **{f"qwen2.5-{s}-gsm8k": _qwen(s, "gsm8k") for s in ("3b", "7b", "14b", "32b")},
+    **{f"qwen2.5-{s}-bigmath": _qwen(s, "bigmath") for s in ("7b", "14b", "32b")},
+}
+
+
+def make_config(preset: str, mode: str | None = None, steps: int | None = None, seed: int | None = None,
+                **overrides) -> TrainConfig:
+    """The named preset with the given changes (None = keep the preset's value), validated.
+
+    Raises `UserError` for an unknown preset or field, or any invalid combination, before
+    anything is loaded.
+    """
+    if preset not in PRESETS:
+        raise UserError(f"unknown preset {preset!r}: choose one of {', '.join(PRESETS)}")
+    known = {f.name for f in fields(TrainConfig)}
+    unknown = sorted(set(overrides) - known)
+    if unknown:
+        raise UserError(f"unknown training setting(s) {unknown}: valid names are the fields of TrainConfig")
+    changes = {k: v for k, v in dict(overrides, mode=mode, steps=steps, seed=seed).items() if v is not None}
+    return replace(PRESETS[preset], **changes)
+
+
+def describe(config: TrainConfig) -> str:
+    """A few lines naming what the run will do (printed at start, shown in the notebook)."""
+    c = config
+    noise = (f"AQN σ {c.sigma_start:g} → {c.sigma_end:g} in {c.aqn_stages} stages ({c.aqn_schedule}, "
+             f"target {c.aqn_target})") if c.aqn else "no AQN"
+    return (f"{c.preset} / mode {c.mode}: {c.base} base + LoRA r{c.lora_rank}, {noise}\n"
+            f"  {c.steps} steps x {c.prompts_per_step} prompts x {c.num_generations} completions "
+            f"(≤{c.max_completion_length} tokens), μ={c.num_iterations}, micro-batch {c.micro_batch} "
+            f"(x{c.gradient_accumulation_steps} accumulation)\n"
+            f"  loss {c.loss_type}, ε {c.epsilon}/{c.epsilon_high}, β {c.beta}, scale_rewards {c.scale_rewards}, "
+            f"lr {c.learning_rate:g} ({c.lr_scheduler_type}, warm-up {c.warmup_ratio}), {c.optim}, "
+            f"IS correction {'on (cap ' + format(c.is_cap, 'g') + ')' if c.is_correction else 'off'}")
+
+
+CONFIG_FIELDS = tuple(f.name for f in fields(TrainConfig))
+__all__ = ["TrainConfig", "PRESETS", "MODES", "make_config", "describe", "CONFIG_FIELDS"]
