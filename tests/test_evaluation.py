@@ -15,7 +15,8 @@ import torch
 
 from qerl_lib.evals.evaluation import EvalConfig, bootstrap_interval, evaluate, summarise
 
-GSM8K_TEST = Path("/work/shared/data/gsm8k/test.jsonl")
+# an optional local GSM8K test split (GSM8K schema), next to the checkout as in tests/test_data.py
+GSM8K_TEST = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k" / "test.jsonl"
 
 
 @pytest.fixture()
@@ -118,7 +119,7 @@ def test_same_seed_same_records_other_seed_other_samples(embedded):
 # ---- the CLI -----------------------------------------------------------------------------------
 
 
-@pytest.mark.skipif(not GSM8K_TEST.is_file(), reason=f"{GSM8K_TEST} (the shared GSM8K copy) is not on this machine")
+@pytest.mark.skipif(not GSM8K_TEST.is_file(), reason="no local GSM8K test split next to the checkout")
 def test_qerl_eval_on_gsm8k_is_reproducible_with_a_seed(qerl, tmp_path, capsys):
     args = ["eval", "--model", "smollm2", "--data", "gsm8k", "--path", str(GSM8K_TEST), "--n", "3",
             "--max-new-tokens", "32", "--temperature", "0.6", "--seed", "11", "--device", "cpu", "--quiet"]

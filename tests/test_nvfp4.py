@@ -1,4 +1,4 @@
-"""NVFP4 format: bit-exact vs compressed-tensors 0.19, spec test vectors, codes, SQNR, errors, GEMM oracle.
+"""NVFP4 format: bit-exact vs compressed-tensors 0.19, the test vectors of docs/nvfp4_format.md, codes, SQNR, errors, GEMM oracle.
 
 Random inputs are fresh every run; the seed is printed in every failure message and can be
 pinned with QERL_TEST_SEED=<int>.
@@ -117,7 +117,7 @@ def test_bit_exact_vs_compressed_tensors(ct, kind):
             assert torch.equal(_bits(dequantize(q)), _bits(ct_dense)), f"dequantized bf16 differs: {where}"
 
 
-# ----------------------------------------------------------------------------- spec section 6 vectors
+# ----------------------------------------------------------------- test vectors V1-V7 (docs/nvfp4_format.md)
 def _row(values) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.float32).to(BF16).reshape(1, -1)
 

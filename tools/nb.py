@@ -1,6 +1,6 @@
 """Write a notebook from a compact list of ("md"|"code"|"params", source) cells, output-free.
 
-Used by the lead to author notebooks/NN_*.ipynb; the .ipynb files are the committed source of truth.
+An authoring helper for notebooks/NN_*.ipynb; the .ipynb files are the committed source of truth.
 Usage from Python: `from tools.nb import write_notebook; write_notebook(path, cells)`.
 """
 

@@ -22,6 +22,7 @@ COMMAND_MODULES = (
     "bench",      # bench gemm, bench rollout
     "train",      # train, plot-run
     "reproduce",  # reproduce (papermill runner)
+    "results",    # results (the README's GPU results table)
 )
 
 

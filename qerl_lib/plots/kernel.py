@@ -60,7 +60,7 @@ def plot_gemm_bandwidth(gemm_json: str | Path, out_png: str | Path, max_m: int =
 
 def _best(rows: list[dict], **match) -> dict | None:
     """The fastest row matching ``match`` (several backends/runs per configuration: the fastest
-    counts, as ``bench_rollout.summarize`` does)."""
+    counts, as `qerl_lib.bench.rollout.summarize` does)."""
     hits = [r for r in rows if r.get("error") is None and r.get("tok_s") and all(r.get(k) == v for k, v in match.items())]
     return max(hits, key=lambda r: r["tok_s"]) if hits else None
 

@@ -28,7 +28,8 @@ above 6 and are clipped to 6: the convention trades clipping the top of the bloc
 for resolution everywhere else. ``floor(log2(.))`` is computed exactly from the binary exponent
 (``torch.frexp``), never through a floating-point log. Dequantization ``fp4 * 2^e`` is exact in
 bf16. Deviation: compressed-tensors 0.19's own MXFP4 first rounds amax *up* to the next power of
-two when its significand is >= 1.75 (less clipping); we follow the OCP spec, as the brief asks.
+two when its significand is >= 1.75 (less clipping); we follow the OCP spec, which is what the
+format's definition says and what other implementations can be checked against.
 
 NF4 (QLoRA), through bitsandbytes on CPU
 ----------------------------------------

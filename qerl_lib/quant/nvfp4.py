@@ -50,11 +50,12 @@ Where Marlin (and our kernel oracle) differ
 CT's dequantizer rounds each weight to bf16: ``bf16(fp4 * fl32(s / gs))``. vLLM's Marlin kernel
 instead forms ``fp4 * s`` exactly (<= 6 significant bits, always exact in bf16), accumulates in
 fp32 and multiplies the fp32 result by ``fl32(1/gs)`` once in the epilogue. The two differ in
-the last bits, so ``reference_matmul`` (the Marlin-style oracle for ``fp4_kernel``) is compared
+the last bits, so ``reference_matmul`` (the Marlin-style oracle for `qerl_lib.kernels.fp4_gemm`) is compared
 with tolerances while ``dequantize`` is compared bit-exactly with CT. Marlin also flushes
 E4M3-subnormal block scales (bytes 0x01-0x07) to zero; we keep them, as CT does.
 
-Source: /work/shared/research/nvfp4_spec.md (sections 1, 2, 4.4, 6).
+docs/nvfp4_format.md walks through the same facts with the on-disk layout and hand-checkable test vectors
+(V1-V7, which tests/test_nvfp4.py and tests/test_quant_report.py pin).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """NVFP4 explained on real weights: the E2M1 code table, one block worked through, and an SQNR scan.
 
 This is the analysis behind ``notebooks/02_nvfp4_format.ipynb``. It does not define the format
-(``nvfp4`` does, bit-exact with compressed-tensors) and it does not define MXFP4/NF4 (``formats``
+(`qerl_lib.quant.nvfp4` does, bit-exact with compressed-tensors) and it does not define MXFP4/NF4 (`qerl_lib.quant.formats`
 does); it takes those apart for display and returns plain dicts of Python numbers, ready to be
 written as JSON and plotted by ``qerl_lib.plots.quant``.
 
@@ -10,7 +10,7 @@ written as JSON and plotted by ``qerl_lib.plots.quant``.
   so the test can hold the two against each other.
 * ``global_scale_example(values)`` shows CT's two bf16 roundings of ``2688 / amax`` next to the
   one rounding a reader would expect, and counts over every bf16 amax in [1e-4, 1e4] how often
-  the two disagree (the spec measured 27.4%).
+  the two disagree.
 * ``explain_block(weight, row, block)`` recomputes one block's scale step by step (``t``, ``p``,
   E4M3 rounding, the 0.125 fallback) and takes the codes, bytes and dequantized values from
   ``nvfp4.quantize``/``dequantize`` of that row, which the test checks against the whole tensor.
@@ -38,7 +38,7 @@ from qerl_lib.quant import formats
 from qerl_lib.quant import nvfp4
 
 SCAN_FORMATS = ("nvfp4", "mxfp4", "nf4")
-V5_WEIGHTS = (2.5, 1.25, -0.6, 0.3, 0.1, -0.05, 2.0, -2.4, 1.7, 0.9, -1.1, 0.0, 0.45, -0.2, 1.5, -2.5)  # spec §6 V5
+V5_WEIGHTS = (2.5, 1.25, -0.6, 0.3, 0.1, -0.05, 2.0, -2.4, 1.7, 0.9, -1.1, 0.0, 0.45, -0.2, 1.5, -2.5)  # test vector V5 of docs/nvfp4_format.md
 E2M1_THRESHOLDS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)  # midpoints between magnitudes; ties go to even codes
 
 

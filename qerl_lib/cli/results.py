@@ -1,0 +1,47 @@
+"""`qerl results`: the README's GPU results table, computed from the JSONs in results/.
+
+Prints the table; ``--readme README.md`` also writes it between the README's
+``<!-- headline:start -->`` / ``<!-- headline:end -->`` markers, and ``--index results/README.md``
+writes results/README.md's file table (file | what | device | command) between its
+``<!-- index:start -->`` / ``<!-- index:end -->`` markers. See `qerl_lib.studies.headline`.
+"""
+
+from __future__ import annotations
+
+
+def register(sub) -> None:
+    p = sub.add_parser("results", help="the README's GPU results table, read from results/*.json")
+    p.add_argument("--results-dir", default=None, help="folder of results files (default: the repository's results/)")
+    p.add_argument("--readme", default=None, metavar="MD", help="write the table into this file's headline block")
+    p.add_argument("--index", default=None, metavar="MD",
+                   help="write the results folder's file table into this file's index block")
+    p.set_defaults(func=_results)
+
+
+def _results(args) -> int:
+    from pathlib import Path
+
+    from qerl_lib.io import write_text_atomic
+    from qerl_lib.paths import RESULTS_DIR
+    from qerl_lib.studies.headline import ResultsError, render_headline, results_index, unlisted_entries, update_block
+
+    results_dir = Path(args.results_dir) if args.results_dir else RESULTS_DIR
+    table = render_headline(results_dir)
+    print(table)
+    if args.index:
+        extra, missing = unlisted_entries(results_dir)
+        if extra:
+            raise ResultsError(f"{results_dir}: {extra} not described: add them to RESULT_FILES "
+                               f"(qerl_lib/studies/headline.py) or move them to dev/runs/")
+        if missing:
+            raise ResultsError(f"{results_dir}: {missing} described in RESULT_FILES but absent")
+    for block, target, body in (("headline", args.readme, table),
+                                ("index", args.index, results_index(results_dir) if args.index else None)):
+        if target is None:
+            continue
+        path = Path(target)
+        if not path.is_file():
+            raise ResultsError(f"{path}: no such file")
+        write_text_atomic(path, update_block(path.read_text(encoding="utf-8"), block, body))
+        print(f"wrote the {block} table into {path}")
+    return 0

@@ -1,0 +1,361 @@
+"""The README's "Results on GPU" table and results/README.md's file index, read from the results files.
+
+Every number the README shows about a GPU comes from here, so it is typed nowhere. `headline_rows`
+reads the JSONs in ``results/``; each row names a quantity, its value, the GPU from the file's own
+provenance block, and the file. `render_headline` writes the rows as a markdown table;
+`update_block` puts a rendered table between a pair of markers in a markdown file
+(``<!-- headline:start -->`` / ``<!-- headline:end -->`` in README.md,
+``<!-- index:start -->`` / ``<!-- index:end -->`` in results/README.md). ``qerl results --readme
+README.md --index results/README.md`` does both; ``tests/test_headline.py`` re-renders them and
+compares, so the README cannot drift from the files.
+
+A field a row needs and the file lacks raises `ResultsError` naming the file and the field, rather
+than a KeyError three frames down: a results file rewritten by a newer benchmark should fail loudly.
+
+`results_index` renders the table of results/README.md: one line per entry of ``results/`` with what
+it holds (`RESULT_FILES`, the one place those descriptions live), the device and the command from its
+provenance block. Commands are shown with the kit's current names: ``qerl`` for ``python -m qerl_lib``,
+current module paths, output files without the measuring machine's folder, and inputs that have since
+moved to ``dev/runs/`` under their new path. The JSONs keep the command exactly as it ran.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+
+from qerl_lib.errors import UserError
+from qerl_lib.paths import REPO_ROOT, RESULTS_DIR
+from qerl_lib.studies.kernel import gemm_headline
+
+# What each entry of results/ holds (results/README.md's "what" column; a test keeps this list and the folder equal).
+RESULT_FILES = {
+    "gemm_h100_v3.json": "NVFP4 x BF16 GEMM vs cuBLAS bf16 on every Qwen2.5-7B/32B projection shape, M = 1...4096 "
+                         "(CUDA mma.sync kernel at M <= 8, Triton up to 64, dequantize + cuBLAS above); every output "
+                         "checked against the oracle. Rows at M <= 8 name the Triton launch config in `path`/`config` although "
+                         "the mma kernel ran (a labelling bug of `bench gemm` then, fixed since; the timings are the "
+                         "mma kernel's). Notebook 03; `figures/03_gemm_speedup.png`, "
+                         "`figures/03_gemm_bandwidth.png`",
+    "rollout_h100.json": "rollout engine, three runs merged: engine vs `transformers.generate` (SmolLM2 bf16, batch 64, "
+                         "256 + 512 tokens); bf16 vs NVFP4 on Qwen2.5-7B/32B shapes (batch 8, 256 + 2048 tokens); 7B at "
+                         "LoRA rank 16/32/64. Notebook 03; `figures/03_rollout.png`",
+    "rollout_h200_final.json": "bf16 vs NVFP4 on Qwen2.5-7B/32B shapes, batch 8, 256 + 2048 tokens",
+    "rollout_h200_smollm2_final.json": "engine vs `transformers.generate`, SmolLM2 bf16, batch 64, 256 + 512 tokens",
+    "rollout_step_breakdown_h200.json": "where a 7B decode step's time goes (kernel time per category, idle time, "
+                                        "kernels per step) at 256/1280/2240 cached tokens, NVFP4 and bf16; profiled "
+                                        "before programmatic dependent launch and the Triton glue kernels (dev/LOG.md). "
+                                        "Notebook 03",
+    "entropy_study_cuda.json": "entropy study: SmolLM2 in BF16/NVFP4/MXFP4/NF4 on 512 GSM8K test problems, 4 samples "
+                               "each, AQN σ sweep on NVFP4. Notebook 06; `figures/06_entropy_study_h200.png`",
+    "train_smollm2_qerl_h200/": "a 100-step GRPO run in mode qerl (preset smollm2-arith): `metrics.jsonl` (one line "
+                                "per step), `summary.json`, `run.json` (resolved config); "
+                                "`figures/05_training_h200.png` via `qerl plot-run`",
+}
+
+MARKERS = {"headline": ("<!-- headline:start -->", "<!-- headline:end -->"),
+           "index": ("<!-- index:start -->", "<!-- index:end -->")}
+
+
+class ResultsError(UserError):
+    """A results file is missing, or lacks a field the README's table needs."""
+
+
+# ---- reading ------------------------------------------------------------------------------------
+
+def load_result(results_dir: str | Path, name: str) -> dict:
+    path = Path(results_dir) / name
+    if not path.is_file():
+        raise ResultsError(f"{path}: not found; the README's results table reads it (restore it, or change "
+                           f"qerl_lib/studies/headline.py)")
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ResultsError(f"{path}: not valid JSON ({e})") from None
+
+
+def field(doc, *keys, file: str):
+    """``doc[k1][k2]...``, or a `ResultsError` naming `file` and the first missing key."""
+    value, trail = doc, ""
+    for key in keys:
+        trail += f"[{key!r}]"
+        try:
+            value = value[key]
+        except (KeyError, IndexError, TypeError):
+            raise ResultsError(f"{file}: missing field {trail}") from None
+    if value is None:
+        raise ResultsError(f"{file}: field {trail} is null")
+    return value
+
+
+def _rows(doc: dict, file: str, keys: tuple[str, ...]) -> list[dict]:
+    rows = field(doc, "rows", file=file)
+    for i, row in enumerate(rows):
+        for key in keys:
+            if key not in row:
+                raise ResultsError(f"{file}: missing field ['rows'][{i}][{key!r}]")
+    return rows
+
+
+def _provenances(doc: dict, file: str) -> list[dict]:
+    prov = field(doc, "provenance", file=file)
+    return prov if isinstance(prov, list) else [prov]
+
+
+def device_name(doc: dict, file: str) -> str:
+    """The GPU of the file's run(s), from its provenance ("NVIDIA " dropped); several as "A + B"."""
+    names = []
+    for i, prov in enumerate(_provenances(doc, file)):
+        if "device" not in prov or "name" not in prov["device"]:
+            raise ResultsError(f"{file}: missing field ['provenance'][{i}]['device']['name']")
+        name = str(prov["device"]["name"]).removeprefix("NVIDIA ")
+        if name not in names:
+            names.append(name)
+    return " + ".join(names)
+
+
+ROLLOUT_KEYS = ("model", "weights", "batch", "rank", "engine", "prompt_len", "gen_len", "tok_s", "peak_gib", "error")
+
+
+def fastest(rows: list[dict], file: str, **match) -> dict:
+    """The fastest error-free row matching `match` (the engine uses whichever backend measures faster)."""
+    hits = [r for r in rows if r["error"] is None and r["tok_s"] and all(r[k] == v for k, v in match.items())]
+    if not hits:
+        what = ", ".join(f"{k}={v}" for k, v in match.items())
+        raise ResultsError(f"{file}: no measured row with {what}")
+    return max(hits, key=lambda r: r["tok_s"])
+
+
+# ---- formatting ---------------------------------------------------------------------------------
+
+def _x(ratio: float) -> str:
+    return f"{ratio:.2f}×"
+
+
+def _tok(tok_s: float) -> str:
+    return f"{tok_s:.0f}"
+
+
+def _ktok(tok_s: float) -> str:
+    return f"{tok_s / 1000:#.3g}k"
+
+
+def _size(model: str) -> float:
+    """'qwen2.5-32b' -> 32.0, for ordering models by size."""
+    m = re.search(r"(\d+(?:\.\d+)?)b$", model)
+    return float(m.group(1)) if m else math.inf
+
+
+def _ci(d: dict, file: str) -> str:
+    mean, low, high = (field(d, k, file=file) for k in ("mean_diff", "low", "high"))
+    return f"{mean:+.3f} nats, 95% CI [{low:+.3f}, {high:+.3f}]"
+
+
+# ---- the rows -----------------------------------------------------------------------------------
+
+BATCH8 = dict(batch=8, prompt_len=256, gen_len=2048, engine="qerl")
+
+
+def _gemm_rows(results_dir) -> list[tuple]:
+    file = "gemm_h100_v3.json"
+    doc = load_result(results_dir, file)
+    _rows(doc, file, ("model", "proj", "m", "speedup", "fp4_pct_copy", "bf16_pct_copy", "rel_err", "ok"))
+    ceiling = field(doc, "ceiling", file=file)
+    per = dict(sorted(gemm_headline(doc).items(), key=lambda kv: _size(kv[0])))
+    short = {m: m.replace("qwen2.5-", "").upper() for m in per}
+    dev = device_name(doc, file)
+    geo = ", ".join(f"{_x(h['geomean_speedup_m_le_16'])} ({short[m]})" for m, h in per.items())
+    best_model = max(per, key=lambda m: per[m]["best_m_le_16"]["speedup"])
+    best = per[best_model]["best_m_le_16"]
+    worst = ", ".join(f"{_x(h['min_speedup_m_ge_1024'])} ({short[m]})" for m, h in per.items())
+    return [
+        ("FP4 GEMM vs cuBLAS bf16, decode sizes (M ≤ 16), geometric mean over the Qwen2.5 projection shapes",
+         geo, dev, file),
+        (f"FP4 GEMM, best single shape at M ≤ 16 (byte ceiling {ceiling:.2f}×)",
+         f"{_x(best['speedup'])} ({short[best_model]} {best['proj']}, M = {best['m']})", dev, file),
+        ("FP4 GEMM, prefill sizes (M ≥ 1024), worst shape: dequantize + cuBLAS", worst, dev, file),
+    ]
+
+
+def _rollout_ratio_rows(results_dir, file: str, paper: bool) -> list[tuple]:
+    doc = load_result(results_dir, file)
+    rows = _rows(doc, file, ROLLOUT_KEYS)
+    dev = device_name(doc, file)
+    out = []
+    for size in ("7b", "32b"):
+        fp = fastest(rows, file, model=f"qwen2.5-{size}", weights="nvfp4", rank=0, **BATCH8)
+        bf = fastest(rows, file, model=f"qwen2.5-{size}", weights="bf16", rank=0, **BATCH8)
+        value = f"{_tok(fp['tok_s'])} / {_tok(bf['tok_s'])} tok/s = {_x(fp['tok_s'] / bf['tok_s'])}"
+        if paper:
+            ref = field(doc, "summary", "paper_vllm_h100", file=file)
+            p_fp, p_bf = field(ref, f"{size}_nvfp4_b8", file=file), field(ref, f"{size}_bf16_b8", file=file)
+            value += f" (paper, vLLM on H100: {_tok(p_fp)} / {_tok(p_bf)} = {_x(p_fp / p_bf)})"
+        out.append((f"rollout, Qwen2.5-{size.upper()} shapes, batch 8, 256 + 2048 tokens: NVFP4 / bf16",
+                    value, dev, file))
+    return out
+
+
+def _rollout_extra_rows(results_dir) -> list[tuple]:
+    file = "rollout_h100.json"
+    doc = load_result(results_dir, file)
+    rows = _rows(doc, file, ROLLOUT_KEYS)
+    dev = device_name(doc, file)
+    fp = fastest(rows, file, model="qwen2.5-32b", weights="nvfp4", rank=0, **BATCH8)
+    bf = fastest(rows, file, model="qwen2.5-32b", weights="bf16", rank=0, **BATCH8)
+    fp_lora = fastest(rows, file, model="qwen2.5-7b", weights="nvfp4", rank=16, **BATCH8)
+    bf_lora = fastest(rows, file, model="qwen2.5-7b", weights="bf16", rank=16, **BATCH8)
+    return [
+        ("peak GPU memory of that 32B rollout: NVFP4 vs bf16",
+         f"{field(fp, 'peak_gib', file=file):.1f} vs {field(bf, 'peak_gib', file=file):.1f} GiB", dev, file),
+        ("7B rollout with a rank-16 LoRA on all seven projections (unmerged): NVFP4 / bf16",
+         f"{_tok(fp_lora['tok_s'])} / {_tok(bf_lora['tok_s'])} tok/s = {_x(fp_lora['tok_s'] / bf_lora['tok_s'])}",
+         dev, file),
+    ]
+
+
+def _engine_vs_generate(results_dir, file: str) -> tuple:
+    doc = load_result(results_dir, file)
+    rows = _rows(doc, file, ROLLOUT_KEYS)
+    hf = fastest(rows, file, model="smollm2", weights="bf16", batch=64, engine="hf-generate")
+    eng = fastest(rows, file, model="smollm2", weights="bf16", batch=64, engine="qerl", rank=0,
+                  prompt_len=hf["prompt_len"], gen_len=hf["gen_len"])
+    return (f"kit engine vs `transformers.generate`, SmolLM2-135M bf16, batch 64, "
+            f"{hf['prompt_len']} + {hf['gen_len']} tokens",
+            f"{_ktok(eng['tok_s'])} / {_ktok(hf['tok_s'])} tok/s = {eng['tok_s'] / hf['tok_s']:.1f}×",
+            device_name(doc, file), file)
+
+
+def _entropy_rows(results_dir) -> list[tuple]:
+    file = "entropy_study_cuda.json"
+    doc = load_result(results_dir, file)
+    dev = device_name(doc, file)
+    n = field(doc, "n_problems", file=file)
+    source = field(doc, "data", "source", file=file)
+    diff = field(doc, "formats", "nvfp4", "diff_vs_bf16", file=file)
+    points = field(doc, "aqn", "points", file=file)
+    top = max(points, key=lambda p: field(p, "sigma", file=file))
+    where = f"SmolLM2-135M, {n} {source.upper()} test problems"
+    return [
+        (f"next-token entropy, NVFP4 − BF16, on fixed reference solutions ({where})",
+         _ci(field(diff, "entropy_gold", file=file), file), dev, file),
+        ("the same on each model's own samples (temperature 1)",
+         _ci(field(diff, "entropy_own", file=file), file), dev, file),
+        (f"AQN noise σ = {top['sigma']:g} on top of NVFP4, same reference solutions",
+         _ci(field(top, "diff_vs_sigma0_gold", file=file), file), dev, file),
+    ]
+
+
+def _training_row(results_dir) -> tuple:
+    file = "train_smollm2_qerl_h200/summary.json"
+    doc = load_result(results_dir, file)
+    steps, window = field(doc, "steps", file=file), field(doc, "window", file=file)
+    first, last = field(doc, "first", "reward", file=file), field(doc, "last", "reward", file=file)
+    share = field(doc, "rollout_share", file=file)
+    step_s = field(doc, "median_step_seconds", file=file)
+    return (f"{steps}-step GRPO run, mode qerl, preset {field(doc, 'preset', file=file)}: mean reward of the "
+            f"first / last {window} steps",
+            f"{first:.3f} → {last:.3f}; {step_s:.2f} s per step (median), {share:.0%} of it rollout",
+            device_name(doc, file), file)
+
+
+TOPICS = ("gemm", "rollout", "entropy", "training")
+
+
+def headline_rows(results_dir: str | Path = RESULTS_DIR,
+                  topics: tuple[str, ...] = TOPICS) -> list[tuple[str, str, str, str]]:
+    """(quantity, value, device, file) for every row of the README's results table, by topic
+    (``gemm``, ``rollout``, ``entropy``, ``training``; a notebook shows its own topic)."""
+    unknown = set(topics) - set(TOPICS)
+    if unknown:
+        raise ValueError(f"unknown topics {sorted(unknown)}: choose from {TOPICS}")
+    rows: list[tuple] = []
+    if "gemm" in topics:
+        rows += _gemm_rows(results_dir)
+    if "rollout" in topics:
+        rows += [*_rollout_ratio_rows(results_dir, "rollout_h100.json", paper=True),
+                 *_rollout_ratio_rows(results_dir, "rollout_h200_final.json", paper=False),
+                 *_rollout_extra_rows(results_dir),
+                 _engine_vs_generate(results_dir, "rollout_h100.json"),
+                 _engine_vs_generate(results_dir, "rollout_h200_smollm2_final.json")]
+    if "entropy" in topics:
+        rows += _entropy_rows(results_dir)
+    if "training" in topics:
+        rows.append(_training_row(results_dir))
+    return rows
+
+
+def _table(header: tuple[str, ...], rows) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c).replace("|", "\\|") for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def render_headline(results_dir: str | Path = RESULTS_DIR, topics: tuple[str, ...] = TOPICS) -> str:
+    """The README's results table (markdown), every cell computed from the files in `results_dir`."""
+    return _table(("quantity", "value", "device", "file"),
+                  [(q, v, d, f"`results/{f}`") for q, v, d, f in headline_rows(results_dir, topics)])
+
+
+# ---- results/README.md's index ------------------------------------------------------------------
+
+def display_command(command: str, repo_root: str | Path = REPO_ROOT) -> str:
+    """A recorded command with the kit's current names (see the module docstring); the JSON keeps the original."""
+    cmd = re.sub(r"^(\S*/)?__main__\.py\b", "qerl", command.strip())
+    cmd = re.sub(r"^python3? -m qerl_lib\b", "qerl", cmd)
+    cmd = cmd.replace("qerl_lib.entropy_study.", "qerl_lib.studies.entropy.")
+    cmd = re.sub(r"^(\w+\.py)\b", r"python dev/sweeps/\1", cmd)
+    cmd = re.sub(r"(?<=\s)/\S+/([^/\s]+)", r"\1", cmd)  # the measuring machine's output folder
+
+    def moved(m: re.Match) -> str:
+        name = m.group(1)
+        gone = not (Path(repo_root) / "results" / name).exists() and (Path(repo_root) / "dev" / "runs" / name).exists()
+        return f"dev/runs/{name}" if gone else m.group(0)
+    return re.sub(r"\bresults/([\w.-]+)", moved, cmd)
+
+
+def _file_provenance(results_dir: Path, name: str) -> tuple[dict, str]:
+    """(document holding the provenance, its file label) for a results entry (a folder: its run.json)."""
+    label = f"{name}run.json" if name.endswith("/") else name
+    return load_result(results_dir, label), label
+
+
+def results_index(results_dir: str | Path = RESULTS_DIR, repo_root: str | Path = REPO_ROOT) -> str:
+    """results/README.md's table: file | what | device | command, one row per `RESULT_FILES` entry."""
+    results_dir = Path(results_dir)
+    rows = []
+    for name, what in RESULT_FILES.items():
+        doc, label = _file_provenance(results_dir, name)
+        if "merged_by" in doc:
+            command = display_command(field(doc, "merged_by", "command", file=label), repo_root)
+        else:
+            command = display_command(field(_provenances(doc, label)[0], "command", file=label), repo_root)
+        rows.append((f"`{name}`", what, device_name(doc, label), f"`{command}`"))
+    return _table(("file", "what", "device", "command"), rows)
+
+
+def unlisted_entries(results_dir: str | Path = RESULTS_DIR) -> tuple[list[str], list[str]]:
+    """(entries of `results_dir` that `RESULT_FILES` does not describe, described entries that are missing)."""
+    results_dir = Path(results_dir)
+    present = {p.name + ("/" if p.is_dir() else "") for p in results_dir.iterdir() if p.name != "README.md"}
+    return sorted(present - set(RESULT_FILES)), sorted(set(RESULT_FILES) - present)
+
+
+# ---- writing into markdown ----------------------------------------------------------------------
+
+def update_block(text: str, block: str, body: str) -> str:
+    """`text` with the lines between `block`'s two markers replaced by `body`."""
+    start, end = MARKERS[block]
+    if text.count(start) != 1 or text.count(end) != 1 or text.index(start) > text.index(end):
+        raise ResultsError(f"expected one {start} line followed by one {end} line")
+    head, rest = text.split(start, 1)
+    _, tail = rest.split(end, 1)
+    return f"{head}{start}\n{body}\n{end}{tail}"
+
+
+def read_block(text: str, block: str) -> str:
+    """What stands between `block`'s markers in `text` (without the surrounding newlines)."""
+    start, end = MARKERS[block]
+    if start not in text or end not in text:
+        raise ResultsError(f"no {start} ... {end} block")
+    return text.split(start, 1)[1].split(end, 1)[0].strip("\n")

@@ -1,0 +1,94 @@
+"""The README's GPU numbers come from results/: its table is the rendered one, and a gap in a file fails loudly."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from qerl_lib.studies import headline
+from qerl_lib.studies.headline import ResultsError
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "results"
+
+
+def test_readme_table_is_the_rendered_one():
+    block = headline.read_block((ROOT / "README.md").read_text(encoding="utf-8"), "headline")
+    assert block == headline.render_headline(RESULTS), (
+        "README.md's results table differs from the JSONs: run `qerl results --readme README.md`")
+
+
+def test_results_readme_index_is_the_rendered_one():
+    block = headline.read_block((RESULTS / "README.md").read_text(encoding="utf-8"), "index")
+    assert block == headline.results_index(RESULTS), (
+        "results/README.md's file table is stale: run `qerl results --index results/README.md`")
+
+
+def test_results_folder_holds_only_described_results():
+    extra, missing = headline.unlisted_entries(RESULTS)
+    assert not extra, f"results/ holds {extra}: describe them in headline.RESULT_FILES or move them to dev/runs/"
+    assert not missing, f"RESULT_FILES describes {missing}, which results/ lacks"
+    files = [p for p in RESULTS.rglob("*") if p.is_file()]
+    assert len(files) <= 25, f"results/ holds {len(files)} files (at most 25)"
+    assert not [p for p in files if p.suffix == ".py"], "scripts belong in dev/sweeps/"
+
+
+def test_every_result_records_its_provenance():
+    for name in headline.RESULT_FILES:
+        doc, label = headline._file_provenance(RESULTS, name)
+        runs = doc["provenance"] if isinstance(doc["provenance"], list) else [doc["provenance"]]
+        for prov in runs:
+            assert {"device", "date", "versions", "command"} <= set(prov), f"{label}: incomplete provenance"
+
+
+@pytest.fixture()
+def results_copy(tmp_path):
+    shutil.copytree(RESULTS, tmp_path / "results")
+    return tmp_path / "results"
+
+
+def _edit(path: Path, change) -> None:
+    doc = json.loads(path.read_text())
+    change(doc)
+    path.write_text(json.dumps(doc))
+
+
+@pytest.mark.parametrize("file, change, expected", [
+    ("rollout_h200_final.json", lambda d: [r.pop("tok_s") for r in d["rows"]], "['rows'][0]['tok_s']"),
+    ("gemm_h100_v3.json", lambda d: d.pop("ceiling"), "missing field ['ceiling']"),
+    ("entropy_study_cuda.json", lambda d: d["formats"]["nvfp4"]["diff_vs_bf16"].pop("entropy_gold"),
+     "['entropy_gold']"),
+    ("rollout_h100.json", lambda d: [p["device"].pop("name") for p in d["provenance"]], "['device']['name']"),
+    ("rollout_h100.json", lambda d: d.update(rows=[r for r in d["rows"] if r["model"] != "qwen2.5-32b"]),
+     "no measured row with model=qwen2.5-32b"),
+], ids=["field in rows", "top-level field", "nested field", "provenance", "no matching row"])
+def test_a_missing_field_names_the_file_and_the_field(results_copy, file, change, expected):
+    _edit(results_copy / file, change)
+    with pytest.raises(ResultsError) as err:
+        headline.render_headline(results_copy)
+    assert file in str(err.value) and expected in str(err.value), str(err.value)
+
+
+def test_a_missing_file_is_named(results_copy):
+    (results_copy / "rollout_h200_smollm2_final.json").unlink()
+    with pytest.raises(ResultsError, match="rollout_h200_smollm2_final.json: not found"):
+        headline.render_headline(results_copy)
+
+
+def test_update_block_replaces_only_between_the_markers():
+    text = "intro\n<!-- headline:start -->\nold\n<!-- headline:end -->\noutro\n"
+    assert headline.update_block(text, "headline", "new") == "intro\n<!-- headline:start -->\nnew\n<!-- headline:end -->\noutro\n"
+    with pytest.raises(ResultsError, match="expected one"):
+        headline.update_block("no markers here", "headline", "new")
+
+
+def test_commands_are_shown_with_current_names(tmp_path):
+    (tmp_path / "dev" / "runs").mkdir(parents=True)
+    (tmp_path / "results").mkdir()
+    (tmp_path / "dev" / "runs" / "old.json").write_text("{}")
+    shown = headline.display_command("__main__.py bench rollout --merge results/old.json --json /root/out/new.json",
+                                     repo_root=tmp_path)
+    assert shown == "qerl bench rollout --merge dev/runs/old.json --json new.json"
