@@ -21,6 +21,7 @@ COMMAND_MODULES = (
     "generation", # generate, eval
     "bench",      # bench gemm, bench rollout
     "train",      # train, plot-run
+    "sweep",      # calibrate, sweep, claims
     "reproduce",  # reproduce (papermill runner)
     "results",    # results (the README's GPU results table)
 )

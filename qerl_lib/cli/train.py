@@ -6,7 +6,8 @@ import json
 
 
 def register(sub) -> None:
-    from qerl_lib.train.presets import DECODE_BACKENDS, MODES, PRESETS
+    from qerl_lib.train.aqn import SCHEDULES
+    from qerl_lib.train.presets import AQN_TARGETS, BASE_FORMATS, DECODE_BACKENDS, MODES, PRESETS
 
     p = sub.add_parser("train", help="RL fine-tuning (GRPO/DAPO) of LoRA adapters on a frozen bf16/NF4/NVFP4 base",
                        description="Presets: " + ", ".join(PRESETS) + ". Modes: lora (bf16 base), qlora (NF4 base), "
@@ -25,6 +26,18 @@ def register(sub) -> None:
     p.add_argument("--decode-backend", choices=DECODE_BACKENDS, default=None,
                    help="rollout engine decode path (default auto: CUDA graphs on GPU, eager on CPU)")
     p.add_argument("--save-steps", type=int, default=None, help="checkpoint every N steps (default: the preset's)")
+    g = p.add_argument_group("ablations (each independent of the others; a mode is shorthand for --base and --aqn)")
+    g.add_argument("--base", choices=BASE_FORMATS, default=None,
+                   help="frozen base format instead of the mode's (mxfp4: dense weights fake-quantized to MXFP4)")
+    g.add_argument("--aqn", choices=AQN_TARGETS, default=None,
+                   help="adaptive quantization noise: off, rollout (the paper's), both (also the trainer's forward)")
+    g.add_argument("--schedule", choices=SCHEDULES, default=None, help="AQN σ schedule (default exponential)")
+    g.add_argument("--sigma-start", type=float, default=None, help="AQN σ of the first noisy stage")
+    g.add_argument("--sigma-end", type=float, default=None, help="AQN σ of the last stage")
+    g.add_argument("--aqn-stages", type=int, default=None, help="AQN stages K (stage 0 is noise-free)")
+    g.add_argument("--lr", type=float, default=None, help="learning rate for any base (default: the preset's per base)")
+    g.add_argument("--lora-rank", type=int, default=None, help="LoRA rank (default: the preset's)")
+    g.add_argument("--level", type=int, default=None, help="task level (arith: operations; expr: 1-5)")
     p.set_defaults(func=_train)
 
     p = sub.add_parser("plot-run", help="reward, entropy, σ and time-split curves of one or more training runs")
@@ -38,12 +51,15 @@ def _train(args) -> int:
     from qerl_lib.paths import ARTIFACTS_DIR
 
     overrides = {"model": args.model, "data_path": args.data_path, "device": args.device,
-                 "decode_backend": args.decode_backend, "save_steps": args.save_steps}
+                 "decode_backend": args.decode_backend, "save_steps": args.save_steps, "base_format": args.base,
+                 "aqn_target": args.aqn, "aqn_schedule": args.schedule, "sigma_start": args.sigma_start,
+                 "sigma_end": args.sigma_end, "aqn_stages": args.aqn_stages, "lr": args.lr,
+                 "lora_rank": args.lora_rank, "data_level": args.level}
     if args.is_correction is not None:
         overrides["is_correction"] = args.is_correction == "on"
     config = make_config(args.preset, mode=args.mode, steps=args.steps, seed=args.seed,
                          **{k: v for k, v in overrides.items() if v is not None})
-    out = args.out or ARTIFACTS_DIR / "train" / f"{config.preset}-{config.mode}-seed{config.seed}"
+    out = args.out or ARTIFACTS_DIR / "train" / f"{config.preset}-{config.arm_label}-seed{config.seed}"
 
     from qerl_lib.train.grpo import train
 

@@ -55,6 +55,7 @@ class EvalConfig:
     with_entropy: bool = False       # also the teacher-forced entropy on own completions
     entropy_batch_size: int = 16     # sequences per teacher-forced forward (full-vocab logits: memory)
     last_number_fallback: bool = False  # accept an unmarked final number (base models); off for RL
+    first_number: bool = False       # the answer is the completion's first number (the expression task)
     n_boot: int = 2000
 
     def __post_init__(self):
@@ -96,7 +97,7 @@ def evaluate(model, tokenizer, problems: list[dict], config: EvalConfig | None =
     config = config or EvalConfig()
     if not problems:
         raise ValueError("no problems to evaluate: the dataset is empty")
-    prompt_ids = encode_prompts(tokenizer, [p["question"] for p in problems])
+    prompt_ids = encode_prompts(tokenizer, [p["question"] for p in problems], [p.get("instruction") for p in problems])
     golds = [gold_answer(p) for p in problems]
     flat = [(i, k) for i in range(len(problems)) for k in range(config.samples)]
     completions: dict[tuple[int, int], object] = {}
@@ -121,8 +122,10 @@ def evaluate(model, tokenizer, problems: list[dict], config: EvalConfig | None =
             "index": i, "id": problem.get("id", i), "question": problem["question"], "gold": golds[i],
             "completions": texts,
             "completion_ids": [list(o.token_ids) for o in outs],
-            "answers": [extract_answer(t, last_number_fallback=config.last_number_fallback) for t in texts],
-            "correct": [score_answer(t, golds[i], last_number_fallback=config.last_number_fallback) for t in texts],
+            "answers": [extract_answer(t, last_number_fallback=config.last_number_fallback,
+                                       first_number=config.first_number) for t in texts],
+            "correct": [score_answer(t, golds[i], last_number_fallback=config.last_number_fallback,
+                                   first_number=config.first_number) for t in texts],
             "formatted": [format_reward(t) for t in texts],
             "lengths": [len(o.token_ids) for o in outs],
             "finish_reasons": [o.finish_reason for o in outs],
@@ -200,7 +203,7 @@ def compare_formats(models: dict, tokenizer, problems: list[dict], config: EvalC
     reference = reference or next(iter(models))
     if reference not in models:
         raise ValueError(f"reference {reference!r} is not one of {list(models)}")
-    prompt_ids = encode_prompts(tokenizer, [p["question"] for p in problems])
+    prompt_ids = encode_prompts(tokenizer, [p["question"] for p in problems], [p.get("instruction") for p in problems])
     reports = {name: evaluate(m, tokenizer, problems, config, progress) for name, m in models.items()}
     ref_tokens = [r["completion_ids"][0] for r in reports[reference].records]
     out: dict = {"reference": reference, "n_problems": len(problems), "formats": {}}

@@ -226,8 +226,14 @@ def load_gsm8k(split: str = "test", path: str | Path | None = None) -> list[dict
 
 def load_problems(data: str = "arith", split: str = "test", n: int | None = None, seed: int = 0,
                   path: str | Path | None = None, level: int | None = None) -> list[dict]:
-    """One entry point for every command: `arith` (generated), `gsm8k` (hub or `path`), or `file` (`path`)."""
-    if data == "arith":
+    """One entry point for every command: `arith` (generated word problems), `expr` (generated bare
+    expressions, `tasks/expressions.py`), `gsm8k` (hub or `path`), or `file` (`path`)."""
+    if data == "expr":
+        from qerl_lib.tasks.expressions import generate_expressions  # it imports this module
+
+        records = read_problems(path) if path else generate_expressions(split, n if n is not None else 64, seed,
+                                                                         level if level is not None else 2)
+    elif data == "arith":
         records = read_problems(path) if path else generate_arith(split, n if n is not None else 64, seed, level)
     elif data == "gsm8k":
         records = load_gsm8k(split, path)
@@ -236,7 +242,7 @@ def load_problems(data: str = "arith", split: str = "test", n: int | None = None
             raise UserError("--data file needs --path FILE.jsonl")
         records = read_problems(path)
     else:
-        raise UserError(f"unknown data source {data!r}: use arith, gsm8k or file")
+        raise UserError(f"unknown data source {data!r}: use arith, expr, gsm8k or file")
     if not records:
         raise UserError(f"no problems in {data} ({path or split}): the dataset is empty")
     return records[:n] if n is not None else records
@@ -252,19 +258,25 @@ def write_problems(records: Iterable[dict], out: str | Path) -> Path:
 # ---------------------------------------------------------------------------------------------
 # Prompts
 
-def prompt_messages(question: str) -> list[dict]:
-    """The chat messages for one problem: the question followed by the paper's instruction."""
-    return [{"role": "user", "content": f"{question.strip()}\n{INSTRUCTION}"}]
+def prompt_messages(question: str, instruction: str | None = None) -> list[dict]:
+    """The chat messages for one problem: the question followed by its instruction (default the
+    paper's; a record's own ``instruction`` field, as the expression task has, replaces it)."""
+    return [{"role": "user", "content": f"{question.strip()}\n{instruction or INSTRUCTION}"}]
 
 
-def render_prompt(tokenizer, question: str) -> str:
+def render_prompt(tokenizer, question: str, instruction: str | None = None) -> str:
     """The prompt text for one problem, rendered with the model's chat template (generation turn open)."""
     if getattr(tokenizer, "chat_template", None) is None:
         raise UserError("this tokenizer has no chat template: use an instruct/chat model, or set "
                         "tokenizer.chat_template")
-    return tokenizer.apply_chat_template(prompt_messages(question), tokenize=False, add_generation_prompt=True)
+    return tokenizer.apply_chat_template(prompt_messages(question, instruction), tokenize=False,
+                                         add_generation_prompt=True)
 
 
-def encode_prompts(tokenizer, questions: Iterable[str]) -> list[list[int]]:
-    """Token ids of each rendered prompt (no padding; the engine pads)."""
-    return [tokenizer(render_prompt(tokenizer, q), add_special_tokens=False)["input_ids"] for q in questions]
+def encode_prompts(tokenizer, questions: Iterable[str], instructions: Iterable[str | None] | None = None
+                   ) -> list[list[int]]:
+    """Token ids of each rendered prompt (no padding; the engine pads); `instructions` one per question."""
+    questions = list(questions)
+    instructions = list(instructions) if instructions is not None else [None] * len(questions)
+    return [tokenizer(render_prompt(tokenizer, q, i), add_special_tokens=False)["input_ids"]
+            for q, i in zip(questions, instructions)]

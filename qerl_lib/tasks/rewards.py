@@ -13,6 +13,10 @@ How a completion is scored
    c. else the last ``#### N`` (GSM8K's own answer format, and the paper-era official prompt's);
    d. else, only if ``last_number_fallback=True``, the last number anywhere in the text.
 
+   With ``first_number=True`` (the bare-expression task, ``tasks/expressions.py``) none of the
+   rules above applies: the answer is the first number of the completion, so "12" and "12, since
+   7 + 5 = 12" score, while "7 + 5 = 12" answers 7 and does not. Answering first is the task.
+
    The training reward keeps (d) **off**: producing a marked answer is part of the task, and the
    paper-era official scorer also required its marker. (d) is for scoring base models that ignore
    the instruction. Tags are case-sensitive; an unclosed ``<answer>`` (truncated output) gives no answer.
@@ -146,13 +150,19 @@ def _last_answer_block(text: str) -> str | None:
     return None if open_ < 0 else text[open_ + len("<answer>"):close]
 
 
-def extract_answer(completion: Any, *, last_number_fallback: bool = False) -> str | None:
+def extract_answer(completion: Any, *, last_number_fallback: bool = False, first_number: bool = False) -> str | None:
     """The final answer of a completion (rules a-d in the module docstring), stripped; None if none.
+    ``first_number=True``: the first number of the completion instead (the expression task).
 
     >>> extract_answer("<think>12+60=72</think><answer>72</answer>")
     '72'
+    >>> extract_answer("12, because 7 + 5 = 12", first_number=True)
+    '12'
     """
     text = completion_text(completion)
+    if first_number:
+        match = _NUMBER_RE.search(text.replace("\u2212", "-"))
+        return match.group() if match else None
     block = _last_answer_block(text)
     if block is not None:
         boxed = last_boxed(block)
@@ -246,12 +256,12 @@ def answers_match(pred: str, gold: str, *, timeout_s: float | None = None,
     return (verifier or shared_verifier()).equivalent(gold, pred, timeout_s=timeout_s)
 
 
-def score_answer(completion: Any, gold: str, *, last_number_fallback: bool = False,
+def score_answer(completion: Any, gold: str, *, last_number_fallback: bool = False, first_number: bool = False,
                  timeout_s: float | None = None, verifier: MathVerifier | None = None,
                  max_answer_chars: int = DEFAULT_MAX_ANSWER_CHARS) -> float:
     """1.0 when the completion's final answer equals `gold`, else 0.0. `gold` may be the bare answer
     or a whole GSM8K answer field (``... #### N``)."""
-    pred = extract_answer(completion, last_number_fallback=last_number_fallback)
+    pred = extract_answer(completion, last_number_fallback=last_number_fallback, first_number=first_number)
     if pred is None or len(pred) > max_answer_chars:
         return 0.0
     return 1.0 if answers_match(pred, extract_gold(gold), timeout_s=timeout_s, verifier=verifier) else 0.0
@@ -278,7 +288,7 @@ def format_reward(completion: Any) -> float:
 
 
 def accuracy_reward(prompts: list, completions: list, answer: list, *, last_number_fallback: bool = False,
-                    timeout_s: float | None = None, verifier: MathVerifier | None = None,
+                    first_number: bool = False, timeout_s: float | None = None, verifier: MathVerifier | None = None,
                     **kwargs) -> list[float]:
     """TRL ``reward_funcs`` entry: `score_answer` per completion against the dataset's ``answer``
     column (GSM8K ``... #### N`` or bare). Options via ``functools.partial``. One raising completion
@@ -286,7 +296,8 @@ def accuracy_reward(prompts: list, completions: list, answer: list, *, last_numb
     if len(answer) != len(completions):
         raise ValueError(f"got {len(completions)} completions but {len(answer)} gold answers: the "
                          f"dataset needs an 'answer' column, one per prompt")
-    return [score_answer(c, a, last_number_fallback=last_number_fallback, timeout_s=timeout_s, verifier=verifier)
+    return [score_answer(c, a, last_number_fallback=last_number_fallback, first_number=first_number, timeout_s=timeout_s,
+                         verifier=verifier)
             for c, a in zip(completions, answer)]
 
 

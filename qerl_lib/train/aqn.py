@@ -109,7 +109,7 @@ import numpy as np
 import torch
 from torch import nn
 
-SCHEDULES = ("exponential", "linear", "cosine", "logarithmic")
+SCHEDULES = ("exponential", "linear", "cosine", "logarithmic", "constant")  # constant: σ_start throughout
 TARGETS = ("rollout", "both")
 # attribute name -> what it feeds. Matching is by name, so any runtime's RMSNorm class is found.
 KNOWN_NORM_NAMES = {
@@ -178,7 +178,7 @@ class AQNConfig:
         if self.schedule == "exponential" and self.sigma_end == 0:
             raise ValueError("sigma_end=0 with schedule='exponential': a geometric decay never reaches 0, need "
                              "sigma_end > 0 (or use schedule='linear'/'cosine'/'logarithmic' to decay to 0)")
-        if self.num_stages == 2 and self.sigma_end != self.sigma_start:
+        if self.num_stages == 2 and self.sigma_end != self.sigma_start and self.schedule != "constant":
             raise ValueError(f"num_stages=2 leaves one noisy stage, which cannot be both sigma_start "
                              f"({self.sigma_start}) and sigma_end ({self.sigma_end}): set sigma_end == "
                              "sigma_start for constant noise, or use num_stages >= 3")
@@ -186,6 +186,8 @@ class AQNConfig:
 
 def _interpolate(schedule: str, start: float, end: float, f: float) -> float:
     """σ at fraction f ∈ [0, 1] of the noisy stages (f=0: stage 1, f=1: the last stage)."""
+    if schedule == "constant":
+        return start
     if f <= 0.0:
         return start  # exact endpoints, whatever the float arithmetic below would give
     if f >= 1.0:

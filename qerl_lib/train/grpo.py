@@ -117,7 +117,7 @@ import torch
 from qerl_lib.errors import UserError
 from qerl_lib.train.presets import TrainConfig, describe
 
-__all__ = ["train", "build_trainer", "build_dataset", "load_policy", "EngineRollout", "reward_functions", "aqn_config",
+__all__ = ["train", "build_trainer", "build_dataset", "load_policy", "load_base", "load_tokenizer", "EngineRollout", "reward_functions", "aqn_config",
            "resolve_device"]
 
 
@@ -168,13 +168,13 @@ def build_dataset(config: TrainConfig, tokenizer):
     if config.data == "file" and not config.data_path:
         raise UserError(f"preset {config.preset!r} reads its problems from a file: pass --data-path FILE.jsonl "
                         "(GSM8K schema: 'question' and an 'answer' ending with '#### <answer>')")
-    records = load_problems(config.data, "train", n=config.n_train if config.data == "arith" else None,
+    records = load_problems(config.data, "train", n=config.n_train if config.data in ("arith", "expr") else None,
                             seed=0, path=config.data_path, level=config.data_level)
     if config.n_train is not None:
         records = records[: config.n_train]
     rows = []
     for rec in records:
-        messages = prompt_messages(rec["question"])
+        messages = prompt_messages(rec["question"], rec.get("instruction"))
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         if len(tokenizer(text, add_special_tokens=False)["input_ids"]) <= config.max_prompt_tokens:
             rows.append({"prompt": messages, "answer": rec["answer"]})
@@ -185,10 +185,17 @@ def build_dataset(config: TrainConfig, tokenizer):
 
 
 def load_policy(config: TrainConfig, device: torch.device, dtype: torch.dtype):
-    """The frozen base of ``config.mode`` with fresh LoRA adapters (a peft ``PeftModel``)."""
+    """The frozen base of ``config`` with fresh LoRA adapters (a peft ``PeftModel``)."""
+    from qerl_lib.models.lora import attach_lora
+
+    return attach_lora(load_base(config, device, dtype), rank=config.lora_rank, alpha=config.lora_alpha,
+                       dropout=config.lora_dropout, targets=config.lora_targets, train_norms=config.train_norms)
+
+
+def load_base(config: TrainConfig, device: torch.device, dtype: torch.dtype):
+    """The frozen base model in ``config.base`` format (bf16, NF4, NVFP4 or fake-quantized MXFP4), no adapters."""
     from qerl_lib.models.embedded import resolve_model
     from qerl_lib.models.loader import is_nvfp4_checkpoint, load_model, replace_linear_with_nvfp4
-    from qerl_lib.models.lora import attach_lora
 
     path = resolve_model(config.model)
     if config.base == "nf4":
@@ -198,10 +205,15 @@ def load_policy(config: TrainConfig, device: torch.device, dtype: torch.dtype):
         if config.base == "nvfp4" and not is_nvfp4_checkpoint(path):
             # a dense checkpoint: round-to-nearest NVFP4 in memory (the official quantize script's recipe)
             replace_linear_with_nvfp4(model)
-        elif config.base == "bf16" and is_nvfp4_checkpoint(path):
-            raise UserError(f"mode lora needs a dense checkpoint, but {config.model} is NVFP4: pass the bf16 model")
-    return attach_lora(model, rank=config.lora_rank, alpha=config.lora_alpha, dropout=config.lora_dropout,
-                       targets=config.lora_targets, train_norms=config.train_norms)
+        elif config.base in ("bf16", "mxfp4") and is_nvfp4_checkpoint(path):
+            raise UserError(f"a {config.base} base needs a dense checkpoint, but {config.model} is NVFP4: "
+                            "pass the bf16 model")
+        elif config.base == "mxfp4":
+            # dense layers holding MXFP4-representable values (the format's error, not its speed)
+            from qerl_lib.quant.formats import fake_quantize_
+
+            fake_quantize_(model, "mxfp4")
+    return model
 
 
 def _load_nf4(path: str, device: torch.device, dtype: torch.dtype):
@@ -212,7 +224,27 @@ def _load_nf4(path: str, device: torch.device, dtype: torch.dtype):
                                bnb_4bit_compute_dtype=dtype)
     model = AutoModelForCausalLM.from_pretrained(path, quantization_config=quant, dtype=dtype,
                                                  device_map={"": str(device)}, use_safetensors=True)
+    keep_nf4_layout(model)
     return model.eval()
+
+
+def keep_nf4_layout(model) -> None:
+    """Switch off bitsandbytes' CPU repacking of NF4 weights, so the frozen base stays as loaded.
+
+    On a CPU with AVX512-BF16, bitsandbytes' ``Linear4bit.forward`` repacks its weight the first time
+    it runs in eval mode on an input without grad (every engine rollout): the double-quantized
+    absmax is dequantized and rounded to bf16, and from then on every forward, training ones
+    included, goes through ``gemv_4bit``, which has no autograd formula (the gradient to the
+    layer's input is silently dropped). ``state_dict()`` (each checkpoint save) converts back and
+    re-quantizes absmax, so each rollout/save cycle changes the base (tiny Llama, 2 steps: 91 % of
+    the dequantized weights moved, by up to 0.65 %). With the flag off every forward takes
+    ``matmul_4bit``'s dequantize path, as on a CPU without AVX512-BF16 and on CUDA.
+    """
+    import bitsandbytes as bnb
+
+    for module in model.modules():
+        if isinstance(module, bnb.nn.Linear4bit):
+            module.support_avx512bf16_for_cpu = False
 
 
 # ----------------------------------------------------------------------------- AQN and rewards
@@ -225,7 +257,7 @@ def aqn_config(config: TrainConfig):
     stages = max(2, min(config.aqn_stages, config.steps))
     sigma_end = config.sigma_start if stages == 2 else config.sigma_end  # K = 2: one noisy stage
     return AQNConfig(total_steps=max(config.steps, stages), sigma_start=config.sigma_start, sigma_end=sigma_end,
-                     num_stages=stages, schedule=config.aqn_schedule, seed=config.seed, target=config.aqn_target)
+                     num_stages=stages, schedule=config.aqn_schedule, seed=config.seed, target=config.noise_target)
 
 
 def reward_functions(config: TrainConfig, extra: list | None = None):
@@ -233,7 +265,8 @@ def reward_functions(config: TrainConfig, extra: list | None = None):
     ((name, function, weight) triples, also wrapped)."""
     from qerl_lib.tasks.rewards import SafeReward, accuracy_reward, format_reward_func
 
-    accuracy = functools.partial(accuracy_reward, last_number_fallback=config.answer_fallback)
+    accuracy = functools.partial(accuracy_reward, last_number_fallback=config.answer_fallback,
+                                 first_number=config.answer_first_number)
     funcs = [SafeReward(accuracy, name="accuracy"), SafeReward(format_reward_func, name="format")]
     weights = [config.accuracy_weight, config.format_weight]
     for name, func, weight in extra or []:

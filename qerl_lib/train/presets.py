@@ -65,9 +65,11 @@ from qerl_lib.errors import UserError
 
 MODES = ("lora", "qlora", "nvfp4", "qerl")
 MODE_BASE = {"lora": "bf16", "qlora": "nf4", "nvfp4": "nvfp4", "qerl": "nvfp4"}
+BASE_FORMATS = ("bf16", "nf4", "nvfp4", "mxfp4")  # mxfp4: dense weights fake-quantized to MXFP4 values
+AQN_TARGETS = ("off", "rollout", "both")
 LOSS_TYPES = ("grpo", "dapo", "bnpo", "dr_grpo")  # the clipped-surrogate losses; see grpo.py's docstring
 SCALE_REWARDS = ("group", "batch", "none")
-DATA_SOURCES = ("arith", "gsm8k", "file")
+DATA_SOURCES = ("arith", "expr", "gsm8k", "file")
 DEVICES = ("auto", "cpu", "cuda")
 DECODE_BACKENDS = ("auto", "eager", "graphs", "graphs+fused")  # qerl_lib.engine.rollout's decode paths
 
@@ -77,12 +79,13 @@ class TrainConfig:
     """Every setting of one run. Build it with `make_config(preset, ...)`; fields are documented inline."""
 
     preset: str
-    mode: str = "qerl"  # lora | qlora | nvfp4 | qerl (table above)
+    mode: str | None = "qerl"  # lora | qlora | nvfp4 | qerl (table above); None: set base_format (and aqn_target)
+    base_format: str | None = None  # bf16 | nf4 | nvfp4 | mxfp4; None: the mode's (table above)
     model: str = "smollm2"  # local folder, hub id, or the embedded alias; an NVFP4 checkpoint is used as is
     # --- data
-    data: str = "arith"  # arith (generated) | gsm8k (hub or data_path) | file (data_path, GSM8K schema)
+    data: str = "arith"  # arith | expr (generated) | gsm8k (hub or data_path) | file (data_path, GSM8K schema)
     data_path: str | None = None
-    data_level: int | None = None  # arith: number of operations (None: mixed 1-4)
+    data_level: int | None = None  # arith: operations (None: mixed 1-4); expr: level 1-5 (tasks/expressions.py)
     n_train: int | None = None  # problems to train on (None: all / 2048 generated)
     max_prompt_tokens: int = 256  # rendered prompts longer than this are dropped (scripts: 256 / 1024)
     # --- batch shape: one optimizer step sees prompts_per_step x num_generations completions
@@ -99,6 +102,7 @@ class TrainConfig:
     # --- optimisation
     lr_quantized: float = 1e-5  # qlora / nvfp4 / qerl (Table 4)
     lr_bf16: float = 5e-6  # lora (Table 4: higher "will collapse in the late training stage")
+    lr: float | None = None  # one learning rate for any base, overriding lr_quantized / lr_bf16
     optim: str = "adamw_8bit"  # Table 4; smollm2-arith uses adamw_torch (8-bit AdamW needs CUDA)
     adam_beta1: float = 0.9
     adam_beta2: float = 0.99
@@ -127,11 +131,12 @@ class TrainConfig:
     sigma_end: float = 5e-4
     aqn_stages: int = 10
     aqn_schedule: str = "exponential"
-    aqn_target: str = "rollout"  # rollout (paper) | both (also the trainer's forward)
+    aqn_target: str | None = None  # off | rollout (paper) | both (also the trainer's forward); None: the mode's
     # --- rewards: weighted sum (paper-era official code: 1.0 correct, 0.2 format)
     accuracy_weight: float = 1.0
     format_weight: float = 0.2
     answer_fallback: bool = False  # also accept the last number of an unmarked completion (small models)
+    answer_first_number: bool = False  # the answer is the completion's first number (the expr task)
     # --- run
     steps: int = 100
     seed: int = 0
@@ -142,7 +147,21 @@ class TrainConfig:
 
     def __post_init__(self):
         object.__setattr__(self, "lora_targets", tuple(self.lora_targets))
-        _one_of("mode", self.mode, MODES, "--mode")
+        if self.mode is None and self.base_format is None:
+            raise UserError("no base: pass --mode (lora, qlora, nvfp4, qerl) or --base (bf16, nf4, nvfp4, mxfp4)")
+        if self.mode is not None:
+            _one_of("mode", self.mode, MODES, "--mode")
+        if self.base_format is not None:
+            _one_of("base_format", self.base_format, BASE_FORMATS, "--base")
+            if self.mode is not None and MODE_BASE[self.mode] != self.base_format:
+                raise UserError(f"mode {self.mode} trains on a {MODE_BASE[self.mode]} base, but base_format="
+                                f"{self.base_format}: drop one of them (a mode is shorthand for a base and an AQN setting)")
+        if self.aqn_target is not None:
+            _one_of("aqn_target", self.aqn_target, AQN_TARGETS, "--aqn")
+        if self.data_level is not None and self.data == "expr":
+            from qerl_lib.tasks.expressions import EXPR_LEVELS
+
+            _one_of("data_level", self.data_level, EXPR_LEVELS, "--level (expr)")
         _one_of("data", self.data, DATA_SOURCES, "--data")
         _one_of("loss_type", self.loss_type, LOSS_TYPES, "loss_type")
         _one_of("scale_rewards", self.scale_rewards, SCALE_REWARDS, "scale_rewards")
@@ -174,24 +193,41 @@ class TrainConfig:
                             "keep top_p=1.0 and top_k=0 (the paper's setting)")
         if self.beta < 0 or self.is_cap <= 1.0:
             raise UserError(f"beta={self.beta} must be >= 0 and is_cap={self.is_cap} > 1")
-        if self.aqn_target not in ("rollout", "both"):
-            raise UserError(f"aqn_target={self.aqn_target!r}: use 'rollout' (paper) or 'both'")
-        if self.aqn_target == "both" and self.num_iterations != 1:
+        if self.lr is not None and not self.lr > 0:
+            raise UserError(f"lr={self.lr!r}: must be > 0")
+        if self.noise_target == "both" and self.num_iterations != 1:
             raise UserError("aqn_target='both' needs one rollout per optimizer step (num_iterations=1), so the trainer "
                             "can score the exact noisy policy that sampled")
 
     # derived values ------------------------------------------------------------------------------
     @property
     def base(self) -> str:
-        return MODE_BASE[self.mode]
+        return self.base_format if self.base_format is not None else MODE_BASE[self.mode]
+
+    @property
+    def noise_target(self) -> str:
+        """Where AQN acts: 'off', 'rollout' or 'both' (the explicit setting, else the mode's)."""
+        if self.aqn_target is not None:
+            return self.aqn_target
+        return "rollout" if self.mode == "qerl" else "off"
 
     @property
     def aqn(self) -> bool:
-        return self.mode == "qerl"
+        return self.noise_target != "off"
+
+    @property
+    def arm_label(self) -> str:
+        """The mode when base and AQN match one (lora, qlora, nvfp4, qerl), else e.g. 'bf16+aqn', 'mxfp4'."""
+        for mode, base in MODE_BASE.items():
+            if base == self.base and (mode == "qerl") == (self.noise_target == "rollout") and self.noise_target != "both":
+                return mode
+        return self.base + ("" if not self.aqn else "+aqn" if self.noise_target == "rollout" else "+aqn-both")
 
     @property
     def learning_rate(self) -> float:
-        return self.lr_bf16 if self.mode == "lora" else self.lr_quantized
+        if self.lr is not None:
+            return self.lr
+        return self.lr_bf16 if self.base == "bf16" else self.lr_quantized
 
     @property
     def completions_per_step(self) -> int:
@@ -202,7 +238,8 @@ class TrainConfig:
         return self.completions_per_step // self.micro_batch
 
     def to_dict(self) -> dict:
-        return {**asdict(self), "learning_rate": self.learning_rate, "base": self.base,
+        return {**asdict(self), "learning_rate": self.learning_rate, "base": self.base, "aqn": self.noise_target,
+                "arm_label": self.arm_label,
                 "gradient_accumulation_steps": self.gradient_accumulation_steps}
 
 
@@ -229,8 +266,21 @@ _SMOLLM2 = TrainConfig(
     rollout_batch=256, lr_quantized=1e-4, lr_bf16=5e-5, optim="adamw_torch", answer_fallback=True,
     mask_truncated_completions=False, steps=100, save_steps=25)
 
+# The claim sweeps' task: bare expressions the embedded model gets right some of the time (see
+# tasks/expressions.py and results/calibration.json for the level and temperature chosen), 16 prompts
+# x 8 completions of <= 32 tokens, truncated completions masked, μ = 2 (the second pass over each
+# rollout has ρ != 1, so the clip acts; the paper's μ = 4 would leave a short run a quarter as many
+# rollouts), learning rates at the paper's 2:1 quantized:bf16 ratio.
+_SMOLLM2_EXPR = TrainConfig(
+    preset="smollm2-expr", model="smollm2", data="expr", data_level=3, n_train=4096, max_prompt_tokens=128,
+    prompts_per_step=16, num_generations=8, micro_batch=64, num_iterations=2, max_completion_length=32,
+    rollout_batch=256, temperature=1.0, lr_quantized=1e-4, lr_bf16=5e-5, optim="adamw_torch", accuracy_weight=1.0,
+    format_weight=0.0, answer_first_number=True, mask_truncated_completions=True, steps=60, save_steps=20,
+    save_total_limit=1)
+
 PRESETS: dict[str, TrainConfig] = {
     "smollm2-arith": _SMOLLM2,
+    "smollm2-expr": _SMOLLM2_EXPR,
     "smollm2-arith-cpu": replace(_SMOLLM2, preset="smollm2-arith-cpu", prompts_per_step=1, num_generations=4,
                                  micro_batch=4, max_completion_length=16, steps=4, save_steps=2),
     **{f"qwen2.5-{s}-gsm8k": _qwen(s, "gsm8k") for s in ("3b", "7b", "14b", "32b")},
@@ -252,6 +302,8 @@ def make_config(preset: str, mode: str | None = None, steps: int | None = None, 
     if unknown:
         raise UserError(f"unknown training setting(s) {unknown}: valid names are the fields of TrainConfig")
     changes = {k: v for k, v in dict(overrides, mode=mode, steps=steps, seed=seed).items() if v is not None}
+    if overrides.get("base_format") is not None and mode is None:
+        changes["mode"] = None  # an explicit base replaces the preset's mode; its AQN comes from aqn_target
     return replace(PRESETS[preset], **changes)
 
 
@@ -259,8 +311,8 @@ def describe(config: TrainConfig) -> str:
     """A few lines naming what the run will do (printed at start, shown in the notebook)."""
     c = config
     noise = (f"AQN σ {c.sigma_start:g} → {c.sigma_end:g} in {c.aqn_stages} stages ({c.aqn_schedule}, "
-             f"target {c.aqn_target})") if c.aqn else "no AQN"
-    return (f"{c.preset} / mode {c.mode}: {c.base} base + LoRA r{c.lora_rank}, {noise}\n"
+             f"target {c.noise_target})") if c.aqn else "no AQN"
+    return (f"{c.preset} / {c.arm_label}: {c.base} base + LoRA r{c.lora_rank}, {noise}\n"
             f"  {c.steps} steps x {c.prompts_per_step} prompts x {c.num_generations} completions "
             f"(≤{c.max_completion_length} tokens), μ={c.num_iterations}, micro-batch {c.micro_batch} "
             f"(x{c.gradient_accumulation_steps} accumulation)\n"

@@ -1,0 +1,100 @@
+"""`qerl calibrate` (the claim task's level and temperature), `qerl sweep` (seeded grids of runs) and
+`qerl claims` (the claims table from finished sweeps)."""
+
+from __future__ import annotations
+
+
+def register(sub) -> None:
+    p = sub.add_parser("calibrate", help="base pass@1 and mixed-reward groups per (level, temperature) of the expr task")
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--levels", default="1,2,3,4,5", help="comma-separated expression levels (1-5)")
+    p.add_argument("--temperatures", default="0.7,1.0")
+    p.add_argument("--bases", default="bf16,nvfp4", help="comma-separated base formats (bf16, nf4, nvfp4, mxfp4)")
+    p.add_argument("--n", type=int, default=128, help="training-split problems per setting")
+    p.add_argument("--group", type=int, default=8, help="completions per problem (a GRPO group)")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    p.add_argument("--json", default=None, help="write the calibration record here (with provenance)")
+    p.set_defaults(func=_calibrate)
+
+    p = sub.add_parser("sweep", help="run a grid of (arm x seed) training runs from a spec file, resumable",
+                       description="Spec format: see qerl_lib/studies/sweep.py. Finished runs are never rerun; "
+                                   "run the same command again to continue a stopped sweep.")
+    p.add_argument("spec", help="sweep spec (.toml or .json)")
+    p.add_argument("--out", default=None, help="sweep folder (default artifacts/sweeps/NAME)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="override every run's device")
+    p.add_argument("--max-minutes", type=float, default=None, help="stop launching new runs after this long")
+    p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                   help="override a TrainConfig field for every arm (JSON value), e.g. --set steps=2")
+    p.add_argument("--seeds", default=None, help="comma-separated seeds instead of the spec's")
+    p.add_argument("--check", action="store_true", help="validate the spec and list the runs, run nothing")
+    p.set_defaults(func=_sweep)
+
+    p = sub.add_parser("claims", help="the paper-claims table from finished claim sweeps")
+    p.add_argument("--sweeps", default="results/claims", help="folder holding the claim sweeps' summaries")
+    p.add_argument("--json", default=None, help="write the claims table JSON here")
+    p.set_defaults(func=_claims)
+
+
+def _csv(text: str, kind=str) -> tuple:
+    return tuple(kind(x) for x in text.split(",") if x.strip())
+
+
+def _calibrate(args) -> int:
+    from qerl_lib.io import provenance, write_json_atomic
+    from qerl_lib.studies.calibration import calibrate, format_calibration
+
+    record = calibrate(model=args.model, levels=_csv(args.levels, int), temperatures=_csv(args.temperatures, float),
+                       n=args.n, group=args.group, bases=_csv(args.bases), device=args.device)
+    print(format_calibration(record))
+    if args.json:
+        write_json_atomic(args.json, {**record, "provenance": provenance()})
+        print(f"wrote {args.json}")
+    return 0
+
+
+def _sweep(args) -> int:
+    import dataclasses
+    import json
+    from pathlib import Path
+
+    from qerl_lib.errors import UserError
+    from qerl_lib.paths import ARTIFACTS_DIR
+    from qerl_lib.studies.sweep import plan_runs, read_spec, resolve_concurrency, run_sweep
+
+    spec = read_spec(args.spec)
+    common = dict(spec.common)
+    for item in args.set:
+        if "=" not in item:
+            raise UserError(f"--set {item!r}: use FIELD=VALUE, e.g. --set steps=2")
+        key, value = item.split("=", 1)
+        try:
+            common[key] = json.loads(value)
+        except json.JSONDecodeError:
+            common[key] = value
+    spec = dataclasses.replace(spec, common=common)
+    if args.seeds:
+        spec = dataclasses.replace(spec, seeds=_csv(args.seeds, int))
+    runs = plan_runs(spec)
+    concurrency = resolve_concurrency(spec, len(runs), args.device)
+    out = Path(args.out) if args.out else ARTIFACTS_DIR / "sweeps" / spec.name
+    if args.check:
+        print(f"{len(runs)} runs ({len(spec.arms)} arms x {len(spec.seeds)} seeds), {concurrency} at once, into {out}")
+        for run in runs:
+            print(f"  {run.run_id:28s} {run.config.arm_label:12s} lr {run.config.learning_rate:g}"
+                  f"{'' if run.train else '  (evaluation only)'}")
+        return 0
+    summary = run_sweep(spec, out, device=args.device, max_minutes=args.max_minutes)
+    print(f"{summary['n_runs_finished']}/{summary['n_runs_planned']} runs finished; summary in {out}/summary.json")
+    return 0 if summary["n_runs_finished"] == summary["n_runs_planned"] else 1
+
+
+def _claims(args) -> int:
+    from qerl_lib.io import write_json_atomic
+    from qerl_lib.studies.claims_table import build_claims_table, format_claims_table
+
+    table = build_claims_table(args.sweeps)
+    print(format_claims_table(table))
+    if args.json:
+        write_json_atomic(args.json, table)
+        print(f"wrote {args.json}")
+    return 0
