@@ -92,3 +92,16 @@ def test_commands_are_shown_with_current_names(tmp_path):
     shown = headline.display_command("__main__.py bench rollout --merge results/old.json --json /root/out/new.json",
                                      repo_root=tmp_path)
     assert shown == "qerl bench rollout --merge dev/runs/old.json --json new.json"
+
+
+def test_kernel_summaries_read_the_committed_files():
+    from qerl_lib.studies import kernel
+
+    assert len(kernel.current_kernel_hash()) == 12
+    split = kernel.step_split(json.loads((RESULTS / "rollout_step_breakdown_h200.json").read_text()))
+    assert split["context"] == 1280 and split["parts"][0]["share"] >= split["parts"][-1]["share"]
+    assert abs(sum(p["share"] for p in split["parts"]) - 1) < 0.05  # categories cover the busy time
+    rollout = kernel.rollout_headline(json.loads((RESULTS / "rollout_h100.json").read_text()))
+    assert rollout["fp4_kernel_hashes"] and rollout["targets"]
+    with pytest.raises(ValueError, match="no 'fp8' rows"):
+        kernel.step_split({"rows": [{"weights": "nvfp4"}]}, weights="fp8")
