@@ -43,6 +43,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -231,6 +232,30 @@ def run_sweep(spec: SweepSpec, out: str | os.PathLike, device: str | None = None
     start = time.monotonic()
     active: dict = {}
     failed: list[str] = []
+    previous = signal.signal(signal.SIGTERM, _raise_exit)  # a killed sweep takes its runs down with it
+    try:
+        _drive(todo, active, failed, concurrency, start, max_minutes, bar)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        for proc, log, _ in active.values():
+            proc.terminate()
+            proc.wait()
+            log.close()
+    bar.close()
+    summary = summarise_sweep(spec, out)
+    if failed:
+        print(f"{len(failed)} run(s) failed: {', '.join(failed)}; see runs/RUN/log.txt, then run the sweep again "
+              "(finished runs are kept)", file=sys.stderr)
+    return summary
+
+
+def _raise_exit(signum, frame):
+    raise SystemExit(128 + signum)
+
+
+def _drive(todo: list, active: dict, failed: list, concurrency: int, start: float, max_minutes: float | None,
+           bar) -> None:
+    """Keep `concurrency` runs going until none is left (or the time is up and the running ones end)."""
     while todo or active:
         while todo and len(active) < concurrency and (max_minutes is None or time.monotonic() - start < 60 * max_minutes):
             run, folder = todo.pop(0)
@@ -249,12 +274,6 @@ def run_sweep(spec: SweepSpec, out: str | os.PathLike, device: str | None = None
                 failed.append(run_id)
             bar.update(1)
             bar.set_postfix_str(f"{len(active)} running, {len(failed)} failed")
-    bar.close()
-    summary = summarise_sweep(spec, out)
-    if failed:
-        print(f"{len(failed)} run(s) failed: {', '.join(failed)}; see runs/RUN/log.txt, then run the sweep again "
-              "(finished runs are kept)", file=sys.stderr)
-    return summary
 
 
 def _bar(total: int, done: int, enabled: bool, name: str, concurrency: int):

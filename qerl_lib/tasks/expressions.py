@@ -17,7 +17,7 @@ Levels (operands drawn uniformly; subtraction never goes below zero, division is
 =====  ====================================  =========================
 level  form                                  operands
 =====  ====================================  =========================
-1      a + b                                 1-20
+1      a + b                                 1-60
 2      a + b, a - b                          1-50
 3      a + b, a - b, a x b                   +,-: 1-50; x: 2-12
 4      (a + b) - c and friends, two of +,-   1-30
@@ -43,7 +43,7 @@ EXPR_INSTRUCTION = "Reply with the number only."
 
 # level -> (operations allowed, count, operand range for + and -, operand range for x)
 _LEVELS = {
-    1: ("+", 1, (1, 20), None),
+    1: ("+", 1, (1, 60), None),
     2: ("+-", 1, (1, 50), None),
     3: ("+-*", 1, (1, 50), (2, 12)),
     4: ("+-", 2, (1, 30), None),
