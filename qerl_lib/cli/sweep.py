@@ -8,7 +8,7 @@ def register(sub) -> None:
     p = sub.add_parser("calibrate", help="base pass@1 and mixed-reward groups per (level, temperature) of the expr task")
     p.add_argument("--model", default="smollm2")
     p.add_argument("--levels", default="1,2,3,4,5", help="comma-separated expression levels (1-5)")
-    p.add_argument("--temperatures", default="0.7,1.0")
+    p.add_argument("--temperatures", default="0.5,0.7,1.0")
     p.add_argument("--bases", default="bf16,nvfp4", help="comma-separated base formats (bf16, nf4, nvfp4, mxfp4)")
     p.add_argument("--n", type=int, default=128, help="training-split problems per setting")
     p.add_argument("--group", type=int, default=8, help="completions per problem (a GRPO group)")

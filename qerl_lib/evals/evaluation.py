@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from qerl_lib.tasks.problems import encode_prompts, gold_answer
+from qerl_lib.tasks.problems import encode_problems, gold_answer
 from qerl_lib.engine.rollout import generate
 from qerl_lib.evals.entropy import mean_token_entropy, token_entropies
 from qerl_lib.tasks.rewards import extract_answer, format_reward, score_answer
@@ -97,7 +97,7 @@ def evaluate(model, tokenizer, problems: list[dict], config: EvalConfig | None =
     config = config or EvalConfig()
     if not problems:
         raise ValueError("no problems to evaluate: the dataset is empty")
-    prompt_ids = encode_prompts(tokenizer, [p["question"] for p in problems], [p.get("instruction") for p in problems])
+    prompt_ids = encode_problems(tokenizer, problems)
     golds = [gold_answer(p) for p in problems]
     flat = [(i, k) for i in range(len(problems)) for k in range(config.samples)]
     completions: dict[tuple[int, int], object] = {}
@@ -203,7 +203,7 @@ def compare_formats(models: dict, tokenizer, problems: list[dict], config: EvalC
     reference = reference or next(iter(models))
     if reference not in models:
         raise ValueError(f"reference {reference!r} is not one of {list(models)}")
-    prompt_ids = encode_prompts(tokenizer, [p["question"] for p in problems], [p.get("instruction") for p in problems])
+    prompt_ids = encode_problems(tokenizer, problems)
     reports = {name: evaluate(m, tokenizer, problems, config, progress) for name, m in models.items()}
     ref_tokens = [r["completion_ids"][0] for r in reports[reference].records]
     out: dict = {"reference": reference, "n_problems": len(problems), "formats": {}}

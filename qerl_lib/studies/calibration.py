@@ -20,7 +20,7 @@ PASS1_WINDOW = (0.25, 0.45)
 PREFERRED_TEMPERATURE = 1.0
 
 
-def calibrate(model: str = "smollm2", levels=(1, 2, 3, 4, 5), temperatures=(0.7, 1.0), n: int = 128,
+def calibrate(model: str = "smollm2", levels=(1, 2, 3, 4, 5), temperatures=(0.5, 0.7, 1.0), n: int = 128,
               group: int = 8, max_new_tokens: int = 32, bases=("bf16", "nvfp4"), device: str = "auto",
               seed: int = 0, progress: bool = True) -> dict:
     """Measure every (base, level, temperature) setting; returns the calibration record (see module doc)."""
@@ -60,13 +60,21 @@ def calibrate(model: str = "smollm2", levels=(1, 2, 3, 4, 5), temperatures=(0.7,
 
 
 def choose_setting(rows: list[dict], base: str = "bf16") -> dict | None:
-    """Among the bf16 settings with pass@1 in [0.25, 0.45], prefer temperature 1.0, then the most mixed groups."""
-    candidates = [r for r in rows if r["base"] == base and PASS1_WINDOW[0] <= r["pass@1"] <= PASS1_WINDOW[1]]
-    if not candidates:
+    """Among the bf16 settings with pass@1 in [0.25, 0.45], prefer temperature 1.0, then the most mixed
+    groups; if none is in the window, the setting whose pass@1 is closest to it (ties: most mixed groups)."""
+    rows = [r for r in rows if r["base"] == base]
+    if not rows:
         return None
-    best = max(candidates, key=lambda r: (r["temperature"] == PREFERRED_TEMPERATURE, r["mixed_groups"]))
+    candidates = [r for r in rows if PASS1_WINDOW[0] <= r["pass@1"] <= PASS1_WINDOW[1]]
+    if candidates:
+        best = max(candidates, key=lambda r: (r["temperature"] == PREFERRED_TEMPERATURE, r["mixed_groups"]))
+    else:
+        def distance(r):
+            return max(PASS1_WINDOW[0] - r["pass@1"], r["pass@1"] - PASS1_WINDOW[1])
+
+        best = min(rows, key=lambda r: (round(distance(r), 3), -r["mixed_groups"]))
     return {"level": best["level"], "temperature": best["temperature"], "pass@1": best["pass@1"],
-            "mixed_groups": best["mixed_groups"]}
+            "mixed_groups": best["mixed_groups"], "in_window": bool(candidates)}
 
 
 def format_calibration(record: dict) -> str:

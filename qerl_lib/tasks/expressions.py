@@ -9,6 +9,8 @@ claim tested there can only come out "inconclusive". RL sharpens what a policy c
 sometimes; it needs a task where the base model is right *some* of the time. These levels are that
 task: one or two operations on small operands, a one-line instruction, and an answer read from the
 first number of the completion, so a short completion suffices (the presets cap it at 32 tokens).
+The assistant's reply is prefilled with the expression and "=" (``"36 + 32 ="``): left alone, the
+model restates the expression before answering, and its first number would be an operand.
 ``qerl calibrate`` measures, per level and temperature, the base model's pass@1 and the share of
 groups with mixed rewards; the committed calibration picks the level used by the claim sweeps.
 
@@ -25,9 +27,9 @@ level  form                                  operands
 =====  ====================================  =========================
 
 Records keep GSM8K's schema (``question``, ``answer`` ending in ``#### N``) plus ``expression``,
-``level``, ``id`` and ``instruction`` (the user message is ``question`` + newline + ``instruction``;
-see ``problems.prompt_messages``). The split of a problem is a hash of its arithmetic, as for the
-word problems, so train and test never share an expression.
+``level``, ``id``, ``instruction`` (the user message is ``question`` + newline + ``instruction``)
+and ``prefill`` (the start of the reply; see ``problems.prompt_messages``). The split of a problem
+is a hash of its arithmetic, as for the word problems, so train and test never share an expression.
 """
 
 from __future__ import annotations
@@ -114,5 +116,6 @@ def generate_expressions(split: str, n: int, seed: int = 0, level: int = 2) -> l
         value = _running_values(operands, ops)[-1]
         records.append({"question": f"What is {text}?", "answer": f"{text} = {value}\n#### {value}",
                         "expression": text.replace("×", "*"), "level": level, "instruction": EXPR_INSTRUCTION,
+                        "prefill": f"{text} =",
                         "id": hashlib.sha256(key.encode()).hexdigest()[:12]})
     return records

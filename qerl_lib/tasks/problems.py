@@ -258,25 +258,42 @@ def write_problems(records: Iterable[dict], out: str | Path) -> Path:
 # ---------------------------------------------------------------------------------------------
 # Prompts
 
-def prompt_messages(question: str, instruction: str | None = None) -> list[dict]:
+def prompt_messages(question: str, instruction: str | None = None, prefill: str | None = None) -> list[dict]:
     """The chat messages for one problem: the question followed by its instruction (default the
-    paper's; a record's own ``instruction`` field, as the expression task has, replaces it)."""
-    return [{"role": "user", "content": f"{question.strip()}\n{instruction or INSTRUCTION}"}]
+    paper's; a record's own ``instruction`` field, as the expression task has, replaces it), and,
+    with ``prefill``, the start of the assistant's reply that the model continues (``"36 + 32 ="``)."""
+    messages = [{"role": "user", "content": f"{question.strip()}\n{instruction or INSTRUCTION}"}]
+    if prefill:
+        messages.append({"role": "assistant", "content": prefill})
+    return messages
+
+
+def problem_messages(record: dict) -> list[dict]:
+    """`prompt_messages` of a problem record (its ``question``, ``instruction`` and ``prefill`` fields)."""
+    return prompt_messages(record["question"], record.get("instruction"), record.get("prefill"))
+
+
+def render_messages(tokenizer, messages: list[dict]) -> str:
+    """Chat-template text that the model continues: a new assistant turn, or the prefilled one."""
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise UserError("this tokenizer has no chat template: use an instruct/chat model, or set "
+                        "tokenizer.chat_template")
+    if messages[-1]["role"] == "assistant":
+        return tokenizer.apply_chat_template(messages, tokenize=False, continue_final_message=True)
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
 def render_prompt(tokenizer, question: str, instruction: str | None = None) -> str:
     """The prompt text for one problem, rendered with the model's chat template (generation turn open)."""
-    if getattr(tokenizer, "chat_template", None) is None:
-        raise UserError("this tokenizer has no chat template: use an instruct/chat model, or set "
-                        "tokenizer.chat_template")
-    return tokenizer.apply_chat_template(prompt_messages(question, instruction), tokenize=False,
-                                         add_generation_prompt=True)
+    return render_messages(tokenizer, prompt_messages(question, instruction))
 
 
-def encode_prompts(tokenizer, questions: Iterable[str], instructions: Iterable[str | None] | None = None
-                   ) -> list[list[int]]:
-    """Token ids of each rendered prompt (no padding; the engine pads); `instructions` one per question."""
-    questions = list(questions)
-    instructions = list(instructions) if instructions is not None else [None] * len(questions)
-    return [tokenizer(render_prompt(tokenizer, q, i), add_special_tokens=False)["input_ids"]
-            for q, i in zip(questions, instructions)]
+def encode_prompts(tokenizer, questions: Iterable[str]) -> list[list[int]]:
+    """Token ids of each rendered prompt with the paper's instruction (no padding; the engine pads)."""
+    return [tokenizer(render_prompt(tokenizer, q), add_special_tokens=False)["input_ids"] for q in questions]
+
+
+def encode_problems(tokenizer, problems: Iterable[dict]) -> list[list[int]]:
+    """Token ids of each problem record's prompt (its own instruction and prefill, if any)."""
+    return [tokenizer(render_messages(tokenizer, problem_messages(p)), add_special_tokens=False)["input_ids"]
+            for p in problems]

@@ -163,7 +163,7 @@ def build_dataset(config: TrainConfig, tokenizer):
     """
     from datasets import Dataset
 
-    from qerl_lib.tasks.problems import load_problems, prompt_messages
+    from qerl_lib.tasks.problems import load_problems, problem_messages, render_messages
 
     if config.data == "file" and not config.data_path:
         raise UserError(f"preset {config.preset!r} reads its problems from a file: pass --data-path FILE.jsonl "
@@ -174,8 +174,8 @@ def build_dataset(config: TrainConfig, tokenizer):
         records = records[: config.n_train]
     rows = []
     for rec in records:
-        messages = prompt_messages(rec["question"], rec.get("instruction"))
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        messages = problem_messages(rec)
+        text = render_messages(tokenizer, messages)
         if len(tokenizer(text, add_special_tokens=False)["input_ids"]) <= config.max_prompt_tokens:
             rows.append({"prompt": messages, "answer": rec["answer"]})
     if len(rows) < config.prompts_per_step:
@@ -310,7 +310,9 @@ class EngineRollout:
     def _encode(self, messages) -> list[int]:
         key = repr(messages)
         if key not in self._encoded:
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            from qerl_lib.tasks.problems import render_messages
+
+            text = render_messages(self.tokenizer, messages)
             self._encoded[key] = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         return self._encoded[key]
 
