@@ -272,7 +272,7 @@ _SMOLLM2 = TrainConfig(
 # rollout has ρ != 1, so the clip acts; the paper's μ = 4 would leave a short run a quarter as many
 # rollouts), learning rates at the paper's 2:1 quantized:bf16 ratio.
 _SMOLLM2_EXPR = TrainConfig(
-    preset="smollm2-expr", model="smollm2", data="expr", data_level=3, n_train=4096, max_prompt_tokens=128,
+    preset="smollm2-expr", model="smollm2", data="expr", data_level=3, n_train=2048, max_prompt_tokens=128,
     prompts_per_step=16, num_generations=8, micro_batch=64, num_iterations=2, max_completion_length=32,
     rollout_batch=256, temperature=1.0, lr_quantized=1e-4, lr_bf16=5e-5, optim="adamw_torch", accuracy_weight=1.0,
     format_weight=0.0, answer_first_number=True, mask_truncated_completions=True, steps=60, save_steps=20,
