@@ -49,6 +49,10 @@ RESULT_FILES = {
                                         "Notebook 03",
     "entropy_study_cuda.json": "entropy study: SmolLM2 in BF16/NVFP4/MXFP4/NF4 on 512 GSM8K test problems, 4 samples "
                                "each, AQN σ sweep on NVFP4. Notebook 06; `figures/06_entropy_study_h200.png`",
+    "calibration.json": "the expression task's calibration for the claim sweeps: the untrained SmolLM2's pass@1 "
+                        "and share of mixed-reward groups of 8 per (base, level, temperature), 128 training problems "
+                        "each, and the setting the pre-registered rule chose (`qerl_lib/studies/calibration.py`, "
+                        "`docs/claims_plan.md`)",
     "train_smollm2_qerl_h200/": "a 100-step GRPO run in mode qerl (preset smollm2-arith): `metrics.jsonl` (one line "
                                 "per step), `summary.json`, `run.json` (resolved config); "
                                 "`figures/05_training_h200.png` via `qerl plot-run`",
