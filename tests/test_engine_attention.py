@@ -81,18 +81,19 @@ INTERP_SCRIPT = textwrap.dedent("""
     two = decode_attention(rope_and_cache(q, k, v, cos, sin, kc1, vc1, column), kc1[:, :, :col + 30],
                            vc1[:, :, :col + 30], pad, column, 0.2, splits=3)
     one_launch = []
-    import qerl_lib.engine.attention as ea
     for splits in (1, 3):
         kc2.copy_(kc1), vc2.copy_(vc1)
         kc2[:, :, col], vc2[:, :, col] = 9.0, 9.0  # stale values the kernel must overwrite, not read
-        ea_num_splits, ea.num_splits = ea.num_splits, (lambda *a, s=splits, **kw: s)
-        try:
-            got = rope_cache_attention(q, k, v, cos, sin, kc2[:, :, :col + 30], vc2[:, :, :col + 30], pad, column, 0.2)
-        finally:
-            ea.num_splits = ea_num_splits
+        got = rope_cache_attention(q, k, v, cos, sin, kc2[:, :, :col + 30], vc2[:, :, :col + 30], pad, column, 0.2,
+                                   splits=splits)
         one_launch.append(float((got - two).abs().max()))
         out[f"fused_cache_equal_{splits}"] = bool(torch.equal(kc2, kc1) and torch.equal(vc2, vc1))
     out["fused_vs_two_calls"] = max(one_launch)
+    # another launch shape (explicit argument): the same attention, other block and slice sizes
+    from qerl_lib.engine.attention import AttentionLaunch
+    other = decode_attention(rope_and_cache(q, k, v, cos, sin, kc1, vc1, column), kc1[:, :, :col + 30],
+                             vc1[:, :, :col + 30], pad, column, 0.2, launch=AttentionLaunch(block=32, programs=12))
+    out["other_launch_shape"] = float((other - two).abs().max())
     # the engine with the kernel vs the engine with SDPA, float32 tiny Qwen2 model
     from qerl_lib.engine.rollout import RolloutEngine
     from tests.test_engine import PROMPTS, tiny_model
@@ -125,6 +126,7 @@ def test_interpreted_rope_cache_attention_equals_the_two_calls(interpreted):
     # one slice and three: the slice holding the column rotates, writes and uses the new key/value
     assert interpreted["fused_cache_equal_1"] and interpreted["fused_cache_equal_3"]
     assert interpreted["fused_vs_two_calls"] <= 1e-6
+    assert interpreted["other_launch_shape"] <= 1e-5  # float32 sums split and grouped differently
 
 
 def test_engine_with_the_kernel_matches_sdpa(interpreted):

@@ -1,4 +1,4 @@
-"""The decode step's glue kernels (qerl_lib.engine.glue) against engine_forward's torch functions,
+"""The decode step's glue kernels (qerl_lib.engine.glue) against engine/forward.py's torch functions,
 and programmatic dependent launch of the NVFP4 mma kernel after them.
 
 * CPU, Triton interpreter (subprocess): float32 and float16 inputs, awkward widths (not a power of

@@ -147,7 +147,7 @@ def test_pick_config_is_deterministic_and_has_no_empty_splits(m, n, k):
 
 
 def test_small_m_launch_rule_follows_the_h100_sweep():
-    # run 6 (results/notes_fp4_kernel.md): M = 1 keeps 64-wide tiles and ~4 programs per SM; 2 <= M <= 16
+    # the H100 sweep (dev/LOG.md): M = 1 keeps 64-wide tiles and ~4 programs per SM; 2 <= M <= 16
     # takes 128-wide tiles and ~2 per SM, except Qwen2.5-32B's fused gate_up (64 wide: one wave)
     one = pick_config(1, 37888, 3584, num_sms=132)
     eight = pick_config(8, 37888, 3584, num_sms=132)

@@ -1,7 +1,7 @@
-"""The CUDA mma.sync NVFP4 kernel (qerl_lib/fp4_kernel_mma.{py,cu}).
+"""The CUDA mma.sync NVFP4 kernel (qerl_lib/kernels/mma.{py,cu}).
 
 Without a GPU we check what the kernel's correctness rests on, with a bit-level NumPy emulator
-that follows fp4_kernel_mma.cu line by line (the same integer formulas, the same K relabelling,
+that follows kernels/mma.cu line by line (the same integer formulas, the same K relabelling,
 the PTX fragment layouts of mma.m16n8k16 and prmt): every E4M3 scale and every code pair decodes
 exactly, and the emulated GEMM matches the plain-torch oracle. NVRTC compiles the source for
 sm_90 when a libnvrtc is found. On a Hopper GPU the real kernel runs against the oracle.
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from qerl_lib.kernels import mma
-from qerl_lib.kernels.fp4_gemm import fp4_linear, prepare_fp4_weights, set_small_m_backend, uses_mma
+from qerl_lib.kernels.fp4_gemm import fp4_linear, prepare_fp4_weights, resolve_small_m_backend, uses_mma
 from qerl_lib.quant.nvfp4 import dequantize, quantize, reference_matmul
 
 HAS_MMA = mma.available() if torch.cuda.is_available() else False
@@ -39,7 +39,7 @@ def round_to_bf16_bits(v: np.ndarray) -> np.ndarray:
 
 
 def scale_bits(b: np.ndarray) -> np.ndarray:
-    """fp4_kernel_mma.cu scale_bits: E4M3 byte -> bf16 bits of s * 2^118."""
+    """mma.cu scale_bits: E4M3 byte -> bf16 bits of s * 2^118."""
     b = np.asarray(b, dtype=np.uint32)
     mag = b & 0x7F
     normal = (mag << 4) + 0x7700
@@ -48,19 +48,19 @@ def scale_bits(b: np.ndarray) -> np.ndarray:
 
 
 def code_pair(v: np.ndarray, i: int) -> np.ndarray:
-    """fp4_kernel_mma.cu code_pair (uint32 arithmetic wraps like the GPU's)."""
+    """mma.cu code_pair (uint32 arithmetic wraps like the GPU's)."""
     v = np.asarray(v, dtype=np.uint32)
     return (((v >> np.uint32(4 * i)) & np.uint32(0x000F000F)) * np.uint32(0x1040)) & np.uint32(0x81C081C0)
 
 
 def code_pair_even(v: np.ndarray) -> np.ndarray:
-    """fp4_kernel_mma.cu code_pair_even: codes (0, 4) of v, masked in place."""
+    """mma.cu code_pair_even: codes (0, 4) of v, masked in place."""
     v = np.asarray(v, dtype=np.uint32)
     return ((v & np.uint32(0x000F000F)) * np.uint32(0x1040)) & np.uint32(0x81C081C0)
 
 
 def code_pair_odd(v: np.ndarray) -> np.ndarray:
-    """fp4_kernel_mma.cu code_pair_odd: codes (1, 5) of v; the multiplier absorbs nibble 1's offset."""
+    """mma.cu code_pair_odd: codes (1, 5) of v; the multiplier absorbs nibble 1's offset."""
     v = np.asarray(v, dtype=np.uint32)
     return ((v & np.uint32(0x00F000F0)) * np.uint32(0x104)) & np.uint32(0x81C081C0)
 
@@ -240,7 +240,7 @@ def test_wave_fill_counts_the_part_empty_last_wave():
 
 def test_the_wide_rule_picks_the_best_filling_shape_in_order_of_preference():
     shapes = [cfg for cfg, _ in mma.WIDE_SHAPES]
-    # runs 23-24 (H200, 132 SMs): the fastest of 9 timed shapes on each of these gate/up problems
+    # the fastest of 9 shapes timed on an H200 (132 SMs) on each of these gate/up problems (dev/LOG.md)
     assert mma.pick_mma_config(8, 37888, 3584, 132) == shapes[0]  # Qwen2.5-7B
     assert mma.pick_mma_config(8, 55296, 5120, 132) == shapes[0]  # 32B
     assert mma.pick_mma_config(8, 22016, 2048, 132) == shapes[1]  # 3B: 459 CTAs, four per SM
@@ -291,31 +291,33 @@ def test_wide_shapes_run_at_the_ctas_per_sm_the_rule_assumes():
         assert min(by_regs, 2048 // cfg.threads, by_smem, 32) == per_sm, (cfg, regs)
 
 
-def test_small_m_backend_setting():
+def test_small_m_backend_setting(monkeypatch):
     with pytest.raises(ValueError, match="small-M backend"):
-        set_small_m_backend("cutlass")
-    prev = set_small_m_backend("triton")
-    assert set_small_m_backend(prev) == "triton"
+        resolve_small_m_backend("cutlass")
+    with pytest.raises(ValueError, match="small-M backend"):
+        uses_mma(8, 4096, torch.device("cpu"), "cutlass")
+    monkeypatch.delenv("QERL_FP4_SMALL_M", raising=False)
+    assert resolve_small_m_backend() == "auto"
+    monkeypatch.setenv("QERL_FP4_SMALL_M", "triton")
+    assert resolve_small_m_backend() == "triton"  # read at each call
+    assert resolve_small_m_backend("mma") == "mma"  # an explicit backend wins over the environment
     assert not uses_mma(8, 4096, torch.device("cpu"))  # CPU tensors take the reference path
 
 
 def test_a_bad_environment_setting_is_named(monkeypatch):
-    from qerl_lib.kernels import fp4_gemm as fp4_kernel
-
-    monkeypatch.setattr(fp4_kernel, "_small_m_backend", "cutlass")  # as if QERL_FP4_SMALL_M=cutlass
+    monkeypatch.setenv("QERL_FP4_SMALL_M", "cutlass")
     with pytest.raises(ValueError, match="QERL_FP4_SMALL_M"):
         uses_mma(8, 4096, torch.device("cpu"))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without a GPU")
-def test_forcing_mma_without_a_gpu_names_the_fix():
-    prev = set_small_m_backend("mma")
-    try:
-        assert not uses_mma(8, 4096, torch.device("cpu"))  # CPU still goes to the reference
-        with pytest.raises(RuntimeError, match="set_small_m_backend"):
-            uses_mma(8, 4096, torch.device("cuda"))
-    finally:
-        set_small_m_backend(prev)
+def test_forcing_mma_without_a_gpu_names_the_fix(monkeypatch):
+    assert not uses_mma(8, 4096, torch.device("cpu"), "mma")  # CPU still goes to the reference
+    with pytest.raises(RuntimeError, match="small_m_backend='auto'"):
+        uses_mma(8, 4096, torch.device("cuda"), "mma")
+    monkeypatch.setenv("QERL_FP4_SMALL_M", "mma")
+    with pytest.raises(RuntimeError, match="QERL_FP4_SMALL_M=auto"):
+        uses_mma(8, 4096, torch.device("cuda"))
 
 
 @pytest.mark.skipif(_nvrtc_or_none() is None, reason="no libnvrtc here (CUDA builds of PyTorch ship it; or set QERL_NVRTC)")
@@ -372,9 +374,7 @@ def test_fp4_linear_dispatches_small_m_to_mma_and_agrees_with_triton():
     mma.mma_linear = lambda *a, **kw: calls.append(1) or real(*a, **kw)  # noqa: E731 - a one-line spy
     try:
         via_mma = fp4_linear(x, w)
-        prev = set_small_m_backend("triton")
-        via_triton = fp4_linear(x, w)
-        set_small_m_backend(prev)
+        via_triton = fp4_linear(x, w, small_m_backend="triton")
     finally:
         mma.mma_linear = real
     assert calls == [1]

@@ -112,6 +112,31 @@ def test_nvfp4_groups_on_cpu_stay_unfused():
     assert fuse_group(members) is None
 
 
+def test_projection_names_are_defined_once():
+    from qerl_lib.models.fused import PARENT, PROJECTION_GROUPS, PROJECTIONS
+    from qerl_lib.models.lora import DEFAULT_TARGETS
+    from qerl_lib.quant.nvfp4 import FUSED_GROUPS
+
+    assert tuple(p for group in PROJECTION_GROUPS.values() for p in group) == PROJECTIONS
+    assert tuple(PARENT) == PROJECTIONS and DEFAULT_TARGETS == PROJECTIONS
+    assert tuple(g for g in PROJECTION_GROUPS.values() if len(g) > 1) == FUSED_GROUPS  # one global scale each
+
+
+def test_small_m_kernel_choice_is_per_layer():
+    from qerl_lib.models.nvfp4_linear import set_small_m_kernel
+
+    model = nn.Sequential(*_nvfp4_group(shared=True))
+    assert all(m.small_m_backend is None and m.mma_rule is None for m in model)  # None: QERL_FP4_SMALL_M, the rule
+    x = torch.randn(3, 64).to(torch.bfloat16)
+    before = model(x)
+    rule = lambda m, n, k: None  # noqa: E731 - never called on CPU
+    assert set_small_m_kernel(model, "triton", rule) == 2
+    assert all(m.small_m_backend == "triton" and m.mma_rule is rule for m in model)
+    assert torch.equal(model(x), before)  # CPU runs the reference path whatever the choice
+    with pytest.raises(ValueError, match="small-M backend"):
+        set_small_m_kernel(model, "cutlass")
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the NVFP4 fused group runs the FP4 kernel (CUDA)")
 def test_nvfp4_fused_group_matches_members_on_cuda():

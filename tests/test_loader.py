@@ -149,7 +149,7 @@ def test_nvfp4_linear_kernel_path_matches_marlin_oracle(m):
     layer = NVFP4Linear.from_linear(nn.Linear(64, 48, bias=True).to(torch.bfloat16), impl="kernel", name="probe")
     x = torch.randn(m, 64, dtype=torch.bfloat16, requires_grad=True)
     y = layer(x)
-    # On CPU fp4_kernel dispatches to nvfp4.reference_matmul (exact fp4*s, fp32 sum, * fl32(1/gs)).
+    # On CPU kernels.fp4_gemm dispatches to nvfp4.reference_matmul (exact fp4*s, fp32 sum, * fl32(1/gs)).
     assert torch.equal(y, nvfp4.reference_matmul(x.detach(), layer.nvfp4_weight, layer.bias))
     assert layer.prepare_kernel() is layer.prepare_kernel()  # built once, cached
     dense = F.linear(x.detach(), layer.dequantize(), layer.bias)

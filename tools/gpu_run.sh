@@ -3,6 +3,8 @@
 # Follows ../shared/gpu/README.md: stage `part1` (carry .gguf_a), then at once `setup` (carry .gguf_b .whl),
 # optionally `bnb` (carry .whl_bnb), then the measurement stages. Every stage writes into $OUT and
 # prints a short table last. Usage (on the GPU machine, repo root as cwd): bash tools/gpu_run.sh STAGE
+# `sweep NAME [ARGS]` runs the development sweep dev/sweeps/NAME.py with OUT set; copy its records from
+# $OUT into dev/runs/.
 set -euo pipefail
 export PYTHONUNBUFFERED=1
 export PYTHONPATH=/tmp/site:$PWD
@@ -11,7 +13,7 @@ export QERL_CACHE=/tmp/qerl/cache
 OUT=${OUT:-/tmp/qerl/out}
 mkdir -p "$OUT"
 PY=python3
-stage=${1:?stage: part1 | setup | bnb | tests | gemm | rollout | train | entropy}
+stage=${1:?stage: part1 | setup | bnb | tests | gemm | rollout | train | sweep NAME}
 case "$stage" in
   part1)
     mkdir -p /tmp/qerl && cp .gguf_a/part1 /tmp/qerl/ && ls -la /tmp/qerl ;;
@@ -34,6 +36,9 @@ case "$stage" in
   train)
     shift; $PY -m qerl_lib train --preset smollm2-arith --mode qerl --out "$OUT/train" "$@" 2>&1 | tee "$OUT/train.log"
     cp "$OUT/train/metrics.jsonl" "$OUT/train_metrics.jsonl" 2>/dev/null || true ;;
+  sweep)
+    shift; name=${1:?sweep NAME: a script of dev/sweeps/, e.g. fp4_kernel_sweep_waves}; shift
+    OUT="$OUT" $PY "dev/sweeps/$name.py" "$@" 2>&1 | tee "$OUT/$name.log" ;;
   *)
     echo "unknown stage $stage" >&2; exit 2 ;;
 esac

@@ -1,15 +1,16 @@
-"""Development sweep for qerl_lib.kernels.fp4_gemm on one GPU (kept for provenance; see notes_fp4_kernel.md).
+"""Development sweep for qerl_lib.kernels.fp4_gemm (the Triton kernel) on one GPU, kept for provenance
+(dev/LOG.md).
 
-Runs 1-3 of the notes used earlier versions of this script and of the kernel, with knobs since
-removed (load-time repack, gathered x, one-launch split-K, prefetch off); their raw records are the
-results/fp4_kernel_sweep_run*.jsonl files. This version sweeps the knobs the kernel still has.
+Runs 1-3 used earlier versions of this script and of the kernel, with knobs since removed (load-time
+repack, gathered x, one-launch split-K); their raw records are dev/runs/fp4_kernel_sweep_run{1,2,3}_*.jsonl.
+This version sweeps the knobs the kernel still has.
 
 One call does everything a GPU lease allows: correctness of every kernel path on awkward and real
 shapes (poisoned outputs, determinism), then device-time of launch variants per (shape, M) with
 the benchmark's CUDA-graph + L2-rotation timer. Writes $OUT/sweep.jsonl as it goes (partial
-results survive a timeout) and prints a short table at the end.
+results survive a timeout; OUT defaults to dev/runs/) and prints a short table at the end.
 
-    PYTHONPATH=$PWD python results/fp4_kernel_sweep.py
+    PYTHONPATH=$PWD python dev/sweeps/fp4_kernel_sweep.py
 """
 
 from __future__ import annotations
@@ -22,11 +23,13 @@ import time
 
 import torch
 
-from qerl_lib.bench.gemm import copy_bandwidth_gbps, l2_cache_bytes, mean_relative_error, time_eager, time_graph, _copies_needed
-from qerl_lib.kernels.fp4_gemm import KernelConfig, fp4_linear, fp4_matmul, prepare_fp4_weights
+from qerl_lib.bench.gemm import (copy_bandwidth_gbps, l2_cache_bytes, mean_relative_error, rotation_copies, time_eager,
+                                 time_graph)
+from qerl_lib.kernels.fp4_gemm import fp4_linear, fp4_matmul, prepare_fp4_weights
+from qerl_lib.kernels.launch_rule import KernelConfig
 from qerl_lib.quant.nvfp4 import quantize, reference_matmul
 
-OUT = os.environ.get("OUT", ".")
+OUT = os.environ.get("OUT", "dev/runs")  # where the kept records live
 LOG = open(os.path.join(OUT, "sweep.jsonl"), "a")
 T0 = time.time()
 
@@ -91,13 +94,13 @@ def time_variants(name, n, k, m, variants, l2, copy_gbps, with_bf16=True, eager_
     bf16_bytes = n * k * 2 + 2 * m * (k + n)
     rows = []
     if with_bf16:
-        nb = _copies_needed(bf16_bytes, l2)
+        nb = rotation_copies(bf16_bytes, l2)
         sets = [(x0.clone(), dense.clone()) for _ in range(nb)]
         t = time_graph([(lambda s=s: torch.nn.functional.linear(s[0], s[1])) for s in sets])
         rows.append({"variant": "bf16", "us": t.median_ms * 1e3, "p20": t.p20_ms * 1e3, "p80": t.p80_ms * 1e3,
                      "gbps": bf16_bytes / t.median_ms / 1e6})
         del sets
-    nf = _copies_needed(fp4_bytes, l2)
+    nf = rotation_copies(fp4_bytes, l2)
     for repack in sorted({v[1] for v in variants}, reverse=True):
         sets = [(x0.clone(), prepare_fp4_weights(q.weight_packed.clone(), q.weight_scale.clone(),
                                                  q.weight_global_scale.clone()),
@@ -131,7 +134,7 @@ def time_variants(name, n, k, m, variants, l2, copy_gbps, with_bf16=True, eager_
     torch.cuda.empty_cache()
 
 
-def _split_for(tiles, k_iters, ctas_per_sm, sms):
+def split_for(tiles, k_iters, ctas_per_sm, sms):
     if tiles >= ctas_per_sm * sms:
         return 1
     split = max(1, min(-(-ctas_per_sm * sms // tiles), max(1, k_iters // 2)))
@@ -141,20 +144,15 @@ def _split_for(tiles, k_iters, ctas_per_sm, sms):
 def small_m_variants(m, n, k, sms):
     """The fragment path by tile width and programs per SM, against the generic path."""
     bm = 16 if m <= 16 else (32 if m <= 32 else 64)
-    v = [("auto", False, None), ("generic-n64p4", False, KernelConfig(bm, 64, 128, _split_for(-(-n // 64) * -(-m // bm), -(-k // 128), 4, sms)))]
+    v = [("auto", False, None), ("generic-n64p4", False, KernelConfig(bm, 64, 128, split_for(-(-n // 64) * -(-m // bm), -(-k // 128), 4, sms)))]
     for bn in (64, 128, 256):
         tiles = -(-n // bn) * -(-m // bm)
         kit = -(-k // 128)
         for cps in (2, 4, 8):
-            label = f"frag-n{bn}p{_split_for(tiles, kit, cps, sms)}"
+            label = f"frag-n{bn}p{split_for(tiles, kit, cps, sms)}"
             if not any(x[0] == label for x in v):
-                v.append((label, False, KernelConfig(bm, bn, 128, _split_for(tiles, kit, cps, sms), 4, 1, fragment=True)))
+                v.append((label, False, KernelConfig(bm, bn, 128, split_for(tiles, kit, cps, sms), 4, 1, fragment=True)))
     return v
-
-
-def _replace(cfg, **kw):
-    import dataclasses
-    return dataclasses.replace(cfg, **kw)
 
 
 def large_m_variants(m, n, k, sms):

@@ -1,14 +1,14 @@
-"""Run 5 of the FP4 kernel notes: Triton's software pipeliner (cp.async stages) instead of register prefetch.
+"""Runs 5 and 6 (H100; dev/LOG.md): Triton's software pipeliner (cp.async stages) instead of register prefetch.
 
 Question: with ``prefetch=False`` and ``num_stages`` 2-5, Triton 3.6 stages the fragment path's loads
 through shared memory with cp.async (offline SASS: LDGSTS appear). Does a deeper pipeline lift the
 small-M kernel above the ~55% of copy bandwidth the register prefetch reaches?
 
-One call: correctness of the new variants (NaN-poisoned outputs vs the oracle), then device time of
-each variant per (shape, M) with the benchmark's CUDA-graph + L2-rotation timer. Writes
-$OUT/sweep5.jsonl as it goes and prints one line per (shape, M).
+One call: correctness of the pipelined variants (NaN-poisoned outputs vs the oracle), then device
+time of each variant per (shape, M) with the benchmark's CUDA-graph + L2-rotation timer. Writes
+$OUT/sweep5.jsonl as it goes (OUT defaults to dev/runs/) and prints one line per (shape, M).
 
-    PYTHONPATH=$PWD python results/fp4_kernel_sweep5.py [--quick] [--run6]
+    PYTHONPATH=$PWD python dev/sweeps/fp4_kernel_sweep5.py [--quick] [--run6]
 
 Run 6 (``--run6``) adds the register-prefetch variants (the kernel's default path) by tile width and
 programs per SM, M = 2 and 4, and the 32B o_proj shape, to set ``pick_config`` from H100 data.
@@ -24,12 +24,12 @@ import time
 
 import torch
 
-from qerl_lib.bench.gemm import _copies_needed, copy_bandwidth_gbps, l2_cache_bytes, mean_relative_error, time_graph
-from qerl_lib.kernels.fp4_gemm import KernelConfig, fp4_linear, prepare_fp4_weights
-from qerl_lib.kernels.launch_rule import _split_k  # the K-slice rule pick_config uses
+from qerl_lib.bench.gemm import copy_bandwidth_gbps, l2_cache_bytes, mean_relative_error, rotation_copies, time_graph
+from qerl_lib.kernels.fp4_gemm import fp4_linear, prepare_fp4_weights
+from qerl_lib.kernels.launch_rule import KernelConfig, k_splits  # k_splits: the K-slice rule pick_config uses
 from qerl_lib.quant.nvfp4 import quantize, reference_matmul
 
-OUT = os.environ.get("OUT", ".")
+OUT = os.environ.get("OUT", "dev/runs")  # where the kept records live
 T0 = time.time()
 LOG = open(os.path.join(OUT, "sweep5.jsonl"), "a")
 
@@ -51,7 +51,7 @@ def variants(m: int, n: int, k: int, sms: int, quick: bool, run6: bool = False):
         for bn in (64, 128):
             tiles = ceil(n, bn) * ceil(m, bm)
             for per_sm in (2, 4):
-                sp = _split_k(tiles, ceil(k, 128), sms, per_sm)
+                sp = k_splits(tiles, ceil(k, 128), sms, per_sm)
                 for label, cfg in ((f"pf-n{bn}s{sp}", KernelConfig(bm, bn, 128, sp, 4, 1, fragment=True)),
                                    (f"n{bn}s{sp}st3", KernelConfig(bm, bn, 128, sp, 4, 3, fragment=True, prefetch=False)),
                                    (f"n{bn}s{sp}st4", KernelConfig(bm, bn, 128, sp, 4, 4, fragment=True, prefetch=False))):
@@ -61,7 +61,7 @@ def variants(m: int, n: int, k: int, sms: int, quick: bool, run6: bool = False):
     for bn in ((128,) if quick else (64, 128, 256)):
         tiles = ceil(n, bn) * ceil(m, bm)
         for per_sm in (2, 4):
-            sp = _split_k(tiles, ceil(k, 128), sms, per_sm)
+            sp = k_splits(tiles, ceil(k, 128), sms, per_sm)
             for st in (2, 3, 4):
                 label = f"n{bn}s{sp}st{st}"
                 if not any(v[0] == label for v in out):
@@ -102,11 +102,11 @@ def time_shape(name, n, k, m, sms, l2, copy_gbps, quick, run6=False):
     dense, q, x0 = make(n, k, m)
     fp4_bytes = n * k * 0.5625 + 2 * m * (k + n)
     bf16_bytes = n * k * 2 + 2 * m * (k + n)
-    sets = [(x0.clone(), dense.clone()) for _ in range(_copies_needed(bf16_bytes, l2))]
+    sets = [(x0.clone(), dense.clone()) for _ in range(rotation_copies(bf16_bytes, l2))]
     bf = time_graph([(lambda s=s: torch.nn.functional.linear(s[0], s[1])) for s in sets]).median_ms * 1e3
     del sets
     sets = [(x0.clone(), prepare_fp4_weights(q.weight_packed.clone(), q.weight_scale.clone(), q.weight_global_scale.clone()),
-             torch.empty(m, n, dtype=torch.bfloat16, device="cuda")) for _ in range(_copies_needed(fp4_bytes, l2))]
+             torch.empty(m, n, dtype=torch.bfloat16, device="cuda")) for _ in range(rotation_copies(fp4_bytes, l2))]
     rows = []
     for label, cfg in variants(m, n, k, sms, quick, run6):
         try:

@@ -1,4 +1,4 @@
-"""Runs 8-9 of the FP4 kernel notes: the CUDA mma.sync kernel (qerl_lib/fp4_kernel_mma) against the Triton one.
+"""Runs 8-14 (H200, H100; dev/LOG.md): the CUDA mma.sync kernel (qerl_lib/kernels/mma.py) against the Triton one.
 
 Run 8: first version (register prefetch ring). Run 9: a cp.async shared-memory ring (slower; dropped).
 Run 10: register ring again with fewer integer ops (scale table, cheaper pair decode, immediate offsets).
@@ -14,9 +14,11 @@ K-slices) is best?
 One call: (1) correctness of the default launch on awkward shapes (N not a multiple of the row
 block, every M in 1..16, bias, K-slices) vs the oracle, bit-determinism and CUDA-graph replay;
 (2) device time per (shape, M) for bf16 ``F.linear``, the Triton kernel and mma variants, with the
-benchmark's CUDA-graph + L2-rotation timer. Writes $OUT/sweep_mma.jsonl as it goes.
+benchmark's CUDA-graph + L2-rotation timer. Writes $OUT/sweep_mma.jsonl as it goes (OUT defaults
+to dev/runs/). The variants take ``MmaConfig``'s defaults for what they do not set (today
+``l2_hint=1``, the launch rule's; runs 8-14 predate the hint and ran without it).
 
-    PYTHONPATH=$PWD python results/fp4_kernel_sweep_mma.py [--quick]
+    PYTHONPATH=$PWD python dev/sweeps/fp4_kernel_sweep_mma.py [--quick]
 """
 
 from __future__ import annotations
@@ -29,11 +31,11 @@ import time
 import torch
 
 from qerl_lib.kernels import mma
-from qerl_lib.bench.gemm import _copies_needed, copy_bandwidth_gbps, l2_cache_bytes, mean_relative_error, time_graph
-from qerl_lib.kernels.fp4_gemm import fp4_linear, prepare_fp4_weights, set_small_m_backend
+from qerl_lib.bench.gemm import copy_bandwidth_gbps, l2_cache_bytes, mean_relative_error, rotation_copies, time_graph
+from qerl_lib.kernels.fp4_gemm import fp4_linear, prepare_fp4_weights
 from qerl_lib.quant.nvfp4 import quantize, reference_matmul
 
-OUT = os.environ.get("OUT", ".")
+OUT = os.environ.get("OUT", "dev/runs")  # where the kept records live
 AUTO_ONLY = False
 MODELS: list[str] = []
 MS: tuple[int, ...] | None = None
@@ -123,8 +125,7 @@ def variants(m: int, n: int, k: int, sms: int, quick: bool):
                     continue
                 try:
                     probe = mma.MmaConfig(tiles, wr, wk, depth, 1, min_ctas)
-                    probe.check_shared(nb)
-                    occ = mma._get_kernel(probe, nb, torch.device("cuda", 0)).ctas_per_sm(probe.threads)
+                    occ = mma.ctas_per_sm(probe, nb, torch.device("cuda", 0))
                 except (ValueError, RuntimeError):
                     continue
                 splits = {1, max(1, (k // mma.CHUNK) // (8 * wk))}  # none; ~8 chunks per warp
@@ -150,16 +151,15 @@ def sweep(quick: bool) -> None:
             dense, q = quantized(n, k, 0)
             fp4_bytes1 = n * k * 0.5625
             ws = [prepare_fp4_weights(q.weight_packed.clone(), q.weight_scale.clone(), q.weight_global_scale.clone())
-                  for _ in range(_copies_needed(fp4_bytes1, l2))]
-            wb = [dense.clone() for _ in range(_copies_needed(n * k * 2.0, l2))]
+                  for _ in range(rotation_copies(fp4_bytes1, l2))]
+            wb = [dense.clone() for _ in range(rotation_copies(n * k * 2.0, l2))]
             for m in MS or ((1, 8) if quick else ((1, 8, 16) if model.endswith('7b') else (1, 8))):
                 x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
                 fp4_bytes = fp4_bytes1 + 2 * m * (k + n)
                 outs = [torch.empty(m, n, dtype=torch.bfloat16, device="cuda") for _ in ws]
                 bf16_t = time_graph([(lambda w=w: torch.nn.functional.linear(x, w)) for w in wb]).median_ms
-                set_small_m_backend("triton")
-                tri_t = time_graph([(lambda w=w, o=o: fp4_linear(x, w, out=o)) for w, o in zip(ws, outs)]).median_ms
-                set_small_m_backend("auto")
+                tri_t = time_graph([(lambda w=w, o=o: fp4_linear(x, w, out=o, small_m_backend="triton"))
+                                    for w, o in zip(ws, outs)]).median_ms
                 rec = {"kind": "time", "model": model, "proj": name, "n": n, "k": k, "m": m, "bf16_us": bf16_t * 1e3,
                        "triton_us": tri_t * 1e3, "triton_pct_copy": 100 * fp4_bytes / (tri_t * 1e-3) / 1e9 / copy, "mma": {}}
                 best = None

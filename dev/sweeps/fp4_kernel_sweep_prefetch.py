@@ -1,4 +1,4 @@
-"""Run 16 of the FP4 kernel notes: L2 prefetch and L2 fetch-size hints in the mma.sync kernel.
+"""Runs 16-17 (H200; dev/LOG.md): L2 prefetch and L2 fetch-size hints in the mma.sync kernel.
 
 Question: the step breakdown (``rollout_step_breakdown.py``) puts the 7B decode GEMMs at ~1.9 TB/s
 on both the H100 (63% of its copy bandwidth) and the H200 (44%): the same absolute rate on two
@@ -10,15 +10,17 @@ miss fetch the 256 bytes that the CTA's next warps read. Does either raise the r
 One call: (1) each variant's output is bit-identical to the launch rule's (same summation order)
 and matches the oracle; (2) device time per (shape, M, variant), CUDA-graph + L2-rotation timer;
 (3) the engine at Qwen2.5-7B shapes, batch 8, 256 + 2048 tokens, with the rule's launch shapes plus
-each prefetch setting. Writes $OUT/sweep_prefetch.jsonl as it goes and prints a table last.
+each prefetch setting (passed to the engine's layers with ``set_small_m_kernel(model, mma_rule=...)``).
+Writes $OUT/sweep_prefetch.jsonl as it goes (OUT defaults to dev/runs/) and prints a table last.
 
-    PYTHONPATH=$PWD python results/fp4_kernel_sweep_prefetch.py [--no-rollout]
+    PYTHONPATH=$PWD python dev/sweeps/fp4_kernel_sweep_prefetch.py [--no-rollout]
 
 Provenance note: in run 16 ``MmaConfig.prefetch`` meant an *in-loop* prefetch (after each ring load,
 lanes t = 0 issued ``cp.async.bulk.prefetch.L2`` for their rows' chunk PREFETCH ahead of the warp's
 own, 64 bytes, plus ``prefetch.global.L2`` for its scales). It lost everywhere and was removed before
 the kernel was committed; ``prefetch`` now means L2 prefetch *before the PDL wait*, so re-running this
-script measures that instead (run 17 measured it in the engine: also slower).
+script measures that instead (run 17 measured it in the engine: also slower). The launch rule keeps
+``prefetch=0`` and ``l2_hint=1``, ``MmaConfig``'s defaults.
 """
 
 from __future__ import annotations
@@ -32,11 +34,11 @@ import time
 import torch
 
 from qerl_lib.kernels import mma
-from qerl_lib.bench.gemm import _copies_needed, copy_bandwidth_gbps, l2_cache_bytes, mean_relative_error, time_graph
+from qerl_lib.bench.gemm import copy_bandwidth_gbps, l2_cache_bytes, mean_relative_error, rotation_copies, time_graph
 from qerl_lib.kernels.fp4_gemm import prepare_fp4_weights
 from qerl_lib.quant.nvfp4 import quantize, reference_matmul
 
-OUT = os.environ.get("OUT", ".")
+OUT = os.environ.get("OUT", "dev/runs")  # where the kept records live
 T0 = time.time()
 LOG = open(os.path.join(OUT, "sweep_prefetch.jsonl"), "a")
 SHAPES = {
@@ -111,7 +113,7 @@ def sweep(ms_7b=(1, 8), ms_32b=(8,)) -> list[dict]:
             q = quantized(n, k, 0)
             one = n * k * 0.5625
             ws = [prepare_fp4_weights(q.weight_packed.clone(), q.weight_scale.clone(), q.weight_global_scale.clone())
-                  for _ in range(_copies_needed(one, l2))]
+                  for _ in range(rotation_copies(one, l2))]
             for m in (ms_7b if model.endswith("7b") else ms_32b):
                 x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
                 outs = [torch.empty(m, n, dtype=torch.bfloat16, device="cuda") for _ in ws]
@@ -120,16 +122,18 @@ def sweep(ms_7b=(1, 8), ms_32b=(8,)) -> list[dict]:
                     t = time_graph([(lambda w=w, o=o, c=cfg: mma.mma_linear(x, w.words, w.scales, w.global_scale, None, o, c))
                                     for w, o in zip(ws, outs)]).median_ms
                     rec["us"][label] = round(t * 1e3, 2)
-                rec["pct_copy_rule"] = round(100 * (one + 2 * m * (k + n)) / (rec["us"]["p0h0"] * 1e-6) / 1e9 / copy, 1)
+                rule_cfg = mma.pick_mma_config(m, n, k)
+                rule = rec["rule"] = f"p{rule_cfg.prefetch}h{rule_cfg.l2_hint}"  # the launch rule's variant (p0h1)
+                rec["pct_copy_rule"] = round(100 * (one + 2 * m * (k + n)) / (rec["us"][rule] * 1e-6) / 1e9 / copy, 1)
                 best = min(rec["us"], key=rec["us"].get)
                 rec["best"] = best
                 emit(rec)
                 recs.append(rec)
                 u = rec["us"]
-                print(f"{model:<11} {name:<13} M={m:<2} rule {u['p0h0']:7.1f} ({rec['pct_copy_rule']:4.1f}%)  "
+                print(f"{model:<11} {name:<13} M={m:<2} rule {u[rule]:7.1f} ({rec['pct_copy_rule']:4.1f}%)  "
                       f"p2 {u['p2h0']:7.1f} p4 {u['p4h0']:7.1f} p8 {u['p8h0']:7.1f} h2 {u['p0h2']:7.1f} "
                       f"p4h2 {u['p4h2']:7.1f}  best {best} {u[best]:7.1f} "
-                      f"({u['p0h0'] / u[best]:.3f}x)", flush=True)
+                      f"({u[rule] / u[best]:.3f}x)", flush=True)
                 del outs
             del ws, q
             torch.cuda.empty_cache()
@@ -138,15 +142,16 @@ def sweep(ms_7b=(1, 8), ms_32b=(8,)) -> list[dict]:
 
 def rollout(settings) -> None:
     from qerl_lib.bench.rollout import Row, load_bench_model, time_engine
+    from qerl_lib.models.nvfp4_linear import set_small_m_kernel
 
     model = load_bench_model("qwen2.5-7b", "nvfp4", torch.device("cuda"))
-    rule = mma.pick_mma_config
     for prefetch, hint in settings:
-        mma.pick_mma_config = lambda m, n, k, p=prefetch, h=hint: dataclasses.replace(rule(m, n, k), prefetch=p, l2_hint=h)
+        set_small_m_kernel(model, mma_rule=lambda m, n, k, p=prefetch, h=hint:
+                           dataclasses.replace(mma.pick_mma_config(m, n, k), prefetch=p, l2_hint=h))
         try:
             row = time_engine(model, Row("qwen2.5-7b", "nvfp4", 8, 0, "auto", "qerl", 256, 2048), "auto", None, 3, 0)
         finally:
-            mma.pick_mma_config = rule
+            set_small_m_kernel(model)  # back to the launch rule
         rec = {"kind": "rollout", "prefetch": prefetch, "l2_hint": hint, **dataclasses.asdict(row)}
         emit(rec)
         print(f"rollout 7B nvfp4 b8 256+2048 prefetch {prefetch} l2_hint {hint}: {row.tok_s:7.1f} tok/s, "

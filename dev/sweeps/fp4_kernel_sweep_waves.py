@@ -1,4 +1,4 @@
-"""Run 23 of the FP4 kernel notes: launch shapes that fill whole waves of CTAs, for the 7B decode GEMMs.
+"""Runs 23-24 (H200; dev/LOG.md): launch shapes that fill whole waves of CTAs, for the 7B decode GEMMs.
 
 Question: the launch rule's shapes leave SMs idle at the end of a kernel or for all of it.
 7B gate/up (N = 37,888) runs 592 CTAs of 64 rows on 264 resident slots (two per SM): 2.24 waves,
@@ -11,15 +11,17 @@ lower occupancy leaves registers free.
 One call: (1) every variant matches the oracle (rel_err <= 1e-3) at M = 1 and 8 on the four 7B
 shapes; (2) device time per (shape, M, variant), CUDA-graph + L2-rotation timer; (3) the engine
 at Qwen2.5-7B shapes, batch 8, 256 + 2048 tokens: the rule, and the rule with each shape's
-fastest variant at M = 8 (interleaved, two rounds). Writes $OUT/sweep_waves.jsonl as it goes.
-"rule" is the launch rule as it was before run 23 (``rule_before_run23`` below).
+fastest variant at M = 8 (interleaved, two rounds), each launch rule handed to the engine's layers
+with ``set_small_m_kernel(model, mma_rule=...)``. Writes $OUT/sweep_waves.jsonl as it goes (OUT
+defaults to dev/runs/). "rule" is the launch rule as it was before run 23 (``rule_before_run23``
+below, a local copy of a rule the library no longer has).
 
 Run 24 (``--wide``): the wave-filling rule that run 23 led to (``pick_mma_config``, "rule24") on
 the gate/up shapes of Qwen2.5-3B, 7B and 32B against every ``WIDE_SHAPES`` candidate and the
 other shapes above, at M = 1 and 8; then the engine (7B and 32B, batch 8, 256 + 2048) with the
 rule before and the rule after.
 
-    PYTHONPATH=$PWD python results/fp4_kernel_sweep_waves.py [--no-rollout] [--wide]
+    PYTHONPATH=$PWD python dev/sweeps/fp4_kernel_sweep_waves.py [--no-rollout] [--wide]
 """
 
 from __future__ import annotations
@@ -33,11 +35,11 @@ import time
 import torch
 
 from qerl_lib.kernels import mma
-from qerl_lib.bench.gemm import _copies_needed, copy_bandwidth_gbps, l2_cache_bytes, mean_relative_error, time_graph
+from qerl_lib.bench.gemm import copy_bandwidth_gbps, l2_cache_bytes, mean_relative_error, rotation_copies, time_graph
 from qerl_lib.kernels.fp4_gemm import prepare_fp4_weights
 from qerl_lib.quant.nvfp4 import quantize, reference_matmul
 
-OUT = os.environ.get("OUT", ".")
+OUT = os.environ.get("OUT", "dev/runs")  # where the kept records live
 T0 = time.time()
 LOG = open(os.path.join(OUT, "sweep_waves.jsonl"), "a")
 SHAPES = [("qkv_proj", 4608, 3584), ("o_proj", 3584, 3584), ("gate_up_proj", 37888, 3584), ("down_proj", 3584, 18944)]
@@ -46,7 +48,8 @@ WIDE = [("qwen2.5-3b gate_up", 22016, 2048), ("qwen2.5-7b gate_up", 37888, 3584)
 
 
 def rule_before_run23(m: int, n: int, k: int) -> mma.MmaConfig:
-    """``pick_mma_config`` as committed before run 23 (gate/up: 64-row CTAs below K = 4096, else 128)."""
+    """Local copy of a superseded launch rule: ``pick_mma_config`` as committed before run 23
+    (gate/up: 64-row CTAs below K = 4096, else 128). Not in the library any more."""
     chunks = k // mma.CHUNK
     if n >= 8 * k:
         if k >= 4096:
@@ -131,7 +134,7 @@ def sweep(ms=(1, 8), shapes=SHAPES, variants=variants) -> dict:
         q = quantized(n, k, 0)
         one = n * k * 0.5625
         ws = [prepare_fp4_weights(q.weight_packed.clone(), q.weight_scale.clone(), q.weight_global_scale.clone())
-              for _ in range(_copies_needed(one, l2))]
+              for _ in range(rotation_copies(one, l2))]
         for m in ms:
             x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
             outs = [torch.empty(m, n, dtype=torch.bfloat16, device="cuda") for _ in ws]
@@ -160,6 +163,7 @@ def sweep(ms=(1, 8), shapes=SHAPES, variants=variants) -> dict:
 
 def rollout(best: dict, rounds: int = 2, model_name: str = "qwen2.5-7b", settings=None, repeats: int = 3) -> None:
     from qerl_lib.bench.rollout import Row, load_bench_model, time_engine
+    from qerl_lib.models.nvfp4_linear import set_small_m_kernel
 
     model = load_bench_model(model_name, "nvfp4", torch.device("cuda"))
 
@@ -169,11 +173,11 @@ def rollout(best: dict, rounds: int = 2, model_name: str = "qwen2.5-7b", setting
     settings = settings or [("rule", rule_before_run23), ("best", patched)]
     for r in range(rounds):
         for name, pick in settings:
-            mma.pick_mma_config = pick
+            set_small_m_kernel(model, mma_rule=pick)
             try:
                 row = time_engine(model, Row(model_name, "nvfp4", 8, 0, "auto", "qerl", 256, 2048), "auto", None, repeats, 0)
             finally:
-                mma.pick_mma_config = RULE
+                set_small_m_kernel(model)  # back to the library's rule
             emit({"kind": "rollout", "round": r, "setting": name,
                   "configs": {f"{n}x{k}": label(c) for (n, k), c in best.items()} if name == "best" else None,
                   "model_name": model_name,

@@ -1,4 +1,4 @@
-"""Run 20 of the FP4 kernel notes: the last few percent at 7B -- decode-attention launch shape and
+"""Run 20 (H200; dev/LOG.md): the last few percent at 7B -- decode-attention launch shape and
 deeper prologues for the small q/k/v and o matmuls now that they start early (PDL).
 
 Question: with PDL, the fused sampler and the RoPE table the 7B NVFP4 engine runs at 2963 tok/s on
@@ -8,9 +8,12 @@ block size, warps, pipelining depth and program count make it fastest (CUDA-grap
 shape, 1,280 and 2,240 cached tokens)? (2) Does the engine gain from the best of them, and from a
 deeper register ring (loaded before the PDL wait) on the q/k/v and o matmuls?
 
-Writes $OUT/attention_depth.jsonl as it goes and prints tables.
+The attention shapes are ``engine.attention.AttentionLaunch`` values, passed to ``decode_attention``
+and to the engine (``time_engine(..., attention_launch=...)``); the matmul variants are launch rules
+handed to the engine's layers with ``set_small_m_kernel(model, mma_rule=...)``. Writes
+$OUT/attention_depth.jsonl as it goes (OUT defaults to dev/runs/) and prints tables.
 
-    PYTHONPATH=$PWD python results/rollout_attention_depth_sweep.py
+    PYTHONPATH=$PWD python dev/sweeps/rollout_attention_depth_sweep.py
 """
 
 from __future__ import annotations
@@ -23,26 +26,23 @@ import time
 
 import torch
 
-from qerl_lib.engine import attention as attn
-from qerl_lib.kernels import mma
 from qerl_lib.bench.gemm import time_graph
 from qerl_lib.bench.rollout import Row, load_bench_model, time_engine
+from qerl_lib.bench.table import format_table
+from qerl_lib.engine.attention import DEFAULT_LAUNCH, AttentionLaunch, decode_attention
+from qerl_lib.kernels import mma
+from qerl_lib.models.nvfp4_linear import set_small_m_kernel
 
-OUT = os.environ.get("OUT", ".")
+OUT = os.environ.get("OUT", "dev/runs")  # where the kept records live
 T0 = time.time()
 LOG = open(os.path.join(OUT, "attention_depth.jsonl"), "a")
-RULE = mma.pick_mma_config
-DEFAULT = dict(block=attn.BLOCK_L, warps=attn.NUM_WARPS, stages=attn.NUM_STAGES, programs=attn.TARGET_PROGRAMS)
+DEFAULT = dataclasses.asdict(DEFAULT_LAUNCH)  # block, warps, stages, programs
 
 
 def emit(rec: dict) -> None:
     rec["t"] = round(time.time() - T0, 1)
     LOG.write(json.dumps(rec) + "\n")
     LOG.flush()
-
-
-def set_attention(block, warps, stages, programs) -> None:
-    attn.BLOCK_L, attn.NUM_WARPS, attn.NUM_STAGES, attn.TARGET_PROGRAMS = block, warps, stages, programs
 
 
 def attention_sweep() -> list[tuple[float, dict]]:
@@ -57,38 +57,38 @@ def attention_sweep() -> list[tuple[float, dict]]:
         col = torch.tensor([ctx - 1], device="cuda")
         for block, warps, stages, programs in itertools.product((32, 64, 128), (2, 4, 8), (1, 2, 3, 4), (132, 264, 528)):
             cfg = dict(block=block, warps=warps, stages=stages, programs=programs)
-            set_attention(**cfg)
+            launch = AttentionLaunch(**cfg)
             try:
-                t = time_graph([(lambda k=k, v=v: attn.decode_attention(q, k, v, pad, col, d ** -0.5)) for k, v in caches]).median_ms
+                t = time_graph([(lambda k=k, v=v: decode_attention(q, k, v, pad, col, d ** -0.5, launch=launch))
+                                for k, v in caches]).median_ms
             except Exception as err:  # noqa: BLE001 - shared memory limits etc.: record and go on
                 emit({"kind": "attention", "ctx": ctx, **cfg, "error": str(err)[:160]})
                 continue
             emit({"kind": "attention", "ctx": ctx, **cfg, "us": round(t * 1e3, 2)})
             results.append((ctx, t * 1e3, cfg))
         del caches
-    set_attention(**DEFAULT)
     by_cfg: dict[str, float] = {}
     for ctx, us, cfg in results:
         by_cfg[json.dumps(cfg)] = by_cfg.get(json.dumps(cfg), 0.0) + us
     ranked = sorted(by_cfg.items(), key=lambda kv: kv[1])
-    print(f"{'block':>5} {'warps':>5} {'stages':>6} {'progs':>5}  us(1280)+us(2240)")
-    for key, total in ranked[:8] + [(json.dumps(DEFAULT), by_cfg.get(json.dumps(DEFAULT), float('nan')))]:
-        c = json.loads(key)
-        print(f"{c['block']:>5} {c['warps']:>5} {c['stages']:>6} {c['programs']:>5}  {total:8.2f}", flush=True)
+    shown = ranked[:8] + [(json.dumps(DEFAULT), by_cfg.get(json.dumps(DEFAULT), float("nan")))]  # the best, then the default
+    print(format_table([{**json.loads(key), "us(1280)+us(2240)": total} for key, total in shown],
+                       (("block", "", 5), ("warps", "", 5), ("stages", "", 6), ("programs", "", 8),
+                        ("us(1280)+us(2240)", ".2f", 17))), flush=True)
     return [(total, json.loads(key)) for key, total in ranked]
 
 
 def rollout(settings) -> None:
     model = load_bench_model("qwen2.5-7b", "nvfp4", torch.device("cuda"))
     for label, attention, small in settings:
-        set_attention(**attention)
-        mma.pick_mma_config = (lambda m, n, k, s=small: dataclasses.replace(RULE(m, n, k), **s)
-                               if small and n < 8 * k and k < 4 * n else RULE(m, n, k))
+        # small: MmaConfig fields replaced on the q/k/v and o shapes (neither wide nor deep)
+        set_small_m_kernel(model, mma_rule=(lambda m, n, k, s=small: dataclasses.replace(mma.pick_mma_config(m, n, k), **s)
+                                            if n < 8 * k and k < 4 * n else mma.pick_mma_config(m, n, k)) if small else None)
         try:
-            row = time_engine(model, Row("qwen2.5-7b", "nvfp4", 8, 0, "auto", "qerl", 256, 2048), "auto", None, 2, 0)
+            row = time_engine(model, Row("qwen2.5-7b", "nvfp4", 8, 0, "auto", "qerl", 256, 2048), "auto", None, 2, 0,
+                              attention_launch=AttentionLaunch(**attention))
         finally:
-            mma.pick_mma_config = RULE
-            set_attention(**DEFAULT)
+            set_small_m_kernel(model)  # back to the launch rule
         emit({"kind": "rollout", "label": label, "attention": attention, "small_shapes": small,
               **dataclasses.asdict(row), "device": torch.cuda.get_device_name(0)})
         print(f"{label:<40} {row.tok_s:8.1f} tok/s {row.ms_per_step:7.3f} ms/step", flush=True)

@@ -1,8 +1,11 @@
 """Where one decode step's time goes: kernel time per category and the GPU's idle time between
 kernels, for the engine's CUDA-graph decode at Qwen2.5 shapes (random weights), batch 8.
 
-    python3 results/rollout_step_breakdown.py --models qwen2.5-7b --weights nvfp4,bf16 \
-        --contexts 256,1280,2240 --json OUT.json
+    python3 dev/sweeps/rollout_step_breakdown.py --models qwen2.5-7b --weights nvfp4,bf16 \
+        --contexts 256,1280,2240 --json dev/runs/NAME.json
+
+The JSON goes where ``--json`` says: records are kept in dev/runs/ (the one the README quotes is
+results/rollout_step_breakdown_h200.json).
 
 For each context length C the script profiles two calls with torch.profiler (CUPTI records the
 kernels a replayed graph runs): prompt C with 1 new token (prefill only) and prompt C with
@@ -21,7 +24,8 @@ import time
 
 import torch
 
-from qerl_lib.bench.rollout import _prompts, load_bench_model
+from qerl_lib.bench.rollout import load_bench_model, random_prompts
+from qerl_lib.bench.table import format_table
 from qerl_lib.engine.rollout import RolloutEngine
 from qerl_lib.io import provenance
 
@@ -30,10 +34,11 @@ CATEGORIES = (  # first match wins
     ("fp4 gemm (triton)", ("_fp4_gemm", "_splitk_reduce")),
     ("attention", ("_decode_attention", "_merge_splits")),
     ("rope + cache write", ("_rope_cache",)),
-    ("rmsnorm (+residual)", ("triton_red_fused",)),
-    ("silu * up", ("triton_poi_fused_mul_silu",)),
+    ("rmsnorm (+residual)", ("triton_red_fused", "_rms_norm_kernel")),  # torch.compile's, engine/glue.py's
+    ("silu * up", ("triton_poi_fused_mul_silu", "_silu_mul_kernel")),
     ("cublas gemm", ("nvjet", "gemm", "gemv", "cutlass", "sm90_xmma")),
-    ("sampling", ("SoftMax", "distribution", "reduce_kernel", "scatter", "index", "argmax", "sort", "cumsum")),
+    ("sampling", ("_sample_", "SoftMax", "distribution", "reduce_kernel", "scatter", "index", "argmax", "sort",
+                  "cumsum")),
 )
 
 
@@ -102,7 +107,7 @@ def main() -> None:
             model = load_bench_model(name, weights, device)
             for ctx in map(int, args.contexts.split(",")):
                 engine = RolloutEngine(model, max_seq_len=ctx + args.steps + 8)
-                prompts = _prompts(args.batch, ctx, model.config.vocab_size, 0)
+                prompts = random_prompts(args.batch, ctx, model.config.vocab_size, 0)
                 engine.warmup(args.batch, ctx, args.steps + 1)
                 walls = [(wall_ms(engine, prompts, 1), wall_ms(engine, prompts, args.steps + 1)) for _ in range(3)]
                 ms_step = min(b - a for a, b in walls) / args.steps
@@ -128,11 +133,11 @@ def main() -> None:
                 os.replace(args.json + ".tmp", args.json)
             del model
             torch.cuda.empty_cache()
-    print(f"{'model':>11} {'w':>5} {'ctx':>5} {'wall ms':>8} {'busy us':>8} {'idle us':>8} {'kern':>5}  top categories (us/step)")
-    for r in doc["rows"]:
-        top = ", ".join(f"{c} {v:.0f}" for c, v in list(r["us_per_step"].items())[:6])
-        print(f"{r['model']:>11} {r['weights']:>5} {r['context']:>5} {r['wall_ms_per_step']:8.3f} "
-              f"{r['busy_us_per_step']:8.0f} {r['idle_us_per_step']:8.0f} {r['kernels_per_step']:5.0f}  {top}")
+    table = [{**r, "top categories (us/step)": ", ".join(f"{c} {v:.0f}" for c, v in list(r["us_per_step"].items())[:6])}
+             for r in doc["rows"]]
+    print(format_table(table, (("model", "", 11), ("weights", "", 7), ("context", "", 7), ("wall_ms_per_step", ".3f", 16),
+                               ("busy_us_per_step", ".0f", 16), ("idle_us_per_step", ".0f", 16),
+                               ("kernels_per_step", ".0f", 16), ("top categories (us/step)", "", 0))))
 
 
 if __name__ == "__main__":

@@ -20,8 +20,9 @@ How the numbers are taken (and why)
   the kernel failed to write stays NaN; then the mean relative error
   ``mean|out - ref| / mean|ref|`` against ``nvfp4.reference_matmul`` (fp32, TF32 off) is stored.
 
-The timing helpers (``time_graph``, ``time_eager``, ``copy_bandwidth_gbps``, ``format_table``,
-``TimingStats``) are shared with the rollout benchmark (``qerl_lib.bench.rollout``).
+The timing helpers (``time_graph``, ``time_eager``, ``copy_bandwidth_gbps``, ``l2_cache_bytes``,
+``rotation_copies``, ``mean_relative_error``, ``TimingStats``) are shared with the rollout benchmark
+(``qerl_lib.bench.rollout``) and the sweeps in ``dev/sweeps/``; tables come from ``bench/table.py``.
 """
 
 from __future__ import annotations
@@ -33,7 +34,9 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from qerl_lib.bench.table import format_table
 from qerl_lib.errors import UserError
+from qerl_lib.models.fused import PROJECTIONS
 from qerl_lib.paths import CONFIGS_DIR, load_model_config  # noqa: F401 (re-exported)
 
 FP4_BYTES_PER_WEIGHT = 0.5 + 1 / 16  # 4-bit code + one E4M3 scale per 16 weights
@@ -41,6 +44,7 @@ BF16_BYTES_PER_WEIGHT = 2.0
 CEILING = BF16_BYTES_PER_WEIGHT / FP4_BYTES_PER_WEIGHT  # 16 / 4.5 = 3.56x
 DEFAULT_MODELS = ("qwen2.5-7b", "qwen2.5-32b")
 DEFAULT_MS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096)
+LAYOUTS = ("hf", "fused")  # one GEMM per HF projection module; vLLM-style fused q|k|v and gate|up
 MAX_REL_ERR = 1e-3  # acceptance bound on the mean relative error vs the oracle
 
 
@@ -144,20 +148,6 @@ def l2_cache_bytes() -> int:
     return int(getattr(props, "L2_cache_size", 50 * 2**20) or 50 * 2**20)
 
 
-def format_table(rows: Sequence[dict], columns: Sequence[tuple[str, str, int]]) -> str:
-    """Fixed-width table. ``columns``: (key, format spec, width); the header is the key."""
-    head = " ".join(f"{key:>{width}}" for key, _, width in columns)
-    lines = [head, "-" * len(head)]
-    for row in rows:
-        cells = []
-        for key, spec, width in columns:
-            value = row.get(key)
-            text = "-" if value is None else (format(value, spec) if spec else str(value))
-            cells.append(f"{text:>{width}}")
-        lines.append(" ".join(cells))
-    return "\n".join(lines)
-
-
 def geomean(values: Sequence[float]) -> float | None:
     vals = [v for v in values if v is not None and v > 0]
     return math.exp(sum(map(math.log, vals)) / len(vals)) if vals else None
@@ -175,18 +165,19 @@ class GemmShape:
     layout: str  # "hf": one module per projection (NVFP4Linear); "fused": vLLM-style q|k|v, gate|up
 
 
-def projection_shapes(model: str, layouts: Sequence[str] = ("hf", "fused")) -> list[GemmShape]:
+def projection_shapes(model: str, layouts: Sequence[str] = LAYOUTS) -> list[GemmShape]:
     """The distinct (N, K) projection shapes of a decoder layer, from ``data/configs/<model>.json``."""
     cfg = load_model_config(model)
     hidden, inter = int(cfg["hidden_size"]), int(cfg["intermediate_size"])
     head_dim = int(cfg.get("head_dim") or hidden // int(cfg["num_attention_heads"]))
     q_dim = int(cfg["num_attention_heads"]) * head_dim
     kv_dim = int(cfg["num_key_value_heads"]) * head_dim
-    hf = [("q_proj", q_dim, hidden), ("k_proj,v_proj", kv_dim, hidden), ("o_proj", hidden, q_dim),
-          ("gate_proj,up_proj", inter, hidden), ("down_proj", hidden, inter)]
+    shape = {"q_proj": (q_dim, hidden), "k_proj": (kv_dim, hidden), "v_proj": (kv_dim, hidden),
+             "o_proj": (hidden, q_dim), "gate_proj": (inter, hidden), "up_proj": (inter, hidden),
+             "down_proj": (hidden, inter)}
     merged: dict[tuple[int, int], list[str]] = {}
-    for name, n, k in hf:  # q_proj and o_proj share a shape when q_dim == hidden
-        merged.setdefault((n, k), []).append(name)
+    for name in PROJECTIONS:  # k/v and gate/up share a shape, q and o too when q_dim == hidden
+        merged.setdefault(shape[name], []).append(name)
     shapes = []
     if "hf" in layouts:
         shapes += [GemmShape(model, ",".join(names), n, k, "hf") for (n, k), names in merged.items()]
@@ -197,11 +188,14 @@ def projection_shapes(model: str, layouts: Sequence[str] = ("hf", "fused")) -> l
 
 
 # ============================================================================ GEMM benchmark
-def _copies_needed(bytes_per_copy: float, l2: int, cap: int = 128) -> int:
+def rotation_copies(bytes_per_copy: float, l2: int, cap: int = 128) -> int:
+    """Distinct input sets to rotate through so that one pass touches more than 3x the L2 size
+    ``l2`` (at least 2, at most ``cap``), for inputs of ``bytes_per_copy`` bytes each."""
     return int(min(cap, max(2, math.ceil(3 * l2 / bytes_per_copy))))
 
 
 def mean_relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """``mean|out - ref| / mean|ref|`` in float64."""
     out64, ref64 = out.double(), ref.double()
     return float((out64 - ref64).abs().mean() / ref64.abs().mean().clamp_min(1e-300))
 
@@ -220,8 +214,8 @@ def bench_gemm_shape(shape: GemmShape, ms: Sequence[int], *, l2: int, copy_gbps:
     q = quantize(dense, name=f"{shape.model}.{shape.name}")
     # distinct copies for L2 rotation, enough for the smallest M (the most copies); bf16 copies too
     w_fp4 = [prepare_fp4_weights(q.weight_packed.clone(), q.weight_scale.clone(), q.weight_global_scale.clone())
-             for _ in range(_copies_needed(n * k * FP4_BYTES_PER_WEIGHT + 2 * min(ms) * (k + n), l2))]
-    w_bf16 = [dense.clone() for _ in range(_copies_needed(n * k * BF16_BYTES_PER_WEIGHT + 2 * min(ms) * (k + n), l2))]
+             for _ in range(rotation_copies(n * k * FP4_BYTES_PER_WEIGHT + 2 * min(ms) * (k + n), l2))]
+    w_bf16 = [dense.clone() for _ in range(rotation_copies(n * k * BF16_BYTES_PER_WEIGHT + 2 * min(ms) * (k + n), l2))]
     timer = time_graph if graph else time_eager
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     rows = []
@@ -237,9 +231,9 @@ def bench_gemm_shape(shape: GemmShape, ms: Sequence[int], *, l2: int, copy_gbps:
         fp4_bytes = n * k * FP4_BYTES_PER_WEIGHT + 2 * m * (k + n)
         bf16_bytes = n * k * BF16_BYTES_PER_WEIGHT + 2 * m * (k + n)
         sets = [(x0.clone(), w, torch.empty(m, n, dtype=torch.bfloat16, device="cuda"))
-                for w in w_fp4[:_copies_needed(fp4_bytes, l2)]]
+                for w in w_fp4[:rotation_copies(fp4_bytes, l2)]]
         fp4_t = timer([(lambda s=s: fp4_linear(s[0], s[1], out=s[2], config=config)) for s in sets])
-        sets = [(x0.clone(), w) for w in w_bf16[:_copies_needed(bf16_bytes, l2)]]
+        sets = [(x0.clone(), w) for w in w_bf16[:rotation_copies(bf16_bytes, l2)]]
         bf16_t = timer([(lambda s=s: torch.nn.functional.linear(s[0], s[1])) for s in sets])
         del sets, x0
         torch.cuda.empty_cache()
@@ -298,7 +292,7 @@ TABLE_COLUMNS = (("model", "", 11), ("proj", "", 17), ("n", "d", 6), ("k", "d", 
 
 
 def run_gemm_benchmark(models: Sequence[str] = DEFAULT_MODELS, ms: Sequence[int] = DEFAULT_MS, *,
-                       layouts: Sequence[str] = ("hf", "fused"), graph: bool = True, command: str | None = None,
+                       layouts: Sequence[str] = LAYOUTS, graph: bool = True, command: str | None = None,
                        progress: Callable[[str], None] | None = print) -> dict:
     """The full ``qerl bench gemm`` sweep; returns the JSON document (provenance, rows, summary)."""
     from qerl_lib.io import provenance

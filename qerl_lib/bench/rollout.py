@@ -45,13 +45,20 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from qerl_lib.bench.table import format_table, table_header, table_row
+from qerl_lib.engine.attention import AttentionLaunch
+from qerl_lib.engine.forward import DECODE_ATTENTION
+from qerl_lib.engine.rollout import DECODE_BACKENDS
+from qerl_lib.kernels.fp4_gemm import SMALL_M_BACKENDS
+from qerl_lib.models.fused import PARENT, PROJECTIONS
+
 MODELS = ("smollm2", "smollm2-shape", "qwen2.5-3b", "qwen2.5-7b", "qwen2.5-14b", "qwen2.5-32b")
 WEIGHTS = ("bf16", "nvfp4")
 # SmolLM2-135M-Instruct's architecture (its config.json), for random-weight runs without the model files.
 SMOLLM2_SHAPE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                      num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=8192,
                      rms_norm_eps=1e-5, rope_theta=100000.0, tie_word_embeddings=True, initializer_range=0.02)
-# Acceptance targets of the rollout-engine issue (the paper's vLLM numbers in parentheses).
+# Acceptance targets of the rollout engine (the paper's vLLM numbers in parentheses).
 TARGETS = {
     "engine_vs_hf_smollm2_b64": 10.0,  # engine tok/s / transformers.generate tok/s at batch 64
     "nvfp4_over_bf16_7b_b8": 1.6,  # (paper: 1.27x)
@@ -85,7 +92,7 @@ class RolloutBenchConfig:
     init: str = "random_codes"  # NVFP4 random weights: "random_codes" or "quantize"
     seed: int = 0
     profile: bool = False  # print a kernel-time table of an eager decode step per model
-    fuse_projections: bool = True  # engine runs q/k/v and gate/up as one matmul each (layers_fused)
+    fuse_projections: bool = True  # engine runs q/k/v and gate/up as one matmul each (models/fused.py)
     decode_attention: str | None = None  # None: the engine's default ("kernel" on CUDA)
     fp4_small_m: str = "auto"  # NVFP4 GEMM for M <= 8: "auto" (mma.sync CUDA kernel where it runs), "mma", "triton"
 
@@ -100,8 +107,8 @@ class RolloutBenchConfig:
             raise ValueError("batches, prompt_len and repeats must be >= 1 and gen_len >= 2")
         if min(self.lora_ranks) < 0:
             raise ValueError("LoRA ranks must be >= 0 (0 = no adapter)")
-        if self.fp4_small_m not in ("auto", "mma", "triton"):
-            raise ValueError(f"fp4_small_m must be auto, mma or triton, got {self.fp4_small_m!r}")
+        if self.fp4_small_m not in SMALL_M_BACKENDS:
+            raise ValueError(f"fp4_small_m must be one of {', '.join(SMALL_M_BACKENDS)}, got {self.fp4_small_m!r}")
         if self.init not in ("random_codes", "quantize"):
             raise ValueError(f"init must be 'random_codes' or 'quantize', got {self.init!r}")
 
@@ -156,36 +163,40 @@ def load_bench_model(name: str, weights: str, device: torch.device, init: str = 
 
 def random_lora(model, rank: int, seed: int = 0) -> dict:
     """Rank-``rank`` adapters on all seven projections of every layer (random, non-zero), for the engine."""
-    from qerl_lib.engine.rollout import LoraAdapter
     from qerl_lib.engine.forward import ModelView
+    from qerl_lib.engine.rollout import LoraAdapter
 
     view = ModelView(model)
     gen = torch.Generator(device=view.device).manual_seed(seed)
     out = {}
     for i in range(view.n_layers):
-        for proj in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"):
+        for proj in PROJECTIONS:
             m = view.projection(i, proj)
             a = torch.randn(rank, m.in_features, generator=gen, device=view.device) / m.in_features ** 0.5
             b = torch.randn(m.out_features, rank, generator=gen, device=view.device) * 0.01
-            parent = "self_attn" if proj in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
-            out[f"model.layers.{i}.{parent}.{proj}"] = LoraAdapter(a.to(view.dtype), b.to(view.dtype), 2.0)
+            out[f"model.layers.{i}.{PARENT[proj]}.{proj}"] = LoraAdapter(a.to(view.dtype), b.to(view.dtype), 2.0)
     return out
 
 
 # ---- timing -------------------------------------------------------------------------------------
-def _prompts(batch: int, prompt_len: int, vocab: int, seed: int) -> list[list[int]]:
+def random_prompts(batch: int, prompt_len: int, vocab: int, seed: int) -> list[list[int]]:
+    """``batch`` prompts of ``prompt_len`` random token ids in ``[10, vocab)``, reproducible from ``seed``."""
     gen = torch.Generator().manual_seed(seed)
     return torch.randint(10, vocab, (batch, prompt_len), generator=gen).tolist()
 
 
 def time_engine(model, row: Row, backend: str, lora, repeats: int, seed: int, fuse_projections: bool = True,
-                decode_attention: str | None = None) -> Row:
+                decode_attention: str | None = None, glue_kernels: bool = True,
+                attention_launch: AttentionLaunch | None = None) -> Row:
+    """Fill ``row``'s timings: a fresh ``RolloutEngine`` (the keyword arguments are its own) warmed up,
+    then ``repeats`` fixed-length generations of ``row.batch`` random prompts; medians."""
     from qerl_lib.engine.rollout import RolloutEngine
 
     engine = RolloutEngine(model, decode_backend=backend, max_seq_len=row.prompt_len + row.gen_len,
-                           fuse_projections=fuse_projections, decode_attention=decode_attention)
+                           fuse_projections=fuse_projections, decode_attention=decode_attention,
+                           glue_kernels=glue_kernels, attention_launch=attention_launch)
     row.backend = engine.decode_backend
-    prompts = _prompts(row.batch, row.prompt_len, model.config.vocab_size, seed)
+    prompts = random_prompts(row.batch, row.prompt_len, model.config.vocab_size, seed)
     engine.warmup(row.batch, row.prompt_len, row.gen_len, lora=lora)
     totals, decodes, prefills = [], [], []
     for r in range(repeats):
@@ -213,9 +224,9 @@ def time_hf_generate(model, row: Row, repeats: int, seed: int) -> Row:
 
     The warm-up is one full-length call: the first generate of each new sequence length pays
     one-time costs (kernel and heuristic selection per shape), and an 8-token warm-up left them in
-    the first timed repeat, 2.7-2.9x slower than the second (``rollout_h{100,200}*_smollm2.json`` before
-    session 5), which understated transformers' speed in the median of two."""
-    prompts = torch.tensor(_prompts(row.batch, row.prompt_len, model.config.vocab_size, seed), device=model.device)
+    the first timed repeat, 2.7-2.9x slower than the second, which understated transformers' speed
+    in the median of two."""
+    prompts = torch.tensor(random_prompts(row.batch, row.prompt_len, model.config.vocab_size, seed), device=model.device)
     mask = torch.ones_like(prompts)
     kwargs = dict(attention_mask=mask, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
                   max_new_tokens=row.gen_len, min_new_tokens=row.gen_len, pad_token_id=0)
@@ -243,7 +254,7 @@ def profile_decode(model, batch: int, prompt_len: int, backend: str = "auto", st
     from qerl_lib.engine.rollout import RolloutEngine
 
     engine = RolloutEngine(model, decode_backend=backend, max_seq_len=prompt_len + steps + 8)
-    prompts = _prompts(batch, prompt_len, model.config.vocab_size, 0)
+    prompts = random_prompts(batch, prompt_len, model.config.vocab_size, 0)
     engine.warmup(batch, prompt_len, steps + 1)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         engine.generate(prompts, steps + 1, stop_token_ids=[])
@@ -264,12 +275,11 @@ def run_rollout_bench(cfg: RolloutBenchConfig, log=print, checkpoint=None) -> di
         raise UserError("qerl bench rollout needs a CUDA GPU (the engine's speed path is CUDA graphs)")
     device = torch.device("cuda")
     prov = provenance()
-    from qerl_lib.kernels import fp4_gemm as fp4_kernel
-    from qerl_lib.kernels import mma as fp4_kernel_mma
+    from qerl_lib.kernels import mma
+    from qerl_lib.models.nvfp4_linear import set_small_m_kernel
 
-    fp4_kernel.set_small_m_backend(cfg.fp4_small_m)
-    prov["fp4_small_m_kernel"] = ("triton" if cfg.fp4_small_m == "triton" or not fp4_kernel_mma.available()
-                                  else "mma (qerl_lib/fp4_kernel_mma.cu)")
+    prov["fp4_small_m_kernel"] = ("triton" if cfg.fp4_small_m == "triton" or not mma.available()
+                                  else "mma (qerl_lib/kernels/mma.cu)")
 
     class _Rows(list):  # every finished row is also written out, so a run cut short keeps its numbers
         def append(self, row):
@@ -288,6 +298,7 @@ def run_rollout_bench(cfg: RolloutBenchConfig, log=print, checkpoint=None) -> di
                                 error=f"OOM building: {e}"[:200]))
                 log(f"{name} {weights}: OOM while building")
                 continue
+            set_small_m_kernel(model, cfg.fp4_small_m)
             torch.cuda.synchronize()
             weights_gib = torch.cuda.memory_allocated() / 2**30
             if cfg.profile:
@@ -325,18 +336,22 @@ def _document(cfg: RolloutBenchConfig, rows: list[Row], prov: dict) -> dict:
             "summary": summarize(rows)}
 
 
+# The modules whose code sets the rollout numbers, relative to qerl_lib/.
+CODE_FILES = ("engine/rollout.py", "engine/forward.py", "engine/cache.py", "engine/adapters.py", "engine/attention.py",
+              "engine/glue.py", "engine/sampling.py", "kernels/pdl.py", "kernels/fp4_gemm.py", "kernels/launch_rule.py",
+              "kernels/mma.py", "kernels/mma.cu", "models/nvfp4_linear.py", "models/fused.py", "models/loader.py",
+              "bench/rollout.py")
+
+
 def code_hashes() -> dict[str, str]:
-    """sha256 (first 12 hex digits) of the modules whose code sets the numbers: the tree is not yet
-    committed while these benchmarks run, so this pins which version of the kernel and engine ran."""
+    """sha256 (first 12 hex digits) of each of ``CODE_FILES``, keyed by its path under qerl_lib/: a
+    benchmark may run on a tree that is not committed yet, so this pins which version of the kernels
+    and the engine ran."""
     import hashlib
     from pathlib import Path
 
-    here = Path(__file__).resolve().parent
-    names = ("engine.py", "engine_forward.py", "engine_cache.py", "engine_lora.py", "engine_attention.py",
-             "engine_glue.py", "pdl.py", "sampling.py",
-             "fp4_kernel.py", "fp4_kernel_config.py", "fp4_kernel_mma.py", "fp4_kernel_mma.cu", "layers.py",
-             "layers_fused.py", "loader.py", "bench_rollout.py")
-    return {n: hashlib.sha256((here / n).read_bytes()).hexdigest()[:12] for n in names if (here / n).is_file()}
+    root = Path(__file__).resolve().parents[1]
+    return {n: hashlib.sha256((root / n).read_bytes()).hexdigest()[:12] for n in CODE_FILES if (root / n).is_file()}
 
 
 def _measure(fn, row: Row, log) -> Row:
@@ -414,28 +429,25 @@ def merge_results(docs: list[dict]) -> dict:
 
 
 # ---- output -------------------------------------------------------------------------------------
-_COLUMNS = (("model", 13, "{}"), ("weights", 7, "{}"), ("batch", 5, "{}"), ("rank", 4, "{}"), ("engine", 11, "{}"),
-            ("backend", 12, "{}"), ("gen_len", 7, "{}"), ("tok_s", 9, "{:.0f}"), ("decode_tok_s", 12, "{:.0f}"),
-            ("ms_per_step", 11, "{:.2f}"), ("ttft_ms", 8, "{:.0f}"), ("peak_gib", 8, "{:.2f}"),
-            ("weights_gib", 11, "{:.2f}"))
-
-
-def format_header() -> str:
-    return " ".join(f"{name:>{width}}" for name, width, _ in _COLUMNS)
+TABLE_COLUMNS = (("model", "", 13), ("weights", "", 7), ("batch", "", 5), ("rank", "", 4), ("engine", "", 11),
+                 ("backend", "", 12), ("gen_len", "", 7), ("tok_s", ".0f", 9), ("decode_tok_s", ".0f", 12),
+                 ("ms_per_step", ".2f", 11), ("ttft_ms", ".0f", 8), ("peak_gib", ".2f", 8),
+                 ("weights_gib", ".2f", 11))
 
 
 def format_row(row: Row) -> str:
-    cells = []
-    for name, width, fmt in _COLUMNS:
-        value = getattr(row, name)
-        cells.append(f"{'-' if value is None else fmt.format(value):>{width}}")
-    line = " ".join(cells)
+    """One row of the table (``TABLE_COLUMNS``), with its error appended if it failed."""
+    line = table_row(asdict(row), TABLE_COLUMNS)
     return f"{line}  ERROR {row.error}" if row.error else line
 
 
-def format_table(result: dict) -> str:
-    lines = [format_header()]
-    lines += [format_row(Row(**r)) for r in result["rows"]]
+def render_rollout_report(result: dict) -> str:
+    """The fixed-width table of every row, the rows that failed with their errors, then each
+    acceptance target and whether it was met."""
+    rows = result["rows"]
+    lines = [format_table(rows, TABLE_COLUMNS)]
+    lines += [f"ERROR {r.get('model')} {r.get('weights')} batch {r.get('batch')} rank {r.get('rank')}: {r['error']}"
+              for r in rows if r.get("error")]
     for key, t in result["summary"].get("targets", {}).items():
         lines.append(f"{key:<28} {t['value']:>10} target {t['target']:>8}  {'met' if t['met'] else 'MISSED'}")
     return "\n".join(lines)
@@ -455,7 +467,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lora-rank", type=ints, default=(0,), dest="lora_ranks", help="e.g. 0,16,32,64 (0 = no adapter)")
     p.add_argument("--weights", type=names, default=WEIGHTS)
     p.add_argument("--backends", type=names, default=("auto",),
-                   help="engine decode backends to compare: auto, graphs, graphs+fused, compile, eager")
+                   help=f"engine decode backends to compare: {', '.join(DECODE_BACKENDS)}")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--no-hf-baseline", action="store_false", dest="hf_baseline")
     p.add_argument("--hf-gen-len", type=int, default=None, help="generated tokens for the transformers baseline")
@@ -466,9 +478,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="print a kernel-time table of a few decode steps per model (torch.profiler)")
     p.add_argument("--no-fuse-projections", action="store_false", dest="fuse_projections",
                    help="call q/k/v and gate/up one by one (the engine fuses them on CUDA by default)")
-    p.add_argument("--decode-attention", choices=("kernel", "matmul", "sdpa"), default=None,
+    p.add_argument("--decode-attention", choices=DECODE_ATTENTION, default=None,
                    help="decode attention of the engine (default: the split-KV Triton kernel on CUDA)")
-    p.add_argument("--fp4-small-m", choices=("auto", "mma", "triton"), default="auto",
+    p.add_argument("--fp4-small-m", choices=SMALL_M_BACKENDS, default="auto",
                    help="NVFP4 GEMM kernel for decode (M <= 8): auto = the mma.sync CUDA kernel where it runs")
     p.add_argument("--json", default=None, dest="json_out", help="write the results JSON here (atomically)")
     p.add_argument("--merge", nargs="+", default=None, metavar="JSON",
@@ -486,7 +498,7 @@ def run_cli(args) -> int:
         result = merge_results([json.loads(Path(f).read_text()) for f in args.merge])
         if args.json_out:
             write_json_atomic(args.json_out, result)
-        print(format_table(result))
+        print(render_rollout_report(result))
         return 0
 
     cfg = RolloutBenchConfig(models=args.models, batches=args.batches, prompt_len=args.prompt_len,
@@ -495,12 +507,12 @@ def run_cli(args) -> int:
                              hf_gen_len=args.hf_gen_len, hf_batches=args.hf_batches, init=args.init,
                              profile=args.profile, fuse_projections=args.fuse_projections,
                              decode_attention=args.decode_attention, fp4_small_m=args.fp4_small_m)
-    print(format_header(), flush=True)
+    print(table_header(TABLE_COLUMNS), flush=True)
     checkpoint = (lambda doc: write_json_atomic(args.json_out, doc)) if args.json_out else None
     result = run_rollout_bench(cfg, log=lambda line: print(line, flush=True), checkpoint=checkpoint)
     if args.json_out:
         write_json_atomic(args.json_out, result)
-    print(format_table(result))
+    print(render_rollout_report(result))
     print(json.dumps(result["summary"]))
     return 0
 

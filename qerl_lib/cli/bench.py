@@ -1,12 +1,9 @@
-"""`qerl bench gemm` (NVFP4 x BF16 GEMM vs BF16) and `qerl bench rollout` (added by qerl_lib.bench.rollout).
-
-Heavy imports (torch, triton) happen inside the handlers, so `qerl --help` stays fast.
+"""`qerl bench gemm` (NVFP4 x BF16 GEMM vs BF16, qerl_lib.bench.gemm) and `qerl bench rollout`
+(rollout throughput, qerl_lib.bench.rollout, which defines its own arguments).
 """
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import json
 import sys
 
@@ -30,34 +27,33 @@ def register(sub) -> None:
     bsub = bench.add_subparsers(dest="bench_command", metavar="WHAT")
     bsub.required = True
 
+    from qerl_lib.bench import gemm, rollout
+
     p = bsub.add_parser("gemm", help="fused NVFP4 x BF16 GEMM vs torch BF16 on every projection shape of the models")
-    p.add_argument("--models", type=_str_list, default=["qwen2.5-7b", "qwen2.5-32b"],
-                   help="comma-separated configs from data/configs/ (default: qwen2.5-7b,qwen2.5-32b)")
-    p.add_argument("--m", dest="ms", type=_int_list, default=[1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096],
+    p.add_argument("--models", type=_str_list, default=list(gemm.DEFAULT_MODELS),
+                   help=f"comma-separated configs from data/configs/ (default: {','.join(gemm.DEFAULT_MODELS)})")
+    p.add_argument("--m", dest="ms", type=_int_list, default=list(gemm.DEFAULT_MS),
                    help="comma-separated batch sizes M (tokens per GEMM)")
-    p.add_argument("--layouts", type=_str_list, default=["hf", "fused"],
+    p.add_argument("--layouts", type=_str_list, default=list(gemm.LAYOUTS),
                    help="hf: one shape per HF projection module; fused: vLLM-style qkv and gate_up (default: both)")
     p.add_argument("--eager", action="store_true", help="time Python launches instead of CUDA-graph replays")
     p.add_argument("--json", default=None, help="write the full results JSON here (atomic)")
     p.set_defaults(func=_gemm)
 
     # `qerl bench rollout`: its arguments and handler live in qerl_lib.bench.rollout
-    # (`add_arguments(parser)`, `run_cli(args) -> int`); absent until that module exists.
-    if importlib.util.find_spec("qerl_lib.bench.rollout") is not None:
-        rollout = importlib.import_module("qerl_lib.bench.rollout")
-        p = bsub.add_parser("rollout", help="rollout speed (TTFT, TPOT, tok/s, peak VRAM): bf16 vs NVFP4 engines")
-        rollout.add_arguments(p)
-        p.set_defaults(func=rollout.run_cli)
+    p = bsub.add_parser("rollout", help="rollout speed (TTFT, TPOT, tok/s, peak VRAM): bf16 vs NVFP4 engines")
+    rollout.add_arguments(p)
+    p.set_defaults(func=rollout.run_cli)
 
 
 def _gemm(args) -> int:
-    from qerl_lib.bench.gemm import render_gemm_report, run_gemm_benchmark
+    from qerl_lib.bench.gemm import LAYOUTS, render_gemm_report, run_gemm_benchmark
     from qerl_lib.errors import UserError
     from qerl_lib.io import write_json_atomic
 
-    bad = [x for x in args.layouts if x not in ("hf", "fused")]
+    bad = [x for x in args.layouts if x not in LAYOUTS]
     if bad:
-        raise UserError(f"--layouts accepts hf and fused, got {bad}")
+        raise UserError(f"--layouts accepts {' and '.join(LAYOUTS)}, got {bad}")
     # `qerl ...` and `python -m qerl_lib ...` both leave the sub-command in sys.argv[1:]
     command = " ".join(["qerl", *sys.argv[1:]])
     doc = run_gemm_benchmark(args.models, args.ms, layouts=args.layouts, graph=not args.eager, command=command)

@@ -24,11 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-# LoRA targets the engine can apply itself, grouped by the input they read.
-LORA_GROUPS = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",),
-               "gate_up": ("gate_proj", "up_proj"), "down": ("down_proj",)}
-PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
-          "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+from qerl_lib.models.fused import PARENT, PROJECTION_GROUPS  # LoRA targets, grouped by the input they read
 
 
 def canonical_name(name: str) -> str:
@@ -70,7 +66,7 @@ class LoraBuffers:
             layer, proj = _parse_target(name, view.n_layers)
             by_layer.setdefault(layer, {})[proj] = name
         for layer, targets in sorted(by_layer.items()):
-            for group, members in LORA_GROUPS.items():
+            for group, members in PROJECTION_GROUPS.items():
                 present = [m for m in members if m in targets]
                 if not present:
                     continue

@@ -9,7 +9,7 @@ probabilities matmul) it costs three kernels and a round trip of the scores thro
 layer, and cuBLAS handles the tiny ``[7, D] x [D, L]`` products poorly. Here one program handles
 one (row, KV head, slice of the cache): the ``G = heads / kv_heads`` query heads that share the KV
 head are the rows of its ``tl.dot`` (K and V are read once, never repeated), and an online softmax
-(running max and sum, as in FlashAttention) walks the slice in blocks of ``BLOCK_L`` columns.
+(running max and sum, as in FlashAttention) walks the slice in blocks of columns (``AttentionLaunch``).
 Slices ("split-KV", as in flash-decoding) give the GPU enough programs at batch 8; a second small
 kernel merges the slices' partial results. Both run inside the engine's CUDA graphs: the current
 column is read from a device tensor, so a graph captured once serves every step of its length bucket.
@@ -31,6 +31,7 @@ arithmetic on CPU. ``reference_decode_attention`` is the plain-torch oracle of t
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -45,14 +46,25 @@ except ImportError:  # pragma: no cover
 
 from qerl_lib.kernels import pdl
 
-# Launch shape, from a sweep on the H200 (results/rollout_attention_depth_sweep.py, run 20: 108 shapes
-# at 1,280 and 2,240 cached tokens, Qwen2.5-7B heads, batch 8): 64-column blocks, 4 warps, two
-# pipeline stages and ~4 programs per SM were within 1% of the fastest and 3% faster than the
-# previous 3 stages / ~2 programs per SM; in the engine, 2.636 -> 2.614 ms per step.
-BLOCK_L = 64
-TARGET_PROGRAMS = 528  # ~4 per SM on an H100/H200; more slices than this only add merge work
-NUM_WARPS = 4
-NUM_STAGES = 2  # Triton's software pipelining depth of the K/V block loads
+
+@dataclass(frozen=True)
+class AttentionLaunch:
+    """Launch shape of the decode-attention kernel: ``block`` cache columns per step of the online
+    softmax, ``warps`` per program, ``stages`` (Triton's software pipelining depth of the K/V block
+    loads) and ``programs``, how many programs the split-KV slices aim for in all.
+
+    The defaults were within 1% of the fastest of 108 shapes swept on an H200 (Qwen2.5-7B heads,
+    batch 8, 1,280 and 2,240 cached tokens; ``dev/sweeps/rollout_attention_depth_sweep.py``,
+    dev/LOG.md) and ~3% faster than 3 stages with ~2 programs per SM.
+    """
+
+    block: int = 64
+    warps: int = 4
+    stages: int = 2
+    programs: int = 528  # ~4 per SM on an H100/H200; more slices than this only add merge work
+
+
+DEFAULT_LAUNCH = AttentionLaunch()
 
 
 def reference_decode_attention(q, k, v, pad, column, scaling):
@@ -71,24 +83,28 @@ def reference_decode_attention(q, k, v, pad, column, scaling):
 
 
 def num_splits(batch: int, kv_heads: int, kv_len: int, block: int | None = None, target: int | None = None) -> int:
-    """Cache slices per (row, KV head): enough programs for the GPU, each slice >= one block."""
-    block, target = block or BLOCK_L, target or TARGET_PROGRAMS
+    """Cache slices per (row, KV head): about ``target`` programs in all (default: ``DEFAULT_LAUNCH``'s),
+    each slice at least one ``block`` of columns."""
+    block, target = block or DEFAULT_LAUNCH.block, target or DEFAULT_LAUNCH.programs
     blocks = max(1, math.ceil(kv_len / block))
     return max(1, min(blocks, math.ceil(target / max(1, batch * kv_heads))))
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pad: torch.Tensor, column: torch.Tensor,
                      scaling: float, out: torch.Tensor | None = None, splits: int | None = None,
-                     _rope: tuple | None = None) -> torch.Tensor:
+                     launch: AttentionLaunch | None = None, _rope: tuple | None = None) -> torch.Tensor:
     """Attention of one query token per row over the cache, on the GPU (or the Triton interpreter).
 
     ``q [B, H, D]`` (any strides with unit last stride), ``k, v [B, KV, L, D]`` cache views (the
     first ``L`` columns), ``pad [B]`` int64, ``column`` int64 ``[1]`` on the device (the column this
     step wrote), ``scaling`` the softmax scale. Returns ``[B, H, D]`` in q's dtype (``out`` if given).
-    ``H`` must be a multiple of ``KV`` and ``D`` a power of two (16 to 256).
+    ``H`` must be a multiple of ``KV`` and ``D`` a power of two (16 to 256). ``splits``: cache slices
+    per (row, KV head) (default: ``num_splits``); ``launch``: the kernel's launch shape (default:
+    ``DEFAULT_LAUNCH``).
     """
     if triton is None:
         raise ValueError("decode_attention needs the triton package; use the engine's 'matmul' attention instead")
+    launch = launch or DEFAULT_LAUNCH
     b, h, d = q.shape
     kv, length = k.shape[1], k.shape[2]
     if h % kv or d & (d - 1) or not 16 <= d <= 256 or k.shape != v.shape or k.shape[0] != b or k.shape[3] != d:
@@ -97,8 +113,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pad: tor
     if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
         raise ValueError("decode_attention: q, k and v need a unit stride in their last (head_dim) dimension")
     groups = h // kv
-    splits = splits or num_splits(b, kv, length)
-    per_split = triton.cdiv(triton.cdiv(length, splits), BLOCK_L) * BLOCK_L
+    splits = splits or num_splits(b, kv, length, launch.block, launch.programs)
+    per_split = triton.cdiv(triton.cdiv(length, splits), launch.block) * launch.block
     splits = triton.cdiv(length, per_split)
     out = torch.empty(b, h, d, dtype=q.dtype, device=q.device) if out is None else out
     interpreted = not q.is_cuda
@@ -114,9 +130,9 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pad: tor
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         out.stride(0), out.stride(1), k_new, v_new, cos, sin, k_new.stride(0), k_new.stride(1), v_new.stride(0),
         v_new.stride(1), cos.stride(0), sin.stride(0),
-        GROUPS=groups, GROUPS_P=max(16, triton.next_power_of_2(groups)), D=d, BLOCK=BLOCK_L, SPLIT=splits > 1,
-        ROPE=_rope is not None, INTERPRETED=interpreted, PDL=early, launch_pdl=early, num_warps=NUM_WARPS,
-        num_stages=NUM_STAGES)
+        GROUPS=groups, GROUPS_P=max(16, triton.next_power_of_2(groups)), D=d, BLOCK=launch.block, SPLIT=splits > 1,
+        ROPE=_rope is not None, INTERPRETED=interpreted, PDL=early, launch_pdl=early, num_warps=launch.warps,
+        num_stages=launch.stages)
     if splits > 1:
         _merge_splits_kernel[(b, h)](part_acc, part_ml, out, out.stride(0), out.stride(1), h,
                                      SPLITS=splits, SPLITS_P=triton.next_power_of_2(splits), D=d, PDL=early,
@@ -126,7 +142,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pad: tor
 
 def rope_cache_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                          k_cache: torch.Tensor, v_cache: torch.Tensor, pad: torch.Tensor, column: torch.Tensor,
-                         scaling: float) -> torch.Tensor:
+                         scaling: float, splits: int | None = None, launch: AttentionLaunch | None = None
+                         ) -> torch.Tensor:
     """``rope_and_cache`` and ``decode_attention`` in one kernel launch (what the engine runs): each
     program rotates its own query heads; the program whose slice holds ``column`` also rotates the
     new key, writes it and the new value into the cache, and uses them for that column directly.
@@ -134,10 +151,11 @@ def rope_cache_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos:
 
     ``q [B, H, 1, D]``, ``k, v [B, KV, 1, D]`` (un-rotated views with unit last stride), ``cos, sin
     [B, 1, D]``, caches ``[B, KV, L, D]`` (the first ``L`` columns are attended). Returns ``[B, H, D]``.
+    ``splits`` and ``launch`` as for ``decode_attention``.
     """
     if q.shape[-1] % 2 or k.stride(-1) != 1 or v.stride(-1) != 1 or cos.stride(-1) != 1 or sin.stride(-1) != 1:
         raise ValueError("rope_cache_attention: head_dim must be even and every last dimension unit-stride")
-    return decode_attention(q[:, :, 0], k_cache, v_cache, pad, column, scaling,
+    return decode_attention(q[:, :, 0], k_cache, v_cache, pad, column, scaling, splits=splits, launch=launch,
                             _rope=(k[:, :, 0], v[:, :, 0], cos[:, 0], sin[:, 0]))
 
 

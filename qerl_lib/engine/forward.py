@@ -18,7 +18,7 @@ tokens match ``model.generate`` on CPU:
   refused. ``rotate_half`` pairs dimension ``i`` with ``i + head_dim/2``.
 * **Attention**: SDPA with grouped-query attention on CPU and in prefill (HF's own rule: GQA
   through ``enable_gqa`` when there is no mask, repeated K/V otherwise). In the CUDA decode step
-  a single query token attends through ``engine_attention``'s split-KV Triton kernel (float32
+  a single query token attends through ``engine/attention.py``'s split-KV Triton kernel (float32
   online softmax, K and V read once; the math fallback SDPA takes for GQA + mask would copy them
   7x for Qwen2.5-7B), or through two batched matmuls over the cache with the query heads of one
   KV head folded into the matmul's M dimension (``decode_attention="matmul"``, HF's eager rounding).
@@ -35,13 +35,13 @@ Every RMSNorm weight is *copied into an engine-owned buffer* at the start of eac
 call, from the model or from ``norm_overrides`` (AQN's noisy weights). A CUDA graph replays fixed
 addresses, so a new noisy weight each call takes effect without re-capturing, and the model's
 parameters are never written. LoRA adapters passed as ``lora=`` get the same treatment
-(``engine_lora``).
+(``engine/adapters.py``).
 
 Fused projections
 -----------------
 On CUDA, q/k/v and gate/up each run as one wider matmul over storage the members share
-(``layers_fused``): three launches fewer per layer, and no 1 MB k/v GEMMs that cannot reach
-bandwidth. The modules themselves keep working as before (their tensors become views).
+(``models/fused.py``): three launches fewer per layer, and no 1 MB k/v GEMMs that cannot reach
+bandwidth. The modules themselves keep working as they did (their tensors become views).
 
 Fused glue
 ----------
@@ -50,7 +50,7 @@ Run eagerly they are ~30 small kernel launches per layer, which at batch 8 cost 
 weight-bound matmuls of an NVFP4 model. The ``Glue`` functions are written so that
 ``torch.compile`` can turn each into one kernel; the decode step uses the compiled ones when
 asked (``fuse_elementwise``), prefill and CPU runs the plain ones. With ``glue_kernels`` (the CUDA
-default) the norms and SiLU * up run as ``engine_glue``'s Triton kernels instead, which let the
+default) the norms and SiLU * up run as ``engine/glue.py``'s Triton kernels instead, which let the
 next NVFP4 matmul launch while they run (programmatic dependent launch).
 """
 
@@ -62,10 +62,9 @@ import torch
 import torch.nn.functional as F
 
 from qerl_lib.engine import glue as engine_glue
-from qerl_lib.engine.attention import rope_cache_attention
-from qerl_lib.engine.adapters import (LORA_GROUPS, PARENT, LoraAdapter, LoraBuffers, canonical_name, lora_signature,
-                                  unwrap_model)
-from qerl_lib.models.fused import fuse_group
+from qerl_lib.engine.attention import AttentionLaunch, rope_cache_attention
+from qerl_lib.engine.adapters import LoraAdapter, LoraBuffers, canonical_name, lora_signature, unwrap_model
+from qerl_lib.models.fused import PARENT, PROJECTION_GROUPS, PROJECTIONS, fuse_group
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
 DECODE_ATTENTION = ("sdpa", "matmul", "kernel")
@@ -129,7 +128,7 @@ class ModelView:
         changes (modules swapped, an adapter disabled or merged) cached graphs are stale."""
         sig = [id(self.embed), id(self.lm_head), id(self.final_norm)]
         for i in range(self.n_layers):
-            for name in PARENT:
+            for name in PROJECTIONS:
                 m = self.projection(i, name)
                 sig.append(id(m))
                 if hasattr(m, "lora_A"):
@@ -206,28 +205,31 @@ class ForwardPass:
     """Prefill and one decode step over a ``ModelView``, with engine-owned norm weights and LoRA buffers.
 
     ``decode_attention``: "sdpa" (HF's numerics; CPU default), "matmul" (K/V read once, torch ops) or
-    "kernel" (``engine_attention``: one split-KV Triton kernel per layer; CUDA default).
+    "kernel" (``engine/attention.py``: one split-KV Triton kernel per layer; CUDA default).
     ``fuse_elementwise``: in the decode step, run the elementwise glue between matmuls through
     ``torch.compile``: residual add + RMSNorm, RoPE of q and k, the attention softmax, SiLU * up.
     Eagerly these are ~30 kernel launches per layer; fused, ~6. Worth it only inside a CUDA graph,
     where launches, not Python, are the cost. Prefill always runs the eager functions.
     ``glue_kernels`` (with ``fuse_elementwise``, on CUDA): the norms and SiLU * up through
-    ``engine_glue``'s Triton kernels rather than ``torch.compile``.
+    ``engine/glue.py``'s Triton kernels rather than ``torch.compile``. ``attention_launch``: the
+    decode-attention kernel's launch shape (``engine.attention.AttentionLaunch``; None: its default).
     """
 
     def __init__(self, view: ModelView, decode_attention: str = "sdpa", fuse_elementwise: bool = False,
-                 bypass_peft: bool = False, fuse_projections: bool = False, glue_kernels: bool = False):
+                 bypass_peft: bool = False, fuse_projections: bool = False, glue_kernels: bool = False,
+                 attention_launch: AttentionLaunch | None = None):
         if decode_attention not in DECODE_ATTENTION:
             raise ValueError(f"decode_attention must be one of {DECODE_ATTENTION}, got {decode_attention!r}")
         self.view = view
         self.decode_attention = decode_attention
+        self.attention_launch = attention_launch
         with torch.no_grad():
             self.norm_weights = [m.weight.detach().clone() for m in view.norm_modules]
         self.lora: LoraBuffers | None = None
         # bypass_peft: call peft's base layers, because the engine applies the adapters itself (lora=...)
         self._groups = [{g: [view.projection(i, p, base=bypass_peft) for p in members]
-                         for g, members in LORA_GROUPS.items()} for i in range(view.n_layers)]
-        # fuse_projections: q/k/v and gate/up as one matmul each over shared storage (layers_fused);
+                         for g, members in PROJECTION_GROUPS.items()} for i in range(view.n_layers)]
+        # fuse_projections: q/k/v and gate/up as one matmul each over shared storage (models/fused.py);
         # a group that cannot be fused (peft wrappers called as modules, mixed types) runs member by member
         self._fused = [{g: (fuse_group(ms) if fuse_projections and len(ms) > 1 else None) for g, ms in groups.items()}
                        for groups in self._groups]
@@ -379,9 +381,9 @@ class ForwardPass:
         def attend(i, q, k, v, ops):
             k_all, v_all = cache.k[i, :bsz], cache.v[i, :bsz]
             if self.decode_attention == "kernel":  # q, k arrive un-rotated (see below): one kernel does
-                # RoPE, the cache write and the attention (engine_attention.rope_cache_attention)
+                # RoPE, the cache write and the attention (attention.rope_cache_attention)
                 return rope_cache_attention(q, k, v, cos, sin, k_all[:, :, :kv_len], v_all[:, :, :kv_len], pad,
-                                            column, self.view.scaling)[:, :, None]
+                                            column, self.view.scaling, launch=self.attention_launch)[:, :, None]
             k_all.index_copy_(2, column, k)
             v_all.index_copy_(2, column, v)
             k_all, v_all = k_all[:, :, :kv_len], v_all[:, :, :kv_len]
@@ -417,7 +419,7 @@ def rope_qk(q, k, cos, sin):
 
 
 def _rope_in_attention(q, k, cos, sin):
-    return q, k  # the kernel attention path rotates q and k itself (engine_attention.rope_cache_attention)
+    return q, k  # the kernel attention path rotates q and k itself (attention.rope_cache_attention)
 
 
 def gated_act(act, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

@@ -4,15 +4,16 @@ Why not leave it to ``torch.compile``
 -------------------------------------
 Between the matmuls of a decode step sit small kernels: residual add + RMSNorm (before q/k/v and
 before gate/up) and SiLU(gate) * up (before down). ``torch.compile`` fuses each into one kernel,
-and that is what ``engine_forward`` ran. At batch 8 each takes a few microseconds, and so do the
-gaps around it: a kernel is launched only when the one before has finished. On Hopper a kernel
-can be launched early (programmatic dependent launch, ``qerl_lib.kernels.pdl``) if the one before lets it;
-``torch.compile``'s kernels do not. These do: launched with PDL, they wait (``gdc_wait``) for the
-previous kernel's output, then at once allow the next kernel to launch (``gdc_launch_dependents``),
-so the NVFP4 matmul after them (``fp4_kernel_mma``, PDL too) loads its first weights meanwhile.
+and that is what ``engine/forward.py`` runs without these (``glue_kernels=False``). At batch 8
+each takes a few microseconds, and so do the gaps around it: a kernel is launched only when the
+one before has finished. On Hopper a kernel can be launched early (programmatic dependent launch,
+``qerl_lib.kernels.pdl``) if the one before lets it; ``torch.compile``'s kernels do not. These
+do: launched with PDL, they wait (``gdc_wait``) for the previous kernel's output, then at once
+allow the next kernel to launch (``gdc_launch_dependents``), so the NVFP4 matmul after them
+(``kernels/mma.py``, PDL too) loads its first weights meanwhile.
 Without PDL (``QERL_PDL=0``, older GPUs) they are plain kernels.
 
-Numerics follow ``engine_forward``'s functions (transformers' order): ``x + delta`` rounded to the
+Numerics follow ``engine/forward.py``'s functions (transformers' order): ``x + delta`` rounded to the
 activation dtype; RMSNorm in float32 on that, rounded, *then* times the weight (one more rounding);
 SiLU in float32 rounded to the activation dtype, times ``up`` rounded. Sums run in a different
 order than torch's, so results may differ by one rounding step now and then (tests: within
@@ -38,21 +39,21 @@ SILU_BLOCK = 2048
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``engine_forward.rms_norm`` as one kernel: ``x [..., H]`` -> normed ``[..., H]``."""
+    """``forward.rms_norm`` as one kernel: ``x [..., H]`` -> normed ``[..., H]``."""
     h = torch.empty_like(x)
     _launch_norm(x, None, weight, eps, None, h)
     return h
 
 
 def residual_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float):
-    """``engine_forward.residual_rms_norm`` as one kernel: returns ``(x + delta, rms_norm(x + delta))``."""
+    """``forward.residual_rms_norm`` as one kernel: returns ``(x + delta, rms_norm(x + delta))``."""
     summed, h = torch.empty_like(x), torch.empty_like(x)
     _launch_norm(x, delta, weight, eps, summed, h)
     return summed, h
 
 
 def silu_mul(act, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """``engine_forward.gated_act`` for SiLU as one kernel (``act`` is the model's SiLU module)."""
+    """``forward.gated_act`` for SiLU as one kernel (``act`` is the model's SiLU module)."""
     if gate.shape != up.shape:
         raise ValueError(f"silu_mul: gate {list(gate.shape)} and up {list(up.shape)} differ")
     width = gate.shape[-1]

@@ -20,9 +20,9 @@ How one call works
 3. **Prefill**: one batched forward over ``[B, P]`` fills cache columns ``[0, P)`` and gives the
    logits of the first new token.
 4. **Decode**: one token per row per step. On CUDA the step is replayed from a CUDA graph
-   captured per (batch bucket, cache-length bucket) (``engine_cache``); on CPU it runs eagerly.
-   Sampling (``sampling``) runs after the step in plain PyTorch, from a ``torch.Generator``
-   seeded with ``seed``.
+   captured per (batch bucket, cache-length bucket) (``engine/cache.py``); on CPU it runs eagerly.
+   Sampling (``engine/sampling.py``) runs after the step, from a ``torch.Generator`` seeded with
+   ``seed``.
 5. **Stop** rows independently: a row is finished at its first stop token (kept in the output,
    ``finish_reason="stop"``) or at ``max_new_tokens`` (``"length"``). Finished rows keep
    stepping with the batch (their extra tokens are discarded) instead of compacting the batch:
@@ -49,15 +49,12 @@ Caveats: graphs replay fixed addresses, so update adapters and weights *in place
 do); swapping modules or toggling peft adapters is detected and re-captures. The KV cache and
 graphs are kept between calls for speed; ``release(model)`` frees them before training.
 
-Measured (``qerl bench rollout``; history in results/README.md)
-----------------------------------------------------------------
+Measured (``qerl bench rollout``; the results files are indexed in results/README.md)
+-------------------------------------------------------------------------------------
 SmolLM2-135M bf16, batch 64, 256 + 512 tokens: 48.1k tokens/s against 3.5k for transformers'
 ``generate`` (13.8x, H200, ``results/rollout_h200_smollm2_final.json``). Qwen2.5-7B shapes, batch 8,
 256 + 2048 tokens (``results/rollout_h200_final.json``, H200): bf16 1737 tokens/s, NVFP4 3088
-(2.56 ms per step). Before session 4's engine changes a step took 3.0 ms at 1,280 cached
-tokens, of which 1.94 ms NVFP4 matmuls, 0.33 ms attention, 0.26 ms the bf16 lm_head and the rest
-norms, SiLU, sampling and launch gaps (``results/rollout_step_breakdown_h200.json``). The first
-engine gave bf16 1369 and NVFP4 1126 tokens/s there: the FP4 GEMM then reached only ~0.7 TB/s.
+(2.56 ms per step). How each part of the engine got there is in dev/LOG.md.
 """
 
 from __future__ import annotations
@@ -68,6 +65,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from qerl_lib.engine.attention import AttentionLaunch
 from qerl_lib.engine.cache import BATCH_BUCKETS, DecodeGraphs, KVCache, batch_bucket, length_bucket
 from qerl_lib.engine.forward import SUPPORTED_MODEL_TYPES, ForwardPass, ModelView
 from qerl_lib.engine.adapters import LoraAdapter, lora_from_peft
@@ -77,7 +75,6 @@ __all__ = ["Completion", "RolloutEngine", "generate", "release", "to_padded", "L
            "SUPPORTED_MODEL_TYPES"]
 
 DECODE_BACKENDS = ("auto", "eager", "graphs", "graphs+fused", "compile")
-GLUE_KERNELS = True  # default of RolloutEngine(glue_kernels=None); benchmarks flip it for ablations
 
 
 @dataclass
@@ -106,28 +103,27 @@ class RolloutEngine:
     ``decode_backend``: "auto" ("graphs+fused" on CUDA, "eager" on CPU), "eager", "graphs"
     (CUDA graphs of the eager step), "graphs+fused" (CUDA graphs of a step whose elementwise glue
     is fused by ``torch.compile``), or "compile" (``torch.compile(mode="reduce-overhead")`` of the
-    whole step, attending over the full cache). Measured on an H200 (decode, 256+512 tokens):
-    SmolLM2-135M batch 64: graphs 15.4k, graphs+fused 31.3k tok/s; Qwen2.5-7B shapes batch 8:
-    1056 vs 1429 tok/s. "compile" gave 2.6k tok/s at SmolLM2 batch 64: its CUDA graphs were
-    skipped because the step writes the KV cache in place (the cache is now marked a static
-    address, which should let them run; not re-measured: its compile outlasted the time slot).
+    whole step, attending over the full cache). On an H200 (decode, 256+512 tokens) "graphs+fused"
+    ran a SmolLM2-shaped model at batch 64 twice as fast as "graphs", and Qwen2.5-7B shapes at
+    batch 8 1.35x as fast (dev/LOG.md). "compile" compiles for minutes and is not a
+    default: the KV cache is marked a static address so that its CUDA graphs can run.
     ``decode_attention``: "sdpa" (HF numerics, CPU default), "matmul" (torch ops, K/V read once) or
-    "kernel" (split-KV Triton kernel, ``engine_attention``; CUDA default).
+    "kernel" (split-KV Triton kernel, ``engine/attention.py``; CUDA default).
     ``fuse_projections``: run q/k/v and gate/up as one matmul each over shared storage
-    (``layers_fused``; default: on CUDA). The model's modules become views of the shared buffers.
-    On an H100 (Qwen2.5-7B shapes, batch 8, 256 + 2048 tokens, bf16 / NVFP4 tok/s) fusing took
-    1085 / 1649 to 1188 / 1786, the attention kernel to 1235 / 1921; with the FP4 launch rule and
-    the fused RoPE + cache write the engine runs 1271 / 2199, with the CUDA decode GEMM 1277 / 2429,
-    and with PDL, the glue kernels, the fused sampler and attention 1302 / 2580; the gate/up launch
-    shapes that fill whole waves of CTAs came after (results/README.md has every step).
-    ``glue_kernels``: in "graphs+fused", the norms and SiLU * up run as ``engine_glue``'s Triton
-    kernels, which let the next NVFP4 matmul launch early (default ``GLUE_KERNELS``, on).
+    (``models/fused.py``; default: on CUDA). The model's modules become views of the shared buffers.
+    On an H100 this made Qwen2.5-7B shapes (batch 8, 256 + 2048 tokens) 8-10% faster in bf16 and
+    NVFP4 (dev/LOG.md).
+    ``glue_kernels``: in "graphs+fused", the norms and SiLU * up run as ``engine/glue.py``'s Triton
+    kernels, which let the next NVFP4 matmul launch early (default on; off: ``torch.compile``'s).
+    ``attention_launch``: the decode-attention kernel's launch shape
+    (``engine.attention.AttentionLaunch``; None: its default).
     """
 
     def __init__(self, model, max_seq_len: int | None = None, decode_backend: str = "auto",
                  decode_attention: str | None = None, length_step: int = 256,
                  batch_buckets: tuple[int, ...] = BATCH_BUCKETS, check_every: int = 16, keep_alive: bool = True,
-                 fuse_projections: bool | None = None, glue_kernels: bool | None = None):
+                 fuse_projections: bool | None = None, glue_kernels: bool = True,
+                 attention_launch: AttentionLaunch | None = None):
         if decode_backend not in DECODE_BACKENDS:
             raise ValueError(f"decode_backend must be one of {DECODE_BACKENDS}, got {decode_backend!r}")
         view = ModelView(model)  # validates the architecture now, not at the first call
@@ -142,10 +138,11 @@ class RolloutEngine:
         # logic would break into pieces: it keeps the torch-ops attention)
         self.decode_attention = decode_attention or (("matmul" if decode_backend == "compile" else "kernel")
                                                      if on_cuda else "sdpa")
-        # q/k/v and gate/up as one matmul each (layers_fused); off on CPU, where greedy tokens match HF bit for bit
+        # q/k/v and gate/up as one matmul each (models/fused.py); off on CPU, where greedy tokens match HF bit for bit
         self.fuse_projections = on_cuda if fuse_projections is None else bool(fuse_projections)
-        # norms and SiLU * up of the fused decode step as engine_glue's Triton kernels (default: on)
-        self.glue_kernels = GLUE_KERNELS if glue_kernels is None else bool(glue_kernels)
+        # norms and SiLU * up of the fused decode step as engine/glue.py's Triton kernels
+        self.glue_kernels = bool(glue_kernels)
+        self.attention_launch = attention_launch
         self.max_seq_len = int(max_seq_len or view.max_positions or 4096)
         self.length_step = int(length_step)
         self.batch_buckets = tuple(batch_buckets)
@@ -244,8 +241,8 @@ class RolloutEngine:
             self._forward = None  # drop the old pass (and its fused-buffer references) before fusing anew
             fuse = self.decode_backend == "graphs+fused"
             self._forward = ForwardPass(view, self.decode_attention, fuse_elementwise=fuse, bypass_peft=bypass,
-                                        glue_kernels=self.glue_kernels,
-                                        fuse_projections=self.fuse_projections)
+                                        glue_kernels=self.glue_kernels, fuse_projections=self.fuse_projections,
+                                        attention_launch=self.attention_launch)
             self._signature, self._view = signature, view
         return self._forward
 

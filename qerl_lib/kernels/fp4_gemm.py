@@ -27,19 +27,20 @@ K (split-K, below). Per K-step of 128:
    swapped: the weights are the *A* operand, which Hopper's ``wgmma`` reads from registers, and
    the few rows of ``x`` the narrow *B* operand. The rows are loaded through a 4-D index
    (``_frag_rows``) and K is relabeled (``_frag_dequant``) so that every thread's decoded values
-   already sit where the A fragment wants them: no shared-memory round trip for the weights (the
-   first version staged them and ran at a third of the bandwidth; see
-   results/notes_fp4_kernel.md). A dot product does not care about the order of its terms, so
-   ``x`` is permuted the same way in registers (``_frag_x``). M < 16 wastes MMA lanes, which cost
-   nothing here: the budget is instruction issue for decoding (~3.2 SASS instructions/weight).
+   already sit where the A fragment wants them: no shared-memory round trip for the weights
+   (staging them there ran at a third of the bandwidth, measured on an H100; see dev/LOG.md).
+   A dot product does not care about the order of its terms, so ``x`` is permuted the same way
+   in registers (``_frag_x``). M < 16 wastes MMA lanes, which cost nothing here: the budget is
+   instruction issue for decoding (~3.2 SASS instructions/weight).
 5. **Epilogue** (fp32): ``out = bf16(acc * (2^8 / gs))``, then ``+ bias`` (bias after the cast, as
    Marlin and ``nvfp4.reference_matmul`` do). ``1/gs`` is computed in-kernel with correct rounding,
    so no host sync is needed and the call can be captured in a CUDA graph.
 
 Parallelism. Small M gives only ``N / BLOCK_N`` programs (28 for a 3584-wide output), too few for
 132 SMs, so K is split into slices that write fp32 partials; ``_splitk_reduce_kernel`` sums them
-in a fixed order (deterministic, no atomics) and runs the epilogue. ``fp4_kernel_config`` picks
-tile width and slices (about 2 programs per SM for 2 <= M <= 16, measured best on an H100).
+in a fixed order (deterministic, no atomics) and runs the epilogue. ``pick_config``
+(``kernels/launch_rule.py``) picks tile width and slices (about 2 programs per SM for
+2 <= M <= 16, measured best on an H100).
 
 Large M (prefill, training forward) is compute-bound. Measured fastest: expand the weights once
 per call with ``_fp4_dequant_kernel`` (an exact bf16 copy of ``fp4 * s * 2^-8``, at ~97% of copy
@@ -55,14 +56,15 @@ compressed-tensors does, where Marlin flushes them to zero; the global scale (th
 ``gs``, ``w = fp4 * s / gs``) is read on device instead of being inverted on the host.
 
 Dispatch: CUDA tensors with M <= 8 and K % 128 == 0 (the decode step) run the CUDA ``mma.sync``
-kernel of ``fp4_kernel_mma`` where it can run (sm_90+ and NVRTC; ``set_small_m_backend`` or
-``QERL_FP4_SMALL_M`` choose), since it streams the weights faster than this Triton kernel
-(results/notes_fp4_kernel.md, section 5); other CUDA calls run the Triton kernel (or dequantize +
-cuBLAS for large M); CPU tensors run the plain-torch oracle ``nvfp4.reference_matmul``
-(dequantize-then-matmul in fp32), unless ``impl="triton"`` forces the kernel (CPU tensors then need
-``TRITON_INTERPRET=1`` set before Triton is imported; the interpreter cannot run PTX and mishandles
-bf16 -- see ``_interpreted`` -- so it multiplies in fp32 instead: the same exact products,
-bit-identical results).
+kernel of ``kernels/mma.py`` where it can run (sm_90+ and NVRTC), since it streams the weights
+faster than this Triton kernel (measured on an H100 and an H200; see dev/LOG.md). The
+``small_m_backend`` argument of ``fp4_linear`` chooses ("auto", "mma" or "triton"); without it the
+environment variable ``QERL_FP4_SMALL_M`` does (default "auto"), read at each call. Other CUDA
+calls run the Triton kernel (or dequantize + cuBLAS for large M); CPU tensors run the plain-torch
+oracle ``nvfp4.reference_matmul`` (dequantize-then-matmul in fp32), unless ``impl="triton"``
+forces the kernel (CPU tensors then need ``TRITON_INTERPRET=1`` set before Triton is imported; the
+interpreter cannot run PTX and mishandles bf16 -- see ``_interpreted`` -- so it multiplies in fp32
+instead: the same exact products, bit-identical results).
 """
 
 from __future__ import annotations
@@ -70,11 +72,12 @@ from __future__ import annotations
 import functools
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from qerl_lib.kernels import mma as fp4_kernel_mma
+from qerl_lib.kernels import mma
 from qerl_lib.kernels.launch_rule import KernelConfig, pick_config
 from qerl_lib.quant.nvfp4 import GROUP_SIZE, NVFP4Weight, reference_matmul
 
@@ -86,37 +89,39 @@ except ImportError:  # pragma: no cover - exercised only on installs without tri
     tl = None
 
 IMPLS = ("auto", "triton", "reference")
-SMALL_M_BACKENDS = ("auto", "mma", "triton")
-_small_m_backend = os.environ.get("QERL_FP4_SMALL_M", "auto")
+SMALL_M_BACKENDS = ("auto", "mma", "triton")  # the kernels that may run the decode step (M <= 8)
+SMALL_M_ENV = "QERL_FP4_SMALL_M"  # the user's switch, read when no backend is passed
 
 
-def set_small_m_backend(name: str) -> str:
-    """Which kernel runs CUDA calls with M <= 8 and K % 128 == 0 (the decode step): ``"mma"`` (the
-    CUDA mma.sync kernel of ``fp4_kernel_mma``; error if this machine cannot run it), ``"triton"``
-    (this module's Triton kernel) or ``"auto"`` (mma where available, else Triton; the default,
-    also settable with the environment variable ``QERL_FP4_SMALL_M``). Returns the previous setting."""
-    global _small_m_backend
+def resolve_small_m_backend(name: str | None = None) -> str:
+    """The small-M backend a call uses: ``name`` if given, else the environment variable
+    ``QERL_FP4_SMALL_M`` as it is now (default ``"auto"``). ``"mma"``: the CUDA mma.sync kernel of
+    ``kernels/mma.py`` (error if this machine cannot run it); ``"triton"``: this module's Triton
+    kernel; ``"auto"``: mma where available, else Triton."""
+    if name is None:
+        value = os.environ.get(SMALL_M_ENV, "auto")
+        if value not in SMALL_M_BACKENDS:
+            raise ValueError(f"{SMALL_M_ENV} must be one of {SMALL_M_BACKENDS}, got {value!r}")
+        return value
     if name not in SMALL_M_BACKENDS:
         raise ValueError(f"small-M backend must be one of {SMALL_M_BACKENDS}, got {name!r}")
-    previous, _small_m_backend = _small_m_backend, name
-    return previous
+    return name
 
 
-def uses_mma(m: int, k: int, device: torch.device) -> bool:
+def uses_mma(m: int, k: int, device: torch.device, backend: str | None = None) -> bool:
     """Whether an ``fp4_linear`` call with ``m`` rows, reduction ``k`` on ``device`` (and no explicit
-    Triton ``config``) runs the mma.sync CUDA kernel; raises if the backend is forced to "mma" but
-    this machine cannot run it."""
-    if _small_m_backend not in SMALL_M_BACKENDS:
-        raise ValueError(f"QERL_FP4_SMALL_M must be one of {SMALL_M_BACKENDS}, got {_small_m_backend!r}")
-    if _small_m_backend == "triton" or device.type != "cuda" or m > fp4_kernel_mma.AUTO_MAX_M \
-            or not fp4_kernel_mma.supported_problem(m, k):
+    Triton ``config``) runs the mma.sync CUDA kernel under small-M ``backend`` (None: the
+    environment's, see ``resolve_small_m_backend``); raises if the backend is "mma" but this
+    machine cannot run it."""
+    backend = resolve_small_m_backend(backend)
+    if backend == "triton" or device.type != "cuda" or m > mma.AUTO_MAX_M or not mma.supported_problem(m, k):
         return False
     index = device.index if device.index is not None else (torch.cuda.current_device() if torch.cuda.is_available() else 0)
-    if fp4_kernel_mma.available(index):
+    if mma.available(index):
         return True
-    if _small_m_backend == "mma":
-        raise RuntimeError(f"small-M backend 'mma' cannot run here: {fp4_kernel_mma.unavailable_reason(index)}; "
-                           "use set_small_m_backend('auto') or QERL_FP4_SMALL_M=auto")
+    if backend == "mma":
+        raise RuntimeError(f"small-M backend 'mma' cannot run here: {mma.unavailable_reason(index)}; "
+                           f"pass small_m_backend='auto' or set {SMALL_M_ENV}=auto")
     return False
 
 
@@ -188,11 +193,15 @@ def fp4_matmul(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch
 
 
 def fp4_linear(x: torch.Tensor, weight: PreparedFP4Weight, bias: torch.Tensor | None = None, *,
-               impl: str = "auto", out: torch.Tensor | None = None, config: KernelConfig | None = None) -> torch.Tensor:
+               impl: str = "auto", out: torch.Tensor | None = None, config: KernelConfig | None = None,
+               small_m_backend: str | None = None,
+               mma_rule: Callable[[int, int, int], mma.MmaConfig] | None = None) -> torch.Tensor:
     """``x @ W.T (+ bias)`` for a ``prepare_fp4_weights`` result; the path ``NVFP4Linear`` uses.
 
-    ``out``: optional bf16 ``[..., N]`` contiguous tensor to write into. ``config`` overrides the
-    kernel choice (benchmarks and tests only).
+    ``out``: optional bf16 ``[..., N]`` contiguous tensor to write into. ``config`` forces one
+    Triton launch (benchmarks and tests). ``small_m_backend``: which kernel runs M <= 8
+    ("auto", "mma", "triton"; None: ``QERL_FP4_SMALL_M``, default "auto"). ``mma_rule``: the
+    launch shape of the mma.sync kernel as a function of ``(m, n, k)`` (None: ``pick_mma_config``).
     """
     impl = _resolve_impl(impl, x)
     if not isinstance(weight, PreparedFP4Weight):
@@ -203,7 +212,8 @@ def fp4_linear(x: torch.Tensor, weight: PreparedFP4Weight, bias: torch.Tensor | 
     if impl == "reference":
         res = reference_matmul(x, weight.to_compressed_tensors(), bias)
         return res if out is None else out.copy_(res)
-    return _triton_linear(x, weight, bias, out, allow_cublas=True, config=config)
+    return _triton_linear(x, weight, bias, out, allow_cublas=True, config=config, small_m_backend=small_m_backend,
+                          mma_rule=mma_rule)
 
 
 def dequantize_exact(weight: PreparedFP4Weight, unscale: bool = True) -> torch.Tensor:
@@ -294,7 +304,8 @@ def _num_sms(device: torch.device) -> int:
 
 
 def _triton_linear(x: torch.Tensor, weight: PreparedFP4Weight, bias: torch.Tensor | None,
-                   out: torch.Tensor | None, allow_cublas: bool, config: KernelConfig | None = None) -> torch.Tensor:
+                   out: torch.Tensor | None, allow_cublas: bool, config: KernelConfig | None = None,
+                   small_m_backend: str | None = None, mma_rule=None) -> torch.Tensor:
     n, k = weight.shape
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)
@@ -304,9 +315,10 @@ def _triton_linear(x: torch.Tensor, weight: PreparedFP4Weight, bias: torch.Tenso
     out = torch.empty(m, n, dtype=torch.bfloat16, device=x.device) if out is None else out.view(m, n)
     if m == 0:
         return out.reshape(*lead, n)
-    if config is None and uses_mma(x2.shape[0], k, x2.device):  # x2 already meets its alignment needs
+    if config is None and uses_mma(m, k, x2.device, small_m_backend):  # x2 already meets its alignment needs
         bias_c = bias.contiguous() if bias is not None else None
-        fp4_kernel_mma.mma_linear(x2, weight.words, weight.scales, weight.global_scale, bias_c, out)
+        mma.mma_linear(x2, weight.words, weight.scales, weight.global_scale, bias_c, out,
+                       mma_rule(m, n, k) if mma_rule is not None else None)
         return out.reshape(*lead, n)
     cfg = config or pick_config(m, n, k, _num_sms(x.device), allow_cublas and not math.isnan(weight.inv_global_scale))
     if cfg.cublas:

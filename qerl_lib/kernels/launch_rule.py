@@ -1,10 +1,10 @@
 """Which launch of the fused NVFP4 GEMM runs a given problem: ``KernelConfig`` and ``pick_config``.
 
 The choice is a fixed rule, not autotuning, so the same problem always runs the same kernel and
-gives the same bits. The rule and its thresholds come from the GPU sweeps recorded in
-``results/notes_fp4_kernel.md`` (runs 1-6, raw data in ``results/fp4_kernel_sweep_run*.jsonl``):
-small M is memory-bound and wants enough programs in flight (K-splits) without overflowing one
-wave; large M is compute-bound and goes to cuBLAS after one exact dequantization pass.
+gives the same bits. The rule and its thresholds come from GPU sweeps on an H100 and an H200
+(``dev/sweeps/fp4_kernel_sweep*.py``; results and reasoning in dev/LOG.md): small M is
+memory-bound and wants enough programs in flight (K-splits) without overflowing one wave; large M
+is compute-bound and goes to cuBLAS after one exact dequantization pass.
 """
 
 from __future__ import annotations
@@ -19,8 +19,10 @@ class KernelConfig:
 
     ``swap_ab``: the weights are the MMA's A operand and ``x`` its narrow B operand (small M), else
     ``x`` is A (large M). ``fragment``: the small-M path decoding straight into the wgmma A fragment
-    (``block_k`` 128, 4 warps). Measured and dropped (notes, runs 1-6): gathering ``x``, a load-time
-    repack, a one-launch split-K reduction, Triton's cp.async pipeliner instead of prefetch.
+    (``block_k`` 128, 4 warps). ``prefetch=False`` hands the loads to Triton's cp.async pipeliner
+    (``num_stages > 1``) instead of the register prefetch; the rule never picks it (no faster than
+    the register prefetch on an H100). Also measured and dropped: gathering ``x``, a load-time
+    repack, a one-launch split-K reduction (dev/LOG.md).
     """
 
     block_m: int
@@ -47,17 +49,16 @@ class KernelConfig:
             raise ValueError("KernelConfig.fragment needs swap_ab, block_k=128, num_warps=4 and block_m <= 64")
 
 
-# M above which the prepared path dequantizes once and calls cuBLAS (None: never). Set from the
-# measurements in results/notes_fp4_kernel.md; see pick_config.
+# M from which the prepared path dequantizes once and calls cuBLAS (None: never); see pick_config.
 CUBLAS_MIN_M: int | None = 65
 
 
 def pick_config(m: int, n: int, k: int, num_sms: int = 132, allow_cublas: bool = True) -> KernelConfig:
     """Deterministic kernel choice for an ``[m, k] x [k, n]`` problem (no autotuning, so results
-    are reproducible bit for bit), from the sweeps in results/notes_fp4_kernel.md (runs 3, 6):
+    are reproducible bit for bit), from sweeps on an H100 and an H200 (dev/LOG.md):
 
     * M = 1: the fragment path, 64-wide tiles, K-splits for ~4 programs per SM;
-    * 2 <= M <= 16: 128-wide tiles and ~2 programs per SM (H100 run 6: 5-20% faster than the
+    * 2 <= M <= 16: 128-wide tiles and ~2 programs per SM (on an H100 5-20% faster than the
       M = 1 rule), except the shapes in ``SMALL_M_TUNED``; 17 <= M <= 64: as M = 1;
     * M >= ``CUBLAS_MIN_M``: dequantize once + cuBLAS (the fused large-tile kernel measured
       0.44-0.55x of cuBLAS, dequant + cuBLAS 0.80-0.95x at M >= 1024);
@@ -69,19 +70,20 @@ def pick_config(m: int, n: int, k: int, num_sms: int = 132, allow_cublas: bool =
         block_m = 16 if m <= 16 else 1 << (m - 1).bit_length()
         block_n, per_sm = SMALL_M_TUNED.get((n, k), (128, 2)) if 2 <= m <= 16 else (64, 4)
         tiles = math.ceil(n / block_n) * math.ceil(m / block_m)
-        split = _split_k(tiles, math.ceil(k / 128), num_sms, per_sm)
+        split = k_splits(tiles, math.ceil(k / 128), num_sms, per_sm)
         return KernelConfig(block_m, block_n, 128, split, 4, 1, fragment=True)
     tiles = math.ceil(n / 128) * math.ceil(m / 128)
-    return KernelConfig(128, 128, 64, _split_k(tiles, math.ceil(k / 64), num_sms), 8, 3, swap_ab=False)
+    return KernelConfig(128, 128, 64, k_splits(tiles, math.ceil(k / 64), num_sms), 8, 3, swap_ab=False)
 
 
-# (N, K) -> (tile width, programs per SM) where 2 <= M <= 16 measured better than (128, 2) on an H100
-# (run 6): Qwen2.5-32B's fused gate_up, whose 432 128-wide tiles overflow one wave (88 vs 96+ us).
+# (N, K) -> (tile width, programs per SM) where 2 <= M <= 16 measured better than (128, 2) on an H100:
+# Qwen2.5-32B's fused gate_up, whose 432 128-wide tiles overflow one wave (88 vs 96+ us).
 SMALL_M_TUNED = {(55296, 5120): (64, 2)}
 
 
-def _split_k(tiles: int, k_iters: int, num_sms: int, programs_per_sm: int = 4) -> int:
-    """K-slices so that tiles * slices ~ programs_per_sm * SMs, each slice >= 2 K-steps, none empty."""
+def k_splits(tiles: int, k_iters: int, num_sms: int, programs_per_sm: int = 4) -> int:
+    """The rule's K-slices for ``tiles`` output tiles over ``k_iters`` K-steps on ``num_sms`` SMs:
+    tiles * slices ~ programs_per_sm * SMs, each slice >= 2 K-steps, none empty."""
     if tiles >= programs_per_sm * num_sms:
         return 1
     split = max(1, min(math.ceil(programs_per_sm * num_sms / tiles), max(1, k_iters // 2)))

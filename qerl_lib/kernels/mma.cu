@@ -1,6 +1,7 @@
 // NVFP4 x BF16 GEMM for few rows of x (M <= 16): out[M, N] = x[M, K] @ W[N, K]^T.
-// Compiled at run time by NVRTC (qerl_lib/fp4_kernel_mma.py), once per launch shape; the shape
-// comes in as the macros T_TILES, WARPS_R, WARPS_K, NB, DEPTH, MIN_CTAS and KERNEL_NAME.
+// Compiled at run time by NVRTC (qerl_lib/kernels/mma.py), once per launch shape; the shape
+// comes in as the macros T_TILES, WARPS_R, WARPS_K, NB, DEPTH, MIN_CTAS, PREFETCH, L2_HINT and
+// KERNEL_NAME.
 //
 // Layout read in place (compressed-tensors): W codes as u32 words [N, K/8] (code k of a row is
 // nibble k%8 of word k/8), E4M3 block scales as bytes [N, K/16], fp32 global scale gs[1]
@@ -11,7 +12,7 @@
 // per chunk through L1 (every warp on the same K columns reads it). Decoding is kept to two
 // integer-pipe ops per code pair (mask, final mask; the multiply runs on the FMA pipe), and the
 // E4M3 scales come from a 256-entry table in shared memory: the kernel is bound by the integer
-// pipe as much as by DRAM (results/notes_fp4_kernel.md, runs 8-10), so every op counts.
+// pipe as much as by DRAM (Nsight Compute on an H200; dev/LOG.md), so every op counts.
 //
 // Work split. A CTA owns ROWS_PER_CTA = 16 * T_TILES * WARPS_R output rows and a K-slice of
 // `chunks_per_split` chunks of 128 (blockIdx.y picks the slice). Warp (wr, wk) owns T_TILES
@@ -29,14 +30,14 @@
 // pair's multiplier absorbs its 4-bit offset, and v >> 8 serves pairs 2 and 3). x is permuted the same way
 // (prmt), so the dot product is unchanged: only the order of its terms moves.
 //
-// Launch order (qerl_lib/pdl.py): the kernel may start while the previous one in the stream runs
+// Launch order (qerl_lib/kernels/pdl.py): the kernel may start while the previous one in the stream runs
 // (programmatic dependent launch). Until griddepcontrol.wait it reads only weights, scales and
 // constants; after it, it lets the next kernel launch (griddepcontrol.launch_dependents).
 #ifndef PREFETCH
 #define PREFETCH 0  // chunks (of this warp's own, after the register ring's) prefetched into L2 before griddepcontrol.wait
 #endif
 #ifndef L2_HINT
-#define L2_HINT 0  // weight loads: 0 plain, 1 L2::128B, 2 L2::256B (L2 fetch size on a miss)
+#define L2_HINT 1  // weight loads: 0 plain, 1 L2::128B (MmaConfig's default), 2 L2::256B (L2 fetch size on a miss)
 #endif
 typedef unsigned int u32;
 typedef unsigned short u16;

@@ -2,12 +2,13 @@
 
 Why a second kernel
 -------------------
-The Triton kernel (``fp4_kernel``) streams the weights at ~55% of copy bandwidth on an H100 for
-M <= 16 (results/notes_fp4_kernel.md): Hopper's ``wgmma`` wants its B operand (``x``) in shared
-memory, so every K-step stages ``x``, waits on a barrier and then on the MMA, with few programs
-per SM. This kernel streams the big 32B shapes at 69-81% at M <= 8 (notes, section 5). Marlin's answer, which plain Triton cannot express, is ``mma.sync``: a warp-synchronous
-MMA whose operands all live in registers, so nothing waits but the loads. This module is that
-design in ~290 lines of CUDA (``mma.cu``, read it next to this docstring):
+The Triton kernel (``kernels/fp4_gemm.py``) streams the weights at ~55% of copy bandwidth on an
+H100 for M <= 16: Hopper's ``wgmma`` wants its B operand (``x``) in shared memory, so every K-step
+stages ``x``, waits on a barrier and then on the MMA, with few programs per SM. This kernel streams
+the big 32B shapes at 69-81% at M <= 8 (measured on an H100 and an H200; see dev/LOG.md). Marlin's
+answer, which plain Triton cannot express, is ``mma.sync``: a warp-synchronous MMA whose operands
+all live in registers, so nothing waits but the loads. This module is that design in ~290 lines of
+CUDA (``mma.cu``, read it next to this docstring):
 
 * the compressed-tensors bytes are read **in place** (no repacked copy, no extra memory): K is
   relabelled so that each thread's A fragment comes from one 16-byte load per row and chunk of
@@ -20,23 +21,24 @@ design in ~290 lines of CUDA (``mma.cu``, read it next to this docstring):
   ops per code pair and the E4M3 scales come from a 256-entry table in shared memory;
 * K-slices across CTAs meet through fp32 partials that the *last* CTA of a row block adds (an
   atomic counter), in a fixed order: one launch, deterministic bits;
-* it is launched with programmatic dependent launch (``qerl_lib.kernels.pdl``, ``cuLaunchKernelEx``): its
-  CTAs may start while the previous kernel runs, build the scale table and load their first
+* it is launched with programmatic dependent launch (``qerl_lib.kernels.pdl``, ``cuLaunchKernelEx``):
+  its CTAs may start while the previous kernel runs, build the scale table and load their first
   weights, then ``griddepcontrol.wait`` before reading x; weight loads ask L2 for 128-byte fetches
-  (``l2_hint``). Both from session 4 of the notes (runs 16-18, 7B on an H200: the hint +1.8% tok/s,
-  PDL on every decode kernel +3.3%).
+  (``l2_hint``). Both raise decode throughput (7B on an H200: the hint ~2% tokens/s, PDL on every
+  decode kernel ~3%; dev/LOG.md).
 
 Where we deviate from Marlin (and the paper's vLLM): only M <= 8 comes here (at 9-16 the Triton
-kernel was as fast); no offline repack (Marlin permutes weights into its fragment order
-at load time; we relabel K instead, keeping the checkpoint layout and memory); E4M3-subnormal
-scales are kept (Marlin flushes them); register prefetch instead of a ``cp.async`` ring (tried:
-slower, the shared-memory round trip costs more issue slots than it saves; notes, run 9).
+kernel is as fast); no offline repack (Marlin permutes weights into its fragment order at load
+time; we relabel K instead, keeping the checkpoint layout and memory); E4M3-subnormal scales are
+kept (Marlin flushes them); register prefetch instead of a ``cp.async`` ring (measured slower: the
+shared-memory round trip costs more issue slots than it saves).
 
 Compilation: NVRTC (the ``libnvrtc`` that CUDA builds of PyTorch ship) turns the source into a
 cubin for the GPU's architecture the first time a launch shape is used; ``cuModuleLoadData`` and
 ``cuLaunchKernel`` (driver API through ``ctypes``) run it on PyTorch's current stream, so it is
 captured by CUDA graphs like any kernel. It needs sm_90 (Hopper) or newer (``mul.rn.bf16x2``);
-``available()`` says whether this machine can run it, and ``fp4_kernel`` falls back to Triton.
+``available()`` says whether this machine can run it, and ``kernels/fp4_gemm.py`` falls back to
+Triton.
 """
 
 from __future__ import annotations
@@ -59,7 +61,7 @@ SOURCE_PATH = Path(__file__).with_name("mma.cu")
 MIN_CAPABILITY = (9, 0)
 CHUNK = 128  # codes per row per load step; K must be a multiple
 MAX_M = 16
-AUTO_MAX_M = 8  # fp4_kernel sends M <= 8 here; at 9-16 the Triton kernel measured as fast or faster
+AUTO_MAX_M = 8  # fp4_gemm sends M <= 8 here; at 9-16 the Triton kernel measured as fast or faster
 SMEM_LIMIT = 48 * 1024  # static shared memory per CTA
 
 
@@ -71,9 +73,12 @@ class MmaConfig:
     and along K (their partials meet in shared memory); ``depth``: chunks in the register ring
     (``depth - 1`` loads ahead); ``split_k``: K-slices across CTAs (1 = no partials);
     ``min_ctas``: resident CTAs per SM the compiler must allow (caps registers; 1 = no cap);
+    ``l2_hint``: L2 fetch size of the weight loads on a miss (0 = the hardware's default, 1 = 128 B,
+    2 = 256 B); the launch rule uses 1 everywhere, the default here;
     ``prefetch``: chunks (of each warp's own, after the ring's) prefetched into L2 before the
-    kernel waits on the previous one (useful with programmatic dependent launch; 0 = none);
-    ``l2_hint``: L2 fetch size of the weight loads on a miss (0 default, 1 = 128 B, 2 = 256 B).
+    kernel waits on the previous one (programmatic dependent launch); the launch rule uses 0 (none),
+    the default here: prefetching measured slower in the engine (dev/LOG.md).
+    Neither ``l2_hint`` nor ``prefetch`` changes the result bits, only the speed.
     """
 
     tiles: int = 2
@@ -83,7 +88,7 @@ class MmaConfig:
     split_k: int = 1
     min_ctas: int = 2
     prefetch: int = 0
-    l2_hint: int = 0
+    l2_hint: int = 1
 
     def __post_init__(self):
         for name, lo, hi in (("tiles", 1, 4), ("warps_r", 1, 8), ("warps_k", 1, 8), ("depth", 2, 4), ("split_k", 1, 64),
@@ -116,14 +121,14 @@ class MmaConfig:
 
 # Gate/up-shaped launch shapes, in order of preference, each with the CTAs per SM it runs at
 # (registers as NVRTC 13 allocates them for sm_90, checked by a test; threads and shared memory
-# allow more). Runs 23-24 (H200, M = 8): 48-row CTAs of 4 warps, three per SM, 7B gate/up 28.0 us
-# and 32B 53.6 us (64-row CTAs, the rule before: 30.2 and 57.5 us); four per SM (128 registers)
-# where that fills the waves better: 3B gate/up 11.8 us against 14.1-16.8 us for the other 8 shapes timed.
+# allow more). 48-row CTAs of 4 warps, three per SM, beat 8-warp CTAs of 64 rows (7B) and 128 rows
+# (32B) on the gate/up at M = 8 (measured on an H200: 28.0 vs 30.2 us and 53.6 vs 57.5 us); four
+# per SM (128 registers) where that fills the waves better, as on the 3B gate/up (dev/LOG.md).
 WIDE_SHAPES: tuple[tuple[MmaConfig, int], ...] = (
-    (MmaConfig(tiles=3, warps_r=1, warps_k=4, depth=2, split_k=1, min_ctas=3, l2_hint=1), 3),
-    (MmaConfig(tiles=3, warps_r=1, warps_k=4, depth=2, split_k=1, min_ctas=4, l2_hint=1), 4),
-    (MmaConfig(tiles=2, warps_r=2, warps_k=4, depth=2, split_k=1, min_ctas=2, l2_hint=1), 2),
-    (MmaConfig(tiles=2, warps_r=1, warps_k=8, depth=2, split_k=1, min_ctas=2, l2_hint=1), 2),
+    (MmaConfig(tiles=3, warps_r=1, warps_k=4, depth=2, split_k=1, min_ctas=3), 3),
+    (MmaConfig(tiles=3, warps_r=1, warps_k=4, depth=2, split_k=1, min_ctas=4), 4),
+    (MmaConfig(tiles=2, warps_r=2, warps_k=4, depth=2, split_k=1, min_ctas=2), 2),
+    (MmaConfig(tiles=2, warps_r=1, warps_k=8, depth=2, split_k=1, min_ctas=2), 2),
 )
 DEFAULT_SMS = 132  # H100 SXM and H200; the rule asks the current GPU when there is one
 
@@ -146,22 +151,23 @@ def _device_sms(index: int | None = None) -> int:
 @functools.lru_cache(maxsize=None)
 def pick_mma_config(m: int, n: int, k: int, sms: int | None = None) -> MmaConfig:
     """Launch shape for ``[m, k] x [k, n]`` on a GPU of ``sms`` SMs (default: the current one): a
-    fixed rule from the sweeps on the Qwen2.5 7B/32B decode shapes (notes, runs 11, 14 and 23,
-    H200 and H100; no autotuning, so a problem always runs the same kernel and gives the same bits):
+    fixed rule from sweeps on the Qwen2.5 7B/32B decode shapes on an H100 and an H200 (dev/LOG.md;
+    no autotuning, so a problem always runs the same kernel and gives the same bits):
 
     * default: 32-row CTAs of 8 warps that split K (``tiles=2, warps_k=8``), at most 128
-      registers (``min_ctas=2``): best or within 5% on every q/k/v and o shape (run 23 again);
+      registers (``min_ctas=2``): best or within 5% on every q/k/v and o shape;
     * deep (K >= 4N, down): the same, with K-slices that leave each warp about 8 chunks (more
       slices starve the register ring: a warp with 1-2 chunks has nothing to prefetch; an
       occupancy-driven split rule measured 1.2-2.3x slower);
     * wide (N >= 8K, gate/up): the first of ``WIDE_SHAPES`` whose CTAs fill the GPU's resident
       slots within 5% as well as the best-filling one does (``wave_fill``). A part-empty last wave
       costs nearly a full wave's time: 7B's 592 CTAs of 64 rows on 264 slots are 2.24 waves,
-      its 790 CTAs of 48 rows on 396 slots 1.99 (runs 23-24: 7% faster alone, +4.2% tokens/s in
-      the engine; 32B +1.7%). Of 9 shapes timed on the 3B, 7B and 32B gate/up, the rule picks the
+      its 790 CTAs of 48 rows on 396 slots 1.99 (7% faster alone, ~4% more tokens/s in the engine
+      on an H200; 32B ~2%). Of 9 shapes timed on the 3B, 7B and 32B gate/up, the rule picks the
       fastest on each;
-    * every shape: weight loads ask L2 for 128-byte fetches (``l2_hint=1``; run 16, H200: 1-7%
-      faster on all eight 7B/32B shapes, most on gate/up and down; 256 B gained less).
+    * every shape: weight loads ask L2 for 128-byte fetches (``l2_hint=1``, the ``MmaConfig``
+      default; 1-7% faster on all eight 7B/32B shapes on an H200, most on gate/up and down; 256 B
+      gained less).
     """
     chunks = k // CHUNK
     if n >= 8 * k:
@@ -170,7 +176,7 @@ def pick_mma_config(m: int, n: int, k: int, sms: int | None = None) -> MmaConfig
         best = max(fills)
         return next(cfg for (cfg, _), fill in zip(WIDE_SHAPES, fills) if fill >= best - 0.05)
     split = min(64, max(1, chunks // 64)) if k >= 4 * n else 1
-    return MmaConfig(tiles=2, warps_r=1, warps_k=8, depth=2, split_k=split, min_ctas=2, l2_hint=1)
+    return MmaConfig(tiles=2, warps_r=1, warps_k=8, depth=2, split_k=split, min_ctas=2)
 
 
 # ============================================================================ availability
@@ -355,7 +361,7 @@ def _get_kernel(cfg: MmaConfig, nb: int, device: torch.device) -> _Kernel:
     if kern is None:
         with _LOCK, torch.cuda.device(index):
             if torch.cuda.is_current_stream_capturing():
-                raise RuntimeError("fp4_kernel_mma: first use of a launch shape inside CUDA-graph capture; "
+                raise RuntimeError("mma_linear: first use of a launch shape inside CUDA-graph capture; "
                                    "run the call once before capturing (warm-up)")
             major, minor = torch.cuda.get_device_capability(index)
             name = kernel_name(cfg, nb)
@@ -365,13 +371,20 @@ def _get_kernel(cfg: MmaConfig, nb: int, device: torch.device) -> _Kernel:
     return kern
 
 
+def ctas_per_sm(cfg: MmaConfig, nb: int, device: torch.device) -> int:
+    """Resident CTAs per SM of launch shape ``cfg`` (``nb`` n8 blocks: 1 for M <= 8, 2 for M <= 16)
+    on ``device``, from the driver's occupancy calculator (compiles the shape on first use)."""
+    cfg.check_shared(nb)
+    return _get_kernel(cfg, nb, device).ctas_per_sm(cfg.threads)
+
+
 def _counters(device: torch.device, blocks: int) -> torch.Tensor:
     """Per-row-block arrival counters for K-slices; zero between launches (the kernel resets them)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     buf = _COUNTERS.get(index)
     if buf is None or buf.numel() < blocks:
         if torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("fp4_kernel_mma: counter buffer must grow inside CUDA-graph capture; warm up first")
+            raise RuntimeError("mma_linear: counter buffer must grow inside CUDA-graph capture; warm up first")
         buf = _COUNTERS[index] = torch.zeros(max(blocks, 4096), dtype=torch.int32, device=device)
     return buf
 
@@ -384,17 +397,17 @@ def mma_linear(x2: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, glob
     """``out[m, n] = bf16(x2 @ W.T * 2^8/gs ...)`` (+ bias) for bf16 ``x2 [m, k]`` (unit column stride), ``m <= 16``.
 
     ``words``: int32 ``[N, K/8]``, ``scales``: uint8 ``[N, K/16]`` (the compressed-tensors bytes),
-    ``out``: bf16 ``[m, N]`` contiguous. Validation of dtypes/shapes is ``fp4_kernel``'s job; this
+    ``out``: bf16 ``[m, N]`` contiguous. Validation of dtypes/shapes is ``fp4_gemm``'s job; this
     checks only what the kernel itself assumes. K-sliced launches share one arrival-counter buffer
     per device: run them on one stream at a time (the engine and the benchmarks do).
     """
     m, k = x2.shape
     n = words.shape[0]
     if not supported_problem(m, k):
-        raise ValueError(f"fp4_kernel_mma takes 1 <= M <= {MAX_M} and K % {CHUNK} == 0, got M={m}, K={k}")
+        raise ValueError(f"mma_linear takes 1 <= M <= {MAX_M} and K % {CHUNK} == 0, got M={m}, K={k}")
     if x2.stride(1) != 1 or (m > 1 and x2.stride(0) % 8) or x2.data_ptr() % 16 or words.data_ptr() % 16 \
             or scales.data_ptr() % 2:
-        raise ValueError("fp4_kernel_mma needs 16-byte aligned x rows (stride % 8 == 0) and weights, 2-byte aligned scales")
+        raise ValueError("mma_linear needs 16-byte aligned x rows (stride % 8 == 0) and weights, 2-byte aligned scales")
     nb = 1 if m <= 8 else 2
     cfg = config or pick_mma_config(m, n, k, _device_sms(x2.device.index))
     cfg.check_shared(nb)

@@ -45,6 +45,16 @@ import torch.nn.functional as F
 
 from qerl_lib.models.nvfp4_linear import NVFP4Linear, resolve_impl
 
+# The seven projections of a Llama / Qwen2 decoder layer (what NVFP4 quantizes and LoRA targets),
+# the submodule of the layer that holds each, and the groups that read one input: q/k/v and gate/up
+# are the groups ``fuse_group`` turns into one matmul (and that share one NVFP4 global scale,
+# ``quant.nvfp4.FUSED_GROUPS``).
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
+          "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+PROJECTION_GROUPS = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",),
+                     "gate_up": ("gate_proj", "up_proj"), "down": ("down_proj",)}
+
 
 class FusedProjection:
     """One matmul for a group of projections reading the same input; call it to get the members' outputs."""
@@ -55,7 +65,7 @@ class FusedProjection:
         self.kind = kind  # "linear" or "nvfp4"
         self.splits = tuple(int(m.out_features) for m in members)
         self.tensors = tensors  # the fused buffers the members' tensors are views of
-        self.prepared = prepared  # fp4_kernel.PreparedFP4Weight for "nvfp4"
+        self.prepared = prepared  # kernels.fp4_gemm.PreparedFP4Weight for "nvfp4"
         # NVFP4 global scales are not fused (one per member, equal): remember which tensors and versions
         self._scale_keys = [_scale_key(m) for m in members] if kind == "nvfp4" else []
 
@@ -63,7 +73,9 @@ class FusedProjection:
         if self.kind == "nvfp4":
             from qerl_lib.kernels.fp4_gemm import fp4_linear
 
-            out = fp4_linear(x, self.prepared, self.tensors.get("bias"))
+            first = self.members[0]  # the small-M kernel choice of the group's first member
+            out = fp4_linear(x, self.prepared, self.tensors.get("bias"), small_m_backend=first.small_m_backend,
+                             mma_rule=first.mma_rule)
         else:
             out = F.linear(x, self.tensors["weight"], self.tensors.get("bias"))
         return list(out.split(self.splits, dim=-1))

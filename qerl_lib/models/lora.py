@@ -6,11 +6,11 @@ QeRL never updates the quantized weights. Each targeted projection becomes
 
     y = base(x) + (alpha / r) * B(A(dropout(x)))      A: [r, K], B: [N, r], B initialised to 0
 
-where ``base`` is an ``NVFP4Linear`` (packed codes + scales, see ``layers``) or a frozen bf16
-``nn.Linear``. Only A and B (fp32, peft's default upcast) receive gradients; the base's buffers
-are not parameters at all, so no optimizer can touch them, and the base's backward pass
-computes ``dL/dx`` only (``layers._FrozenNVFP4Matmul``), which is all the adapters of earlier
-layers need.
+where ``base`` is an ``NVFP4Linear`` (packed codes + scales, see ``models/nvfp4_linear.py``) or a
+frozen bf16 ``nn.Linear``. Only A and B (fp32, peft's default upcast) receive gradients; the base's
+buffers are not parameters at all, so no optimizer can touch them, and the base's backward pass
+computes ``dL/dx`` only (``nvfp4_linear._FrozenNVFP4Matmul``), which is all the adapters of
+earlier layers need.
 
 We use peft (0.21.2) for the adapters, so checkpoints are ordinary peft folders
 (``adapter_config.json`` + ``adapter_model.safetensors``) and TRL accepts the model as is.
@@ -28,7 +28,7 @@ Defaults and where they come from
 * ``rank=32``: the paper's main setting (all Fig. 4/5 curves are "r32").
 * ``alpha=None`` -> ``alpha = rank`` (scale 1). The official scripts use rank 16, alpha 16,
   i.e. also scale 1; the paper does not state alpha.
-* targets q, k, v, o, gate, up, down: the official scripts.
+* targets q, k, v, o, gate, up, down (``models.fused.PROJECTIONS``): the official scripts.
 * ``train_norms=True`` reproduces the scripts' ``--ln True``: the two RMSNorms of every decoder
   layer become trainable through peft's ``modules_to_save`` (the final ``model.norm`` stays frozen),
   and are saved with the adapters. The paper does not mention this; the default is off.
@@ -45,9 +45,10 @@ from peft.tuners.lora.layer import Linear as _PeftLoraLinear
 from torch import nn
 
 from qerl_lib.io import atomic_directory
+from qerl_lib.models.fused import PROJECTIONS
 from qerl_lib.models.nvfp4_linear import NVFP4Linear
 
-DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+DEFAULT_TARGETS = PROJECTIONS  # every projection of a decoder layer
 NORM_MODULES = ("input_layernorm", "post_attention_layernorm")
 
 __all__ = ["attach_lora", "save_adapters", "load_adapters", "merge_to_bf16", "merged_state_dict", "export_model",

@@ -26,6 +26,10 @@ Forward, chosen per layer by the ``impl`` argument (not a global switch):
   differs from ``"reference"`` in the last bits. It needs bf16 activations.
 * ``"auto"`` (default): ``"kernel"`` for CUDA inputs, ``"reference"`` otherwise.
 
+On the kernel path the layer's ``small_m_backend`` and ``mma_rule`` (both None by default: the
+``QERL_FP4_SMALL_M`` environment variable and the launch rule ``pick_mma_config``) choose the
+kernel of the decode step (M <= 8); ``set_small_m_kernel(model, ...)`` sets them on every layer.
+
 Training through a frozen 4-bit layer
 -------------------------------------
 LoRA needs ``dL/dx`` of every base layer (to reach the adapters of earlier layers) but never
@@ -82,12 +86,12 @@ class _FrozenNVFP4Matmul(torch.autograd.Function):
     """``y = x @ W.T + b`` with W stored in NVFP4; gradient for ``x`` only (W and b are frozen)."""
 
     @staticmethod
-    def forward(ctx, x, packed, scale, global_scale, bias, prepared):
+    def forward(ctx, x, packed, scale, global_scale, bias, prepared, small_m_backend, mma_rule):
         ctx.save_for_backward(packed, scale, global_scale)  # resident buffers: saving them is free
-        if prepared is not None:  # the fp4_kernel path
+        if prepared is not None:  # the kernel path (kernels.fp4_gemm)
             from qerl_lib.kernels.fp4_gemm import fp4_linear
 
-            return fp4_linear(x, prepared, bias)
+            return fp4_linear(x, prepared, bias, small_m_backend=small_m_backend, mma_rule=mma_rule)
         weight = nvfp4.dequantize(nvfp4.NVFP4Weight(packed, scale, global_scale), dtype=x.dtype)  # temporary
         return F.linear(x, weight, None if bias is None else bias.to(x.dtype))
 
@@ -100,7 +104,7 @@ class _FrozenNVFP4Matmul(torch.autograd.Function):
             # kernel path this is the bf16-rounded W, within one bf16 ulp of the kernel's exact W.
             weight = nvfp4.dequantize(nvfp4.NVFP4Weight(packed, scale, global_scale), dtype=grad_out.dtype)
             grad_x = grad_out @ weight
-        return grad_x, None, None, None, None, None
+        return grad_x, None, None, None, None, None, None, None
 
 
 class NVFP4Linear(nn.Module):
@@ -136,8 +140,11 @@ class NVFP4Linear(nn.Module):
         self.register_buffer("bias", torch.zeros(out_features, dtype=compute_dtype, device=device) if bias else None)
         self._weight_ref = None  # weakref to the last dequantized weight (see `weight`)
         self._weight_key = None
-        self._prepared = None  # fp4_kernel.PreparedFP4Weight (zero-copy views + host-side 1/gs), cached
+        self._prepared = None  # kernels.fp4_gemm.PreparedFP4Weight (zero-copy views + host-side 1/gs), cached
         self._prepared_key = None
+        # the decode-step kernel on the kernel path (None: QERL_FP4_SMALL_M, and pick_mma_config)
+        self.small_m_backend: str | None = None
+        self.mma_rule = None  # (m, n, k) -> kernels.mma.MmaConfig
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -171,9 +178,10 @@ class NVFP4Linear(nn.Module):
         self._prepared = self._prepared_key = None
 
     def prepare_kernel(self):
-        """The fp4_kernel view of the buffers, built once and cached (it reads ``1/gs`` to the host, one
-        sync, so do this before capturing CUDA graphs: ``layers.prepare_kernels(model)``). Zero-copy: the
-        kernel reads ``weight_packed``/``weight_scale`` in place, so no second copy of the weight exists."""
+        """The kernel's view of the buffers (``kernels.fp4_gemm.PreparedFP4Weight``), built once and
+        cached (it reads ``1/gs`` to the host, one sync, so do this before capturing CUDA graphs:
+        ``prepare_kernels(model)``). Zero-copy: the kernel reads ``weight_packed``/``weight_scale``
+        in place, so no second copy of the weight exists."""
         from qerl_lib.kernels.fp4_gemm import prepare_fp4_weights
 
         key = (self.weight_packed.data_ptr(), self.weight_scale.data_ptr(), self.weight_global_scale.data_ptr(),
@@ -224,7 +232,7 @@ class NVFP4Linear(nn.Module):
             raise ValueError(f"{self.layer_name}: input last dim {x.shape[-1]} != in_features {self.in_features}")
         prepared = self.prepare_kernel() if resolve_impl(self.impl, x.device) == "kernel" else None
         return _FrozenNVFP4Matmul.apply(x, self.weight_packed, self.weight_scale, self.weight_global_scale,
-                                        self.bias, prepared)
+                                        self.bias, prepared, self.small_m_backend, self.mma_rule)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
@@ -275,7 +283,7 @@ def nvfp4_modules(model: nn.Module) -> dict[str, NVFP4Linear]:
 
 
 def prepare_kernels(model: nn.Module) -> int:
-    """Build every NVFP4Linear's fp4_kernel view now (one host sync each), e.g. before CUDA-graph capture."""
+    """Build every NVFP4Linear's kernel view now (one host sync each), e.g. before CUDA-graph capture."""
     layers = nvfp4_modules(model)
     for layer in layers.values():
         layer.prepare_kernel()
@@ -288,4 +296,21 @@ def set_impl(model: nn.Module, impl: str) -> int:
     layers = nvfp4_modules(model)
     for layer in layers.values():
         layer.impl = impl
+    return len(layers)
+
+
+def set_small_m_kernel(model: nn.Module, backend: str | None = None, mma_rule=None) -> int:
+    """Choose the decode-step kernel (M <= 8) of every NVFP4Linear in ``model``: ``backend`` "auto",
+    "mma" or "triton" (None: the ``QERL_FP4_SMALL_M`` environment variable, default "auto") and
+    ``mma_rule``, a function ``(m, n, k) -> kernels.mma.MmaConfig`` for the mma.sync kernel's launch
+    shape (None: the launch rule ``pick_mma_config``). Fused groups follow their first member. Takes
+    effect at the next call (CUDA graphs captured earlier keep their kernels). Returns the number of
+    layers set."""
+    if backend is not None:
+        from qerl_lib.kernels.fp4_gemm import resolve_small_m_backend
+
+        resolve_small_m_backend(backend)  # validate now, not at the first forward
+    layers = nvfp4_modules(model)
+    for layer in layers.values():
+        layer.small_m_backend, layer.mma_rule = backend, mma_rule
     return len(layers)
