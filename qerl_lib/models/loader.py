@@ -60,14 +60,10 @@ _IGNORED_CHECKPOINT_KEYS = (r"rotary_emb\.inv_freq$",)
 
 # ----------------------------------------------------------------------------- paths
 def resolve_model_dir(path_or_id: str | os.PathLike) -> Path:
-    """A local model folder for what the user typed (``embedded.resolve_model`` when available)."""
-    try:
-        from qerl_lib.models.embedded import resolve_model
-    except ImportError:  # embedded.py not present: local folders only
-        folder = Path(path_or_id).expanduser()
-        if not (folder / "config.json").is_file():
-            raise UserError(f"{folder} is not a model folder with config.json: pass a local Hugging Face model folder")
-        return folder
+    """A local model folder for what the user typed (``embedded.resolve_model``: the embedded model's
+    alias, a local folder, or a hub id)."""
+    from qerl_lib.models.embedded import resolve_model
+
     return Path(resolve_model(path_or_id))
 
 
