@@ -1,12 +1,9 @@
 """qerl_lib: a thin, readable library for QeRL (NVFP4 + LoRA reinforcement learning for LLMs).
 
-Layers, each using only those below it:
+Floors, each importing only those below it (each subpackage's docstring says what it may import):
 
-    nvfp4 (format)  ->  fp4_kernel  ->  layers (NVFP4Linear)  ->  loader / lora  ->  engine
-    ->  grpo, evaluation, bench  ->  cli
-
-`aqn`, `data`, `rewards` and `plots` stand alone on the ground floor; `io`, `envinfo` and
-`paths` are small utilities every floor may use.
+    errors, io, paths (utilities)  ->  quant, tasks, plots (ground floor)  ->  kernels  ->  models
+    ->  engine  ->  train, evals, bench  ->  studies  ->  cli
 
 The top-level names below are imported lazily, so `import qerl_lib` stays fast and a
 missing optional dependency only matters when you use the piece that needs it.

@@ -40,7 +40,7 @@ def _reference_sigmas(schedule, start, end, k_stages):
             "logarithmic": start + (end - start) * np.log10(1 + 9 * f)}[schedule]
 
 
-@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("schedule", [s for s in SCHEDULES if s != "constant"])
 @pytest.mark.parametrize("start,end,k", [(1e-2, 5e-4, 10), (5e-2, 5e-4, 10), (1e-2, 1e-4, 3), (1e-2, 1e-3, 17)],
                          ids=lambda v: str(v))
 def test_schedule_endpoints_and_shape(schedule, start, end, k):
@@ -51,6 +51,13 @@ def test_schedule_endpoints_and_shape(schedule, start, end, k):
     assert table[1] == start and table[-1] == end, f"endpoints must be exact: {table}"
     assert all(a >= b for a, b in zip(table[1:], table[2:])), f"σ must not increase: {table}"
     np.testing.assert_allclose(table[1:], _reference_sigmas(schedule, start, end, k), rtol=1e-12)
+
+
+@pytest.mark.parametrize("k", [2, 3, 10])
+def test_constant_schedule_holds_sigma_start_after_the_clean_stage(k):
+    table = AQNSchedule(AQNConfig(total_steps=100, sigma_start=1e-2, sigma_end=5e-4, num_stages=k,
+                                  schedule="constant")).table()
+    assert table == [0.0] + [1e-2] * (k - 1)
 
 
 def test_exponential_matches_the_official_trend_values():
@@ -405,7 +412,8 @@ def test_schedule_curves_json_and_plot(tmp_path):
     data = schedule_curves(AQNConfig(total_steps=600, sigma_start=5e-2))
     assert [c["schedule"] for c in data["curves"]] == list(SCHEDULES)
     for c in data["curves"]:
-        assert c["stage_sigmas"][1] == 5e-2 and c["stage_sigmas"][-1] == 5e-4
+        assert c["stage_sigmas"][1] == 5e-2
+        assert c["stage_sigmas"][-1] == (5e-2 if c["schedule"] == "constant" else 5e-4)
         assert c["stage_first_steps"] == list(range(0, 600, 60))
     src = write_json_atomic(tmp_path / "aqn_schedules.json", data)
     out = plot_schedules(src, tmp_path / "fig" / "aqn_schedules.png")

@@ -79,7 +79,7 @@ def _raw(t: torch.Tensor) -> torch.Tensor:
 
 
 def _ct_dequantized(folder):
-    """compressed-tensors' own decompression, through transformers (spec section 5)."""
+    """compressed-tensors' own decompression, through transformers (docs/nvfp4_format.md)."""
     from transformers import AutoModelForCausalLM, CompressedTensorsConfig
 
     return AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.bfloat16,

@@ -69,7 +69,7 @@ SCORE_CASES = [
     ("integer-vs-point-zero", wrap("7"), "7.0", 1.0),
     ("decimal-close-but-wrong", wrap("7.05"), "7.5", 0.0),
     ("no-float-rounding", wrap("72.0000001"), "72", 0.0),
-    # Regression test for the official GSM8K scorer (paper.md section 7): it compared only the first
+    # Regression test for the official GSM8K scorer (docs/paper_settings.md): it compared only the first
     # character of the extracted answer and the gold answer, so "75" vs "72" scored full marks.
     ("official-bug-first-digit", wrap("75"), "72", 0.0),
     ("official-bug-prefix", wrap("7"), "72", 0.0),

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU runs of the kit, one stage per call of the remote GPU machine (no network there).
-# Follows ../shared/gpu/README.md: stage `part1` (carry .gguf_a), then at once `setup` (carry .gguf_b .whl),
+# The GPU machine has no network: stage `part1` (carry .gguf_a), then at once `setup` (carry .gguf_b .whl),
 # optionally `bnb` (carry .whl_bnb), then the measurement stages. Every stage writes into $OUT and
 # prints a short table last. Usage (on the GPU machine, repo root as cwd): bash tools/gpu_run.sh STAGE
 # `sweep NAME [ARGS]` runs the development sweep dev/sweeps/NAME.py with OUT set; copy its records from

@@ -12,7 +12,7 @@ Registered by `qerl_lib.cli.generation.register` through `register_eval(sub)`.
 Examples::
 
     qerl eval --model smollm2 --data arith --n 64 --greedy
-    qerl eval --model smollm2 --data gsm8k --path /work/shared/data/gsm8k/test.jsonl --n 50 --samples 4 \\
+    qerl eval --model smollm2 --data gsm8k --path gsm8k_test.jsonl --n 50 --samples 4 \\
         --json artifacts/eval_smollm2.json
     qerl eval --model artifacts/nvfp4_model --lora artifacts/run1/adapters --data gsm8k --path test.jsonl
 """

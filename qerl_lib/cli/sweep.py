@@ -1,5 +1,4 @@
-"""`qerl calibrate` (the claim task's level and temperature), `qerl sweep` (seeded grids of runs) and
-`qerl claims` (the claims table from finished sweeps)."""
+"""`qerl calibrate` (the claim task's level and temperature) and `qerl sweep` (seeded grids of runs)."""
 
 from __future__ import annotations
 
@@ -28,11 +27,6 @@ def register(sub) -> None:
     p.add_argument("--seeds", default=None, help="comma-separated seeds instead of the spec's")
     p.add_argument("--check", action="store_true", help="validate the spec and list the runs, run nothing")
     p.set_defaults(func=_sweep)
-
-    p = sub.add_parser("claims", help="the paper-claims table from finished claim sweeps")
-    p.add_argument("--sweeps", default="results/claims", help="folder holding the claim sweeps' summaries")
-    p.add_argument("--json", default=None, help="write the claims table JSON here")
-    p.set_defaults(func=_claims)
 
 
 def _csv(text: str, kind=str) -> tuple:
@@ -86,15 +80,3 @@ def _sweep(args) -> int:
     summary = run_sweep(spec, out, device=args.device, max_minutes=args.max_minutes)
     print(f"{summary['n_runs_finished']}/{summary['n_runs_planned']} runs finished; summary in {out}/summary.json")
     return 0 if summary["n_runs_finished"] == summary["n_runs_planned"] else 1
-
-
-def _claims(args) -> int:
-    from qerl_lib.io import write_json_atomic
-    from qerl_lib.studies.claims_table import build_claims_table, format_claims_table
-
-    table = build_claims_table(args.sweeps)
-    print(format_claims_table(table))
-    if args.json:
-        write_json_atomic(args.json, table)
-        print(f"wrote {args.json}")
-    return 0

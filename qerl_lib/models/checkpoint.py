@@ -1,7 +1,7 @@
 """compressed-tensors NVFP4 checkpoints on disk: the config block, tensor validation, writing.
 
 What an NVFP4A16 checkpoint is (verified against llm-compressor 0.14.0.1 / compressed-tensors
-0.19.0, spec sections 2.1-2.4):
+0.19.0; docs/nvfp4_format.md):
 
 * ``config.json`` carries a ``quantization_config`` with ``quant_method: "compressed-tensors"``,
   ``format: "nvfp4-pack-quantized"`` and one config group whose ``weights`` are

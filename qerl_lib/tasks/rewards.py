@@ -41,7 +41,7 @@ runs it in a killable worker process instead (details there). Answers longer tha
 ``max_answer_chars`` (1000) score 0 without parsing. Model output is never ``eval``'ed: numbers go
 through `Fraction`, the rest through math-verify's LaTeX/sympy parser.
 
-Where we deviate from the official code (paper.md section 7, 9)
+Where we deviate from the official code (docs/paper_settings.md; QeRL arXiv 2510.11696 and its release)
 ---------------------------------------------------------------
 * Official HEAD GSM8K correctness zipped two *strings* and kept element ``[0]``: a first-character
   match, so "75" scored full marks against gold "72" (and an empty answer raised). Here "75" vs

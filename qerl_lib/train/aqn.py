@@ -484,7 +484,7 @@ def realized_noise_stats(model: nn.Module, overrides: Mapping[str, torch.Tensor]
 
 
 def schedule_curves(configs: AQNConfig | Mapping[str, AQNConfig]) -> dict:
-    """σ per stage for plotting (paper Fig. 15). One config expands to all four schedules.
+    """σ per stage for plotting (paper Fig. 15). One config expands to every schedule of SCHEDULES.
 
     Returns {"curves": [{label, schedule, sigma_start, sigma_end, num_stages, total_steps,
     stage_sigmas, stage_first_steps}, ...]}; the writer adds provenance.

@@ -17,7 +17,7 @@ What one optimizer step does
    engine's. With ``is_correction`` the advantages are weighted by a truncated importance ratio.
 5. **Loss and update** (TRL). Clipped surrogate, AdamW, cosine schedule, checkpoints.
 
-Every algorithmic choice, and where it comes from (paper.md §1, §5, §7, §9)
+Every algorithmic choice, and where it comes from (QeRL §3-4, App. E; docs/paper_settings.md)
 -------------------------------------------------------------------------
  1. Policy-gradient objective: PPO-style clipped surrogate min(ρA, clip(ρ, 1-ε_low, 1+ε_high)A)
     with ε = 0.2 / 0.28 (Table 4; DAPO's clip-higher). TRL computes it.
@@ -56,7 +56,7 @@ Rollout/trainer mismatch: where the "old" log-probs come from
 TRL computes the ratio ρ = π_θ / π_old with π_old = its own forward at rollout time when it has
 to (μ > 1, or generation spanning several optimizer steps); otherwise (μ = 1) it uses
 ``π_θ.detach()``, so ρ = 1. Either way π_old is the *trainer's* clean model, not the engine
-that sampled, exactly like the official code (paper.md §5.2). The behaviour policy differs from
+that sampled, exactly like the official code (docs/paper_settings.md). The behaviour policy differs from
 π_old in two ways: the AQN noise (intended: it is the exploration) and numerics (FP4 kernel vs
 the trainer's dequantised matmul, KV-cache decode vs one full forward, bf16 rounding). We
 log per step, over the loss tokens, with Δ = log π_old − log π_engine:
@@ -86,7 +86,7 @@ H200 bf16, qerl σ = 5e-4 (91-100)   0.050        0.74       2.5e-3       [0.58,
 ==================================  ===========  =========  ===========  ==============
 
 (CPU: 3-step runs of `train`, 8 completions x ≤ 32 tokens, seed 0. H200: the first 100-step GPU
-run, 64 completions x ≤ 128 tokens per step, committed as ``results/train_smollm2_qerl_h200_*``.)
+run, 64 completions x ≤ 128 tokens per step, committed as ``results/train_smollm2_qerl_h200/``.)
 Three readings. On a CPU the engine and the trainer run the same fp32 arithmetic, so the numerical
 gap is negligible (1e-5). On a GPU in bf16 the two paths round differently and the gap without any noise is
 already ~0.05 nats per token, as large as AQN's at σ_end = 5e-4, so the last stages' noise is

@@ -11,7 +11,7 @@ mode       frozen base                              AQN                  learnin
 ``qerl``   NVFP4                                    on (σ 1e-2 → 5e-4)   1e-5
 =========  =======================================  ===================  =========================
 
-Where each preset value comes from (paper.md §1, §7, §9 item 10)
+Where each preset value comes from (QeRL §4.1, App. E Tab. 4; docs/paper_settings.md)
 ---------------------------------------------------------------
 The ``qwen2.5-*`` presets follow the paper's Table 4 where it states a value, and the official
 scripts where the paper is silent:
