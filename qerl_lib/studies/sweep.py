@@ -162,7 +162,7 @@ def plan_runs(spec: SweepSpec) -> list[RunPlan]:
 
     valid = set(CONFIG_FIELDS) | ARM_KEYS_EXTRA
     for where, table in [("common", spec.common)] + [(f"arm {a['name']!r}", a) for a in spec.arms]:
-        unknown = sorted(set(table) - valid - ({"train"} if where == "common" else set()))
+        unknown = sorted(set(table) - valid)
         if unknown or (where == "common" and {"name", "seed"} & set(table)):
             bad = unknown or sorted({"name", "seed"} & set(table))
             raise UserError(f"{where}: unknown or misplaced field(s) {bad}; arms take TrainConfig fields "

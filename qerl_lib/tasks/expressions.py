@@ -38,7 +38,7 @@ import hashlib
 import random
 
 from qerl_lib.errors import UserError
-from qerl_lib.tasks.problems import split_of
+from qerl_lib.tasks.problems import distinct_in_split
 
 EXPR_LEVELS = (1, 2, 3, 4, 5)
 EXPR_INSTRUCTION = "Reply with the number only."
@@ -93,29 +93,21 @@ def expression_text(operands: list[int], ops: list[str]) -> str:
 
 def generate_expressions(split: str, n: int, seed: int = 0, level: int = 2) -> list[dict]:
     """`n` distinct expression problems of `level` from `split` ('train' or 'test'); same seed, same bytes."""
-    if split not in ("train", "test"):
-        raise UserError(f"split must be 'train' or 'test', got {split!r}")
-    if n < 0:
-        raise UserError(f"n must be >= 0, got {n}")
     if level not in EXPR_LEVELS:
         raise UserError(f"expression level must be one of {EXPR_LEVELS}, got {level!r}")
     rng = random.Random(f"qerl-expr:{split}:{seed}:{level}")
-    seen: set[str] = set()
-    records: list[dict] = []
-    attempts = 0
-    while len(records) < n:
-        attempts += 1
-        if attempts > 200 * (n + 10):
-            raise UserError(f"level {level} has fewer than {n} distinct {split} expressions: ask for fewer")
+
+    def draw():
         operands, ops = _sample(rng, level)
         key = f"E{level}:" + ",".join(str(x) for x in operands) + ":" + "".join(ops)
-        if key in seen or split_of(key) != split:
-            continue
-        seen.add(key)
-        text = expression_text(operands, ops)
-        value = _running_values(operands, ops)[-1]
-        records.append({"question": f"What is {text}?", "answer": f"{text} = {value}\n#### {value}",
-                        "expression": text.replace("×", "*"), "level": level, "instruction": EXPR_INSTRUCTION,
-                        "prefill": f"{text} =",
-                        "id": hashlib.sha256(key.encode()).hexdigest()[:12]})
-    return records
+        return key, lambda: _record(operands, ops, level, key)
+
+    return distinct_in_split(split, n, draw, f"level-{level} {split} expressions")
+
+
+def _record(operands: list[int], ops: list[str], level: int, key: str) -> dict:
+    text = expression_text(operands, ops)
+    value = _running_values(operands, ops)[-1]
+    return {"question": f"What is {text}?", "answer": f"{text} = {value}\n#### {value}",
+            "expression": text.replace("×", "*"), "level": level, "instruction": EXPR_INSTRUCTION,
+            "prefill": f"{text} =", "id": hashlib.sha256(key.encode()).hexdigest()[:12]}

@@ -73,27 +73,38 @@ _PY_OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul, "/": operato
 
 def generate_arith(split: str, n: int, seed: int = 0, level: int | None = None) -> list[dict]:
     """`n` problems of the given split; `level` fixes the number of operations (default: mixed 1-4)."""
+    if level is not None and level not in LEVELS:
+        raise UserError(f"level must be one of {LEVELS} (number of operations), got {level}")
+    rng = random.Random(f"qerl-arith:{split}:{seed}:{level}")
+
+    def draw():
+        lvl = level if level is not None else rng.choice(LEVELS)
+        start, ops = _sample_arithmetic(rng, lvl)
+        key = _content_key(lvl, start, ops)
+        return key, lambda: _render(rng, lvl, start, ops, key)
+
+    return distinct_in_split(split, n, draw, f"{split} problems at level {level}")
+
+
+def distinct_in_split(split: str, n: int, draw, what: str) -> list[dict]:
+    """`n` records with distinct content keys that hash into `split`. ``draw()`` returns (key, make):
+    the content key of one random problem and a function that renders its record."""
     if split not in ("train", "test"):
         raise UserError(f"split must be 'train' or 'test', got {split!r}")
     if n < 0:
         raise UserError(f"n must be >= 0, got {n}")
-    if level is not None and level not in LEVELS:
-        raise UserError(f"level must be one of {LEVELS} (number of operations), got {level}")
-    rng = random.Random(f"qerl-arith:{split}:{seed}:{level}")
     seen: set[str] = set()
     records: list[dict] = []
     attempts = 0
     while len(records) < n:
         attempts += 1
         if attempts > 200 * (n + 10):
-            raise UserError(f"could not find {n} distinct {split} problems at level {level}: ask for fewer")
-        lvl = level if level is not None else rng.choice(LEVELS)
-        start, ops = _sample_arithmetic(rng, lvl)
-        key = _content_key(lvl, start, ops)
+            raise UserError(f"could not find {n} distinct {what}: ask for fewer")
+        key, make = draw()
         if key in seen or split_of(key) != split:
             continue
         seen.add(key)
-        records.append(_render(rng, lvl, start, ops, key))
+        records.append(make())
     return records
 
 
