@@ -25,6 +25,9 @@ def register(sub) -> None:
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                    help="override a TrainConfig field for every arm (JSON value), e.g. --set steps=2")
     p.add_argument("--seeds", default=None, help="comma-separated seeds instead of the spec's")
+    p.add_argument("--concurrency", default=None,
+                   help="runs at once instead of the spec's (a positive integer or \"auto\"), e.g. to share a GPU "
+                        "between two sweeps")
     p.add_argument("--check", action="store_true", help="validate the spec and list the runs, run nothing")
     p.set_defaults(func=_sweep)
 
@@ -68,6 +71,12 @@ def _sweep(args) -> int:
     spec = dataclasses.replace(spec, common=common)
     if args.seeds:
         spec = dataclasses.replace(spec, seeds=_csv(args.seeds, int))
+    if args.concurrency is not None:
+        value = args.concurrency if args.concurrency == "auto" else int(args.concurrency) \
+            if args.concurrency.isdigit() else args.concurrency
+        if value != "auto" and (not isinstance(value, int) or value < 1):
+            raise UserError(f"--concurrency {args.concurrency!r}: use a positive integer or auto")
+        spec = dataclasses.replace(spec, concurrency=value)
     runs = plan_runs(spec)
     concurrency = resolve_concurrency(spec, len(runs), args.device)
     out = Path(args.out) if args.out else ARTIFACTS_DIR / "sweeps" / spec.name
