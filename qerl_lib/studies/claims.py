@@ -10,7 +10,8 @@ Endpoints (per run, `studies/sweep.endpoints`)
 * secondary: ``last_reward`` (mean training reward over the last 10 steps), ``mean_entropy``
   (the trainer's token entropy on its own completions, averaged over the run), and for the
   learning-rate block ``collapsed``: a run whose last-10-step reward fell below half of its best
-  10-step window, or whose held-out pass@1 ended more than 0.10 below the untrained base's.
+  10-step window, or whose held-out pass@1 ended more than 0.10 below the untrained base's, or
+  whose weights turned non-finite (``diverged_at_step``; such a run's held-out pass@1 is 0).
 
 Comparisons
 -----------
@@ -27,6 +28,11 @@ Verdicts (``holds`` / ``does not hold`` / ``inconclusive``), per claim, on the p
   ``MARGIN`` = 0.03 pass@1 (three points) in the paper's direction, i.e. its upper end is below
   +MARGIN, or the difference is significant in the other direction;
 * inconclusive: anything else (too few seeds for the spread seen).
+
+Blocks of untrained arms (the base formats, ``pairing = "problem"``) pair by *held-out problem*
+instead: each arm's accuracy on a problem is the mean over all its seeds' samples, the
+difference per problem is averaged over the problems, with a t interval over problems. Seeds of
+an untrained arm are only resamplings, so the problems are the units that vary.
 
 For the schedule block the claim is one of *no difference* (paper Fig. 9: the schedules perform
 alike, exponential a little more stable late): equivalence by two one-sided tests, the 90% interval
@@ -136,16 +142,41 @@ def run_record(result: dict) -> dict:
     c = result["config"]
     return {"arm": result["arm"], "seed": result["seed"], **result["endpoints"], "base": c["base"],
             "aqn": c["aqn"], "learning_rate": c["learning_rate"], "schedule": c["aqn_schedule"],
-            "steps": c["steps"], "eval_pass1_ci95": result["eval"]["pass@1_ci95"], "seconds": result["seconds"]}
+            "steps": c["steps"], "eval_pass1_ci95": result["eval"]["pass@1_ci95"],
+            "diverged_at_step": result.get("diverged_at_step"), "seconds": result["seconds"]}
 
 
 def by_seed(runs: list[dict], arm: str, endpoint: str) -> dict[int, float]:
     return {r["seed"]: r[endpoint] for r in runs if r["arm"] == arm and r.get(endpoint) is not None}
 
 
-def block_summary(name: str, table: dict, runs: list[dict], endpoints=ENDPOINTS) -> dict:
+def problem_accuracy(results: list[dict], arm: str) -> list[float] | None:
+    """Per held-out problem, the share of correct samples over every seed of `arm` (None if no run)."""
+    rows = [r["correct"] for r in results if r["arm"] == arm and r.get("correct")]
+    if not rows:
+        return None
+    if len({len(c) for c in rows}) != 1:
+        raise UserError(f"arm {arm!r}: runs evaluated different numbers of problems; rerun with one [eval] n")
+    return [sum(sum(row[i]) for row in rows) / sum(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+
+
+def problem_paired_difference(a: list[float], b: list[float], level: float = 0.95) -> dict:
+    """a - b paired by problem: mean, t interval over problems, two-sided p (as `paired_difference`)."""
+    if len(a) != len(b):
+        raise UserError("arms evaluated different problem sets; rerun with one [eval] n")
+    out = paired_difference(dict(enumerate(a)), dict(enumerate(b)), level)
+    out["unit"] = "problem"
+    out.pop("seeds")
+    return out
+
+
+def block_summary(name: str, table: dict, runs: list[dict], endpoints=ENDPOINTS,
+                  results: list[dict] | None = None) -> dict:
     """Per-arm means with 95% CIs and paired differences against the block's reference (Holm on the
-    primary endpoint); equivalence tests when the block says ``test = "equivalence"``."""
+    primary endpoint); equivalence tests when the block says ``test = "equivalence"``; pairing by
+    held-out problem (from the runs' full `results`) when it says ``pairing = "problem"``."""
+    if table.get("pairing", "seed") == "problem":
+        return _problem_block(name, table, results or [])
     arms = table["arms"]
     block_runs = [r for r in runs if r["arm"] in arms]
     per_arm = {arm: {e: mean_ci(list(by_seed(block_runs, arm, e).values())) for e in endpoints} for arm in arms}
@@ -171,13 +202,31 @@ def block_summary(name: str, table: dict, runs: list[dict], endpoints=ENDPOINTS)
     return out
 
 
+def _problem_block(name: str, table: dict, results: list[dict]) -> dict:
+    arms, ref = table["arms"], table.get("reference")
+    block_runs = [run_record(r) for r in results if r["arm"] in arms]
+    accuracy = {arm: problem_accuracy(results, arm) for arm in arms}
+    per_arm = {arm: {"heldout_pass1": mean_ci(accuracy[arm] or []),  # interval over problems
+                     "seeds": mean_ci(list(by_seed(block_runs, arm, "heldout_pass1").values()))} for arm in arms}
+    out = {"block": name, "arms": arms, "reference": ref, "test": table.get("test", "superiority"),
+           "pairing": "problem", "runs": block_runs, "per_arm": per_arm, "comparisons": []}
+    if ref is None or accuracy[ref] is None:
+        return out
+    comps = [{"arm": arm, "vs": ref, "heldout_pass1": problem_paired_difference(accuracy[arm], accuracy[ref])}
+             for arm in arms if arm != ref and accuracy[arm] is not None]
+    for comp, p in zip(comps, holm([c["heldout_pass1"]["p"] for c in comps])):
+        comp["heldout_pass1"]["p_holm"] = p
+    out["comparisons"] = comps
+    return out
+
+
 def collapse_flags(runs: list[dict], base_pass1: float | None) -> None:
     """Mark each run ``collapsed`` (in place) by the pre-registered rule."""
     for r in runs:
         late_drop = (r.get("last_reward") is not None and r.get("best_window_reward")
                      and r["last_reward"] < 0.5 * r["best_window_reward"])
         below_base = base_pass1 is not None and r["heldout_pass1"] < base_pass1 - COLLAPSE_DROP
-        r["collapsed"] = bool(late_drop or below_base)
+        r["collapsed"] = bool(late_drop or below_base or r.get("diverged_at_step") is not None)
 
 
 def summarise_sweep(spec, out: str | Path) -> dict:
@@ -186,7 +235,7 @@ def summarise_sweep(spec, out: str | Path) -> dict:
 
     results = load_results(out)
     runs = [run_record(r) for r in results]
-    blocks = {name: block_summary(name, table, runs) for name, table in spec.blocks.items()}
+    blocks = {name: block_summary(name, table, runs, results=results) for name, table in spec.blocks.items()}
     summary = {"sweep": spec.name, "preset": spec.preset, "n_runs_finished": len(runs),
                "n_runs_planned": len(spec.arms) * len(spec.seeds), "runs": runs, "blocks": blocks,
                "provenance": provenance()}

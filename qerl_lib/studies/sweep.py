@@ -24,6 +24,8 @@ analysis compares (`studies/claims.py`)::
     [blocks.c]                   # optional: which arms a block compares, and against which reference
     arms = ["lora", "qerl"]
     reference = "lora"
+    test = "superiority"         # or "equivalence" (two one-sided tests, `studies/claims.py`)
+    pairing = "seed"             # or "problem": pair held-out problems, pooling seeds (untrained arms)
 
 Every setting is validated, and every run's config built, before anything loads: an unknown
 field, a grid without runs, a mode that contradicts a base format, or more concurrent runs than
@@ -34,7 +36,9 @@ folder: ``run.json``, ``metrics.jsonl``, checkpoints while it runs) and, once fi
 ``result.json`` (its endpoints and held-out evaluation). A finished run is never rerun; a run
 killed mid-way resumes from its last checkpoint (or restarts when it had none). Checkpoints and
 adapters are deleted once the run is evaluated, unless ``keep_adapters = true``: a sweep folder is
-small enough to commit. Runs execute as separate processes (``python -m qerl_lib.studies.sweep
+small enough to commit. A run whose trainable weights turn non-finite stops at that step
+(`errors.TrainingDiverged`); it is finished, with ``diverged_at_step`` set and held-out pass@1 0
+(a policy with NaN weights answers nothing), and the learning-rate analysis counts it as collapsed. Runs execute as separate processes (``python -m qerl_lib.studies.sweep
 RUN_DIR``), so one crash stays one failed run, reported in the summary with its log.
 """
 
@@ -51,12 +55,13 @@ import tomllib
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-from qerl_lib.errors import UserError
+from qerl_lib.errors import TrainingDiverged, UserError
 from qerl_lib.io import provenance, read_jsonl, write_json_atomic
 
 SPEC_KEYS = {"name", "preset", "seeds", "concurrency", "run_memory_gib", "common", "eval", "arms", "blocks",
              "keep_adapters", "description"}
 ARM_KEYS_EXTRA = {"name", "train"}  # besides TrainConfig fields
+BLOCK_KEYS = {"arms", "reference", "test", "pairing"}  # test: superiority | equivalence; pairing: seed | problem
 AUTO_MAX_CONCURRENCY = 8
 LAST_WINDOW = 10  # steps over which the end-of-run reward and entropy are averaged
 
@@ -70,6 +75,8 @@ class EvalSpec:
     temperature: float = 0.6  # the paper's evaluation setting (QeRL §4.1)
     top_p: float = 0.95
     seed: int = 0  # sampling seed; the test problems themselves are fixed (generator seed 0)
+    # Trained runs all sample with `seed` (their weights differ); an evaluation-only run samples with
+    # `seed + run seed`, so the seeds of an untrained arm are independent samplings, not copies.
 
     def __post_init__(self):
         if self.n < 1 or self.samples < 1:
@@ -148,6 +155,12 @@ def parse_spec(raw: dict, source: str = "spec") -> SweepSpec:
                      run_memory_gib=float(raw.get("run_memory_gib", 6.0)), blocks=dict(raw.get("blocks", {})),
                      keep_adapters=bool(raw.get("keep_adapters", False)), description=raw.get("description", ""))
     for block, table in spec.blocks.items():
+        unknown = sorted(set(table) - BLOCK_KEYS)
+        if unknown:
+            raise UserError(f"{source}: block {block!r}: unknown field(s) {unknown}; known: {sorted(BLOCK_KEYS)}")
+        if table.get("test", "superiority") not in ("superiority", "equivalence") or \
+                table.get("pairing", "seed") not in ("seed", "problem"):
+            raise UserError(f"{source}: block {block!r}: test is superiority or equivalence, pairing is seed or problem")
         missing = [a for a in table.get("arms", []) if a not in names]
         if not table.get("arms") or missing:
             raise UserError(f"{source}: block {block!r} must list existing arms; unknown: {missing or '(none listed)'}")
@@ -288,8 +301,9 @@ def _spec_dict(spec: SweepSpec) -> dict:
 
 def _write_run_spec(folder: Path, run: RunPlan, spec: SweepSpec, device: str | None) -> None:
     config = run.config.to_dict() if device is None else {**run.config.to_dict(), "device": device}
+    evaluation = asdict(spec.eval) if run.train else {**asdict(spec.eval), "seed": spec.eval.seed + run.seed}
     record = {"arm": run.arm, "seed": run.seed, "train": run.train, "preset": spec.preset,
-              "overrides": _overrides(run, spec), "eval": asdict(spec.eval), "keep_adapters": spec.keep_adapters,
+              "overrides": _overrides(run, spec), "eval": evaluation, "keep_adapters": spec.keep_adapters,
               "config": config}
     existing = folder / "spec.json"
     if existing.is_file():
@@ -322,14 +336,22 @@ def run_one(folder: str | os.PathLike) -> dict:
     config = make_config(record["preset"], mode=mode, seed=record["seed"], **overrides)
     train_dir = folder / "train"
     started = time.time()
+    diverged_at = None
     if record["train"]:
-        _train_resumably(config, train_dir)
-    evaluation = _evaluate(config, train_dir / "adapter" if record["train"] else None, EvalSpec(**record["eval"]))
+        try:
+            _train_resumably(config, train_dir)
+        except TrainingDiverged as exc:
+            diverged_at = exc.step
+    if diverged_at is None:
+        evaluation = _evaluate(config, train_dir / "adapter" if record["train"] else None, EvalSpec(**record["eval"]))
+    else:
+        evaluation = {"summary": {"pass@1": 0.0, "pass@1_ci95": [0.0, 0.0], "skipped": "diverged"}, "correct": []}
     result = {"arm": record["arm"], "seed": record["seed"], "train": record["train"],
               "config": config.to_dict(), "eval": evaluation["summary"], "correct": evaluation["correct"],
               "endpoints": endpoints(train_dir / "metrics.jsonl", evaluation["summary"]) if record["train"] else
               {"heldout_pass1": evaluation["summary"]["pass@1"]},
               "curves": curves(train_dir / "metrics.jsonl") if record["train"] else {},
+              "diverged_at_step": diverged_at,
               "seconds": round(time.time() - started, 1), "provenance": provenance()}
     write_json_atomic(folder / "result.json", result)
     if not record["keep_adapters"]:

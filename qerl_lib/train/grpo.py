@@ -114,7 +114,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from qerl_lib.errors import UserError
+from qerl_lib.errors import TrainingDiverged, UserError
 from qerl_lib.train.presets import TrainConfig, describe
 
 __all__ = ["train", "build_trainer", "build_dataset", "load_policy", "load_base", "load_tokenizer", "EngineRollout", "reward_functions", "aqn_config",
@@ -419,5 +419,11 @@ def train(config: TrainConfig, out_dir: str | os.PathLike, resume: bool = False,
     if checkpoint is not None:
         gm.load_side_state(checkpoint, trainer.qerl_rollout)
     trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint is not None else None)
+    run_metrics = next(cb for cb in trainer.callback_handler.callbacks if isinstance(cb, gm.RunMetrics))
+    if run_metrics.diverged_at is not None:
+        gm.write_summary(out, config, diverged_at_step=run_metrics.diverged_at)
+        raise TrainingDiverged(f"training diverged at step {run_metrics.diverged_at}: the LoRA weights became "
+                               f"non-finite (learning rate {config.learning_rate:g}); lower it with --lr",
+                               step=run_metrics.diverged_at)
     save_adapters(trainer.accelerator.unwrap_model(trainer.model), out / "adapter")
     return gm.write_summary(out, config)

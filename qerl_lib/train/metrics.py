@@ -64,6 +64,7 @@ class RunMetrics(TrainerCallback):
         self.bar = None
         self._step_start = None
         self._step_seconds = float("nan")
+        self.diverged_at: int | None = None  # the step after which a trainable weight was non-finite
 
     # ---- step timing -------------------------------------------------------------------------------
     def on_train_begin(self, args, state, control, **kwargs):
@@ -78,10 +79,15 @@ class RunMetrics(TrainerCallback):
             torch.cuda.reset_peak_memory_stats()
         self._step_start = time.perf_counter()
 
-    def on_step_end(self, args, state, control, **kwargs):
+    def on_step_end(self, args, state, control, model=None, **kwargs):
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         self._step_seconds = time.perf_counter() - self._step_start
+        if model is not None and not trainable_weights_finite(model):
+            # a NaN/inf update (too high a learning rate): stop here, and never checkpoint broken weights
+            self.diverged_at = state.global_step
+            control.should_training_stop = True
+            control.should_save = False
 
     # ---- one line per step -------------------------------------------------------------------------
     def on_log(self, args, state, control, logs=None, **kwargs):
@@ -117,6 +123,12 @@ class RunMetrics(TrainerCallback):
     def on_train_end(self, args, state, control, **kwargs):
         if self.bar is not None:
             self.bar.close()
+
+
+def trainable_weights_finite(model) -> bool:
+    """True when every trainable parameter is finite (one device sync for all of them)."""
+    flags = [torch.isfinite(p.detach()).all() for p in model.parameters() if p.requires_grad]
+    return bool(torch.stack(flags).all()) if flags else True
 
 
 def progress_line(row: dict, total: int) -> str:
@@ -228,10 +240,11 @@ def _median(values):
     return values[len(values) // 2] if values else None
 
 
-def write_summary(out: Path, config) -> dict:
+def write_summary(out: Path, config, diverged_at_step: int | None = None) -> dict:
     from qerl_lib.io import provenance
 
     rows = read_jsonl(Path(out) / "metrics.jsonl") if (Path(out) / "metrics.jsonl").exists() else []
-    summary = {"preset": config.preset, "mode": config.mode, **summarize(rows), "provenance": provenance()}
+    summary = {"preset": config.preset, "mode": config.mode, **summarize(rows), "diverged_at_step": diverged_at_step,
+               "provenance": provenance()}
     write_json_atomic(Path(out) / "summary.json", summary)
     return summary
