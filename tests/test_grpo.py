@@ -371,3 +371,27 @@ def test_plot_run_draws_the_curves(tmp_path):
     assert main(["plot-run", str(run)]) == 0
     png = run / "training_curves.png"
     assert png.is_file() and png.read_bytes()[:4] == b"\x89PNG"
+
+
+# --------------------------------------------------------------------------------------------- divergence
+def test_a_run_whose_weights_turn_nan_stops_there_without_a_checkpoint(tiny_model_dir, tmp_path):
+    """NaN gradients (as at too high a learning rate) make the weights NaN after the optimizer step:
+    the run stops at that step with `TrainingDiverged`, saves no adapter or checkpoint of the broken
+    weights, and records the step in summary.json."""
+    from transformers import TrainerCallback
+
+    from qerl_lib.errors import TrainingDiverged
+    from qerl_lib.train.grpo import train
+
+    class PoisonGradients(TrainerCallback):
+        def on_train_begin(self, args, state, control, model=None, **kwargs):
+            lora = next(p for n, p in model.named_parameters() if "lora_B" in n and p.requires_grad)
+            lora.register_hook(lambda grad: grad * float("nan"))
+
+    with pytest.raises(TrainingDiverged, match="diverged at step 1") as info:
+        train(tiny_config(tiny_model_dir, "lora", steps=3), tmp_path, extra_rewards=[("toy", toy_reward, 1.0)],
+              callbacks=[PoisonGradients()], quiet=True)
+    assert info.value.step == 1
+    assert not (tmp_path / "adapter").exists()
+    assert not list((tmp_path / "checkpoints").glob("checkpoint-*")), "a checkpoint of NaN weights was written"
+    assert json.loads((tmp_path / "summary.json").read_text())["diverged_at_step"] == 1

@@ -22,6 +22,7 @@ SMOKE: dict[str, dict] = {
     "04_adaptive_quantization_noise": {"n_problems": 2, "max_new_tokens": 16},
     "05_grpo_training": {"steps": 2},
     "06_entropy_study": {"n_problems": 4, "max_new_tokens": 16, "samples": 1, "sigmas": [0.0, 0.01]},
+    "07_paper_claims": {},  # reads the committed JSONs; the tiny sweep's machinery is tests/test_sweep.py's
 }
 
 pytestmark = pytest.mark.notebooks

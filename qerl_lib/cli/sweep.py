@@ -1,4 +1,5 @@
-"""`qerl calibrate` (the claim task's level and temperature) and `qerl sweep` (seeded grids of runs)."""
+"""`qerl calibrate` (the claim task's level and temperature), `qerl sweep` (seeded grids of runs) and
+`qerl claims` (the claims table from the sweeps' results)."""
 
 from __future__ import annotations
 
@@ -30,6 +31,15 @@ def register(sub) -> None:
                         "between two sweeps")
     p.add_argument("--check", action="store_true", help="validate the spec and list the runs, run nothing")
     p.set_defaults(func=_sweep)
+
+    p = sub.add_parser("claims", help="the paper's training claims vs the kit's sweeps: table, verdicts, JSON",
+                       description="Reads results/claims/block_*.json (or, with --export, first writes them from the "
+                                   "sweep folders), writes results/claims.json and prints the table.")
+    p.add_argument("--export", action="store_true", help="first export the block JSONs from the sweep folders")
+    p.add_argument("--sweeps", default="dev/runs/claims", help="folder holding the sweep folders (base, claims, lr)")
+    p.add_argument("--results-dir", default=None, help="where claims/ and claims.json go (default: results/)")
+    p.add_argument("--readme", default=None, metavar="MD", help="also write the table into this file's claims block")
+    p.set_defaults(func=_claims)
 
 
 def _csv(text: str, kind=str) -> tuple:
@@ -89,3 +99,24 @@ def _sweep(args) -> int:
     summary = run_sweep(spec, out, device=args.device, max_minutes=args.max_minutes)
     print(f"{summary['n_runs_finished']}/{summary['n_runs_planned']} runs finished; summary in {out}/summary.json")
     return 0 if summary["n_runs_finished"] == summary["n_runs_planned"] else 1
+
+
+def _claims(args) -> int:
+    from pathlib import Path
+
+    from qerl_lib.io import write_json_atomic, write_text_atomic
+    from qerl_lib.paths import RESULTS_DIR
+    from qerl_lib.studies.claims_table import build_table, export_blocks, format_table, read_blocks, render_markdown
+    from qerl_lib.studies.headline import update_block
+
+    results = Path(args.results_dir) if args.results_dir else RESULTS_DIR
+    blocks = export_blocks(args.sweeps, results / "claims") if args.export else read_blocks(results / "claims")
+    table = build_table(blocks)
+    write_json_atomic(results / "claims.json", table)
+    print(format_table(table))
+    print(f"wrote {results / 'claims.json'}")
+    if args.readme:
+        path = Path(args.readme)
+        write_text_atomic(path, update_block(path.read_text(encoding="utf-8"), "claims", render_markdown(table)))
+        print(f"wrote the claims table into {path}")
+    return 0

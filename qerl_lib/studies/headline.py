@@ -49,6 +49,13 @@ RESULT_FILES = {
                                         "Notebook 03",
     "entropy_study_cuda.json": "entropy study: SmolLM2 in BF16/NVFP4/MXFP4/NF4 on 512 GSM8K test problems, 4 samples "
                                "each, AQN σ sweep on NVFP4. Notebook 06; `figures/06_entropy_study_h200.png`",
+    "claims.json": "the claims table: each training claim of the paper ((a) entropy, (b) base formats, (c) QeRL vs "
+                   "LoRA and QLoRA, (d) AQN, (e) schedules, LR stability) with the paper's number, the kit's "
+                   "measurement, its CI and a verdict, built from `claims/` by `qerl claims`. Notebook 07; README",
+    "claims/": "one JSON per claim block (b, c, d, e, lr): every run with its endpoints, per-arm means with 95% CIs, "
+               "the pre-registered paired comparisons, per-step curves, the sweep spec, GPU and versions "
+               "(`qerl claims --export` from the sweep folders in `dev/runs/claims/`). Notebook 07; "
+               "`figures/07_*.png`",
     "calibration.json": "the expression task's calibration for the claim sweeps: the untrained SmolLM2's pass@1 "
                         "and share of mixed-reward groups of 8 per (base, level, temperature), 128 training problems "
                         "each, and the setting the pre-registered rule chose (`qerl_lib/studies/calibration.py`, "
@@ -59,7 +66,8 @@ RESULT_FILES = {
 }
 
 MARKERS = {"headline": ("<!-- headline:start -->", "<!-- headline:end -->"),
-           "index": ("<!-- index:start -->", "<!-- index:end -->")}
+           "index": ("<!-- index:start -->", "<!-- index:end -->"),
+           "claims": ("<!-- claims:start -->", "<!-- claims:end -->")}
 
 
 class ResultsError(UserError):
@@ -319,8 +327,13 @@ def display_command(command: str, repo_root: str | Path = REPO_ROOT) -> str:
 
 
 def _file_provenance(results_dir: Path, name: str) -> tuple[dict, str]:
-    """(document holding the provenance, its file label) for a results entry (a folder: its run.json)."""
-    label = f"{name}run.json" if name.endswith("/") else name
+    """(document holding the provenance, its file label) for a results entry (a folder: its run.json, or
+    else its first JSON file)."""
+    label = name
+    if name.endswith("/"):
+        folder = results_dir / name
+        first = next(iter(sorted(folder.glob("*.json"))), None) if folder.is_dir() else None
+        label = f"{name}run.json" if (folder / "run.json").is_file() or first is None else f"{name}{first.name}"
     return load_result(results_dir, label), label
 
 

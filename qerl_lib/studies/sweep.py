@@ -199,7 +199,9 @@ def plan_runs(spec: SweepSpec) -> list[RunPlan]:
 
 def resolve_concurrency(spec: SweepSpec, n_runs: int, device: str | None = None) -> int:
     """Runs at once: the spec's number, checked against the GPU's memory, or the most that fit ("auto")."""
-    total_gib = _gpu_memory_gib() if device != "cpu" else None
+    on_cpu = device == "cpu" or (device is None and spec.common.get("device") == "cpu"
+                                 and all(arm.get("device", "cpu") == "cpu" for arm in spec.arms))
+    total_gib = None if on_cpu else _gpu_memory_gib()
     if total_gib is None:  # CPU: processes share the cores; more than that only adds switching
         fit = max(1, (os.cpu_count() or 2) // 2)
     else:
