@@ -33,7 +33,7 @@ _LAZY = {
     "generate": "qerl_lib.engine.rollout", "RolloutEngine": "qerl_lib.engine.rollout", "Completion": "qerl_lib.engine.rollout",
     "AQNConfig": "qerl_lib.train.aqn", "AQNController": "qerl_lib.train.aqn", "apply_norm_overrides": "qerl_lib.train.aqn",
     # scoring and evaluation
-    "score_answer": "qerl_lib.tasks.rewards", "extract_answer": "qerl_lib.tasks.rewards", "SafeReward": "qerl_lib.tasks.rewards",
+    "score_answer": "qerl_lib.tasks.rewards", "score_answers": "qerl_lib.tasks.rewards", "extract_answer": "qerl_lib.tasks.rewards", "SafeReward": "qerl_lib.tasks.rewards",
     "evaluate": "qerl_lib.evals.evaluation", "EvalConfig": "qerl_lib.evals.evaluation",
     # training
     "train": "qerl_lib.train.grpo", "make_config": "qerl_lib.train.presets",

@@ -4,6 +4,12 @@ Every writer goes to a temporary sibling first and then `os.replace`s it into pl
 is atomic on POSIX file systems: a reader (or a resumed run) sees the old file or the new
 one, never a torn one.
 
+Output folders (`--out` of quantize, export, prepare-model): `prepare_output_folder` decides
+whether a folder may be written at all (an existing non-empty one only with `--force`; one that
+is, contains or lies inside an input never), and `atomic_directory` writes it into a temporary
+sibling that replaces the old folder by rename only once complete. `fsync_tree` / `fsync_dir`
+make a folder's files durable before a completion marker is written after them.
+
 Every results/ JSON and every metrics JSON embeds `provenance()` (device, date, package
 versions, command), so a reader can tell where a number came from and whether it is comparable
 with another.
@@ -20,8 +26,11 @@ import platform
 import shutil
 import sys
 import tempfile
+import uuid
 from pathlib import Path
 from typing import Any, Iterable, Iterator
+
+from qerl_lib.errors import UserError
 
 
 def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
@@ -65,30 +74,119 @@ def read_jsonl(path: str | os.PathLike) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
+def _inside(path: Path, folder: Path) -> bool:
+    """True when `path` is `folder` or lies below it (both already resolved)."""
+    return path == folder or folder in path.parents
+
+
+def refuse_overlap(out: str | os.PathLike, inputs: Iterable[str | os.PathLike | None] = (),
+                   flag: str = "--out") -> Path:
+    """Raise `UserError` when `out` is, contains or lies inside one of `inputs`; return `out` as a Path.
+
+    Inputs that do not exist locally (None, hub ids, aliases) are skipped. Paths are compared after
+    resolving symbolic links, so a link to the model folder counts as the model folder.
+    """
+    out = Path(out).expanduser()
+    target = out.resolve()
+    for given in inputs:
+        if given is None or not Path(given).expanduser().exists():
+            continue
+        source = Path(given).expanduser().resolve()
+        if target == source:
+            relation = "is"
+        elif _inside(source, target):
+            relation = "contains"
+        elif _inside(target, source):
+            relation = "is inside"
+        else:
+            continue
+        raise UserError(f"{flag} {out} {relation} the input {given}: choose an {flag} folder outside every input "
+                        "(--force does not override this)")
+    return out
+
+
+def prepare_output_folder(out: str | os.PathLike, inputs: Iterable[str | os.PathLike | None] = (),
+                          force: bool = False, flag: str = "--out") -> Path:
+    """Check, before any work, that a new folder may be written at `out`; return `out` as a Path.
+
+    Refused with a one-line `UserError` naming the fix, whatever `force` says: an `out` that is a
+    file or a symbolic link, and one that is, contains or lies inside an input (`refuse_overlap`).
+    Refused unless `force`: an existing folder that is not empty. Nothing is written or removed here;
+    the writer then replaces the folder atomically (`atomic_directory`).
+    """
+    out = Path(out).expanduser()
+    if out.is_symlink():
+        raise UserError(f"{flag} {out} is a symbolic link: pass the folder it points to, or another {flag}")
+    if out.exists() and not out.is_dir():
+        raise UserError(f"{flag} {out} is a file, not a folder: choose another {flag}")
+    refuse_overlap(out, inputs, flag)
+    if out.is_dir() and not force and any(out.iterdir()):
+        raise UserError(f"{flag} {out} already exists and is not empty: pass --force to replace it, "
+                        f"or choose another {flag}")
+    return out
+
+
 @contextlib.contextmanager
 def atomic_directory(final: str | os.PathLike) -> Iterator[Path]:
-    """Yield a temporary folder next to `final`; on success rename it to `final`.
+    """Yield a temporary folder next to `final`; on success it replaces `final` by rename.
 
     On any exception the temporary folder is removed and `final` is untouched, so a crash
-    (or a corrupt input) never leaves a half-written folder behind. If `final` already
-    exists it is replaced.
+    (or a corrupt input) never leaves a half-written folder behind. If `final` already exists
+    it is renamed to a fresh hidden sibling, the new folder renamed into place, and only then
+    the old one removed; a crash between the two renames leaves the old folder under
+    ``.NAME.*.old`` beside it, never deleted. Whether `final` may be replaced at all is the
+    caller's decision (`prepare_output_folder`).
     """
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent))
     try:
         yield tmp
-        if final.exists():
-            old = final.with_name(f".{final.name}.old")
-            shutil.rmtree(old, ignore_errors=True)
+        fsync_tree(tmp)
+        if final.exists() or final.is_symlink():
+            old = final.with_name(f".{final.name}.{uuid.uuid4().hex[:12]}.old")  # a name nobody holds
             os.replace(final, old)
             os.replace(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
+            fsync_dir(final.parent)
+            if old.is_dir() and not old.is_symlink():
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                old.unlink()
         else:
             os.replace(tmp, final)
+            fsync_dir(final.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def fsync_dir(folder: str | os.PathLike) -> None:
+    """Flush a folder's entries (names created, renamed or removed) to disk."""
+    fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(folder: str | os.PathLike) -> dict[str, int]:
+    """Flush every file below `folder` and every folder's entries to disk; return {relative path: size}.
+
+    Called before a completion marker is written, so that the marker, once on disk, implies the
+    files it vouches for are on disk too (the marker can then list the sizes this returns).
+    """
+    folder = Path(folder)
+    sizes: dict[str, int] = {}
+    for root, dirs, files in os.walk(folder):
+        for name in sorted(files):
+            path = Path(root) / name
+            if path.is_symlink():
+                continue
+            with open(path, "rb") as f:
+                os.fsync(f.fileno())
+            sizes[path.relative_to(folder).as_posix()] = path.stat().st_size
+        fsync_dir(root)
+    return sizes
 
 
 def _json_default(o: Any):

@@ -39,6 +39,23 @@ def _deterministic_threads():
     yield
 
 
+@pytest.fixture
+def one_torch_thread():
+    """One intra-op thread: the tiny models' 64-wide matrices run faster so (see tests/test_grpo.py)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    """tests/test_grpo.py's tiny random Llama (hidden 64, 2 layers), saved once per module."""
+    from test_grpo import save_tiny_llama
+
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), hidden=64, layers=2, heads=4, kv_heads=2)
+
+
 @pytest.fixture(scope="module")
 def verifier():
     """A math-verify worker with the default time limit (as training uses); closed after the module."""

@@ -127,6 +127,67 @@ def test_zero_sigma_end_is_fine_for_linear_decay():
     assert AQNSchedule(AQNConfig(total_steps=100, sigma_end=0.0, schedule="linear")).table()[-1] == 0.0
 
 
+# ----------------------------------------------------------------------------- the training config's AQN settings
+@pytest.mark.parametrize("mode", ["qerl", "nvfp4"])  # checked whether or not the run adds noise
+@pytest.mark.parametrize("kwargs,rule", [
+    (dict(sigma_start=1e-3, sigma_end=1e-2), "need sigma_end <= sigma_start"),
+    (dict(aqn_stages=1), "aqn_stages=1: need an integer >= 2"),
+    (dict(aqn_stages=0), "aqn_stages=0: need an integer >= 2"),
+    (dict(aqn_stages=-4), "aqn_stages=-4: need an integer >= 2"),
+    (dict(aqn_stages=2.5), "aqn_stages=2.5: need an integer >= 2"),
+    (dict(aqn_stages=2), "aqn_stages=2 leaves one noisy stage"),
+    (dict(sigma_start=-1e-2), "sigma_start=-0.01: σ must be a finite number >= 0"),
+    (dict(sigma_end=-1e-4), "sigma_end=-0.0001: σ must be a finite number >= 0"),
+    (dict(sigma_start=float("inf")), "σ must be a finite number >= 0"),
+    (dict(sigma_start=0.0, sigma_end=0.0), r"need sigma_start > 0 \(use --aqn off"),
+    (dict(sigma_end=0.0), "aqn_schedule='exponential': a geometric decay never reaches 0"),
+    (dict(aqn_schedule="step"), "unknown aqn_schedule 'step': --schedule must be one of exponential"),
+], ids=lambda v: v if isinstance(v, str) else ",".join(f"{k}={v}" for k, v in v.items()))
+def test_bad_aqn_setting_fails_in_make_config_with_the_rule(kwargs, rule, mode):
+    """Each AQNConfig rule fires when the training config is made (no model), as one line naming the setting."""
+    from qerl_lib.errors import UserError
+    from qerl_lib.train.presets import make_config
+
+    with pytest.raises(UserError, match=rule) as err:
+        make_config("smollm2-arith", mode=mode, steps=100, **kwargs)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("steps,stages,sigma_end", [(100, 10, 5e-4), (10, 10, 5e-4), (4, 4, 5e-4), (3, 3, 5e-4),
+                                                     (2, 2, 1e-2), (1, 2, 1e-2)])
+def test_a_run_shorter_than_aqn_stages_gets_one_stage_per_step(steps, stages, sigma_end):
+    """The documented fit (TrainConfig.aqn_settings): K = min(aqn_stages, steps); a single noisy stage takes
+    sigma_start; a 1-step run is stage 0 only. The fit is printed, and a valid AQNConfig comes out."""
+    from qerl_lib.train.presets import describe, make_config
+
+    config = make_config("smollm2-arith", mode="qerl", steps=steps)
+    settings = config.aqn_settings()
+    assert (settings["num_stages"], settings["sigma_end"]) == (stages, sigma_end)
+    schedule = AQNSchedule(AQNConfig(**settings))
+    assert schedule.sigma(0) == 0.0 and schedule.sigma(steps - 1) == (0.0 if steps == 1 else sigma_end)
+    assert ("aqn_stages 10 fitted to" in describe(config)) == (stages != 10)
+
+
+def test_aqn_stages_asked_for_are_kept():
+    """Two stages asked for explicitly keep the given sigma_end (constant noise, or the constant schedule)."""
+    from qerl_lib.train.presets import make_config
+
+    same = make_config("smollm2-arith", mode="qerl", aqn_stages=2, sigma_end=1e-2).aqn_settings()
+    constant = make_config("smollm2-arith", mode="qerl", aqn_stages=2, aqn_schedule="constant").aqn_settings()
+    assert (same["num_stages"], same["sigma_end"]) == (2, 1e-2)
+    assert (constant["num_stages"], constant["sigma_end"], constant["schedule"]) == (2, 5e-4, "constant")
+
+
+@pytest.mark.parametrize("steps", [1, 2, 3, 7, 10, 60, 100])
+@pytest.mark.parametrize("schedule", ["exponential", "linear", "constant"])
+def test_config_settings_are_what_training_builds(steps, schedule):
+    from qerl_lib.train.grpo import aqn_config
+    from qerl_lib.train.presets import make_config
+
+    config = make_config("smollm2-arith", mode="qerl", steps=steps, aqn_schedule=schedule, seed=3, aqn_target="both")
+    assert aqn_config(config) == AQNConfig(**config.aqn_settings())
+
+
 # ----------------------------------------------------------------------------- tiny models
 def _tiny_model(arch: str, dtype=torch.float32, layers=2):
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config

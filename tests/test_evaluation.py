@@ -172,12 +172,73 @@ def test_gsm8k_offline_without_path_is_a_one_line_error(qerl, monkeypatch, capsy
 
 @pytest.mark.parametrize("extra, match", [
     (["--n", "0"], "--n must be >= 1"),
+    (["--n", "-5"], "--n must be >= 1"),
     (["--samples", "2", "--temperature", "0"], "greedy"),
     (["--data", "file"], "--path"),
     (["--data", "file", "--path", "/nonexistent/test.jsonl"], "does not exist"),
-], ids=["n-zero", "greedy-with-samples", "file-without-path", "missing-file"])
+], ids=["n-zero", "n-negative", "greedy-with-samples", "file-without-path", "missing-file"])
 def test_bad_arguments_are_one_line_errors(qerl, capsys, extra, match):
     assert qerl(["eval", "--model", "smollm2"] + extra) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and match in err
+
+
+def test_evaluate_checks_every_gold_answer_before_sampling():
+    # model and tokenizer are None: reaching the tokenizer or the engine would raise something else.
+    from qerl_lib.errors import UserError
+
+    problems = [{"question": "q1", "answer": "#### 4"}, {"question": "q2", "answer": "1 + 1 = 2\n#### "}]
+    with pytest.raises(UserError, match="gold answer is empty"):
+        evaluate(None, None, problems, EvalConfig(), progress=False)
+
+
+def test_records_pair_each_completion_with_its_own_score(monkeypatch):
+    # evaluate() scores all completions in one batch; each record must get its own completions'
+    # scores back, across engine calls (batch_size 3, 6 completions). No model: a stub engine and
+    # tokenizer whose completion for (problem i, sample k) is texts[i][k].
+    from types import SimpleNamespace
+
+    from qerl_lib.evals import evaluation
+
+    texts = {0: ["<answer>4</answer>", "<answer>60+12</answer>"], 1: ["<answer>7</answer>", "#### 8"],
+             2: ["\\boxed{9}", "no answer"]}
+    problems = [{"question": f"q{i}", "answer": f"#### {gold}"} for i, gold in enumerate([4, 8, 9])]
+
+    class Tokenizer:
+        chat_template = "stub"
+
+        def apply_chat_template(self, messages, **kwargs):
+            return messages[0]["content"]
+
+        def __call__(self, text, add_special_tokens=False):
+            return {"input_ids": [int(text.split()[0][1:])]}  # "q2 ..." -> [2]
+
+        def decode(self, ids, skip_special_tokens=True):
+            return texts[ids[0]][ids[1]]
+
+    drawn: dict[int, int] = {}
+
+    def stub_generate(model, prompts, **kwargs):
+        outs = []
+        for (i,) in prompts:
+            drawn[i] = drawn.get(i, -1) + 1
+            outs.append(SimpleNamespace(token_ids=[i, drawn[i]], finish_reason="stop"))
+        return outs
+
+    monkeypatch.setattr(evaluation, "generate", stub_generate)
+    report = evaluate(None, Tokenizer(), problems, EvalConfig(samples=2, batch_size=3, n_boot=100), progress=False)
+    assert [r["correct"] for r in report.records] == [[1.0, 0.0], [0.0, 1.0], [1.0, 0.0]]
+    assert [r["completions"] for r in report.records] == [texts[0], texts[1], texts[2]]
+
+
+@pytest.mark.parametrize("rows, match", [
+    ([{"question": "q", "answer": "#### 3"}, {"question": "q", "answer": "work\n#### "}], "test.jsonl:2"),
+    ([{"question": "q", "answer": "3"}], "test.jsonl:1"),
+], ids=["empty-gold", "no-hash"])
+def test_bad_gold_answers_fail_before_the_model_loads(qerl, tmp_path, capsys, rows, match):
+    path = tmp_path / "test.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert qerl(["eval", "--model", "/nonexistent/model", "--data", "file", "--path", str(path)]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and match in err
 

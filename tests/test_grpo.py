@@ -395,3 +395,49 @@ def test_a_run_whose_weights_turn_nan_stops_there_without_a_checkpoint(tiny_mode
     assert not (tmp_path / "adapter").exists()
     assert not list((tmp_path / "checkpoints").glob("checkpoint-*")), "a checkpoint of NaN weights was written"
     assert json.loads((tmp_path / "summary.json").read_text())["diverged_at_step"] == 1
+
+
+def test_engine_cache_is_released_before_the_backward_pass(tiny_model_dir, tmp_path):
+    """With release_engine_cache (default) the KV cache is gone when the loss's backward runs; with it off
+    the cache stays allocated through the backward (what the flag exists to avoid)."""
+    from transformers import TrainerCallback
+
+    from qerl_lib.train.grpo import build_trainer
+
+    for release in (True, False):
+        seen: list = []
+        config = tiny_config(tiny_model_dir, "lora", steps=1, release_engine_cache=release)
+        trainer = build_trainer(config, tmp_path / str(release), extra_rewards=[("toy", toy_reward, 1.0)], quiet=True)
+        rollout = trainer.qerl_rollout
+
+        class WatchBackward(TrainerCallback):
+            def on_train_begin(self, args, state, control, model=None, **kwargs):
+                lora = next(p for n, p in model.named_parameters() if "lora_B" in n and p.requires_grad)
+                lora.register_hook(lambda grad: seen.append(rollout.engine.cache is not None) or grad)
+
+        trainer.add_callback(WatchBackward())
+        trainer.train()
+        assert seen, "no backward pass ran"
+        assert not any(seen) if release else all(seen), (release, seen)
+
+
+def test_mismatch_forward_off_skips_the_extra_forward_at_mu_one(tiny_model_dir, tmp_path):
+    """μ = 1: with mismatch_forward the step runs one more no-grad forward and logs the mismatch; off, it
+    runs none and logs no mismatch (the rest of the step is unchanged)."""
+    from qerl_lib.train.grpo import build_trainer
+
+    counts, logged = {}, {}
+    for flag in (True, False):
+        trainer = build_trainer(tiny_config(tiny_model_dir, "lora", steps=1, mismatch_forward=flag),
+                                tmp_path / str(flag), extra_rewards=[("toy", toy_reward, 1.0)], quiet=True)
+        calls = []
+        original = trainer._get_per_token_logps_and_entropies
+        trainer._get_per_token_logps_and_entropies = lambda *a, **k: calls.append(torch.is_grad_enabled()) or \
+            original(*a, **k)
+        trainer.train()
+        counts[flag] = calls.count(False)  # no-grad forwards
+        logged[flag] = read_lines(tmp_path / str(flag))[0]["logprob_mismatch"]
+    assert counts[True] == counts[False] + 1, counts
+    assert logged[True] is not None and logged[False] is None, logged
+    with pytest.raises(UserError, match="is_correction needs"):
+        tiny_config(tiny_model_dir, "lora", is_correction=True, mismatch_forward=False)

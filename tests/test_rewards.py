@@ -24,6 +24,7 @@ from qerl_lib.tasks.rewards import (
     format_reward_func,
     parse_plain_number,
     score_answer,
+    score_answers,
 )
 
 # Wall-clock slack over the limit: killing the worker and thread wake-up take milliseconds, but
@@ -59,8 +60,9 @@ SCORE_CASES = [
     ("decimal-vs-latex-frac-gold", wrap("0.5"), "\\frac{1}{2}", 1.0),
     ("slash-fraction-vs-decimal", wrap("3/4"), "0.75", 1.0),
     ("dfrac-to-integer", wrap("\\dfrac{144}{2}"), "72", 1.0),
-    ("latex-power", wrap("2^{3}"), "8", 1.0),
-    ("latex-sqrt", wrap("\\sqrt{4}"), "2", 1.0),
+    ("latex-frac-is-a-number", wrap("\\frac{144}{2}"), "72", 1.0),
+    ("latex-frac-shorthand", wrap("\\frac12"), "0.5", 1.0),
+    ("latex-frac-negative", wrap("-\\frac{3}{4}"), "-0.75", 1.0),
     ("hash-format", "<think>48+24=72</think>\n#### 72", "72", 1.0),
     ("negative", wrap("-5"), "-5", 1.0),
     ("negative-unicode-minus", wrap("\u22125"), "-5", 1.0),
@@ -86,6 +88,40 @@ SCORE_CASES = [
     ("last-answer-block-wins", "<answer>75</answer> wait, no. <answer>72</answer>", "72", 1.0),
     ("hedged-two-numbers", wrap("72 or 75"), "72", 0.0),
     ("answer-list", wrap("72, 75"), "72", 0.0),
+    # One answer: a single number, or a closed form equal to the gold. Expressions and lists never
+    # score (issue "Nothing lost, nothing silent": "60+12" and "72\n73" used to score).
+    ("expression-sum", wrap("60+12"), "72", 0.0),
+    ("expression-sum-spaced", wrap("60 + 12"), "72", 0.0),
+    ("expression-latex-times", wrap("6 \\times 12"), "72", 0.0),
+    ("expression-unicode-times", wrap("6 \u00d7 12"), "72", 0.0),
+    ("expression-boxed", "So \\boxed{60+12}.", "72", 0.0),
+    ("expression-hash", "<think>r</think>\n#### 60+12", "72", 0.0),
+    ("equation-ending-in-expression", wrap("72 = 60 + 12"), "72", 0.0),
+    ("unevaluated-power", wrap("2^{3}"), "8", 0.0),
+    ("unevaluated-sqrt", wrap("\\sqrt{4}"), "2", 0.0),
+    ("two-lines-last-is-gold", wrap("72\n73"), "73", 0.0),
+    ("two-lines-first-is-gold", wrap("72\n73"), "72", 0.0),
+    ("assignments-list", wrap("x = 1, y = 2"), "2", 0.0),
+    ("semicolon-list", wrap("72; 73"), "73", 0.0),
+    ("two-numbers-in-prose", wrap("18 apples and 3 pears"), "18", 0.0),
+    ("subtraction-is-not-a-sign", wrap("x - 5"), "-5", 0.0),
+    ("prose-comma-one-number", wrap("She has 18 apples, all red."), "18", 1.0),
+    ("hyphenated-unit", wrap("an 18-year-old"), "18", 1.0),
+    ("sign-set-apart", wrap("- 5"), "-5", 1.0),
+    ("braced-number", wrap("{72}"), "72", 1.0),
+    ("degrees", wrap("72^\\circ"), "72", 1.0),
+    ("latex-thousands-braces", wrap("1{,}234"), "1234", 1.0),
+    ("latex-thousands-thin-space", wrap("1\\,234"), "1234", 1.0),
+    ("thousands-comma-not-a-list", wrap("72,750"), "72750", 1.0),
+    # A gold that is not a plain number: math-verify decides, lists and expressions aside.
+    ("closed-form-same", wrap("\\frac{\\sqrt{3}}{2}"), "\\frac{\\sqrt{3}}{2}", 1.0),
+    ("closed-form-equivalent", wrap("\\sqrt{8}"), "2\\sqrt{2}", 1.0),
+    ("closed-form-wrong", wrap("\\sqrt{3}"), "2\\sqrt{2}", 0.0),
+    ("closed-form-in-a-list", wrap("\\sqrt{2}, \\sqrt{3}"), "\\sqrt{2}", 0.0),
+    ("expression-vs-closed-form", wrap("1+1"), "\\sqrt{4}", 0.0),
+    ("list-gold-list-pred", wrap("2, 1"), "1, 2", 1.0),
+    ("power-gold-number-pred", wrap("1024"), "2^{10}", 1.0),
+    ("power-gold-same-power", wrap("2^{10}"), "2^{10}", 1.0),
 ]
 
 
@@ -151,9 +187,13 @@ def test_extract_gold_rejects_missing_answer(field):
 @pytest.mark.parametrize("text, expected", [
     ("72", Fraction(72)), ("1,234.5", Fraction(24690, 20)), ("-$5", Fraction(-5)), (".25", Fraction(1, 4)),
     ("-3/4", Fraction(-3, 4)), ("1/0", None), ("x = 12 cm", Fraction(12)), ("60 km/h", Fraction(60)),
-    ("72 or 75", None), ("1,2", None), ("1e3", None), ("2^{3}", None), ("\\frac{1}{2}", None), ("", None),
+    ("72 or 75", None), ("1,2", None), ("1e3", None), ("2^{3}", None), ("\\frac{1}{2}", Fraction(1, 2)), ("", None),
+    ("x = 1, y = 2", None), ("60+12", None), ("72\n73", None), ("{72}", Fraction(72)), ("- 5", Fraction(-5)),
+    ("x - 5", None), ("\\dfrac{-3}{4}", Fraction(-3, 4)), ("1.5/3", Fraction(1, 2)), ("\\sqrt{4}", None),
 ], ids=["int", "commas-decimal", "neg-dollar", "leading-dot", "neg-fraction", "zero-denominator", "assignment-unit",
-        "unit-with-slash", "two-numbers", "comma-list", "exponent-notation", "latex-power", "latex-frac", "empty"])
+        "unit-with-slash", "two-numbers", "comma-list", "exponent-notation", "latex-power", "latex-frac", "empty",
+        "assignment-list", "sum", "two-lines", "braced", "sign-set-apart", "subtraction", "dfrac-negative",
+        "decimal-fraction", "sqrt"])
 def test_parse_plain_number(text, expected):
     assert parse_plain_number(text) == expected
 
@@ -172,13 +212,61 @@ ADVERSARIAL = [
 ]
 
 
+# Gold "18" is a plain number, so these are refused without math-verify; gold "2^{3}" is not, so
+# the power towers reach math-verify and must be stopped by the time limit.
+@pytest.mark.parametrize("gold", ["18", "2^{3}"], ids=["number-gold", "expression-gold"])
 @pytest.mark.parametrize("completion", [c[1] for c in ADVERSARIAL], ids=[c[0] for c in ADVERSARIAL])
-def test_adversarial_answer_returns_zero_within_limit(quick_verifier, completion):
+def test_adversarial_answer_returns_zero_within_limit(quick_verifier, completion, gold):
     quick_verifier.start()  # a restart after the previous case's timeout is not part of this answer's limit
     start = time.monotonic()
-    assert score_answer(completion, "18", verifier=quick_verifier) == 0.0
+    assert score_answer(completion, gold, verifier=quick_verifier) == 0.0
     elapsed = time.monotonic() - start
     assert elapsed < quick_verifier.timeout_s + HEADROOM_S, f"took {elapsed:.2f} s"
+
+
+HANGING = wrap("10^{10^{10^{10}}}")  # math-verify 0.9 computes this for minutes (see test_verifier.py)
+N_SLOW = 6
+
+
+def test_batch_of_slow_answers_times_out_in_parallel(quick_verifier):
+    # Six answers that each hang math-verify: checked one after another they would take 6 limits.
+    quick_verifier.start()
+    timeouts = quick_verifier.timeouts
+    start = time.monotonic()
+    scores = accuracy_reward(["q"] * (N_SLOW + 1), [HANGING] * N_SLOW + [wrap("8")], ["2^{3}"] * (N_SLOW + 1),
+                             verifier=quick_verifier)
+    elapsed = time.monotonic() - start
+    assert scores == [0.0] * N_SLOW + [1.0]
+    assert quick_verifier.timeouts == timeouts + N_SLOW, "each slow answer must have been stopped by the limit"
+    assert elapsed < quick_verifier.timeout_s + HEADROOM_S, f"took {elapsed:.2f} s for {N_SLOW} slow answers"
+
+
+def test_safe_reward_scores_slow_answers_in_parallel(quick_verifier):
+    # SafeReward calls accuracy_reward once per completion; being thread-safe, those calls overlap.
+    reward = SafeReward(functools.partial(accuracy_reward, verifier=quick_verifier))
+    assert reward.thread_safe
+    quick_verifier.start()
+    start = time.monotonic()
+    scores = reward(prompts=["q"] * (N_SLOW + 2), completions=[HANGING] * N_SLOW + [wrap("8"), None],
+                    answer=["2^{3}"] * (N_SLOW + 2))
+    elapsed = time.monotonic() - start
+    assert scores == [0.0] * N_SLOW + [1.0, 0.0]
+    assert reward.errors == 1 and "TypeError" in reward.last_error  # the None completion, counted alone
+    assert elapsed < quick_verifier.timeout_s + HEADROOM_S, f"took {elapsed:.2f} s for {N_SLOW} slow answers"
+
+
+def test_score_answers_matches_score_answer_and_checks_lengths(verifier):
+    completions = [wrap(a) for a in ("72", "60+12", "\\sqrt{8}", "75")]
+    golds = ["#### 72", "72", "2\\sqrt{2}", "72"]
+    assert score_answers(completions, golds, verifier=verifier) == [1.0, 0.0, 1.0, 0.0]
+    assert score_answers(completions, golds, verifier=verifier) == [
+        score_answer(c, g, verifier=verifier) for c, g in zip(completions, golds)]
+    with pytest.raises(ValueError, match="gold answers"):
+        score_answers(completions, golds[:2], verifier=verifier)
+    start = time.monotonic()
+    with pytest.raises(UserError, match="gold answer is empty"):  # raised before anything is verified
+        score_answers([HANGING, wrap("1")], ["2^{3}", ""], verifier=verifier)
+    assert time.monotonic() - start < verifier.timeout_s / 2
 
 
 def test_long_completion_with_many_tags_is_linear(verifier):

@@ -23,23 +23,15 @@ import torch
 
 from qerl_lib.errors import UserError
 from qerl_lib.studies import sweep
-from test_grpo import read_lines, save_tiny_llama, tiny_config  # shared tiny-model helpers
+from test_grpo import read_lines, tiny_config  # shared tiny-model helpers
 
 REPO = Path(__file__).resolve().parents[1]
 RUNS = {"lora-s0", "lora-s1", "qerl-s0", "qerl-s1"}
 
 
 @pytest.fixture(autouse=True)
-def _one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)  # 64-wide matrices: see tests/test_grpo.py
+def _one_thread(one_torch_thread):  # conftest.py
     yield
-    torch.set_num_threads(previous)
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), hidden=64, layers=2, heads=4, kv_heads=2)
 
 
 def write_spec(path: Path, model_dir: Path) -> Path:

@@ -1,12 +1,15 @@
-"""Tests for qerl_lib.tasks.verifier: math-verify in a killable worker under a hard wall-clock limit.
+"""Tests for qerl_lib.tasks.verifier: math-verify in killable children of a warm worker, under a hard
+wall-clock limit.
 
 Equivalence itself (what counts as equal) is math-verify's; these tests pin the machinery around
-it: the limit holds on inputs that hang math-verify, the worker recovers, threads are fine, stale
-replies are never taken for the current answer, and the orphan guards (memory, CPU) are set.
+it: the limit holds on inputs that hang math-verify, a batch of them ends after about one limit,
+the worker recovers, threads are fine, stale replies are never taken for another answer, close()
+leaves no process behind, and the orphan guards (memory, CPU) are set.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import time
@@ -71,20 +74,90 @@ def test_limit_holds_from_a_non_main_thread(quick_verifier):
 
 
 def test_stale_reply_is_never_taken_for_the_current_request(quick_verifier):
-    # A reply carrying an old id (e.g. from a request that timed out) must be skipped.
+    # A reply carrying an id nobody waits for (e.g. from a request that timed out) must be dropped.
     quick_verifier.start()
-    quick_verifier._replies.put({"id": -5, "equal": True})
+    quick_verifier._worker.deliver({"id": -5, "equal": True})
+    quick_verifier._worker.deliver({"id": quick_verifier._next_id + 1, "equal": True})  # the next id, early
     assert quick_verifier.equivalent("72", "75") is False
 
 
-def test_crashed_worker_is_replaced(quick_verifier):
+def test_worker_killed_between_calls_is_replaced(quick_verifier):
     quick_verifier.start()
     quick_verifier._proc.kill()
     quick_verifier._proc.wait(timeout=10)
+    time.sleep(0.2)  # let the reader thread see the end of the stream
     crashes = quick_verifier.crashes
-    assert quick_verifier.equivalent("1", "1") is False  # the request in flight is lost ...
-    assert quick_verifier.crashes == crashes + 1
-    assert quick_verifier.equivalent("1", "1") is True  # ... and a fresh worker answers the next one
+    assert quick_verifier.equivalent("1", "1") is True  # a fresh worker answers ...
+    assert quick_verifier.crashes == crashes + 1  # ... and the death is counted
+
+
+def test_worker_killed_mid_request_fails_fast_and_recovers(verifier):
+    verifier.start()
+    crashes, proc = verifier.crashes, verifier._proc
+    threading.Timer(0.3, proc.kill).start()
+    start = time.monotonic()
+    assert verifier.equivalent("18", HANGING, timeout_s=10) is False
+    assert time.monotonic() - start < 0.3 + HEADROOM_S, "a dead worker must not be waited on until the limit"
+    assert verifier.crashes == crashes + 1
+    assert verifier.equivalent("0.5", "\\frac{1}{2}") is True
+
+
+def test_batch_of_hanging_answers_times_out_in_parallel(quick_verifier):
+    # Six comparisons that each hang math-verify: one limit in all, not six, and each one killed.
+    quick_verifier.start()
+    timeouts = quick_verifier.timeouts
+    start = time.monotonic()
+    results = quick_verifier.equivalent_many([("18", HANGING)] * 6 + [("2", "\\sqrt{4}")])
+    elapsed = time.monotonic() - start
+    assert results == [False] * 6 + [True]
+    assert quick_verifier.timeouts == timeouts + 6
+    assert elapsed < quick_verifier.timeout_s + HEADROOM_S, f"took {elapsed:.2f} s"
+    assert quick_verifier.equivalent("8", "2^{3}") is True  # the warm worker survived its children's kills
+
+
+def test_more_answers_than_parallel_children_all_get_answered():
+    v = MathVerifier(timeout_s=2.0, max_parallel=2)
+    try:
+        pairs = [(str(i), f"\\frac{{{2 * i}}}{{2}}") for i in range(7)] + [("1", "2")]
+        assert v.equivalent_many(pairs) == [True] * 7 + [False]
+        assert v.calls == 8 and v.timeouts == v.crashes == 0
+    finally:
+        v.close()
+
+
+def test_threads_share_the_worker(quick_verifier):
+    # Four threads, each with one hanging comparison: they overlap too.
+    quick_verifier.start()
+    results, start = [], time.monotonic()
+    threads = [threading.Thread(target=lambda: results.append(quick_verifier.equivalent("18", HANGING)))
+               for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert results == [False] * 4
+    assert time.monotonic() - start < quick_verifier.timeout_s + HEADROOM_S
+
+
+@pytest.mark.skipif(not hasattr(os, "killpg"), reason="process groups are POSIX")
+def test_close_kills_the_worker_and_its_children():
+    v = MathVerifier(timeout_s=30.0)
+    v.start()
+    group = v._proc.pid
+    hung = threading.Thread(target=lambda: v.equivalent("18", HANGING))
+    hung.start()
+    time.sleep(0.5)  # a child is computing the tower now
+    v.close()
+    hung.join(timeout=10)
+    assert not hung.is_alive(), "a caller waiting on a closed verifier must be released"
+    deadline = time.monotonic() + 10  # killed children are reaped by init, which takes a moment
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(group, 0)  # signal 0: is anything of the worker's process group left?
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
+    pytest.fail(f"process group {group} still has members 10 s after close()")
 
 
 def test_verifier_rejects_bad_settings_and_oversized_requests(quick_verifier):
@@ -94,6 +167,8 @@ def test_verifier_rejects_bad_settings_and_oversized_requests(quick_verifier):
         MathVerifier(startup_timeout_s=-1)
     with pytest.raises(ValueError, match="memory_limit_mb"):
         MathVerifier(memory_limit_mb=-1)
+    with pytest.raises(ValueError, match="max_parallel"):
+        MathVerifier(max_parallel=0)
     with pytest.raises(ValueError, match="timeout_s must be > 0"):
         quick_verifier.equivalent("1", "1", timeout_s=0)
     with pytest.raises(ValueError, match="too long"):

@@ -11,7 +11,7 @@ import nbformat
 
 def write_notebook(path, cells) -> None:
     nb = nbformat.v4.new_notebook()
-    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nb.metadata["kernelspec"] = {"name": "qerl-kit", "display_name": "QeRL kit (.venv)", "language": "python"}  # make lab
     nb.metadata["language_info"] = {"name": "python"}
     for kind, src in cells:
         src = src.strip("\n")

@@ -40,10 +40,43 @@ def register(sub) -> None:
     p.add_argument("--json", default=None, help="write the full results JSON here (atomic)")
     p.set_defaults(func=_gemm)
 
+    p = bsub.add_parser("train", help="one GRPO step (rollout + scoring + forward/backward + optimizer) through the "
+                                      "real trainer, random-weight Qwen2.5 shapes, per mode")
+    p.add_argument("--models", type=_str_list, default=["qwen2.5-7b"], help="configs from data/configs/")
+    p.add_argument("--modes", type=_str_list, default=["lora", "qlora", "nvfp4", "qerl"])
+    p.add_argument("--batches", type=_int_list, default=[8], help="completions per step")
+    p.add_argument("--prompt-len", type=int, default=256)
+    p.add_argument("--gen-len", type=int, default=2048)
+    p.add_argument("--steps", type=int, default=3, help="steps per case; the first is warm-up")
+    p.add_argument("--lora-rank", type=int, default=32)
+    p.add_argument("--micro-batch", type=int, default=None, help="sequences per forward/backward (default: all)")
+    p.add_argument("--no-gradient-checkpointing", action="store_true")
+    p.add_argument("--mismatch-forward", action="store_true", help="also run the μ = 1 mismatch forward")
+    p.add_argument("--json", default=None, help="write the rows JSON here (atomic)")
+    p.set_defaults(func=_train)
+
     # `qerl bench rollout`: its arguments and handler live in qerl_lib.bench.rollout
     p = bsub.add_parser("rollout", help="rollout speed (TTFT, TPOT, tok/s, peak VRAM): bf16 vs NVFP4 engines")
     rollout.add_arguments(p)
     p.set_defaults(func=rollout.run_cli)
+
+
+def _train(args) -> int:
+    from qerl_lib.io import write_json_atomic
+    from qerl_lib.studies.train_bench import TrainCase, format_bench, run_bench
+
+    cases = [TrainCase(model=m, mode=mode, batch=b, prompt_len=args.prompt_len, gen_len=args.gen_len,
+                       steps=args.steps, lora_rank=args.lora_rank, micro_batch=args.micro_batch,
+                       gradient_checkpointing=not args.no_gradient_checkpointing,
+                       mismatch_forward=args.mismatch_forward)
+             for m in args.models for b in args.batches for mode in args.modes]
+    record = run_bench(cases)
+    record["provenance"]["command"] = " ".join(["qerl", *sys.argv[1:]])
+    print(format_bench(record))
+    if args.json:
+        write_json_atomic(args.json, record)
+        print(f"wrote {args.json}")
+    return 0
 
 
 def _gemm(args) -> int:

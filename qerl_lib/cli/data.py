@@ -20,14 +20,22 @@ def register(sub) -> None:
     p = dsub.add_parser("gsm8k", help="GSM8K from the hub (online) or a local jsonl, re-written as jsonl")
     p.add_argument("--split", choices=("train", "test"), default="test")
     p.add_argument("--path", default=None, help="local GSM8K-schema jsonl (needed offline)")
-    p.add_argument("--n", type=int, default=None)
+    p.add_argument("--n", type=int, default=None, help="the first N problems (default: all)")
     p.add_argument("--out", required=True)
     p.set_defaults(func=_gsm8k)
+
+
+def _check_n(n: int | None) -> None:
+    from qerl_lib.errors import UserError
+
+    if n is not None and n < 0:  # a negative slice would silently drop the last rows
+        raise UserError(f"--n must be >= 0 (the number of problems), got {n}")
 
 
 def _arith(args) -> int:
     from qerl_lib.tasks.problems import generate_arith, write_problems
 
+    _check_n(args.n)
     records = generate_arith(args.split, args.n, args.seed, args.level)
     print(f"wrote {len(records)} {args.split} problems to {write_problems(records, args.out)}")
     return 0
@@ -36,6 +44,7 @@ def _arith(args) -> int:
 def _gsm8k(args) -> int:
     from qerl_lib.tasks.problems import load_gsm8k, write_problems
 
+    _check_n(args.n)
     records = load_gsm8k(args.split, args.path)[: args.n]
     print(f"wrote {len(records)} GSM8K {args.split} problems to {write_problems(records, args.out)}")
     return 0

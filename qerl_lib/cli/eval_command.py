@@ -59,6 +59,10 @@ def _resolve_device_dtype(device: str, dtype: str):
 
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        torch.device(device)
+    except RuntimeError:  # torch's "Expected one of cpu, cuda, ... device type at start of device string"
+        raise UserError(f"--device {device}: not a device torch knows: use auto, cpu, cuda or cuda:N") from None
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise UserError(f"--device {device} but CUDA is not available: use --device cpu")
     if dtype == "auto":
@@ -78,7 +82,7 @@ def _eval(args) -> int:
     from qerl_lib.models.loader import is_nvfp4_checkpoint, load_model, resolve_model_dir
 
     if args.n is not None and args.n < 1:
-        raise UserError(f"--n must be >= 1, got {args.n}")
+        raise UserError(f"--n must be >= 1 (the first N problems), got {args.n}")
     if args.greedy:
         args.temperature, args.samples = 0.0, 1
     if args.quiet:
@@ -91,7 +95,8 @@ def _eval(args) -> int:
                             with_entropy=args.with_entropy, last_number_fallback=args.last_number_fallback)
     except ValueError as e:
         raise UserError(f"{e} (check --samples/--temperature/--top-p/--max-new-tokens/--batch-size)") from None
-    # Data first: a wrong path or an offline hub fails in a second, before any model is loaded.
+    # Data first: a wrong path, a non-UTF-8 file, an empty gold answer or an offline hub fails in a
+    # second, before any model is loaded (load_problems checks every gold answer).
     problems = load_problems(args.data, split=args.split, n=args.n, seed=args.seed, path=args.path)
     device, dtype = _resolve_device_dtype(args.device, args.dtype)
     folder = resolve_model_dir(args.model)
@@ -114,9 +119,9 @@ def _eval(args) -> int:
     print(f"{'pass@1':>8s} {'95% CI':>17s} {'pass@' + str(s['samples']):>8s} {'format':>7s} "
           f"{'length':>7s} {'cut':>6s}" + (f" {'entropy':>8s}" if config.with_entropy else ""))
     lo, hi = s["pass@1_ci95"]
+    entropy = "" if not config.with_entropy else f" {'-':>8s}" if s["entropy"] is None else f" {s['entropy']:8.4f}"
     print(f"{s['pass@1']:8.4f} [{lo:7.4f}, {hi:7.4f}] {s['pass@k']:8.4f} {s['format_rate']:7.3f} "
-          f"{s['mean_length']:7.1f} {s['truncated_rate']:6.3f}" +
-          (f" {s['entropy']:8.4f}" if config.with_entropy else ""))
+          f"{s['mean_length']:7.1f} {s['truncated_rate']:6.3f}{entropy}")
     print(f"{report.timing['tokens_per_second']} tokens/s ({report.timing['sampling_seconds']} s sampling)")
 
     result = {"summary": s, "timing": report.timing,

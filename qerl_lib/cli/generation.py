@@ -43,7 +43,13 @@ def read_prompts(path: str) -> list[str]:
     file = Path(path)
     if not file.is_file():
         raise UserError(f"--prompts {path}: no such file")
-    lines = [line for line in file.read_text(encoding="utf-8").splitlines() if line.strip()]
+    raw = file.read_bytes()
+    try:
+        text = raw.decode("utf-8").removeprefix("\ufeff")  # a byte-order mark some editors write
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        raise UserError(f"{path}:{line}: not UTF-8 text (byte 0x{raw[e.start]:02x}): re-save the file as UTF-8") from None
+    lines = [line for line in text.splitlines() if line.strip()]
     if file.suffix != ".jsonl":
         return lines
     prompts = []
@@ -72,7 +78,12 @@ def _generate(args) -> int:
     messages = [args.prompt] if args.prompt is not None else read_prompts(args.prompts)
     if not messages:
         raise UserError(f"{args.prompts} holds no prompts")
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    try:
+        device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    except RuntimeError:  # torch's "Expected one of cpu, cuda, ... device type at start of device string"
+        raise UserError(f"--device {args.device}: not a device torch knows: use cpu, cuda or cuda:N") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UserError(f"--device {args.device} but CUDA is not available: use --device cpu")
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}.get(
         args.dtype, torch.bfloat16 if device.type == "cuda" else torch.float32)
 

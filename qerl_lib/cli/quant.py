@@ -9,7 +9,8 @@ import re
 def register(sub) -> None:
     p = sub.add_parser("quantize", help="write an NVFP4A16 compressed-tensors checkpoint of a bf16 model")
     p.add_argument("--model", required=True, help="bf16 model: local folder, hub id, or 'smollm2' (embedded)")
-    p.add_argument("--out", required=True, help="output folder (written atomically)")
+    p.add_argument("--out", required=True, help="output folder (written atomically; never the model folder)")
+    p.add_argument("--force", action="store_true", help="replace --out if it exists and is not empty")
     p.add_argument("--scheme", default="NVFP4A16", help="quantization scheme (only NVFP4A16: 4-bit weights, bf16 activations)")
     p.add_argument("--backend", choices=("llmcompressor", "native"), default="llmcompressor",
                    help="llmcompressor: the reference tool (oneshot, data-free); native: this kit's quantizer, "
@@ -30,7 +31,8 @@ def register(sub) -> None:
     p = sub.add_parser("export", help="merge a LoRA adapter into its base model and write a standalone checkpoint")
     p.add_argument("--model", required=True, help="base model the adapter was trained on (bf16 or NVFP4)")
     p.add_argument("--lora", required=True, help="adapter folder (peft format, from training)")
-    p.add_argument("--out", required=True, help="output folder (written atomically)")
+    p.add_argument("--out", required=True, help="output folder (written atomically; never the model or adapter folder)")
+    p.add_argument("--force", action="store_true", help="replace --out if it exists and is not empty")
     p.add_argument("--merge", action="store_true", help="merged dense bf16 weights (the default)")
     p.add_argument("--requantize", action="store_true", help="re-quantize the merged weights to NVFP4A16")
     p.add_argument("--device", default="cpu")
@@ -40,7 +42,8 @@ def register(sub) -> None:
 def _quantize(args) -> int:
     from qerl_lib.models.loader import quantize_checkpoint
 
-    out = quantize_checkpoint(args.model, args.out, scheme=args.scheme, backend=args.backend, device=args.device)
+    out = quantize_checkpoint(args.model, args.out, scheme=args.scheme, backend=args.backend, device=args.device,
+                              force=args.force)
     print(f"wrote {args.scheme} checkpoint ({args.backend}) to {out}")
     return 0
 
@@ -113,7 +116,8 @@ def _inspect(args) -> int:
 def _export(args) -> int:
     from qerl_lib.models.lora import export_model
 
-    out = export_model(args.model, args.lora, args.out, requantize=args.requantize, device=args.device)
+    out = export_model(args.model, args.lora, args.out, requantize=args.requantize, device=args.device,
+                       force=args.force)
     kind = "NVFP4A16 (re-quantized)" if args.requantize else "bf16 (merged)"
     print(f"wrote {kind} checkpoint to {out}")
     return 0

@@ -1,4 +1,8 @@
-"""`qerl reproduce`: execute every notebook headlessly, in order (the main job, `make reproduce`)."""
+"""`qerl reproduce`: execute every notebook headlessly, in order (the main job, `make reproduce`).
+
+Prints each notebook's wall time and the total at the end (also after a failure); no notebook
+to run is an error.
+"""
 
 from __future__ import annotations
 
@@ -10,18 +14,13 @@ def register(sub) -> None:
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--out", default="artifacts", help="folder for executed notebooks (default artifacts/)")
     p.add_argument("--only", nargs="*", default=None, help="run only these notebooks (prefixes like 00 01)")
+    p.add_argument("--notebooks", default=None, help="folder holding the NN_*.ipynb notebooks (default the kit's notebooks/)")
     p.set_defaults(func=_reproduce)
 
 
 def _reproduce(args) -> int:
-    import time
+    from qerl_lib.cli.notebook_runner import NOTEBOOKS_DIR, reproduce
 
-    from qerl_lib.cli.notebook_runner import reproduce
-
-    start = time.perf_counter()
-    runs = reproduce(device=args.device, out_dir=Path(args.out), only=args.only)
-    print(f"\n{'notebook':40s} {'seconds':>8s}")
-    for r in runs:
-        print(f"{r.notebook:40s} {r.seconds:8.1f}")
-    print(f"{'total':40s} {time.perf_counter() - start:8.1f}")
+    notebooks = Path(args.notebooks) if args.notebooks else NOTEBOOKS_DIR
+    reproduce(device=args.device, out_dir=Path(args.out), only=args.only, notebooks_dir=notebooks)
     return 0

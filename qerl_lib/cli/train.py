@@ -7,7 +7,7 @@ import json
 
 def register(sub) -> None:
     from qerl_lib.train.aqn import SCHEDULES
-    from qerl_lib.train.presets import AQN_TARGETS, BASE_FORMATS, DECODE_BACKENDS, MODES, PRESETS
+    from qerl_lib.train.presets import AQN_TARGETS, BASE_FORMATS, DECODE_BACKENDS, MODES, PRESETS, REPORT_TO
 
     p = sub.add_parser("train", help="RL fine-tuning (GRPO/DAPO) of LoRA adapters on a frozen bf16/NF4/NVFP4 base",
                        description="Presets: " + ", ".join(PRESETS) + ". Modes: lora (bf16 base), qlora (NF4 base), "
@@ -26,6 +26,9 @@ def register(sub) -> None:
     p.add_argument("--decode-backend", choices=DECODE_BACKENDS, default=None,
                    help="rollout engine decode path (default auto: CUDA graphs on GPU, eager on CPU)")
     p.add_argument("--save-steps", type=int, default=None, help="checkpoint every N steps (default: the preset's)")
+    p.add_argument("--report-to", choices=REPORT_TO, default=None,
+                   help="also send the step metrics (kit names) to a tracker, offline, under --out: tensorboard "
+                        "(OUT/tensorboard), trackio (OUT/trackio), wandb (WANDB_MODE=offline unless set); default none")
     g = p.add_argument_group("ablations (each independent of the others; a mode is shorthand for --base and --aqn)")
     g.add_argument("--base", choices=BASE_FORMATS, default=None,
                    help="frozen base format instead of the mode's (mxfp4: dense weights fake-quantized to MXFP4)")
@@ -34,7 +37,8 @@ def register(sub) -> None:
     g.add_argument("--schedule", choices=SCHEDULES, default=None, help="AQN σ schedule (default exponential)")
     g.add_argument("--sigma-start", type=float, default=None, help="AQN σ of the first noisy stage")
     g.add_argument("--sigma-end", type=float, default=None, help="AQN σ of the last stage")
-    g.add_argument("--aqn-stages", type=int, default=None, help="AQN stages K (stage 0 is noise-free)")
+    g.add_argument("--aqn-stages", type=int, default=None,
+                   help="AQN stages K >= 2 (stage 0 is noise-free); a run of fewer steps gets one stage per step")
     g.add_argument("--lr", type=float, default=None, help="learning rate for any base (default: the preset's per base)")
     g.add_argument("--lora-rank", type=int, default=None, help="LoRA rank (default: the preset's)")
     g.add_argument("--level", type=int, default=None, help="task level (arith: operations; expr: 1-5)")
@@ -54,7 +58,7 @@ def _train(args) -> int:
                  "decode_backend": args.decode_backend, "save_steps": args.save_steps, "base_format": args.base,
                  "aqn_target": args.aqn, "aqn_schedule": args.schedule, "sigma_start": args.sigma_start,
                  "sigma_end": args.sigma_end, "aqn_stages": args.aqn_stages, "lr": args.lr,
-                 "lora_rank": args.lora_rank, "data_level": args.level}
+                 "lora_rank": args.lora_rank, "data_level": args.level, "report_to": args.report_to}
     if args.is_correction is not None:
         overrides["is_correction"] = args.is_correction == "on"
     config = make_config(args.preset, mode=args.mode, steps=args.steps, seed=args.seed,

@@ -20,7 +20,8 @@ it decides which completions share an engine call) and device therefore
 give the same records and the same summary. Wall-clock numbers live apart, in
 ``EvalReport.timing``, so a summary can be compared for equality.
 
-Scoring is `qerl_lib.tasks.rewards.score_answer`: exact numeric or math-verify equivalence, never the
+Scoring is `qerl_lib.tasks.rewards.score_answers` (all completions in one batch): exact numeric or
+math-verify equivalence, never the
 official evaluator's first-character comparison (which counts "75" vs "72" as correct). The
 answer must be marked (``<answer>``, ``\\boxed``, ``####``) unless ``last_number_fallback=True``,
 which also accepts the last number of the text (useful for base models that ignore the format).
@@ -39,7 +40,7 @@ import torch
 from qerl_lib.tasks.problems import encode_problems, gold_answer
 from qerl_lib.engine.rollout import generate
 from qerl_lib.evals.entropy import mean_token_entropy, token_entropies
-from qerl_lib.tasks.rewards import extract_answer, format_reward, score_answer
+from qerl_lib.tasks.rewards import extract_answer, format_reward, score_answers
 
 
 @dataclass
@@ -97,8 +98,8 @@ def evaluate(model, tokenizer, problems: list[dict], config: EvalConfig | None =
     config = config or EvalConfig()
     if not problems:
         raise ValueError("no problems to evaluate: the dataset is empty")
+    golds = [gold_answer(p) for p in problems]  # first: a problem without a gold answer fails before any work
     prompt_ids = encode_problems(tokenizer, problems)
-    golds = [gold_answer(p) for p in problems]
     flat = [(i, k) for i in range(len(problems)) for k in range(config.samples)]
     completions: dict[tuple[int, int], object] = {}
     start = time.perf_counter()
@@ -114,18 +115,22 @@ def evaluate(model, tokenizer, problems: list[dict], config: EvalConfig | None =
     bar.close()
     seconds = time.perf_counter() - start
 
+    texts_of = {key: tokenizer.decode(out.token_ids, skip_special_tokens=True) for key, out in completions.items()}
+    # One batch for the scorer: answers that need math-verify are checked side by side.
+    scores = dict(zip(flat, score_answers([texts_of[key] for key in flat], [golds[i] for i, _ in flat],
+                                          last_number_fallback=config.last_number_fallback,
+                                          first_number=config.first_number)))
     records = []
     for i, problem in enumerate(problems):
         outs = [completions[(i, k)] for k in range(config.samples)]
-        texts = [tokenizer.decode(o.token_ids, skip_special_tokens=True) for o in outs]
+        texts = [texts_of[(i, k)] for k in range(config.samples)]
         records.append({
             "index": i, "id": problem.get("id", i), "question": problem["question"], "gold": golds[i],
             "completions": texts,
             "completion_ids": [list(o.token_ids) for o in outs],
             "answers": [extract_answer(t, last_number_fallback=config.last_number_fallback,
                                        first_number=config.first_number) for t in texts],
-            "correct": [score_answer(t, golds[i], last_number_fallback=config.last_number_fallback,
-                                   first_number=config.first_number) for t in texts],
+            "correct": [scores[(i, k)] for k in range(config.samples)],
             "formatted": [format_reward(t) for t in texts],
             "lengths": [len(o.token_ids) for o in outs],
             "finish_reasons": [o.finish_reason for o in outs],
@@ -141,8 +146,9 @@ def evaluate(model, tokenizer, problems: list[dict], config: EvalConfig | None =
                                [completions[key].token_ids for key in flat],
                                batch_size=config.entropy_batch_size)
         for (i, k), e in zip(flat, ents):
-            records[i].setdefault("entropy", []).append(float(e.mean()) if e.numel() else float("nan"))
-        summary["entropy"] = mean_token_entropy(ents)
+            records[i].setdefault("entropy", []).append(float(e.mean()) if e.numel() else None)  # None: no tokens
+        entropy = mean_token_entropy(ents)
+        summary["entropy"] = entropy if math.isfinite(entropy) else None  # None: every completion was empty
     return EvalReport(summary=summary, records=records, timing=timing)
 
 

@@ -36,7 +36,7 @@ Why the numbers can differ from ``qerl eval``
 lm-eval's ``exact_match`` compares strings: "72.0" vs "72" is wrong there and right in the
 kit's scorer (exact `Fraction` equality, math-verify for LaTeX); and its regexes take the first
 number inside ``<answer>`` where the kit takes the whole block. `run_lm_eval` therefore also
-re-scores every raw response with `qerl_lib.tasks.rewards.score_answer` (``kit_accuracy``), so both
+re-scores every raw response with `qerl_lib.tasks.rewards.score_answers` (``kit_accuracy``), so both
 numbers sit side by side, computed from the same generations.
 
 Equivalent shell command (after ``write_task(DATA, TASK_DIR)``)::
@@ -50,6 +50,7 @@ Equivalent shell command (after ``write_task(DATA, TASK_DIR)``)::
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 
@@ -124,7 +125,8 @@ def run_lm_eval(model_dir: str | os.PathLike, data_path: str | os.PathLike, *, l
     Returns ``{"task", "n", "metrics": {filter: {"exact_match", "exact_match_stderr"}},
     "kit_accuracy", "samples": [{"doc_id", "question", "gold", "prompt", "response", "filtered": {filter: str},
     "exact_match": {filter: 0/1}, "kit_correct"}]}``. ``kit_accuracy`` re-scores the same raw responses with the
-    kit's scorer (see the module docstring for why the two may differ). ``prompt`` in each sample
+    kit's scorer (see the module docstring for why the two may differ); it is None when there are no
+    samples, as is a metric lm-eval reports as "N/A" or non-finite (JSON never holds NaN). ``prompt`` in each sample
     is the exact text lm-eval sent (chat template applied), for checking against the kit's prompt.
 
     `dtype` defaults to bfloat16 on CUDA and float32 on CPU: CPUs without AVX512-BF16 emulate bf16
@@ -160,26 +162,35 @@ def run_lm_eval(model_dir: str | os.PathLike, data_path: str | os.PathLike, *, l
 def summarise_results(results: dict, task: str = DEFAULT_TASK) -> dict:
     """Pull the per-filter exact match and the per-sample responses out of lm-eval's result dict,
     and re-score each raw response with the kit's scorer."""
-    from qerl_lib.tasks.rewards import extract_gold, score_answer
+    from qerl_lib.tasks.rewards import extract_gold, score_answers
 
     raw = results["results"][task]
     metrics = {}
     for key, value in raw.items():  # keys look like "exact_match,answer-tag"
         metric, _, filt = key.partition(",")
         if metric in ("exact_match", "exact_match_stderr") and filt:
-            metrics.setdefault(filt, {})[metric] = None if value == "N/A" else float(value)
+            metrics.setdefault(filt, {})[metric] = None if value == "N/A" else _finite_or_none(float(value))
     by_doc: dict[int, dict] = {}
+    answer_fields: dict[int, str] = {}
     for s in results.get("samples", {}).get(task, []):  # one entry per (problem, filter)
         entry = by_doc.get(s["doc_id"])
         if entry is None:
             response = s["resps"][0][0]  # the raw generation, the same for every filter
             entry = by_doc[s["doc_id"]] = {
                 "doc_id": s["doc_id"], "question": s["doc"]["question"], "gold": extract_gold(s["doc"]["answer"]),
-                "prompt": s["arguments"][0][0], "response": response, "filtered": {}, "exact_match": {},
-                "kit_correct": score_answer(response, s["doc"]["answer"])}
+                "prompt": s["arguments"][0][0], "response": response, "filtered": {}, "exact_match": {}}
+            answer_fields[s["doc_id"]] = s["doc"]["answer"]
         entry["filtered"][s["filter"]] = s["filtered_resps"][0]
         entry["exact_match"][s["filter"]] = float(s["exact_match"])
     samples = list(by_doc.values())
     samples.sort(key=lambda s: s["doc_id"])
-    kit = sum(s["kit_correct"] for s in samples) / len(samples) if samples else float("nan")
+    # One batch: answers that need math-verify are checked side by side.
+    scores = score_answers([s["response"] for s in samples], [answer_fields[s["doc_id"]] for s in samples])
+    for sample, score in zip(samples, scores):
+        sample["kit_correct"] = score
+    kit = sum(scores) / len(samples) if samples else None  # None, not NaN: this goes into JSON
     return {"task": task, "n": len(samples), "metrics": metrics, "kit_accuracy": kit, "samples": samples}
+
+
+def _finite_or_none(value: float) -> float | None:
+    return value if math.isfinite(value) else None

@@ -44,7 +44,7 @@ import torch
 from peft.tuners.lora.layer import Linear as _PeftLoraLinear
 from torch import nn
 
-from qerl_lib.io import atomic_directory
+from qerl_lib.io import atomic_directory, prepare_output_folder
 from qerl_lib.models.fused import PROJECTIONS
 from qerl_lib.models.nvfp4_linear import NVFP4Linear
 
@@ -127,14 +127,26 @@ def trainable_parameter_names(model: nn.Module) -> list[str]:
 
 
 # ----------------------------------------------------------------------------- save / load
-def save_adapters(model, adapter_dir: str | os.PathLike) -> Path:
+# what peft's save_pretrained writes into an adapter folder; a folder holding only these may be replaced
+ADAPTER_FILES = frozenset({"adapter_config.json", "adapter_model.safetensors", "README.md"})
+
+
+def save_adapters(model, adapter_dir: str | os.PathLike, force: bool = False) -> Path:
     """Save the adapters (and trainable norms) in peft format, atomically: adapter_config.json +
-    adapter_model.safetensors."""
+    adapter_model.safetensors.
+
+    An existing ``adapter_dir`` is replaced (by rename, once the new one is complete) only when it holds
+    nothing but adapter files (``ADAPTER_FILES``), or with ``force``; anything else there is refused
+    with a ``UserError`` before the model is touched (``io.prepare_output_folder``).
+    """
     from peft import PeftModel
 
     if not isinstance(model, PeftModel):
         raise ValueError("save_adapters expects the PeftModel returned by attach_lora / load_adapters")
     adapter_dir = Path(adapter_dir)
+    only_adapter_files = adapter_dir.is_dir() and not adapter_dir.is_symlink() and all(
+        p.is_file() and p.name in ADAPTER_FILES for p in adapter_dir.iterdir())
+    prepare_output_folder(adapter_dir, force=force or only_adapter_files, flag="adapter folder")
     with atomic_directory(adapter_dir) as tmp:
         model.save_pretrained(str(tmp), safe_serialization=True)
     return adapter_dir
@@ -248,21 +260,30 @@ def merge_to_bf16(model: nn.Module, dtype: torch.dtype = torch.bfloat16) -> nn.M
 
 
 def export_model(model_path: str | os.PathLike, lora_dir: str | os.PathLike, out_dir: str | os.PathLike,
-                 requantize: bool = False, device: str = "cpu") -> Path:
+                 requantize: bool = False, device: str = "cpu", force: bool = False) -> Path:
     """Base checkpoint + adapter folder -> a standalone checkpoint, written atomically.
 
     ``requantize=False``: merged dense bf16 (loads anywhere). ``requantize=True``: the merged weights
     quantized again to NVFP4A16 (compressed-tensors, loads in vLLM); note that re-quantizing rounds the
-    merged weight to the 4-bit grid again, so small LoRA deltas can partly vanish.
+    merged weight to the 4-bit grid again, so small LoRA deltas can partly vanish. ``out_dir`` is checked
+    before anything loads (``io.prepare_output_folder``): an existing non-empty folder only with ``force``,
+    never the model or adapter folder, a folder around one of them, or one inside them. A merged model
+    holding NaN or Inf (a diverged adapter) is refused before anything is written.
     """
+    from qerl_lib.errors import UserError
     from qerl_lib.models.checkpoint import copy_side_files
-    from qerl_lib.models.loader import load_model, replace_linear_with_nvfp4, resolve_model_dir, save_nvfp4_checkpoint
+    from qerl_lib.models.loader import (first_non_finite, load_model, replace_linear_with_nvfp4, resolve_model_dir,
+                                        save_nvfp4_checkpoint)
 
     source = resolve_model_dir(model_path)
+    out_dir = prepare_output_folder(out_dir, [source, lora_dir], force)
     base = load_model(source, device=device)
     dense_linears = [n for n, m in base.named_modules() if isinstance(m, nn.Linear)]  # kept dense (lm_head)
     merged = merge_to_bf16(load_adapters(base, lora_dir, is_trainable=False))
-    out_dir = Path(out_dir)
+    bad = first_non_finite(merged)
+    if bad is not None:
+        raise UserError(f"{lora_dir}: merging this adapter gives NaN or Inf in {bad[0]!r} (e.g. at index {bad[1]}); "
+                        "the adapter is broken (a diverged run?): export an adapter from a finite run")
     if requantize:
         replace_linear_with_nvfp4(merged, ignore=dense_linears or ("lm_head",))
         return save_nvfp4_checkpoint(merged, out_dir, source_dir=source)

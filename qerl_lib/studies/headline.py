@@ -56,6 +56,10 @@ RESULT_FILES = {
                "the pre-registered paired comparisons, per-step curves, the sweep spec, GPU and versions "
                "(`qerl claims --export` from the sweep folders in `dev/runs/claims/`). Notebook 07; "
                "`figures/07_*.png`",
+    "train_step_h100.json": "one GRPO step through the real trainer (`qerl bench train`): random-weight Qwen2.5-7B "
+                            "(lora, nvfp4, qerl; batch 8) and 32B (qerl; batch 2) shapes, 256 + 2048 tokens, LoRA "
+                            "r32, gradient checkpointing; rollout, training and step seconds, peak memory, the "
+                            "paper's number beside; two runs merged",
     "calibration.json": "the expression task's calibration for the claim sweeps: the untrained SmolLM2's pass@1 "
                         "and share of mixed-reward groups of 8 per (base, level, temperature), 128 training problems "
                         "each, and the setting the pre-registered rule chose (`qerl_lib/studies/calibration.py`, "
@@ -271,6 +275,35 @@ def _training_row(results_dir) -> tuple:
             device_name(doc, file), file)
 
 
+TRAIN_STEP_KEYS = ("model", "mode", "batch", "gen_len", "completion_len", "rollout_s", "step_s", "peak_gib", "paper",
+                   "error")
+
+
+def _train_step_rows(results_dir) -> list[tuple]:
+    file = "train_step_h100.json"
+    doc = load_result(results_dir, file)
+    rows = [r for r in _rows(doc, file, TRAIN_STEP_KEYS) if r["error"] is None]
+
+    def row(model, mode, batch):
+        hit = [r for r in rows if (r["model"], r["mode"], r["batch"]) == (model, mode, batch)]
+        if not hit:
+            raise ResultsError(f"{file}: no measured row with model={model}, mode={mode}, batch={batch}")
+        return hit[0]
+
+    dev = device_name(doc, file)
+    lora, qerl, big = row("qwen2.5-7b", "lora", 8), row("qwen2.5-7b", "qerl", 8), row("qwen2.5-32b", "qerl", 2)
+    return [
+        (f"GRPO step (rollout + scoring + forward/backward + AdamW), Qwen2.5-7B shapes, batch 8, 256 + "
+         f"{qerl['gen_len']} tokens, LoRA r32: qerl / lora",
+         f"{qerl['step_s']:.1f} / {lora['step_s']:.1f} s = {_x(lora['step_s'] / qerl['step_s'])}, peak "
+         f"{qerl['peak_gib']:.1f} vs {lora['peak_gib']:.1f} GiB (paper, Tab. 3: {qerl['paper'].replace('x', '×', 1)})",
+         dev, file),
+        (f"the same step for Qwen2.5-32B shapes, mode qerl, batch 2, on one GPU",
+         f"{big['step_s']:.1f} s ({big['rollout_s']:.1f} s rollout of {big['completion_len']:.0f}-token completions), "
+         f"peak {big['peak_gib']:.1f} GiB (paper, Tab. 8: {big['paper']}, shorter completions)", dev, file),
+    ]
+
+
 TOPICS = ("gemm", "rollout", "entropy", "training")
 
 
@@ -293,7 +326,7 @@ def headline_rows(results_dir: str | Path = RESULTS_DIR,
     if "entropy" in topics:
         rows += _entropy_rows(results_dir)
     if "training" in topics:
-        rows.append(_training_row(results_dir))
+        rows += [*_train_step_rows(results_dir), _training_row(results_dir)]
     return rows
 
 

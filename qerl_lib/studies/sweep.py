@@ -363,17 +363,18 @@ def run_one(folder: str | os.PathLike) -> dict:
 
 
 def _train_resumably(config, train_dir: Path) -> None:
-    from transformers.trainer_utils import get_last_checkpoint
+    """Train the run in ``train_dir``, continuing whatever a killed worker left there.
 
+    A finished adapter means only the evaluation was missing. A folder with ``run.json`` is resumed from
+    its newest complete checkpoint (``metrics.prepare_output``; incomplete ones, from a worker killed while
+    saving, are skipped, and with none complete the run starts over from step 0). A folder without
+    ``run.json`` was left before training began and starts fresh (nothing in it is a run's file).
+    """
     from qerl_lib.train.grpo import train
 
     if (train_dir / "adapter" / "adapter_config.json").is_file():
         return  # trained; only the evaluation was missing
-    ckpt_dir = train_dir / "checkpoints"
-    has_checkpoint = ckpt_dir.is_dir() and get_last_checkpoint(str(ckpt_dir)) is not None
-    if train_dir.exists() and not has_checkpoint:
-        shutil.rmtree(train_dir)  # killed before its first checkpoint: this folder is the sweep's own, start over
-    train(config, train_dir, resume=has_checkpoint, quiet=True)
+    train(config, train_dir, resume=(train_dir / "run.json").is_file(), quiet=True)
 
 
 def _evaluate(config, adapter_dir: Path | None, spec: EvalSpec) -> dict:

@@ -185,33 +185,54 @@ def _exact_div(a: int, b: int) -> int:
 
 
 def gold_answer(record: dict) -> str:
-    """The final answer of a GSM8K-schema record: the text after the last `####`, commas removed."""
-    answer = record.get("answer", "")
-    if "####" not in answer:
-        raise UserError(f"record has no '#### N' final answer: {answer[:80]!r}")
-    return answer.rsplit("####", 1)[1].strip().replace(",", "")
+    """The final answer of a GSM8K-schema record: the first line after the last `####`, commas
+    removed. UserError when there is none (no `####`, or nothing after it)."""
+    answer = record.get("answer")
+    problem = _gold_problem(answer)
+    if problem:
+        raise UserError(f"{problem}: every answer must end with '#### N'")
+    return answer.rsplit("####", 1)[1].strip().splitlines()[0].strip().replace(",", "")
+
+
+def _gold_problem(answer) -> str | None:
+    """What is wrong with an ``answer`` field as a source of the final answer, or None."""
+    if not isinstance(answer, str) or "####" not in answer:
+        return f"no '#### N' final answer (answer: {str(answer)[:60]!r})"
+    if not answer.rsplit("####", 1)[1].strip().replace(",", ""):
+        return "the gold answer is empty (nothing after '####')"
+    return None
 
 
 # ---------------------------------------------------------------------------------------------
 # GSM8K and files
 
 def read_problems(path: str | Path) -> list[dict]:
-    """Read a GSM8K-schema jsonl file, checking every record has `question` and `answer` with `####`."""
+    """Read a GSM8K-schema jsonl file (UTF-8), checking every record has a `question` and an `answer`
+    ending in a non-empty `#### N`; UserError naming the file and line otherwise."""
     path = Path(path).expanduser()
     if not path.is_file():
         raise UserError(f"{path} does not exist: pass a jsonl file with 'question' and 'answer' fields")
     records = []
-    with open(path, encoding="utf-8") as f:
-        for i, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for i, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise UserError(f"{path}:{i}: not UTF-8 text (byte 0x{raw[e.start]:02x} at column {e.start + 1}): "
+                                "re-save the file as UTF-8") from None
+            if i == 1:
+                line = line.removeprefix("\ufeff")  # a byte-order mark some editors write
             if not line.strip():
                 continue
             try:
                 rec = json.loads(line)
             except json.JSONDecodeError as e:
                 raise UserError(f"{path}:{i} is not valid JSON ({e.msg}): fix or regenerate the file") from None
-            if not isinstance(rec, dict) or "question" not in rec or "####" not in str(rec.get("answer", "")):
-                raise UserError(f"{path}:{i} is not in GSM8K schema: each line needs 'question' and an "
-                                "'answer' ending with '#### N'")
+            problem = ("not a JSON object with a 'question' field" if not isinstance(rec, dict) or "question" not in rec
+                       else _gold_problem(rec.get("answer")))
+            if problem:
+                raise UserError(f"{path}:{i} is not in GSM8K schema ({problem}): each line needs 'question' and "
+                                "an 'answer' ending with '#### N'")
             records.append(rec)
     return records
 
@@ -238,7 +259,11 @@ def load_gsm8k(split: str = "test", path: str | Path | None = None) -> list[dict
 def load_problems(data: str = "arith", split: str = "test", n: int | None = None, seed: int = 0,
                   path: str | Path | None = None, level: int | None = None) -> list[dict]:
     """One entry point for every command: `arith` (generated word problems), `expr` (generated bare
-    expressions, `tasks/expressions.py`), `gsm8k` (hub or `path`), or `file` (`path`)."""
+    expressions, `tasks/expressions.py`), `gsm8k` (hub or `path`), or `file` (`path`); the first `n`
+    (all when None). Every returned record has a non-empty gold answer, checked here, before any
+    model runs; a negative `n` is a UserError (a slice would silently drop the last rows)."""
+    if n is not None and n < 0:
+        raise UserError(f"n (--n) must be >= 0, got {n}")
     if data == "expr":
         from qerl_lib.tasks.expressions import generate_expressions  # it imports this module
 
@@ -256,7 +281,12 @@ def load_problems(data: str = "arith", split: str = "test", n: int | None = None
         raise UserError(f"unknown data source {data!r}: use arith, expr, gsm8k or file")
     if not records:
         raise UserError(f"no problems in {data} ({path or split}): the dataset is empty")
-    return records[:n] if n is not None else records
+    records = records[:n] if n is not None else records
+    for i, record in enumerate(records):
+        problem = _gold_problem(record.get("answer") if isinstance(record, dict) else None)
+        if problem:
+            raise UserError(f"{data} ({path or split}) problem {i}: {problem}; every answer must end with '#### N'")
+    return records
 
 
 def write_problems(records: Iterable[dict], out: str | Path) -> Path:

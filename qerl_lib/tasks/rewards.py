@@ -10,7 +10,8 @@ How a completion is scored
       holds a ``\\boxed{...}``, the boxed content is the answer. This block is final even when it is
       empty: an empty block gives no answer, we do not go looking elsewhere;
    b. else the last ``\\boxed{...}`` (braces balanced; ``\\fbox`` too), the MATH/BigMath habit;
-   c. else the last ``#### N`` (GSM8K's own answer format, and the paper-era official prompt's);
+   c. else the last ``#### N``, the rest of its line (GSM8K's own answer format, and the
+      paper-era official prompt's);
    d. else, only if ``last_number_fallback=True``, the last number anywhere in the text.
 
    With ``first_number=True`` (the bare-expression task, ``tasks/expressions.py``) none of the
@@ -20,16 +21,28 @@ How a completion is scored
    The training reward keeps (d) **off**: producing a marked answer is part of the task, and the
    paper-era official scorer also required its marker. (d) is for scoring base models that ignore
    the instruction. Tags are case-sensitive; an unclosed ``<answer>`` (truncated output) gives no answer.
-3. **Equivalence** (`answers_match`), pred vs gold:
+3. **Equivalence** (`answers_match`), pred vs gold. *The final answer must be one answer*: a
+   single number, or a closed form equal to the gold. Expressions and lists never score.
 
-   * fast path, exact: when both sides read as a *plain number* (`parse_plain_number`) they are
-     compared as exact `Fraction`s, so 7 == 7.0 == 7.00, 0.5 == 1/2, 1,234 == 1234. A plain number
-     is one number (thousands commas in groups of three, optional sign and decimals, or ``a/b``)
-     with only words around it: ``$18``, ``18 dollars``, ``She has 18 apples.``, ``25%`` (the ``%``
-     is ignored, so "25%" equals 25, not 0.25), ``5 + 13 = 18`` (the text after the last ``=``);
-   * otherwise math-verify (``parse`` + ``verify``) on the answer wrapped in ``$...$``, for LaTeX,
-     fractions and expressions (``\\frac{1}{2}``, ``\\sqrt{4}``, ``2^{3}``); it runs in a worker
-     process under a hard wall-clock limit (`MathVerifier`, default 2 s per answer).
+   * **List**: two or more parts holding a number or LaTeX, split at top-level commas (not
+     thousands commas), semicolons, line breaks, ``\\\\``, "or" and "and": ``72, 75``, ``72\\n73``,
+     ``72 or 75``, ``x = 1, y = 2``. A list scores 0 unless the gold is a list too. Prose around
+     one number is fine: ``She has 18 apples, all red.``
+   * **Plain number** (`parse_plain_number`): one number (thousands commas in groups of three,
+     optional sign and decimals, a fraction ``a/b`` or ``\\frac{a}{b}``) with only words around it:
+     ``$18``, ``18 dollars``, ``25%`` (the ``%`` is ignored, so "25%" equals 25, not 0.25),
+     ``72^\\circ``, ``**18**``; in an equation the text after the last ``=`` (``5 + 13 = 18``).
+   * **Expression**: arithmetic of plain numbers only (``60+12``, ``3 \\times 4``, ``2^{3}``).
+
+   When the gold is a plain number (GSM8K, the generated tasks: every gold the kit ships), the
+   prediction must be a plain number too, and the two are compared as exact `Fraction`s: 7 ==
+   7.0 == 7.00, 0.5 == 1/2 == \\frac{1}{2}, 1,234 == 1234. Anything else scores 0 without
+   math-verify: ``60+12``, ``2^{3}`` and ``\\sqrt{4}`` leave the arithmetic undone. Otherwise the
+   gold is a closed form (``\\frac{\\sqrt{3}}{2}``, ``2\\pi``) and math-verify (``parse`` +
+   ``verify``) decides, on both answers wrapped in ``$...$``, unless the prediction is a list or an
+   expression and the gold is not. math-verify runs in worker processes under a hard wall-clock
+   limit per answer (`MathVerifier`, default 2 s); a batch (`score_answers`, `accuracy_reward`)
+   is checked side by side, so N slow answers take about one limit, not N.
 4. **Format** (`format_reward`): 1.0 iff the completion is exactly one non-empty ``<think>`` block
    followed by one non-empty ``<answer>`` block, with only whitespace around them.
 
@@ -37,7 +50,7 @@ Why math-verify runs in a worker process
 ----------------------------------------
 math-verify's own time limit is ``signal.alarm``, which cannot interrupt a C-level big-integer
 power (``10**10**10**10``) and does not work off the main thread. `qerl_lib.tasks.verifier.MathVerifier`
-runs it in a killable worker process instead (details there). Answers longer than
+runs it in killable children of a warm worker instead (details there). Answers longer than
 ``max_answer_chars`` (1000) score 0 without parsing. Model output is never ``eval``'ed: numbers go
 through `Fraction`, the rest through math-verify's LaTeX/sympy parser.
 
@@ -54,13 +67,15 @@ Where we deviate from the official code (docs/paper_settings.md; QeRL arXiv 2510
   stuffing several answer blocks does not earn the format reward.
 
 TRL glue: `accuracy_reward` and `format_reward_func` take TRL's ``reward_funcs`` signature;
-`SafeReward` wraps any of them so that one completion that raises scores 0.0 and is counted.
+`SafeReward` wraps any of them so that one completion that raises scores 0.0 and is counted; a
+function marked ``thread_safe`` (`accuracy_reward`) it calls for all completions at once, in threads.
 """
 
 from __future__ import annotations
 
 import inspect
 import re
+from concurrent.futures import ThreadPoolExecutor
 from fractions import Fraction
 from typing import Any, Callable
 
@@ -70,7 +85,7 @@ from qerl_lib.tasks.verifier import DEFAULT_TIMEOUT_S, MathVerifier, shared_veri
 __all__ = [  # the verifier names are re-exported: callers import everything scoring needs from here
     "DEFAULT_TIMEOUT_S", "DEFAULT_MAX_ANSWER_CHARS", "MathVerifier", "SafeReward", "accuracy_reward",
     "answers_match", "completion_text", "extract_answer", "extract_gold", "format_reward",
-    "format_reward_func", "last_boxed", "parse_plain_number", "score_answer", "shared_verifier",
+    "format_reward_func", "last_boxed", "parse_plain_number", "score_answer", "score_answers", "shared_verifier",
 ]
 DEFAULT_MAX_ANSWER_CHARS = 1000  # no GSM8K/MATH final answer is this long; longer ones score 0 unparsed
 
@@ -202,58 +217,158 @@ def extract_gold(answer_field: str) -> str:
     return text
 
 
-# ---- Equivalence: exact fast path for plain numbers ----------------------------------------------
+# ---- Equivalence: one answer, exact on plain numbers ---------------------------------------------
 
 _TEXT_WRAPPERS_RE = re.compile(r"\\(?:text|textbf|textit|textrm|mathrm|mathbf|mbox|operatorname)\s*\{([^{}]*)\}")
 _LATEX_SPACES_RE = re.compile(r"\\[,!;: ]|~")
-_FRACTION_RE = re.compile(r"([-+]?\d+)\s*/\s*(\d+)", re.ASCII)
+_THIN_SPACE_THOUSANDS_RE = re.compile(r"(?<=\d)\\,(?=\d{3}(?!\d))")  # 1\,234
+_DEGREES_RE = re.compile(r"\^\s*(?:\{\s*\\circ\s*\}|\\circ)|\u00b0")
+_SIGNED_NUM = f"(?:{_NUM})"
+_LATEX_FRAC_RE = re.compile(rf"\\[dt]?frac\s*(?:\{{\s*({_SIGNED_NUM})\s*\}}\s*\{{\s*({_SIGNED_NUM})\s*\}}|(\d)\s*(\d))",
+                            re.ASCII)
+# One number or fraction a/b (the denominator may carry a sign when it came from \frac{1}{-2}).
+_VALUE_RE = re.compile(rf"(?<![\w.])({_NUM})(?:\s*/\s*({_SIGNED_NUM}))?(?!\d|[.,]\d)", re.ASCII)
 # What may surround the one number of a plain answer: words, spaces, light punctuation, currency
-# and %, and "/" only between letters (km/h). No digits, no operators, no braces.
-_PROSE_RE = re.compile(r"(?:[A-Za-z\s%.,:;'!?&()\u20ac\u00a3-]|(?<=[A-Za-z])/(?=[A-Za-z]))*")
+# and %, "/" between letters (km/h) and "-" inside words (18-year-old). No digits, operators, braces.
+_PROSE_RE = re.compile(r"(?:[A-Za-z\s%.,:;'!?&()\u20ac\u00a3]|(?<=[A-Za-z])/(?=[A-Za-z])"
+                       r"|(?<=[A-Za-z0-9])-(?=[A-Za-z]))*")
+_SEPARATOR_WORDS_RE = re.compile(r"\b(?:or|and)\b", re.IGNORECASE)
+_MATHY_RE = re.compile(r"[0-9\\]")
+# Arithmetic of plain numbers, once each number is replaced by "N" (see `_answer_shape`).
+_ARITHMETIC_RE = re.compile(r"(?:N|\s|[-+*/^()\[\]{}\u00d7\u00b7\u22c5\u00f7]|\\times|\\cdot|\\div|\\left|\\right)*")
 
 
 def _normalize(text: str) -> str:
-    s = text.replace("\u2212", "-").replace("\u2248", "=").replace("\\%", "%")
+    s = text.replace("\u2212", "-").replace("\u2248", "=").replace("\\%", "%").replace("{,}", ",")
     s = s.replace("\\$", "").replace("$", "")
     for delim in ("\\(", "\\)", "\\[", "\\]"):
         s = s.replace(delim, "")
     for _ in range(3):  # \text{\textbf{18}} nests at most a couple of levels in practice
         s = _TEXT_WRAPPERS_RE.sub(r"\1", s)
+    s = _THIN_SPACE_THOUSANDS_RE.sub("", s)
+    s = _DEGREES_RE.sub("", s)
     s = _LATEX_SPACES_RE.sub(" ", s)
-    if s.lstrip().startswith("####"):
-        s = s.lstrip()[4:]
-    return s.strip()
+    s = _LATEX_FRAC_RE.sub(lambda m: f"{m.group(1) or m.group(3)}/{m.group(2) or m.group(4)}", s)
+    s = s.strip()
+    if s.startswith("####"):
+        s = s[4:].strip()
+    while s.startswith("{") and _braced_content(s, 0) == s[1:-1]:  # {72}: one group around all of it
+        s = s[1:-1].strip()
+    return s
 
 
-def parse_plain_number(text: str) -> Fraction | None:
-    """The exact value of a plain-number answer (see module docstring), or None when `text` is not
-    one (no number, several numbers, operators, LaTeX): those go to math-verify."""
-    s = _normalize(text)
+def _is_thousands_comma(s: str, i: int) -> bool:
+    return 0 < i and s[i - 1].isdigit() and s[i + 1:i + 4].isdigit() and len(s[i + 1:i + 4]) == 3 and \
+        not s[i + 4:i + 5].isdigit()
+
+
+def _top_level_parts(s: str) -> list[str]:
+    """`s` cut at separators outside brackets: commas that are not thousands commas, semicolons,
+    line breaks, LaTeX's ``\\\\`` and the words "or"/"and"."""
+    s = _SEPARATOR_WORDS_RE.sub(";", s.replace("\\\\", ";"))
+    parts, depth, start = [], 0, 0
+    for i, ch in enumerate(s):
+        if ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth = max(0, depth - 1)
+        elif depth == 0 and (ch in ";\n" or (ch == "," and not _is_thousands_comma(s, i))):
+            parts.append(s[start:i])
+            start = i + 1
+    parts.append(s[start:])
+    return parts
+
+
+def _is_list(normalized: str) -> bool:
+    return sum(bool(_MATHY_RE.search(part)) for part in _top_level_parts(normalized)) >= 2
+
+
+def _plain_value(s: str) -> Fraction | None:
+    """The one number (or a/b) of a normalized, list-free answer with only prose around it."""
     if "=" in s:
         s = s.rsplit("=", 1)[1]
     s = s.strip().strip("*_").strip()  # markdown emphasis: **18**
     s = s.rstrip(".").strip()
-    fraction = _FRACTION_RE.fullmatch(s)
-    if fraction:
-        numerator, denominator = int(fraction.group(1)), int(fraction.group(2))
-        return Fraction(numerator, denominator) if denominator else None
-    numbers = list(_NUMBER_RE.finditer(s))
-    if len(numbers) != 1:
+    s = re.sub(r"^-\s+(?=\.?\d)", "-", s)  # "- 5": a sign set apart
+    values = list(_VALUE_RE.finditer(s))
+    if len(values) != 1:
         return None
-    number = numbers[0]
-    if not _PROSE_RE.fullmatch(s[:number.start()] + " " + s[number.end():]):
+    value = values[0]
+    # Prose before the number, then after it (matched in place, so "-year-old" sees the digit before it).
+    if not (_PROSE_RE.fullmatch(s[:value.start()] + " ") and _PROSE_RE.fullmatch(s, value.end())):
         return None
-    return Fraction(number.group().replace(",", ""))
+    numerator = Fraction(value.group(1).replace(",", ""))
+    if value.group(2) is None:
+        return numerator
+    denominator = Fraction(value.group(2).replace(",", ""))
+    return numerator / denominator if denominator else None
+
+
+def parse_plain_number(text: str) -> Fraction | None:
+    """The exact value of a plain-number answer (see module docstring), or None when `text` is not
+    one: no number, a list, an expression, LaTeX other than ``\\frac`` of two numbers."""
+    s = _normalize(text)
+    return None if _is_list(s) else _plain_value(s)
+
+
+def _answer_shape(text: str) -> str:
+    """'list', 'number', 'expression' (arithmetic of plain numbers) or 'other' (LaTeX, symbols)."""
+    s = _normalize(text)
+    if _is_list(s):
+        return "list"
+    if _plain_value(s) is not None:
+        return "number"
+    last_side = s.rsplit("=", 1)[1] if "=" in s else s
+    numbers = _VALUE_RE.subn("N", last_side)
+    if numbers[1] >= 2 and _ARITHMETIC_RE.fullmatch(numbers[0]):
+        return "expression"
+    return "other"
+
+
+def _match_without_verifier(pred: str, gold: str) -> bool | None:
+    """Whether `pred` equals `gold` when that is decided without math-verify, else None."""
+    gold_value = parse_plain_number(gold)
+    if gold_value is not None:
+        return parse_plain_number(pred) == gold_value
+    pred_shape = _answer_shape(pred)
+    if pred_shape in ("list", "expression") and pred_shape != _answer_shape(gold):
+        return False
+    return None
 
 
 def answers_match(pred: str, gold: str, *, timeout_s: float | None = None,
                   verifier: MathVerifier | None = None) -> bool:
-    """Whether answer `pred` equals answer `gold`: exact on plain numbers, else math-verify under
-    a time limit (`timeout_s`, default the verifier's). A timeout counts as not equal."""
-    gold_value, pred_value = parse_plain_number(gold), parse_plain_number(pred)
-    if gold_value is not None and pred_value is not None:
-        return gold_value == pred_value
+    """Whether answer `pred` equals answer `gold` (module docstring, step 3): exact on plain
+    numbers, else math-verify under a time limit (`timeout_s`, default the verifier's). A timeout
+    counts as not equal."""
+    decided = _match_without_verifier(pred, gold)
+    if decided is not None:
+        return decided
     return (verifier or shared_verifier()).equivalent(gold, pred, timeout_s=timeout_s)
+
+
+def score_answers(completions: list, golds: list, *, last_number_fallback: bool = False, first_number: bool = False,
+                  timeout_s: float | None = None, verifier: MathVerifier | None = None,
+                  max_answer_chars: int = DEFAULT_MAX_ANSWER_CHARS) -> list[float]:
+    """`score_answer` for each (completion, gold) pair; the answers that need math-verify are checked
+    side by side, so slow ones cost about one time limit together. Every answer is extracted
+    before any is verified: a completion or gold that raises does so before any waiting."""
+    if len(completions) != len(golds):
+        raise ValueError(f"got {len(completions)} completions but {len(golds)} gold answers")
+    scores: list[float] = []
+    to_verify: list[tuple[int, str, str]] = []
+    for i, (completion, gold) in enumerate(zip(completions, golds)):
+        pred = extract_answer(completion, last_number_fallback=last_number_fallback, first_number=first_number)
+        gold = extract_gold(gold)
+        decided = False if pred is None or len(pred) > max_answer_chars else _match_without_verifier(pred, gold)
+        if decided is None:
+            to_verify.append((i, gold, pred))
+        scores.append(1.0 if decided else 0.0)
+    if to_verify:
+        equal = (verifier or shared_verifier()).equivalent_many([(g, p) for _, g, p in to_verify], timeout_s=timeout_s)
+        for (i, _, _), same in zip(to_verify, equal):
+            scores[i] = 1.0 if same else 0.0
+    return scores
 
 
 def score_answer(completion: Any, gold: str, *, last_number_fallback: bool = False, first_number: bool = False,
@@ -261,10 +376,8 @@ def score_answer(completion: Any, gold: str, *, last_number_fallback: bool = Fal
                  max_answer_chars: int = DEFAULT_MAX_ANSWER_CHARS) -> float:
     """1.0 when the completion's final answer equals `gold`, else 0.0. `gold` may be the bare answer
     or a whole GSM8K answer field (``... #### N``)."""
-    pred = extract_answer(completion, last_number_fallback=last_number_fallback, first_number=first_number)
-    if pred is None or len(pred) > max_answer_chars:
-        return 0.0
-    return 1.0 if answers_match(pred, extract_gold(gold), timeout_s=timeout_s, verifier=verifier) else 0.0
+    return score_answers([completion], [gold], last_number_fallback=last_number_fallback, first_number=first_number,
+                         timeout_s=timeout_s, verifier=verifier, max_answer_chars=max_answer_chars)[0]
 
 
 # ---- Format reward -------------------------------------------------------------------------------
@@ -290,15 +403,17 @@ def format_reward(completion: Any) -> float:
 def accuracy_reward(prompts: list, completions: list, answer: list, *, last_number_fallback: bool = False,
                     first_number: bool = False, timeout_s: float | None = None, verifier: MathVerifier | None = None,
                     **kwargs) -> list[float]:
-    """TRL ``reward_funcs`` entry: `score_answer` per completion against the dataset's ``answer``
+    """TRL ``reward_funcs`` entry: `score_answers` of the completions against the dataset's ``answer``
     column (GSM8K ``... #### N`` or bare). Options via ``functools.partial``. One raising completion
-    fails the batch: wrap in `SafeReward` for training."""
+    fails the batch: wrap in `SafeReward` for training. Thread-safe (marked ``thread_safe``)."""
     if len(answer) != len(completions):
         raise ValueError(f"got {len(completions)} completions but {len(answer)} gold answers: the "
                          f"dataset needs an 'answer' column, one per prompt")
-    return [score_answer(c, a, last_number_fallback=last_number_fallback, first_number=first_number, timeout_s=timeout_s,
-                         verifier=verifier)
-            for c, a in zip(completions, answer)]
+    return score_answers(completions, answer, last_number_fallback=last_number_fallback, first_number=first_number,
+                         timeout_s=timeout_s, verifier=verifier)
+
+
+accuracy_reward.thread_safe = True  # SafeReward may score its completions from several threads at once
 
 
 def format_reward_func(prompts: list, completions: list, **kwargs) -> list[float]:
@@ -312,13 +427,24 @@ def _callable_name(func: Callable) -> str:
     return getattr(func, "__name__", type(func).__name__)
 
 
+def _is_thread_safe(func: Callable) -> bool:
+    while hasattr(func, "func") and not hasattr(func, "thread_safe"):  # functools.partial
+        func = func.func
+    return getattr(func, "thread_safe", False) is True
+
+
+_MAX_REWARD_THREADS = 32  # threads of one SafeReward call (the verifier runs 8 comparisons at once by default)
+
+
 class SafeReward:
     """Wrap a TRL reward function so a completion whose scoring raises gets `default` (0.0) instead
     of crashing the step, and is counted.
 
     The wrapped function is called once per completion, with every per-sample keyword (a list as
     long as `completions`) sliced to that sample, so one bad completion costs only its own reward.
-    Argument mismatches (a missing dataset column) raise at once instead of being counted.
+    For a function marked ``thread_safe = True`` (`accuracy_reward`) these calls run at once, in
+    threads, so their math-verify time limits overlap instead of adding up; others are called in
+    order. Argument mismatches (a missing dataset column) raise at once instead of being counted.
     ``errors`` is the running total, ``take_errors()`` returns the count since the last take (one
     number per trainer step), ``last_error`` the latest message. When TRL passes its ``log_metric``
     callback, the per-call count is also logged as ``<name>/errors``. ``__name__`` is the wrapped
@@ -331,6 +457,7 @@ class SafeReward:
         self.func = func
         self.default = float(default)
         self.__name__ = name or _callable_name(func)
+        self.thread_safe = _is_thread_safe(func)
         self.errors = self.scored = self._errors_taken = 0
         self.last_error: str | None = None
 
@@ -347,15 +474,24 @@ class SafeReward:
         except ValueError:  # no introspectable signature (a builtin): let the calls decide
             pass
         per_sample = {k for k, v in kwargs.items() if isinstance(v, (list, tuple)) and len(v) == n}
+
+        def one(i: int) -> float | None:
+            sample_kwargs = {k: ([v[i]] if k in per_sample else v) for k, v in kwargs.items()}
+            out = self.func(prompts=[prompts[i]], completions=[completions[i]], **sample_kwargs)
+            if len(out) != 1:
+                raise ValueError(f"returned {len(out)} rewards for 1 completion")
+            return None if out[0] is None else float(out[0])  # None: TRL's "no reward"
+
+        if self.thread_safe and n > 1:
+            with ThreadPoolExecutor(max_workers=min(n, _MAX_REWARD_THREADS)) as pool:
+                futures = [pool.submit(one, i) for i in range(n)]
+        else:
+            futures = None
         rewards: list[float | None] = []
         errors_now = 0
         for i in range(n):
-            sample_kwargs = {k: ([v[i]] if k in per_sample else v) for k, v in kwargs.items()}
             try:
-                out = self.func(prompts=[prompts[i]], completions=[completions[i]], **sample_kwargs)
-                if len(out) != 1:
-                    raise ValueError(f"returned {len(out)} rewards for 1 completion")
-                rewards.append(None if out[0] is None else float(out[0]))  # None: TRL's "no reward"
+                rewards.append(futures[i].result() if futures is not None else one(i))
             except Exception as exc:  # noqa: BLE001 -- the point of the wrapper; KeyboardInterrupt passes
                 errors_now += 1
                 self.last_error = f"{type(exc).__name__}: {exc}"[:500]

@@ -97,9 +97,13 @@ study off-policy correction, or when engine and trainer numerics diverge further
 Checkpoints and resume
 ----------------------
 TRL/transformers save adapters, optimizer, scheduler, RNG and trainer state every ``save_steps``;
-`grpo_metrics` adds the AQN controller state and truncates ``metrics.jsonl`` back to the checkpoint
-on resume. Rollout seeds and AQN draws are functions of (seed, step, call), so a resumed run
-samples exactly what the uninterrupted run would have.
+`train.metrics` then fsyncs the checkpoint and writes the AQN controller state, ``qerl_state.json``,
+last: it is the completion marker, so a checkpoint cut short by a kill never counts, and ``--resume``
+takes the newest complete one (`metrics.last_complete_checkpoint`; the kit, not transformers, deletes
+old checkpoints, after the marker). Resuming truncates ``metrics.jsonl`` back to the checkpoint.
+Rollout seeds and AQN draws are functions of (seed, step, call), so a resumed run samples exactly
+what the uninterrupted run would have. A step whose trainable weights turn non-finite ends the run
+(`errors.TrainingDiverged`) without a checkpoint of them.
 """
 
 from __future__ import annotations
@@ -147,7 +151,8 @@ def load_tokenizer(config: TrainConfig):
 
     from qerl_lib.models.embedded import resolve_model
 
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model(config.model))
+    # a random-weight model has no tokenizer: the embedded model's (its ids fit every Qwen2.5 vocabulary)
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model("smollm2" if _random_arch(config) else config.model))
     if getattr(tokenizer, "chat_template", None) is None:
         raise UserError(f"{config.model}'s tokenizer has no chat template: use an instruct/chat model")
     if tokenizer.pad_token is None:
@@ -165,6 +170,8 @@ def build_dataset(config: TrainConfig, tokenizer):
 
     from qerl_lib.tasks.problems import load_problems, problem_messages, render_messages
 
+    if config.data == "random":
+        return Dataset.from_list(random_prompts(config, tokenizer))
     if config.data == "file" and not config.data_path:
         raise UserError(f"preset {config.preset!r} reads its problems from a file: pass --data-path FILE.jsonl "
                         "(GSM8K schema: 'question' and an 'answer' ending with '#### <answer>')")
@@ -192,11 +199,79 @@ def load_policy(config: TrainConfig, device: torch.device, dtype: torch.dtype):
                        dropout=config.lora_dropout, targets=config.lora_targets, train_norms=config.train_norms)
 
 
+def _random_arch(config: TrainConfig) -> str | None:
+    """NAME of a ``random:NAME`` model (random weights of a real architecture), else None."""
+    from qerl_lib.train.presets import RANDOM_MODEL
+
+    model = str(config.model)
+    return model[len(RANDOM_MODEL):] if model.startswith(RANDOM_MODEL) else None
+
+
+def random_prompts(config: TrainConfig, tokenizer) -> list[dict]:
+    """``n_train`` prompts of random tokens, each rendered to at most ``max_prompt_tokens`` (speed benchmarks:
+    the completions' rewards come from the caller's extra reward functions; the gold answer is a placeholder)."""
+    generator = np.random.default_rng(config.seed)
+    rows, budget = [], config.max_prompt_tokens
+    low, high = 1000, min(len(tokenizer), 40000)  # ordinary tokens of the embedded tokenizer's vocabulary
+    for _ in range(config.n_train or 64):
+        ids = generator.integers(low, high, size=budget).tolist()
+        while True:
+            from qerl_lib.tasks.problems import render_messages
+
+            messages = [{"role": "user", "content": tokenizer.decode(ids)}]
+            length = len(tokenizer(render_messages(tokenizer, messages), add_special_tokens=False)["input_ids"])
+            if length <= budget:
+                break
+            ids = ids[: len(ids) - (length - budget) - 1]
+        rows.append({"prompt": messages, "answer": "0"})
+    return rows
+
+
+def _random_base(name: str, base: str, device: torch.device, dtype: torch.dtype, seed: int):
+    """Random weights of architecture ``name`` in the ``base`` format (NVFP4: random codes and block scales)."""
+    from qerl_lib.models.loader import build_random_model
+
+    if base in ("bf16", "mxfp4"):
+        return build_random_model(name, dtype=dtype, device=device, seed=seed)
+    if base == "nvfp4":
+        return build_random_model(name, dtype=dtype, device=device, nvfp4=True, init="random_codes", seed=seed)
+    return _to_nf4(build_random_model(name, dtype=dtype, device="cpu", seed=seed), device, dtype)
+
+
+def _to_nf4(model, device: torch.device, dtype: torch.dtype):
+    """QLoRA's base from an in-memory dense model: every Linear but lm_head as a bitsandbytes NF4 Linear4bit
+    (double quantization, compute in ``dtype``), quantized as it moves to ``device``."""
+    import bitsandbytes as bnb
+
+    for name, module in list(model.named_modules()):
+        for child_name, child in list(module.named_children()):
+            if isinstance(child, torch.nn.Linear) and f"{name}.{child_name}".strip(".") != "lm_head":
+                layer = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=child.bias is not None,
+                                          compute_dtype=dtype, quant_type="nf4", compress_statistics=True,
+                                          device="meta")
+                layer.weight = bnb.nn.Params4bit(child.weight.data.to(dtype), requires_grad=False, quant_type="nf4",
+                                                 compress_statistics=True)
+                if child.bias is not None:
+                    layer.bias = torch.nn.Parameter(child.bias.data, requires_grad=False)
+                setattr(module, child_name, layer)
+    model = model.to(device)
+    keep_nf4_layout(model)
+    return model
+
+
 def load_base(config: TrainConfig, device: torch.device, dtype: torch.dtype):
-    """The frozen base model in ``config.base`` format (bf16, NF4, NVFP4 or fake-quantized MXFP4), no adapters."""
+    """The frozen base model in ``config.base`` format (bf16, NF4, NVFP4 or fake-quantized MXFP4), no adapters.
+    ``random:NAME`` models get random weights of the architecture in that format (speed and memory only)."""
     from qerl_lib.models.embedded import resolve_model
     from qerl_lib.models.loader import is_nvfp4_checkpoint, load_model, replace_linear_with_nvfp4
 
+    if _random_arch(config):
+        model = _random_base(_random_arch(config), config.base, device, dtype, config.seed)
+        if config.base == "mxfp4":
+            from qerl_lib.quant.formats import fake_quantize_
+
+            fake_quantize_(model, "mxfp4")
+        return model
     path = resolve_model(config.model)
     if config.base == "nf4":
         model = _load_nf4(path, device, dtype)
@@ -249,15 +324,12 @@ def keep_nf4_layout(model) -> None:
 
 # ----------------------------------------------------------------------------- AQN and rewards
 def aqn_config(config: TrainConfig):
-    """The run's `AQNConfig` (None unless mode qerl). Runs shorter than the stage count get fewer stages."""
+    """The run's `AQNConfig` (None unless the run adds noise); `TrainConfig.aqn_settings` fits the stages."""
     if not config.aqn:
         return None
     from qerl_lib.train.aqn import AQNConfig
 
-    stages = max(2, min(config.aqn_stages, config.steps))
-    sigma_end = config.sigma_start if stages == 2 else config.sigma_end  # K = 2: one noisy stage
-    return AQNConfig(total_steps=max(config.steps, stages), sigma_start=config.sigma_start, sigma_end=sigma_end,
-                     num_stages=stages, schedule=config.aqn_schedule, seed=config.seed, target=config.noise_target)
+    return AQNConfig(**config.aqn_settings())
 
 
 def reward_functions(config: TrainConfig, extra: list | None = None):
@@ -289,6 +361,8 @@ class EngineRollout:
 
     Sampling seeds are functions of (run seed, optimizer step, rollout number, chunk), so the
     samples do not depend on any global RNG state (and a resumed run repeats them exactly).
+    With ``config.release_engine_cache`` (the default) the engine's KV cache and decode graphs are
+    freed after every rollout, before the loss forward and backward run.
     """
 
     def __init__(self, config: TrainConfig, tokenizer, aqn=None):
@@ -341,6 +415,11 @@ class EngineRollout:
                 stop_token_ids=trainer.eos_token_ids, lora=adapters, norm_overrides=overrides)
         _sync(device)
         seconds = time.perf_counter() - start
+        if self.config.release_engine_cache:
+            # the KV cache (and the decode graphs that point into it) would otherwise sit through the
+            # backward pass: ~32 GB at the 7B preset. Freed tensors go back to torch's caching allocator,
+            # where the trainer's activations reuse them; the next rollout allocates and captures anew.
+            self.engine.release()
         self._calls += 1
         tokens = sum(len(c.token_ids) for c in completions)
         metrics = trainer._metrics["train" if model.training else "eval"]

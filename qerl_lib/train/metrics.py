@@ -1,4 +1,4 @@
-"""Per-step metrics, progress line and checkpoint side state for QeRL training (TRL callback glue).
+"""Per-step metrics, progress line and checkpoints (side state, completion marker, resume) for QeRL training.
 
 Every optimizer step TRL calls ``log`` with the averages of what it and the kit recorded during the
 step; `RunMetrics.on_log` turns that into one JSON line in ``OUT/metrics.jsonl`` (rewritten
@@ -23,21 +23,38 @@ is_ratio_mean, is_ratio_min, is_ratio_max, is_truncated_rate   the truncated-IS 
 rollout_tokens, rollout_tokens_per_s                 completion tokens sampled and engine throughput
 rollout_seconds, train_seconds, step_seconds         time split: engine / everything else / whole step
 peak_memory_gb, memory_kind                          CUDA: peak allocated in the step; CPU: process peak RSS
+
+Crash-proof checkpoints
+-----------------------
+transformers writes ``checkpoint-N`` file by file, and its ``get_last_checkpoint`` picks the highest N
+even when the process died half-way through writing it. Here a checkpoint counts only once its
+completion marker ``qerl_state.json`` exists: `RunMetrics.on_save` writes it last, after every file of
+the folder (and the folder itself) has been fsynced, atomically (temp + rename), listing each file's size.
+`last_complete_checkpoint` picks the newest checkpoint whose marker is present and whose files still
+have the recorded sizes. transformers would delete older checkpoints (``save_total_limit``) *before* the
+new one is marked, so `RunMetrics` takes that rotation over and deletes old checkpoints only after the
+new one is complete. On ``--resume`` `prepare_output` continues from the newest complete checkpoint,
+removes the incomplete ones after it, and starts the run over from step 0 when there is none.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
 import resource
+import shutil
+import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from transformers import TrainerCallback
 
 from qerl_lib.errors import UserError
-from qerl_lib.io import append_jsonl_atomic, read_jsonl, write_json_atomic, write_jsonl_atomic
+from qerl_lib.io import (append_jsonl_atomic, fsync_dir, fsync_tree, read_jsonl, refuse_overlap, write_json_atomic,
+                         write_jsonl_atomic)
 
 RENAMES = {
     "rewards/accuracy/mean": "accuracy", "rewards/format/mean": "format_rate",
@@ -52,11 +69,14 @@ METRIC_KEYS = ("step", "epoch", "learning_rate", "loss", "grad_norm", "reward", 
                "format_rate", "reward_errors", "zero_std_groups", "entropy", "completion_length", "truncated_rate",
                "clip_ratio_low", "clip_ratio_high", "clip_ratio", *KIT_KEYS, "train_seconds", "step_seconds",
                "peak_memory_gb", "memory_kind")
-SIDE_STATE = "qerl_state.json"  # written into every checkpoint folder next to TRL's files
+SIDE_STATE = "qerl_state.json"  # written last into every checkpoint folder: AQN state + completion marker
+RUN_FILES = ("run.json", "metrics.jsonl", "checkpoints", "adapter", "summary.json")  # what a run writes into OUT
 
 
 class RunMetrics(TrainerCallback):
-    """Writes ``metrics.jsonl``, shows progress, and saves the AQN state into each checkpoint."""
+    """Writes ``metrics.jsonl``, shows progress, and marks each checkpoint complete (AQN state + file sizes,
+    written last). It also applies ``save_total_limit`` itself: at train begin it takes the value over from
+    the trainer's args (setting theirs to None), and deletes old checkpoints only after the new one is marked."""
 
     def __init__(self, out_dir: Path, config, reward_funcs: list, rollout, quiet: bool = False):
         self.path = Path(out_dir) / "metrics.jsonl"
@@ -65,9 +85,12 @@ class RunMetrics(TrainerCallback):
         self._step_start = None
         self._step_seconds = float("nan")
         self.diverged_at: int | None = None  # the step after which a trainable weight was non-finite
+        self.keep_checkpoints: int | None = None  # save_total_limit, applied in on_save after the marker
 
     # ---- step timing -------------------------------------------------------------------------------
     def on_train_begin(self, args, state, control, **kwargs):
+        # transformers rotates checkpoints before on_save marks the new one complete; rotate here instead
+        self.keep_checkpoints, args.save_total_limit = args.save_total_limit, None
         if not self.quiet and state.is_world_process_zero:
             from tqdm.auto import tqdm
 
@@ -117,8 +140,10 @@ class RunMetrics(TrainerCallback):
             return
         folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
         aqn = self.rollout.aqn
-        write_json_atomic(folder / SIDE_STATE, {"step": state.global_step,
-                                                "aqn": aqn.state_dict() if aqn is not None else None})
+        mark_checkpoint_complete(folder, {"step": state.global_step,
+                                          "aqn": aqn.state_dict() if aqn is not None else None})
+        if self.keep_checkpoints:
+            rotate_checkpoints(folder.parent, self.keep_checkpoints)
 
     def on_train_end(self, args, state, control, **kwargs):
         if self.bar is not None:
@@ -160,23 +185,113 @@ def _plain(value):
     return value
 
 
-# ----------------------------------------------------------------------------- output folder and resume
-def prepare_output(out: Path, config, resume: bool):
+# ----------------------------------------------------------------------------- checkpoints and resume
+_CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
+
+
+def mark_checkpoint_complete(folder: Path, side_state: dict) -> Path:
+    """Make ``folder``'s files durable, then write its marker ``qerl_state.json`` (side state + each file's
+    size) atomically, last. Until the marker is on disk the checkpoint does not count."""
+    folder = Path(folder)
+    files = {name: size for name, size in fsync_tree(folder).items() if name != SIDE_STATE}
+    write_json_atomic(folder / SIDE_STATE, {**side_state, "files": files})
+    fsync_dir(folder)
+    return folder / SIDE_STATE
+
+
+def checkpoint_problem(checkpoint: Path) -> str | None:
+    """Why ``checkpoint`` is not a complete checkpoint (None when it is): no or unreadable marker, or a file
+    the marker lists that is missing or has another size. Markers without a file list (written before the
+    list existed) count as complete."""
+    marker = Path(checkpoint) / SIDE_STATE
+    if not marker.is_file():
+        return f"no {SIDE_STATE} (the run stopped while writing it)"
+    try:
+        files = json.loads(marker.read_text()).get("files")
+    except (ValueError, AttributeError):
+        return f"unreadable {SIDE_STATE}"
+    for name, size in (files or {}).items():
+        path = Path(checkpoint) / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if path.stat().st_size != size:
+            return f"{name} has {path.stat().st_size} bytes, {size} when the checkpoint was written"
+    return None
+
+
+def checkpoints_by_step(folder: Path) -> list[tuple[int, Path]]:
+    """``(N, folder/checkpoint-N)`` for every checkpoint folder, oldest first."""
+    folder = Path(folder)
+    found = [(int(m.group(1)), p) for p in folder.iterdir() if p.is_dir() and (m := _CHECKPOINT.match(p.name))] \
+        if folder.is_dir() else []
+    return sorted(found)
+
+
+def last_complete_checkpoint(folder: Path, report: Callable[[str], None] | None = None) -> Path | None:
+    """The newest complete ``checkpoint-N`` in ``folder`` (None when there is none). ``report`` receives one
+    line per newer checkpoint skipped as incomplete, and one naming the checkpoint picked."""
+    for _, checkpoint in reversed(checkpoints_by_step(folder)):
+        problem = checkpoint_problem(checkpoint)
+        if problem is None:
+            if report is not None:
+                report(f"resuming from {checkpoint.name}, the newest complete checkpoint")
+            return checkpoint
+        if report is not None:
+            report(f"skipping {checkpoint.name}: incomplete ({problem})")
+    return None
+
+
+def rotate_checkpoints(folder: Path, keep: int) -> list[Path]:
+    """Delete all but the newest ``keep`` complete checkpoints, and incomplete ones older than the newest
+    complete one; return what was deleted. The newest complete checkpoint is never deleted."""
+    complete, removed = [], []
+    all_checkpoints = checkpoints_by_step(folder)
+    for step, checkpoint in all_checkpoints:
+        if checkpoint_problem(checkpoint) is None:
+            complete.append((step, checkpoint))
+    if not complete:
+        return removed
+    newest = complete[-1][0]
+    kept = {c for _, c in complete[-max(keep, 1):]}
+    for step, checkpoint in all_checkpoints:
+        if checkpoint not in kept and step < newest:
+            shutil.rmtree(checkpoint)
+            removed.append(checkpoint)
+    return removed
+
+
+def _inputs(config) -> list:
+    """The local paths a run reads (model folder, problems file), which OUT must stay clear of."""
+    from qerl_lib.models.embedded import EMBEDDED_ALIASES, embedded_model_dir
+
+    model = str(config.model)
+    return [embedded_model_dir() if model.lower() in EMBEDDED_ALIASES else model, config.data_path]
+
+
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr)
+
+
+def prepare_output(out: Path, config, resume: bool, report: Callable[[str], None] | None = _stderr):
     """Check OUT for a fresh run or a resume; return the checkpoint to resume from (or None).
 
-    Fresh: OUT must not hold a run yet; ``run.json`` (config + provenance) is written. Resume: the
-    saved config must equal this one, a checkpoint must exist, and ``metrics.jsonl`` is cut back
-    to the checkpoint's step (lines written after it are re-done by the resumed run).
+    OUT may not be, hold or lie inside the model folder or the problems file. Fresh: OUT must hold none
+    of a run's files (``RUN_FILES``; other files are left alone); ``run.json`` (config + provenance) is
+    written. Resume: the saved config must equal this one; the run continues from the newest complete
+    checkpoint (`last_complete_checkpoint`; ``report`` is told which), incomplete checkpoints after it are
+    removed, and ``metrics.jsonl`` is cut back to its step (lines written after it are re-done). With no
+    complete checkpoint the run starts over from step 0 in the same folder.
     """
-    from transformers.trainer_utils import get_last_checkpoint
-
     from qerl_lib.io import provenance
 
     out = Path(out)
+    refuse_overlap(out, _inputs(config))
     run_json, metrics = out / "run.json", out / "metrics.jsonl"
     if not resume:
-        if metrics.exists() or (out / "checkpoints").exists():
-            raise UserError(f"{out} already holds a run: pass --resume to continue it, or choose another --out")
+        held = [name for name in RUN_FILES if (out / name).exists()]
+        if held:
+            raise UserError(f"{out} already holds a run ({', '.join(held)}): pass --resume to continue it, "
+                            "or choose another --out")
         write_json_atomic(run_json, {"config": config.to_dict(), "provenance": provenance()})
         return None
     if not run_json.exists():
@@ -188,12 +303,13 @@ def prepare_output(out: Path, config, resume: bool):
         raise UserError(f"--resume with different settings than the saved run (setting: (saved, now)) {diff}: "
                         "resume with the same preset, mode, steps and seed")
     folder = out / "checkpoints"
-    checkpoint = get_last_checkpoint(str(folder)) if folder.is_dir() else None
-    if checkpoint is None:
-        raise UserError(f"no checkpoint in {folder} yet (the run stopped before its first save, every "
-                        f"{config.save_steps} steps): start again without --resume")
-    checkpoint = Path(checkpoint)
-    step = int(checkpoint.name.rsplit("-", 1)[1])
+    checkpoint = last_complete_checkpoint(folder, report)
+    step = int(checkpoint.name.rsplit("-", 1)[1]) if checkpoint is not None else 0
+    for n, stale in checkpoints_by_step(folder):
+        if n > step:  # incomplete (a complete one would have been picked): the resumed run writes it again
+            shutil.rmtree(stale)
+    if checkpoint is None and report is not None:
+        report(f"no complete checkpoint in {folder}: starting the run over from step 0")
     if metrics.exists():
         write_jsonl_atomic(metrics, [r for r in read_jsonl(metrics) if r.get("step", 0) <= step])
     return checkpoint

@@ -59,9 +59,14 @@ warm-up and cosine) and changes what a tiny model on a short run needs, each mea
 
 from __future__ import annotations
 
+import importlib.util
+import numbers
+import re
 from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
 
 from qerl_lib.errors import UserError
+from qerl_lib.train.aqn import SCHEDULES, AQNConfig
 
 MODES = ("lora", "qlora", "nvfp4", "qerl")
 MODE_BASE = {"lora": "bf16", "qlora": "nf4", "nvfp4": "nvfp4", "qerl": "nvfp4"}
@@ -69,9 +74,12 @@ BASE_FORMATS = ("bf16", "nf4", "nvfp4", "mxfp4")  # mxfp4: dense weights fake-qu
 AQN_TARGETS = ("off", "rollout", "both")
 LOSS_TYPES = ("grpo", "dapo", "bnpo", "dr_grpo")  # the clipped-surrogate losses; see grpo.py's docstring
 SCALE_REWARDS = ("group", "batch", "none")
-DATA_SOURCES = ("arith", "expr", "gsm8k", "file")
+DATA_SOURCES = ("arith", "expr", "gsm8k", "file", "random")  # random: random-token prompts (benchmarks, no answers)
+RANDOM_MODEL = "random:"  # model "random:NAME": random weights of data/configs/NAME.json (speed and memory only)
 DEVICES = ("auto", "cpu", "cuda")
 DECODE_BACKENDS = ("auto", "eager", "graphs", "graphs+fused")  # qerl_lib.engine.rollout's decode paths
+REPORT_TO = ("none", "tensorboard", "trackio", "wandb")  # trackers TRL sends the step metrics to (trainer.py)
+NOT_RECORDED = ("report_to", "release_engine_cache", "mismatch_forward")  # do not change the run: not in to_dict()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -126,11 +134,11 @@ class TrainConfig:
     lora_dropout: float = 0.0
     lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
     train_norms: bool = False  # True = official scripts' --ln True
-    # --- AQN (mode qerl only)
+    # --- AQN (mode qerl, or aqn_target rollout/both); checked by AQNConfig's rules at construction
     sigma_start: float = 1e-2
     sigma_end: float = 5e-4
-    aqn_stages: int = 10
-    aqn_schedule: str = "exponential"
+    aqn_stages: int = 10  # K >= 2, stage 0 noise-free; a run of fewer steps gets one stage per step (aqn_settings)
+    aqn_schedule: str = "exponential"  # one of aqn.SCHEDULES
     aqn_target: str | None = None  # off | rollout (paper) | both (also the trainer's forward); None: the mode's
     # --- rewards: weighted sum (paper-era official code: 1.0 correct, 0.2 format)
     accuracy_weight: float = 1.0
@@ -144,6 +152,11 @@ class TrainConfig:
     gradient_checkpointing: bool = False  # paper: off for 3B/7B, on for 14B/32B
     save_steps: int = 25
     save_total_limit: int = 2
+    release_engine_cache: bool = True  # free the engine's KV cache after each rollout, before the backward (grpo.py)
+    # μ = 1 only: one extra no-grad forward per step measures the rollout/trainer log-prob mismatch (trainer.py);
+    # off: no mismatch metrics at μ = 1 (μ > 1 measures it from TRL's own "old" forward at no cost)
+    mismatch_forward: bool = True
+    report_to: str = "none"  # none | tensorboard | trackio | wandb: also send the step metrics there (offline, in OUT)
 
     def __post_init__(self):
         object.__setattr__(self, "lora_targets", tuple(self.lora_targets))
@@ -163,6 +176,14 @@ class TrainConfig:
 
             _one_of("data_level", self.data_level, EXPR_LEVELS, "--level (expr)")
         _one_of("data", self.data, DATA_SOURCES, "--data")
+        if str(self.model).startswith(RANDOM_MODEL):
+            from qerl_lib.paths import CONFIGS_DIR
+
+            name = str(self.model)[len(RANDOM_MODEL):]
+            known = sorted(p.stem for p in CONFIGS_DIR.glob("*.json"))
+            if name not in known and not Path(name).is_file():
+                raise UserError(f"model {self.model!r}: random weights need an architecture, one of "
+                                f"{[RANDOM_MODEL + k for k in known]} or random:PATH/config.json")
         _one_of("loss_type", self.loss_type, LOSS_TYPES, "loss_type")
         _one_of("scale_rewards", self.scale_rewards, SCALE_REWARDS, "scale_rewards")
         _one_of("device", self.device, DEVICES, "--device")
@@ -183,6 +204,9 @@ class TrainConfig:
         if self.n_train is not None and self.n_train < self.prompts_per_step:
             raise UserError(f"n_train={self.n_train} is smaller than one step's prompts_per_step="
                             f"{self.prompts_per_step}: use more problems or fewer prompts per step")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, numbers.Integral) or self.seed < 0:
+            raise UserError(f"seed={self.seed!r}: must be a non-negative integer (it seeds the LoRA init, data order, "
+                            "rollouts and AQN noise)")
         for name in ("lr_quantized", "lr_bf16", "temperature", "top_p", "epsilon", "epsilon_high"):
             if not getattr(self, name) > 0:
                 raise UserError(f"{name}={getattr(self, name)!r}: must be > 0")
@@ -195,9 +219,37 @@ class TrainConfig:
             raise UserError(f"beta={self.beta} must be >= 0 and is_cap={self.is_cap} > 1")
         if self.lr is not None and not self.lr > 0:
             raise UserError(f"lr={self.lr!r}: must be > 0")
+        if self.is_correction and self.num_iterations == 1 and not self.mismatch_forward:
+            raise UserError("is_correction needs the engine-vs-trainer log-probs: with num_iterations=1 keep "
+                            "mismatch_forward on (or turn is_correction off)")
         if self.noise_target == "both" and self.num_iterations != 1:
             raise UserError("aqn_target='both' needs one rollout per optimizer step (num_iterations=1), so the trainer "
                             "can score the exact noisy policy that sampled")
+        self._check_aqn()
+        _one_of("report_to", self.report_to, REPORT_TO, "--report-to")
+        if self.report_to != "none" and importlib.util.find_spec(self.report_to) is None:
+            raise UserError(f"report_to={self.report_to!r} needs the {self.report_to} package, which is not installed: "
+                            f"pip install {self.report_to} (or --report-to none)")
+
+    def _check_aqn(self) -> None:
+        """The AQN settings as given, under AQNConfig's own rules, whether or not this run adds noise.
+
+        aqn_stages < 2 has no meaning (stage 0 is noise-free, so K = 1 would never add noise) and is
+        refused, as is aqn_stages = 2 with sigma_end != sigma_start unless the schedule is constant
+        (one noisy stage cannot be both). The run itself may use fewer stages (`aqn_settings`).
+        """
+        _one_of("aqn_schedule", self.aqn_schedule, SCHEDULES, "--schedule")
+        k = self.aqn_stages
+        if isinstance(k, bool) or not isinstance(k, int) or k < 2:
+            raise UserError(f"aqn_stages={k!r}: need an integer >= 2 (stage 0 is noise-free, stages 1..K-1 carry "
+                            "noise); for no noise at all pass --aqn off")
+        try:
+            AQNConfig(total_steps=max(k, self.steps), sigma_start=self.sigma_start, sigma_end=self.sigma_end,
+                      num_stages=k, schedule=self.aqn_schedule)
+        except ValueError as err:  # AQNConfig names its own fields; name the TrainConfig's and the CLI's
+            message = re.sub(r"\bnum_stages\b", "aqn_stages", str(err))
+            message = re.sub(r"\bschedule=", "aqn_schedule=", message).replace("AQNConfig.off()", "--aqn off")
+            raise UserError(f"AQN: {message}") from None
 
     # derived values ------------------------------------------------------------------------------
     @property
@@ -223,6 +275,21 @@ class TrainConfig:
                 return mode
         return self.base + ("" if not self.aqn else "+aqn" if self.noise_target == "rollout" else "+aqn-both")
 
+    def aqn_settings(self) -> dict:
+        """The `AQNConfig` keyword arguments of this run (``grpo.aqn_config`` builds it when AQN is on).
+
+        Every stage needs a step, so a run shorter than aqn_stages gets one stage per step: K =
+        min(aqn_stages, steps). A 2-step run then has one noisy stage, which takes sigma_start (it
+        cannot be both ends); a 1-step run is stage 0 only, noise-free (2 stages over 2 steps, the
+        smallest AQNConfig). `describe` prints the fitted stage count.
+        """
+        stages = max(2, min(self.aqn_stages, self.steps))
+        fitted_to_one = stages == 2 and self.aqn_stages > 2
+        return {"total_steps": max(self.steps, stages), "sigma_start": self.sigma_start,
+                "sigma_end": self.sigma_start if fitted_to_one else self.sigma_end, "num_stages": stages,
+                "schedule": self.aqn_schedule, "seed": self.seed,
+                "target": self.noise_target if self.aqn else "rollout"}
+
     @property
     def learning_rate(self) -> float:
         if self.lr is not None:
@@ -238,7 +305,14 @@ class TrainConfig:
         return self.completions_per_step // self.micro_batch
 
     def to_dict(self) -> dict:
-        return {**asdict(self), "learning_rate": self.learning_rate, "base": self.base, "aqn": self.noise_target,
+        """Every setting that shapes the run, plus derived values (run.json, resume and sweep checks).
+
+        ``NOT_RECORDED`` is left out: where copies of the metrics go and when engine memory is freed do
+        not change what the run computes, so a run may be resumed with other values, and records written
+        before these fields existed still match.
+        """
+        settings = {k: v for k, v in asdict(self).items() if k not in NOT_RECORDED}
+        return {**settings, "learning_rate": self.learning_rate, "base": self.base, "aqn": self.noise_target,
                 "arm_label": self.arm_label,
                 "gradient_accumulation_steps": self.gradient_accumulation_steps}
 
@@ -309,9 +383,10 @@ def make_config(preset: str, mode: str | None = None, steps: int | None = None, 
 
 def describe(config: TrainConfig) -> str:
     """A few lines naming what the run will do (printed at start, shown in the notebook)."""
-    c = config
-    noise = (f"AQN σ {c.sigma_start:g} → {c.sigma_end:g} in {c.aqn_stages} stages ({c.aqn_schedule}, "
-             f"target {c.noise_target})") if c.aqn else "no AQN"
+    c, a = config, config.aqn_settings()
+    fitted = "" if a["num_stages"] == c.aqn_stages else f", aqn_stages {c.aqn_stages} fitted to {c.steps} steps"
+    noise = (f"AQN σ {a['sigma_start']:g} → {a['sigma_end']:g} in {a['num_stages']} stages ({c.aqn_schedule}, "
+             f"target {c.noise_target}{fitted})") if c.aqn else "no AQN"
     return (f"{c.preset} / {c.arm_label}: {c.base} base + LoRA r{c.lora_rank}, {noise}\n"
             f"  {c.steps} steps x {c.prompts_per_step} prompts x {c.num_generations} completions "
             f"(≤{c.max_completion_length} tokens), μ={c.num_iterations}, micro-batch {c.micro_batch} "
@@ -322,4 +397,4 @@ def describe(config: TrainConfig) -> str:
 
 
 CONFIG_FIELDS = tuple(f.name for f in fields(TrainConfig))
-__all__ = ["TrainConfig", "PRESETS", "MODES", "make_config", "describe", "CONFIG_FIELDS"]
+__all__ = ["TrainConfig", "PRESETS", "MODES", "REPORT_TO", "make_config", "describe", "CONFIG_FIELDS"]

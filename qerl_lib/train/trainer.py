@@ -5,38 +5,73 @@ What the subclass adds, and why (the full reasoning is in ``qerl_lib/train/grpo.
 
 * after TRL scores a batch, the trainer's log-probs of the sampled tokens are compared with the
   engine's and logged (``logprob_mismatch``, ``mismatch_kl``, ``is_ratio_*``); with μ = 1 TRL computes
-  no "old" log-probs, so one no-grad forward is added for the measurement;
+  no "old" log-probs, so one no-grad forward is added for the measurement (``mismatch_forward``;
+  off: no forward and no mismatch metrics at μ = 1);
 * with ``is_correction`` each token's advantage is multiplied by min(π_trainer / π_engine, C), the
   truncated importance weight, through TRL's (B, T)-advantage path (TRL's own correction is only
   wired for vLLM);
 * with AQN target "both" the trainer's forward and backward run with the rollout's noisy norm
-  weights, so the trainer scores exactly the policy that sampled.
+  weights, so the trainer scores exactly the policy that sampled;
+* before TRL averages a step's metrics and hands them to the callbacks, its key names are changed
+  to the kit's (``metrics.RENAMES``: ``rewards/accuracy/mean`` -> ``accuracy``, ...), so every
+  tracker shows the names of ``metrics.jsonl``.
+
+Experiment tracking (``TrainConfig.report_to``)
+-----------------------------------------------
+TRL's own callbacks send the step metrics to TensorBoard, Trackio or Weights & Biases; the JSONL
+written by ``metrics.RunMetrics`` stays the record. Everything stays local and under the run folder
+(the parent of TRL's ``output_dir``, which ``grpo.build_trainer`` sets to ``RUN/checkpoints``):
+
+* tensorboard: event files in ``RUN/tensorboard`` (unless ``TENSORBOARD_LOGGING_DIR`` is set);
+* trackio: its SQLite store in ``RUN/trackio`` (``TRACKIO_DIR``, unless set; trackio reads it once,
+  at its first import, so later runs of the same process write where the first did), no Space;
+* wandb: ``WANDB_MODE=offline`` and ``WANDB_DIR=RUN`` unless set (``wandb sync RUN/wandb/...`` uploads).
+
+Tags carry the tracker's ``train/`` prefix (``train/reward``, ``train/entropy``, ``train/sigma``).
 """
 
 from __future__ import annotations
 
 import functools
 import os
+from pathlib import Path
 
 import torch
 
 from qerl_lib.train.presets import TrainConfig
 
-__all__ = ["trainer_class", "grpo_args", "QeRLGRPOTrainer"]
+__all__ = ["trainer_class", "grpo_args", "QeRLGRPOTrainer", "run_folder", "tracker_environment"]
 
 
 @functools.cache
 def trainer_class():
     """The trainer class, built on first use so that importing this module does not import TRL."""
+    from transformers.integrations import TensorBoardCallback
     from trl import GRPOTrainer
     from trl.models.utils import disable_gradient_checkpointing
 
+    from qerl_lib.train.metrics import RENAMES
+
     class QeRLGRPOTrainer(GRPOTrainer):
-        """TRL's GRPOTrainer plus what QeRL adds: mismatch metrics, optional truncated IS, AQN in the trainer."""
+        """TRL's GRPOTrainer plus what QeRL adds: mismatch metrics, optional truncated IS, AQN in the trainer,
+        the kit's metric names and trackers under the run folder."""
 
         def __init__(self, *args, rollout, is_correction: bool = False, is_cap: float = 2.0, **kwargs):
             self.qerl_rollout, self.is_correction, self.is_cap = rollout, is_correction, is_cap
+            if kwargs.get("args") is not None:  # before TRL builds (and imports) the trackers
+                tracker_environment(kwargs["args"].report_to, run_folder(kwargs["args"].output_dir))
             super().__init__(*args, rollout_func=rollout, **kwargs)
+            for callback in self.callback_handler.callbacks:  # transformers' default: output_dir/runs/DATE_HOST
+                if isinstance(callback, TensorBoardCallback) and callback.logging_dir is None:
+                    callback.logging_dir = str(run_folder(self.args.output_dir) / "tensorboard")
+
+        def log(self, logs, start_time=None):
+            # TRL's log averages self._metrics into `logs` and passes them to every callback: rename first
+            metrics = self._metrics["train" if self.model.training else "eval"]
+            items = list(metrics.items())
+            metrics.clear()
+            metrics.update((RENAMES.get(key, key), values) for key, values in items)
+            super().log(logs, start_time)
 
         def training_step(self, model, inputs, num_items_in_batch):
             aqn = self.qerl_rollout.aqn
@@ -57,6 +92,8 @@ def trainer_class():
                 return out
             mask = out["completion_mask"] if "tool_mask" not in out else out["completion_mask"] * out["tool_mask"]
             old = out.get("old_per_token_logps")
+            if old is None and not self.qerl_rollout.config.mismatch_forward:
+                return out  # μ = 1 and the measurement is off: no extra forward, no mismatch metrics
             if old is None:  # μ = 1: TRL will use π_θ.detach(); score once here to measure the mismatch
                 ids = torch.cat([out["prompt_ids"], out["completion_ids"]], dim=1)
                 attention = torch.cat([out["prompt_mask"], out["completion_mask"]], dim=1)
@@ -96,9 +133,35 @@ def __getattr__(name):  # `from qerl_lib.train.trainer import QeRLGRPOTrainer` b
     raise AttributeError(f"module 'qerl_lib.train.trainer' has no attribute {name!r}")
 
 
+_ENV_SET_HERE: dict[str, str] = {}  # tracker variables this module set, so a later run may set them again
+
+
+def run_folder(output_dir: str | os.PathLike) -> Path:
+    """The run folder of TRL's ``output_dir``: its parent when that is ``RUN/checkpoints``, else itself."""
+    output_dir = Path(output_dir)
+    return output_dir.parent if output_dir.name == "checkpoints" else output_dir
+
+
+def tracker_environment(report_to, run: Path) -> None:
+    """Set the variables that keep the chosen trackers offline and under `run`, unless the user set them."""
+    report_to = [report_to] if isinstance(report_to, str) else list(report_to or ())
+    wanted = {}
+    if "wandb" in report_to:
+        wanted |= {"WANDB_MODE": "offline", "WANDB_DIR": str(run)}
+    if "trackio" in report_to:
+        wanted["TRACKIO_DIR"] = str(run / "trackio")
+    for name, value in wanted.items():
+        if os.environ.get(name) in (None, _ENV_SET_HERE.get(name)):
+            os.environ[name] = _ENV_SET_HERE[name] = value
+
+
 def grpo_args(config: TrainConfig, output_dir: str | os.PathLike, device: torch.device, reward_weights: list[float]):
     """TRL's GRPOConfig with every semantics-bearing field set explicitly (TRL has changed defaults before,
-    e.g. loss_type bnpo -> dapo, so nothing that changes the algorithm is left to a default)."""
+    e.g. loss_type bnpo -> dapo, so nothing that changes the algorithm is left to a default).
+
+    ``report_to`` is the config's (TRL's "none" turns every tracker off); the run is named after the
+    run folder, and Trackio logs locally only (no Space, no sync on a hub push).
+    """
     from trl import GRPOConfig
 
     c = config
@@ -124,7 +187,8 @@ def grpo_args(config: TrainConfig, output_dir: str | os.PathLike, device: torch.
         bf16=device.type == "cuda", fp16=False, gradient_checkpointing=c.gradient_checkpointing,
         use_cpu=device.type == "cpu", seed=c.seed, data_seed=c.seed,
         # logging and checkpoints (the kit's callback writes metrics.jsonl and the progress bar)
-        logging_strategy="steps", logging_steps=1, report_to="none", disable_tqdm=True, log_completions=False,
+        logging_strategy="steps", logging_steps=1, report_to=c.report_to, disable_tqdm=True, log_completions=False,
+        run_name=run_folder(output_dir).name, project="qerl", trackio_space_id=None, trackio_static_space_id=False,
         save_strategy="steps", save_steps=c.save_steps, save_total_limit=c.save_total_limit, save_only_model=False,
         remove_unused_columns=False, dataloader_num_workers=0, pad_to_multiple_of=None, trust_remote_code=False,
     )

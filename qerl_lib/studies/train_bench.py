@@ -1,0 +1,187 @@
+"""`qerl bench train`: one GRPO step as RL runs it, measured through the real trainer.
+
+Each case builds a `TrainConfig` from the Qwen2.5 preset of its size and runs `train.grpo.train`,
+the code path of `qerl train`, for a few steps: a rollout with the kit's engine (LoRA on, AQN in
+mode qerl), scoring, the loss forward and backward, and the optimizer step. Only the inputs are
+synthetic: random weights of the real architecture (``model = "random:qwen2.5-7b"``; NVFP4 bases
+get random codes and block scales, NF4 bases are quantized by bitsandbytes from random bf16), random
+-token prompts (``data = "random"``) and a synthetic reward with spread inside each group. Random
+weights rarely emit end-of-sequence, so every completion runs to ``gen_len``: the step is the
+paper's setting at its maximum length.
+
+Each case runs in its own process (a case that runs out of memory becomes a row with its ``error``,
+and leaves nothing behind for the next). The row reports the median over the steps after the first
+(the first one captures graphs and warms the allocator) of the trainer's own per-step metrics
+(``metrics.jsonl``): ``rollout_s`` (engine), ``train_s`` (everything else in the step), ``step_s``,
+``peak_gib`` (the step's peak allocated GPU memory), ``completion_len``, and completion tokens per
+second of the whole step.
+
+Where this differs from the paper's Tables 3 and 5-8: the paper averages over the first 30 steps of
+a real run (completions of varying length, vLLM for rollouts); here every step generates the full
+``gen_len`` tokens, so a step here is at least as long as the paper's. The paper's numbers are
+printed beside ours, labelled as the paper's (`PAPER`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from qerl_lib.errors import UserError
+
+MODES = ("lora", "qlora", "nvfp4", "qerl")
+# The paper's end-to-end numbers (QeRL Tab. 3: step-time speedup over 16-bit LoRA, 256 + 2048 tokens, first 30
+# steps; Tab. 8: 32B QeRL seconds per step with gradient checkpointing). Keyed (model, mode, batch).
+PAPER = {
+    ("qwen2.5-7b", "qlora", 2): "x0.8 vs lora", ("qwen2.5-7b", "qlora", 8): "x0.7 vs lora",
+    ("qwen2.5-7b", "qerl", 2): "x1.5 vs lora", ("qwen2.5-7b", "qerl", 8): "x1.2 vs lora",
+    ("qwen2.5-14b", "qlora", 2): "x0.9 vs lora", ("qwen2.5-14b", "qlora", 8): "x0.7 vs lora",
+    ("qwen2.5-14b", "qerl", 2): "x1.4 vs lora", ("qwen2.5-14b", "qerl", 8): "x1.2 vs lora",
+    ("qwen2.5-32b", "qerl", 2): "10.6 s/step", ("qwen2.5-32b", "qerl", 8): "12.2 s/step",
+}
+
+
+@dataclass(frozen=True)
+class TrainCase:
+    model: str = "qwen2.5-7b"  # an architecture of data/configs/
+    mode: str = "qerl"
+    batch: int = 8  # completions per step (one group)
+    prompt_len: int = 256
+    gen_len: int = 2048
+    steps: int = 3
+    lora_rank: int = 32
+    gradient_checkpointing: bool = True
+    mismatch_forward: bool = False
+    micro_batch: int | None = None  # None: the whole batch in one forward/backward
+    device: str = "cuda"
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise UserError(f"mode {self.mode!r}: use one of {MODES}")
+        if self.steps < 2:
+            raise UserError(f"steps={self.steps}: the first step warms up, so at least 2 are needed")
+        if min(self.batch, self.prompt_len, self.gen_len, self.lora_rank) < 1:
+            raise UserError("batch, prompt_len, gen_len and lora_rank must be >= 1")
+
+
+def synthetic_reward(prompts, completions, completion_ids, **kwargs) -> list[float]:
+    """A reward with spread inside every group (a function of the sampled ids), so the loss has a gradient."""
+    return [float(sum(ids) % 7) / 6.0 for ids in completion_ids]
+
+
+def case_config(case: TrainCase):
+    """The `TrainConfig` of one case: the Qwen2.5 preset of its size with synthetic inputs."""
+    from qerl_lib.train.presets import make_config
+
+    size = case.model.removeprefix("qwen2.5-") if case.model.startswith("qwen2.5-") else "7b"
+    preset = f"qwen2.5-{size}-gsm8k"  # another architecture (a config path) takes the 7B preset's settings
+    micro = case.micro_batch or case.batch
+    cpu = {"optim": "adamw_torch"} if case.device == "cpu" else {}  # the presets' 8-bit AdamW needs a GPU
+    return make_config(preset, mode=case.mode, steps=case.steps, seed=0, model=f"random:{case.model}", data="random",
+                       n_train=case.steps, prompts_per_step=1, num_generations=case.batch, micro_batch=micro,
+                       num_iterations=1, max_prompt_tokens=case.prompt_len, max_completion_length=case.gen_len,
+                       lora_rank=case.lora_rank, lora_alpha=2 * case.lora_rank,
+                       gradient_checkpointing=case.gradient_checkpointing, mismatch_forward=case.mismatch_forward,
+                       mask_truncated_completions=False, accuracy_weight=0.0, format_weight=0.0,
+                       save_steps=10 * case.steps, device=case.device, rollout_batch=max(case.batch, 1), **cpu)
+
+
+def run_case_here(case: TrainCase, out_dir: str | Path) -> dict:
+    """Run one case in this process and return its row (the trainer's metrics after the first step)."""
+    from qerl_lib.io import read_jsonl
+    from qerl_lib.train.grpo import train
+
+    out_dir = Path(out_dir)
+    train(case_config(case), out_dir, extra_rewards=[("synthetic", synthetic_reward, 1.0)], quiet=True)
+    rows = [r for r in read_jsonl(out_dir / "metrics.jsonl") if r.get("step_seconds") is not None][1:]
+    if not rows:
+        raise RuntimeError("the trainer logged no step after the first")
+
+    def median(key):
+        values = [r[key] for r in rows if isinstance(r.get(key), (int, float))]
+        return statistics.median(values) if values else None
+
+    step_s = median("step_seconds")
+    completion_len = median("completion_length")
+    return {"rollout_s": median("rollout_seconds"), "train_s": median("train_seconds"), "step_s": step_s,
+            "peak_gib": max((r["peak_memory_gb"] for r in rows if r.get("peak_memory_gb")), default=None),
+            "completion_len": completion_len,
+            "tokens_per_s": (completion_len * case.batch / step_s) if step_s and completion_len else None,
+            "steps_measured": len(rows)}
+
+
+def run_case(case: TrainCase, timeout_s: float = 1800) -> dict:
+    """One case in a fresh process; an out-of-memory or any other failure becomes the row's ``error``."""
+    row = {**asdict(case), "paper": PAPER.get((case.model, case.mode, case.batch))}
+    with tempfile.TemporaryDirectory(prefix="qerl-bench-train-") as tmp:
+        spec, result = Path(tmp) / "case.json", Path(tmp) / "row.json"
+        spec.write_text(json.dumps(asdict(case)))
+        env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": os.environ.get("PYTORCH_CUDA_ALLOC_CONF",
+                                                                       "expandable_segments:True")}
+        try:
+            proc = subprocess.run([sys.executable, "-m", "qerl_lib.studies.train_bench", str(spec), str(result)],
+                                  capture_output=True, text=True, timeout=timeout_s, env=env)
+        except subprocess.TimeoutExpired:
+            return {**row, "error": f"timed out after {timeout_s:.0f} s"}
+        if proc.returncode != 0 or not result.is_file():
+            lines = [ln for ln in (proc.stderr or "").strip().splitlines() if ln.strip()]
+            error = next((ln for ln in reversed(lines) if "OutOfMemoryError" in ln or "out of memory" in ln),
+                         lines[-1] if lines else f"exit {proc.returncode}")
+            return {**row, "error": error.strip()[:300]}
+        return {**row, **json.loads(result.read_text()), "error": None}
+
+
+def run_bench(cases: list[TrainCase], progress: bool = True) -> dict:
+    """Every case, one process each; the record `qerl bench train --json` writes (with provenance)."""
+    from qerl_lib.io import provenance
+
+    rows = []
+    for i, case in enumerate(cases):
+        if progress:
+            print(f"[{i + 1}/{len(cases)}] {case.model} {case.mode} batch {case.batch}, {case.prompt_len} + "
+                  f"{case.gen_len} tokens ...", flush=True)
+        rows.append(run_case(case))
+        if progress:
+            r = rows[-1]
+            print("   " + (f"error: {r['error']}" if r["error"] else
+                           f"step {r['step_s']:.2f} s (rollout {r['rollout_s']:.2f} s), peak {r['peak_gib']:.1f} GiB"),
+                  flush=True)
+    add_speedups(rows)
+    return {"rows": rows, "provenance": provenance()}
+
+
+def add_speedups(rows: list[dict]) -> None:
+    """Each row's step-time speedup over the lora row of the same model, batch and lengths (in place)."""
+    def key(r):
+        return (r["model"], r["batch"], r["prompt_len"], r["gen_len"], r["gradient_checkpointing"])
+
+    lora = {key(r): r["step_s"] for r in rows if r["mode"] == "lora" and not r.get("error")}
+    for r in rows:
+        ref = lora.get(key(r))
+        r["speedup_vs_lora"] = ref / r["step_s"] if ref and not r.get("error") and r.get("step_s") else None
+
+
+COLUMNS = (("model", "", 12), ("mode", "", 6), ("batch", "d", 5), ("gen_len", "d", 7), ("completion_len", ".0f", 14),
+           ("rollout_s", ".2f", 9), ("train_s", ".2f", 8), ("step_s", ".2f", 7), ("peak_gib", ".1f", 8),
+           ("tokens_per_s", ".0f", 12), ("speedup_vs_lora", ".2f", 15), ("paper", "", 13), ("error", "", 5))
+
+
+def format_bench(record: dict) -> str:
+    """Fixed-width table of the rows (the paper's column is the paper's number, see `PAPER`)."""
+    from qerl_lib.bench.table import format_table
+
+    rows = [{**r, "error": (r.get("error") or "")[:60] or None} for r in record["rows"]]
+    return format_table(rows, COLUMNS)
+
+
+if __name__ == "__main__":  # one case in its own process: python -m qerl_lib.studies.train_bench CASE.json ROW.json
+    _case = TrainCase(**json.loads(Path(sys.argv[1]).read_text()))
+    with tempfile.TemporaryDirectory(prefix="qerl-bench-run-") as _out:
+        _row = run_case_here(_case, Path(_out) / "run")
+    Path(sys.argv[2]).write_text(json.dumps(_row))

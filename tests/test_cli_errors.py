@@ -1,0 +1,254 @@
+"""The CLI's one error path (qerl_lib/cli/__init__.py): every error a user can fix is one line on
+stderr naming the file, line or tensor, and exit code 2; ``--debug`` adds the traceback; anything
+else still raises with its own.
+
+Commands run in-process through `qerl_lib.cli.main`, as a user sees them. Most cases fail before
+any model loads (the data is read first); the adapter cases build two tiny random Llamas (~1 s).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from qerl_lib.cli import main, user_error_message
+from qerl_lib.errors import UserError
+
+MISSING_MODEL = "/nonexistent/model"  # a data error must be reported before the model is even looked up
+
+
+def run(capsys, *argv) -> tuple[int, str]:
+    """Exit code and the stderr of `qerl ARGV`."""
+    capsys.readouterr()  # drop whatever fixtures printed
+    code = main([str(a) for a in argv])
+    return code, capsys.readouterr().err
+
+
+def one_line(err: str, command: str) -> str:
+    lines = err.strip("\n").splitlines()
+    assert len(lines) == 1, f"expected one line on stderr, got:\n{err}"
+    assert lines[0].startswith(f"qerl {command}: error: "), lines[0]
+    return lines[0]
+
+
+def write_jsonl(path: Path, rows: list) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return path
+
+
+GOOD = {"question": "What is 2 + 3?", "answer": "2 + 3 = 5\n#### 5"}
+
+
+# ---- data files: found before anything loads ------------------------------------------------------
+
+
+@pytest.mark.parametrize("answer", ["3 + 4 = 7\n#### ", "#### \n", "####   ,  "], ids=["trailing", "newline", "comma"])
+def test_empty_gold_answer_is_found_before_the_model(tmp_path, capsys, answer):
+    data = write_jsonl(tmp_path / "test.jsonl", [GOOD, {"question": "q", "answer": answer}])
+    code, err = run(capsys, "eval", "--model", MISSING_MODEL, "--data", "file", "--path", data)
+    line = one_line(err, "eval")
+    assert code == 2 and f"{data}:2" in line and "gold answer is empty" in line
+
+
+def test_non_utf8_data_file_names_file_and_line(tmp_path, capsys):
+    data = tmp_path / "latin1.jsonl"
+    data.write_bytes(json.dumps(GOOD).encode() + b"\n" + '{"question": "caf\xe9?", "answer": "#### 1"}\n'.encode("latin-1"))
+    code, err = run(capsys, "eval", "--model", MISSING_MODEL, "--data", "file", "--path", data)
+    line = one_line(err, "eval")
+    assert code == 2 and f"{data}:2" in line and "not UTF-8" in line and "0xe9" in line
+
+
+def test_non_utf8_prompts_file_names_file_and_line(tmp_path, capsys):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_bytes(b"first prompt\nsecond \xff prompt\n")
+    code, err = run(capsys, "generate", "--model", MISSING_MODEL, "--prompts", prompts)
+    line = one_line(err, "generate")
+    assert code == 2 and f"{prompts}:2" in line and "0xff" in line
+
+
+def test_bad_json_line_names_file_and_line(tmp_path, capsys):
+    data = tmp_path / "test.jsonl"
+    data.write_text(json.dumps(GOOD) + "\n" + json.dumps(GOOD) + "\n{'question': 'single quotes'}\n")
+    code, err = run(capsys, "eval", "--model", MISSING_MODEL, "--data", "file", "--path", data)
+    assert code == 2 and f"{data}:3" in one_line(err, "eval")
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["eval", "--model", MISSING_MODEL, "--n", "-3"], "--n must be >= 1"),
+    (["eval", "--model", MISSING_MODEL, "--data", "arith", "--n", "0"], "--n must be >= 1"),
+    (["data", "arith", "--n", "-1", "--out", "/nonexistent/x.jsonl"], "--n must be >= 0"),
+    (["data", "gsm8k", "--path", "/nonexistent/test.jsonl", "--n", "-2", "--out", "/nonexistent/x.jsonl"],
+     "--n must be >= 0"),
+    (["generate", "--model", MISSING_MODEL, "--prompt", "hi", "--n", "-1"], "--n and --max-new-tokens must be >= 1"),
+], ids=["eval", "eval-zero", "data-arith", "data-gsm8k", "generate"])
+def test_negative_n_is_an_error_not_a_shorter_list(capsys, argv, match):
+    code, err = run(capsys, *argv)
+    assert code == 2 and match in one_line(err, argv[0])
+
+
+def test_data_gsm8k_keeps_every_row_it_is_asked_for(tmp_path, capsys):
+    # The positive side of the --n check: --n 2 of 3 rows writes exactly the first 2.
+    data = write_jsonl(tmp_path / "in.jsonl", [GOOD, {**GOOD, "question": "b"}, {**GOOD, "question": "c"}])
+    code, _ = run(capsys, "data", "gsm8k", "--path", data, "--n", "2", "--out", tmp_path / "out.jsonl")
+    rows = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert code == 0 and [r["question"] for r in rows] == ["What is 2 + 3?", "b"]
+
+
+# ---- argparse, --debug, unexpected errors ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["eval", "--model", "m", "--n", "x"], "invalid int value: 'x'"),
+    (["eval"], "--model"),
+    (["eval", "--model", "m", "--data", "nope"], "invalid choice"),
+], ids=["bad-int", "missing-required", "bad-choice"])
+def test_argparse_errors_are_one_line(capsys, argv, match):
+    code, err = run(capsys, *argv)
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("qerl eval: error:") and match in lines[0], err
+
+
+@pytest.mark.parametrize("where", ["after", "before"])
+def test_debug_adds_the_traceback(capsys, where):
+    argv = ["eval", "--model", MISSING_MODEL, "--n", "-3"]
+    argv = argv + ["--debug"] if where == "after" else ["--debug"] + argv
+    code, err = run(capsys, *argv)
+    lines = err.strip().splitlines()
+    assert code == 2 and "Traceback (most recent call last)" in err and "UserError" in err
+    assert lines[-1].startswith("qerl eval: error: --n must be >= 1")
+    code, err = run(capsys, "eval", "--model", MISSING_MODEL, "--n", "-3")
+    assert "Traceback" not in err  # and without it, none
+
+
+def test_unexpected_errors_keep_their_traceback(monkeypatch, capsys):
+    from qerl_lib.tasks import problems
+
+    def broken(*args, **kwargs):
+        raise ZeroDivisionError("a bug, not a user error")
+
+    monkeypatch.setattr(problems, "load_problems", broken)
+    with pytest.raises(ZeroDivisionError, match="a bug"):
+        main(["eval", "--model", MISSING_MODEL, "--data", "arith", "--n", "1"])
+    assert "error:" not in capsys.readouterr().err
+
+
+# ---- library exceptions -> one line naming the file ------------------------------------------------
+
+
+def _raised(func, *args):
+    try:
+        func(*args)
+    except Exception as exc:  # noqa: BLE001 -- the exception is what the test looks at
+        return exc
+    raise AssertionError(f"{func.__name__} did not raise")
+
+
+def test_json_error_names_file_line_and_column(tmp_path):
+    def read_config(path):  # a reader that, like many, does not catch the error itself
+        return json.loads(Path(path).read_text())
+
+    path = tmp_path / "config.json"
+    path.write_text('{\n  "hidden_size": 64,\n  oops\n}\n')
+    message = user_error_message(_raised(read_config, path))
+    assert message.startswith(f"{path}:3:3: not valid JSON") and "double quotes" in message
+
+
+def test_json_error_in_a_jsonl_line_names_that_line(tmp_path):
+    def read_rows(folder):  # only the folder is held in a variable: the file is found by its content
+        with open(Path(folder) / "rows.jsonl") as f:
+            return [json.loads(line) for line in f]
+
+    (tmp_path / "rows.jsonl").write_text('{"a": 1}\n{"a": 2}\n{"a": 3,}\n')
+    message = user_error_message(_raised(read_rows, tmp_path))
+    assert message.startswith(f"{tmp_path / 'rows.jsonl'}:3: not valid JSON")
+
+
+def test_unicode_error_names_file_and_line(tmp_path):
+    def read(path):
+        return Path(path).read_text(encoding="utf-8")
+
+    path = tmp_path / "notes.txt"
+    path.write_bytes(b"line one\nline two\nna\xefve\n")
+    message = user_error_message(_raised(read, path))
+    assert message == f"{path}:3: not UTF-8 text (byte 0xef at column 3): re-save the file as UTF-8"
+
+
+def test_truncated_safetensors_names_file_and_first_missing_tensor(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    path = tmp_path / "weights.safetensors"
+    save_file({"a.weight": torch.ones(64), "b.weight": torch.ones(64), "c.weight": torch.ones(64)}, str(path))
+    data = path.read_bytes()
+    path.write_bytes(data[:-300])  # c (256 bytes) and part of b are gone
+    exc = _raised(load_file, str(path))
+    assert type(exc).__name__ == "SafetensorError"
+    message = user_error_message(exc)
+    assert message.startswith(f"{path}: truncated file: tensor 'b.weight' (and 1 more tensors) lies past its end")
+    path.write_bytes(data[:5])
+    assert "no header" in user_error_message(_raised(load_file, str(path)))
+
+
+def test_missing_file_and_full_disk_are_user_errors():
+    import errno
+
+    assert user_error_message(FileNotFoundError(errno.ENOENT, "No such file", "/x/y.jsonl")) == \
+        "/x/y.jsonl: no such file or folder: check the path"
+    assert "no space left" in user_error_message(OSError(errno.ENOSPC, "No space left on device", "/out/a"))
+    assert user_error_message(OSError(errno.EIO, "I/O error")) is None  # not something the user can fix
+    assert user_error_message(RuntimeError("boom")) is None
+    assert user_error_message(UserError("first\nsecond")) == "first second"  # always one line
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_device_without_cuda(capsys):
+    for command in ("eval", "generate"):
+        extra = ["--data", "arith", "--n", "1"] if command == "eval" else ["--prompt", "hi"]
+        code, err = run(capsys, command, "--model", MISSING_MODEL, "--device", "cuda", *extra)
+        assert code == 2 and "CUDA is not available" in one_line(err, command)
+    # The same from torch itself, where a command does not check first (qerl train, quantize, bench):
+    exc = _raised(lambda: torch.zeros(1, device="cuda"))
+    message = user_error_message(exc, argparse.Namespace(device="cuda:0"))
+    assert message.startswith("--device cuda:0 was asked for, but CUDA is not available") and "--device cpu" in message
+
+
+# ---- an adapter of another model --------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def two_models(tmp_path_factory):
+    """Tiny Llamas of hidden size 64 and 32, and a LoRA adapter of the first."""
+    from test_grpo import save_tiny_llama  # shared tiny-model helper
+
+    from qerl_lib.models.loader import load_model
+    from qerl_lib.models.lora import attach_lora, save_adapters
+
+    root = tmp_path_factory.mktemp("two-models")
+    wide = save_tiny_llama(root / "wide", hidden=64, layers=2, heads=4, kv_heads=2)
+    narrow = save_tiny_llama(root / "narrow", hidden=32, layers=2, heads=4, kv_heads=2)
+    save_adapters(attach_lora(load_model(wide), rank=4), root / "adapter")
+    return root
+
+
+def test_adapter_of_another_model_names_the_tensor(two_models, capsys):
+    code, err = run(capsys, "eval", "--model", two_models / "narrow", "--lora", two_models / "adapter",
+                    "--data", "arith", "--n", "1", "--device", "cpu", "--quiet")
+    line = one_line(err, "eval")
+    assert code == 2 and f"adapter {two_models / 'adapter'} does not fit" in line
+    assert "lora_A" in line and "[4, 64] in the adapter but [4, 32] in the model" in line
+
+
+def test_truncated_adapter_names_the_file(two_models, tmp_path, capsys):
+    import shutil
+
+    adapter = tmp_path / "adapter"
+    shutil.copytree(two_models / "adapter", adapter)
+    weights = adapter / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+    code, err = run(capsys, "eval", "--model", two_models / "wide", "--lora", adapter,
+                    "--data", "arith", "--n", "1", "--device", "cpu", "--quiet")
+    line = one_line(err, "eval")
+    assert code == 2 and f"{weights}: truncated file: tensor" in line

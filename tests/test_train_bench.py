@@ -1,0 +1,62 @@
+"""`qerl bench train` on a CPU with a tiny random architecture: the real trainer runs, rows add up, a failing
+case becomes a row with its error (speed targets live in the benchmark, not here)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from qerl_lib.errors import UserError
+from qerl_lib.studies.train_bench import TrainCase, add_speedups, case_config, format_bench, run_bench
+
+
+@pytest.fixture(scope="module")
+def tiny_arch(tmp_path_factory):
+    from transformers import LlamaConfig
+
+    folder = tmp_path_factory.mktemp("arch")
+    LlamaConfig(vocab_size=50000, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=True).save_pretrained(folder)
+    return str(folder / "config.json")
+
+
+def test_cases_run_the_real_trainer_and_rows_add_up(tiny_arch):
+    cases = [TrainCase(model=tiny_arch, mode=mode, batch=4, prompt_len=48, gen_len=12, steps=2, lora_rank=4,
+                       gradient_checkpointing=False, device="cpu") for mode in ("lora", "nvfp4")]
+    record = run_bench(cases, progress=False)
+    assert {"device", "versions", "date", "command"} <= set(record["provenance"])
+    for row in record["rows"]:
+        assert row["error"] is None, row["error"]
+        assert row["completion_len"] == 12  # random weights: every completion runs to gen_len
+        assert row["step_s"] == pytest.approx(row["rollout_s"] + row["train_s"], rel=1e-6)
+        assert 0 < row["rollout_s"] < row["step_s"]
+        assert row["tokens_per_s"] == pytest.approx(12 * 4 / row["step_s"])
+    lora, nvfp4 = record["rows"]
+    assert lora["speedup_vs_lora"] == pytest.approx(1.0)
+    assert nvfp4["speedup_vs_lora"] == pytest.approx(lora["step_s"] / nvfp4["step_s"])
+    assert "lora" in format_bench(record)
+    json.dumps(record)  # the record is plain JSON
+
+
+def test_a_failing_case_is_a_row_with_its_error(tiny_arch):
+    record = run_bench([TrainCase(model=tiny_arch, mode="lora", batch=2, prompt_len=48, gen_len=8, steps=2,
+                                  device="cuda-that-does-not-exist")], progress=False)
+    (row,) = record["rows"]
+    assert row["error"] and row.get("step_s") is None
+    add_speedups(record["rows"])
+    assert row["speedup_vs_lora"] is None
+
+
+def test_bad_cases_fail_before_anything_runs(tiny_arch):
+    with pytest.raises(UserError, match="mode"):
+        TrainCase(mode="full")
+    with pytest.raises(UserError, match="at least 2"):
+        TrainCase(steps=1)
+    with pytest.raises(UserError, match="unknown preset 'qwen2.5-9b-gsm8k'"):
+        case_config(TrainCase(model="qwen2.5-9b", device="cpu"))
+    with pytest.raises(UserError, match="random weights need an architecture"):
+        case_config(TrainCase(model="/nonexistent/config.json", device="cpu"))
+    config = case_config(TrainCase(model="qwen2.5-32b", mode="qerl", batch=2, device="cpu"))
+    assert (config.model, config.base, config.aqn, config.gradient_checkpointing) == ("random:qwen2.5-32b", "nvfp4",
+                                                                                        True, True)
