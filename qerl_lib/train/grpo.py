@@ -235,7 +235,8 @@ def _random_base(name: str, base: str, device: torch.device, dtype: torch.dtype,
         return build_random_model(name, dtype=dtype, device=device, seed=seed)
     if base == "nvfp4":
         return build_random_model(name, dtype=dtype, device=device, nvfp4=True, init="random_codes", seed=seed)
-    return _to_nf4(build_random_model(name, dtype=dtype, device="cpu", seed=seed), device, dtype)
+    # dense random weights where they will live, then each Linear becomes NF4 as it is (re)placed on `device`
+    return _to_nf4(build_random_model(name, dtype=dtype, device=device, seed=seed), device, dtype)
 
 
 def _to_nf4(model, device: torch.device, dtype: torch.dtype):
@@ -250,7 +251,7 @@ def _to_nf4(model, device: torch.device, dtype: torch.dtype):
                                           compute_dtype=dtype, quant_type="nf4", compress_statistics=True,
                                           device="meta")
                 layer.weight = bnb.nn.Params4bit(child.weight.data.to(dtype), requires_grad=False, quant_type="nf4",
-                                                 compress_statistics=True)
+                                                 compress_statistics=True, module=layer)
                 if child.bias is not None:
                     layer.bias = torch.nn.Parameter(child.bias.data, requires_grad=False)
                 setattr(module, child_name, layer)
