@@ -57,9 +57,9 @@ RESULT_FILES = {
                "(`qerl claims --export` from the sweep folders in `dev/runs/claims/`). Notebook 07; "
                "`figures/07_*.png`",
     "train_step_h100.json": "one GRPO step through the real trainer (`qerl bench train`): random-weight Qwen2.5-7B "
-                            "(lora, nvfp4, qerl; batch 8) and 32B (qerl; batch 2) shapes, 256 + 2048 tokens, LoRA "
-                            "r32, gradient checkpointing; rollout, training and step seconds, peak memory, the "
-                            "paper's number beside; two runs merged",
+                            "(lora, qlora, nvfp4, qerl; batch 8), 14B (lora, qerl; batch 8) and 32B (qerl; batch "
+                            "2) shapes, 256 + 2048 tokens, LoRA r32, gradient checkpointing; rollout, training and "
+                            "step seconds, peak memory, the paper's number beside; four runs merged",
     "calibration.json": "the expression task's calibration for the claim sweeps: the untrained SmolLM2's pass@1 "
                         "and share of mixed-reward groups of 8 per (base, level, temperature), 128 training problems "
                         "each, and the setting the pre-registered rule chose (`qerl_lib/studies/calibration.py`, "
@@ -291,13 +291,19 @@ def _train_step_rows(results_dir) -> list[tuple]:
         return hit[0]
 
     dev = device_name(doc, file)
-    lora, qerl, big = row("qwen2.5-7b", "lora", 8), row("qwen2.5-7b", "qerl", 8), row("qwen2.5-32b", "qerl", 2)
+    lora, qerl, qlora = row("qwen2.5-7b", "lora", 8), row("qwen2.5-7b", "qerl", 8), row("qwen2.5-7b", "qlora", 8)
+    lora14, qerl14, big = row("qwen2.5-14b", "lora", 8), row("qwen2.5-14b", "qerl", 8), row("qwen2.5-32b", "qerl", 2)
     return [
         (f"GRPO step (rollout + scoring + forward/backward + AdamW), Qwen2.5-7B shapes, batch 8, 256 + "
-         f"{qerl['gen_len']} tokens, LoRA r32: qerl / lora",
-         f"{qerl['step_s']:.1f} / {lora['step_s']:.1f} s = {_x(lora['step_s'] / qerl['step_s'])}, peak "
-         f"{qerl['peak_gib']:.1f} vs {lora['peak_gib']:.1f} GiB (paper, Tab. 3: {qerl['paper'].replace('x', '×', 1)})",
-         dev, file),
+         f"{qerl['gen_len']} tokens, LoRA r32: qerl / lora / qlora",
+         f"{qerl['step_s']:.1f} / {lora['step_s']:.1f} / {qlora['step_s']:.1f} s: "
+         f"{_x(lora['step_s'] / qerl['step_s'])} over lora, {_x(qlora['step_s'] / qerl['step_s'])} over qlora; peak "
+         f"{qerl['peak_gib']:.1f} / {lora['peak_gib']:.1f} / {qlora['peak_gib']:.1f} GiB (paper, Tab. 3: qerl "
+         f"{qerl['paper'].replace('x', '×', 1)}, qlora {qlora['paper'].replace('x', '×', 1)})", dev, file),
+        (f"the same step, Qwen2.5-14B shapes, batch 8: qerl / lora",
+         f"{qerl14['step_s']:.1f} / {lora14['step_s']:.1f} s = {_x(lora14['step_s'] / qerl14['step_s'])}, peak "
+         f"{qerl14['peak_gib']:.1f} / {lora14['peak_gib']:.1f} GiB (paper, Tab. 3: "
+         f"{qerl14['paper'].replace('x', '×', 1)})", dev, file),
         (f"the same step for Qwen2.5-32B shapes, mode qerl, batch 2, on one GPU",
          f"{big['step_s']:.1f} s ({big['rollout_s']:.1f} s rollout of {big['completion_len']:.0f}-token completions), "
          f"peak {big['peak_gib']:.1f} GiB (paper, Tab. 8: {big['paper']}, shorter completions)", dev, file),
