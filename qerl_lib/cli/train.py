@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 
 def register(sub) -> None:
@@ -26,6 +29,14 @@ def register(sub) -> None:
     p.add_argument("--decode-backend", choices=DECODE_BACKENDS, default=None,
                    help="rollout engine decode path (default auto: CUDA graphs on GPU, eager on CPU)")
     p.add_argument("--save-steps", type=int, default=None, help="checkpoint every N steps (default: the preset's)")
+    p.add_argument("--num-gpus", type=int, default=1,
+                   help="data-parallel processes, one per GPU: runs `accelerate launch --config_file "
+                        "data/accelerate/one_node.yaml --num_processes N -m qerl_lib train ...` (the global batch "
+                        "stays the preset's)")
+    p.add_argument("--prompts-per-step", type=int, default=None,
+                   help="prompts per optimizer step, over all processes (default: the preset's)")
+    p.add_argument("--micro-batch", type=int, default=None,
+                   help="completions per forward/backward on each process (default: the preset's)")
     p.add_argument("--report-to", choices=REPORT_TO, default=None,
                    help="also send the step metrics (kit names) to a tracker, offline, under --out: tensorboard "
                         "(OUT/tensorboard), trackio (OUT/trackio), wandb (WANDB_MODE=offline unless set); default none")
@@ -51,23 +62,40 @@ def register(sub) -> None:
 
 
 def _train(args) -> int:
+    from qerl_lib.errors import UserError
     from qerl_lib.train.presets import make_config
+
+    if args.num_gpus < 1:
+        raise UserError(f"--num-gpus {args.num_gpus}: use 1 or more")
     from qerl_lib.paths import ARTIFACTS_DIR
 
     overrides = {"model": args.model, "data_path": args.data_path, "device": args.device,
                  "decode_backend": args.decode_backend, "save_steps": args.save_steps, "base_format": args.base,
                  "aqn_target": args.aqn, "aqn_schedule": args.schedule, "sigma_start": args.sigma_start,
                  "sigma_end": args.sigma_end, "aqn_stages": args.aqn_stages, "lr": args.lr,
-                 "lora_rank": args.lora_rank, "data_level": args.level, "report_to": args.report_to}
+                 "lora_rank": args.lora_rank, "data_level": args.level, "report_to": args.report_to,
+                 "prompts_per_step": args.prompts_per_step, "micro_batch": args.micro_batch}
     if args.is_correction is not None:
         overrides["is_correction"] = args.is_correction == "on"
     config = make_config(args.preset, mode=args.mode, steps=args.steps, seed=args.seed,
                          **{k: v for k, v in overrides.items() if v is not None})
     out = args.out or ARTIFACTS_DIR / "train" / f"{config.preset}-{config.arm_label}-seed{config.seed}"
 
+    if args.num_gpus > 1 and "WORLD_SIZE" not in os.environ:
+        from qerl_lib.train.grpo import accumulation_steps
+
+        os.environ["WORLD_SIZE"] = str(args.num_gpus)  # check the split here, before launching anything
+        try:
+            accumulation_steps(config)
+        finally:
+            del os.environ["WORLD_SIZE"]
+        return _launch(args.num_gpus)
+
     from qerl_lib.train.grpo import train
 
     summary = train(config, out, resume=args.resume)
+    if not summary:  # not the first process of an `accelerate launch`: that one reports
+        return 0
     seconds = summary["seconds"]
     print(f"done: {summary['steps']} steps in {seconds['step_seconds']:.0f}s "
           f"(rollout {seconds['rollout_seconds']:.0f}s = {100 * (summary['rollout_share'] or 0):.0f}%, "
@@ -102,3 +130,17 @@ def _plot_run(args) -> int:
         raise UserError("several runs: pass --out FILE.png for the comparison figure")
     print(plot_runs(runs, out))
     return 0
+
+
+def _launch(num_gpus: int) -> int:
+    """Re-run this command under `accelerate launch` with one process per GPU."""
+    from qerl_lib.paths import DATA_DIR
+
+    argv = sys.argv[1:]
+    args = [a for i, a in enumerate(argv) if not (a == "--num-gpus" or (i and argv[i - 1] == "--num-gpus")
+                                                 or a.startswith("--num-gpus="))]
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+               str(DATA_DIR / "accelerate" / "one_node.yaml"), "--num_processes", str(num_gpus), "-m", "qerl_lib",
+               *args]
+    print("running: " + " ".join(command[2:]), flush=True)
+    return subprocess.call(command)

@@ -352,9 +352,36 @@ def reward_functions(config: TrainConfig, extra: list | None = None):
 _ROLLOUT_STREAM = 0x5A3D  # keeps rollout seeds apart from AQN's, which hash (seed, step, call) too
 
 
+def world() -> tuple[int, int]:
+    """(this process's rank, number of processes) of an `accelerate launch` (0, 1 without one)."""
+    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def accumulation_steps(config: TrainConfig) -> int:
+    """Micro-batches per process and optimizer step, so that all processes together make one step of
+    ``completions_per_step`` completions (the global batch does not change with the number of GPUs).
+    Raises `UserError` (before any model loads) when the step cannot be split evenly."""
+    _, size = world()
+    if size > config.prompts_per_step:
+        raise UserError(f"{size} processes but {config.prompts_per_step} prompt(s) per step: use at most "
+                        f"{config.prompts_per_step} processes, or raise --prompts-per-step")
+    if config.completions_per_step % (config.micro_batch * size):
+        raise UserError(f"a step's {config.completions_per_step} completions do not split into micro-batches of "
+                        f"{config.micro_batch} on {size} processes: make prompts_per_step x num_generations a "
+                        f"multiple of micro_batch x {size}")
+    return config.completions_per_step // (config.micro_batch * size)
+
+
 def _seed(*words: int) -> int:
     state = np.random.SeedSequence([_ROLLOUT_STREAM, *(int(w) for w in words)]).generate_state(2, dtype=np.uint32)
     return int(state[0]) << 32 | int(state[1])
+
+
+def _rank_word() -> tuple[int, ...]:
+    """A seed word for processes after the first (rank 0 keeps the one-process streams, so a resumed or
+    single-GPU run samples the same), so that two processes never draw the same samples."""
+    rank, _ = world()
+    return (rank,) if rank else ()
 
 
 class EngineRollout:
@@ -412,7 +439,8 @@ class EngineRollout:
         for i in range(0, len(prompt_ids), chunk):
             completions += self.engine.generate(
                 prompt_ids[i:i + chunk], max_new_tokens=trainer.max_completion_length, temperature=trainer.temperature,
-                top_p=trainer.top_p, top_k=trainer.top_k or 0, seed=_seed(self.config.seed, step, self._calls, i),
+                top_p=trainer.top_p, top_k=trainer.top_k or 0, seed=_seed(self.config.seed, step, self._calls, i,
+                                                                            *_rank_word()),
                 stop_token_ids=trainer.eos_token_ids, lora=adapters, norm_overrides=overrides)
         _sync(device)
         seconds = time.perf_counter() - start
@@ -456,6 +484,7 @@ def build_trainer(config: TrainConfig, out_dir: str | os.PathLike, extra_rewards
     from qerl_lib.train.trainer import grpo_args, trainer_class
 
     out = Path(out_dir)
+    accumulation_steps(config)  # a step that does not split over the processes fails here, before loading
     device = resolve_device(config)
     tokenizer = load_tokenizer(config)
     dataset = build_dataset(config, tokenizer)
@@ -494,7 +523,11 @@ def train(config: TrainConfig, out_dir: str | os.PathLike, resume: bool = False,
 
     out = Path(out_dir)
     resolve_device(config)
-    checkpoint = gm.prepare_output(out, config, resume)  # validates a resume against run.json, before loading
+    rank, _ = world()
+    if rank == 0:
+        checkpoint = gm.prepare_output(out, config, resume)  # validates a resume against run.json, before loading
+    else:  # `accelerate launch`: the first process prepares OUT, the others only find the checkpoint to resume
+        checkpoint = gm.last_complete_checkpoint(out / "checkpoints", None) if resume else None
     trainer = build_trainer(config, out, extra_rewards, callbacks, quiet)
     if checkpoint is not None:
         gm.load_side_state(checkpoint, trainer.qerl_rollout)
@@ -505,5 +538,10 @@ def train(config: TrainConfig, out_dir: str | os.PathLike, resume: bool = False,
         raise TrainingDiverged(f"training diverged at step {run_metrics.diverged_at}: the LoRA weights became "
                                f"non-finite (learning rate {config.learning_rate:g}); lower it with --lr",
                                step=run_metrics.diverged_at)
+    if not trainer.accelerator.is_main_process:  # one process writes the adapter and the summary
+        trainer.accelerator.wait_for_everyone()
+        return {}
     save_adapters(trainer.accelerator.unwrap_model(trainer.model), out / "adapter")
-    return gm.write_summary(out, config)
+    summary = gm.write_summary(out, config)
+    trainer.accelerator.wait_for_everyone()
+    return summary

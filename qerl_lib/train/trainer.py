@@ -164,12 +164,15 @@ def grpo_args(config: TrainConfig, output_dir: str | os.PathLike, device: torch.
     """
     from trl import GRPOConfig
 
+    from qerl_lib.train.grpo import accumulation_steps
+
     c = config
+    accumulation = accumulation_steps(c)  # per process: the processes share one step's completions
     return GRPOConfig(
         output_dir=str(output_dir),
-        # batch shape: generation batch = one optimizer step's completions
-        per_device_train_batch_size=c.micro_batch, gradient_accumulation_steps=c.gradient_accumulation_steps,
-        steps_per_generation=c.gradient_accumulation_steps, num_generations=c.num_generations,
+        # batch shape: generation batch = one optimizer step's completions, over all processes
+        per_device_train_batch_size=c.micro_batch, gradient_accumulation_steps=accumulation,
+        steps_per_generation=accumulation, num_generations=c.num_generations,
         num_iterations=c.num_iterations, max_completion_length=c.max_completion_length, shuffle_dataset=True,
         # sampling (the engine reads these back from the trainer, so TRL's scoring matches)
         temperature=c.temperature, top_p=c.top_p, top_k=c.top_k, min_p=None, repetition_penalty=1.0,
