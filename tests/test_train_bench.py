@@ -60,3 +60,17 @@ def test_bad_cases_fail_before_anything_runs(tiny_arch):
     config = case_config(TrainCase(model="qwen2.5-32b", mode="qerl", batch=2, device="cpu"))
     assert (config.model, config.base, config.aqn, config.gradient_checkpointing) == ("random:qwen2.5-32b", "nvfp4",
                                                                                         True, True)
+
+
+def test_data_parallel_cases_carry_num_gpus_and_the_speedup_over_one(tiny_arch):
+    """The same case on 1 and on 2 processes (accelerate, gloo on CPU): both run, the 2-process row carries
+    num_gpus and speedup_vs_1gpu (a CPU says nothing about GPU scaling; the field is what is tested)."""
+    cases = [TrainCase(model=tiny_arch, mode="lora", batch=4, groups=2, num_gpus=n, prompt_len=48, gen_len=8, steps=2,
+                       lora_rank=4, gradient_checkpointing=False, device="cpu") for n in (1, 2)]
+    one, two = run_bench(cases, progress=False)["rows"]
+    assert one["error"] is None and two["error"] is None, (one["error"], two["error"])
+    assert (one["num_gpus"], two["num_gpus"]) == (1, 2)
+    assert one["speedup_vs_1gpu"] == pytest.approx(1.0)
+    assert two["speedup_vs_1gpu"] == pytest.approx(one["step_s"] / two["step_s"])
+    with pytest.raises(UserError, match="GPUs the groups"):
+        TrainCase(batch=8, groups=1, num_gpus=2)

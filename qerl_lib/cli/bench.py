@@ -49,7 +49,11 @@ def register(sub) -> None:
     p.add_argument("--gen-len", type=int, default=2048)
     p.add_argument("--steps", type=int, default=3, help="steps per case; the first is warm-up")
     p.add_argument("--lora-rank", type=int, default=32)
-    p.add_argument("--micro-batch", type=int, default=None, help="sequences per forward/backward (default: all)")
+    p.add_argument("--micro-batch", type=int, default=None,
+                   help="sequences per forward/backward (default: each process's share)")
+    p.add_argument("--groups", type=int, default=1, help="prompts per step (the batch splits into that many groups)")
+    p.add_argument("--num-gpus", type=_int_list, default=[1],
+                   help="comma-separated data-parallel process counts, e.g. 1,2 (rows get speedup_vs_1gpu)")
     p.add_argument("--no-gradient-checkpointing", action="store_true")
     p.add_argument("--mismatch-forward", action="store_true", help="also run the μ = 1 mismatch forward")
     p.add_argument("--json", default=None, help="write the rows JSON here (atomic)")
@@ -68,8 +72,8 @@ def _train(args) -> int:
     cases = [TrainCase(model=m, mode=mode, batch=b, prompt_len=args.prompt_len, gen_len=args.gen_len,
                        steps=args.steps, lora_rank=args.lora_rank, micro_batch=args.micro_batch,
                        gradient_checkpointing=not args.no_gradient_checkpointing,
-                       mismatch_forward=args.mismatch_forward)
-             for m in args.models for b in args.batches for mode in args.modes]
+                       mismatch_forward=args.mismatch_forward, groups=args.groups, num_gpus=n)
+             for m in args.models for b in args.batches for mode in args.modes for n in args.num_gpus]
     record = run_bench(cases)
     record["provenance"]["command"] = " ".join(["qerl", *sys.argv[1:]])
     print(format_bench(record))

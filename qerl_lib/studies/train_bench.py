@@ -58,7 +58,9 @@ class TrainCase:
     lora_rank: int = 32
     gradient_checkpointing: bool = True
     mismatch_forward: bool = False
-    micro_batch: int | None = None  # None: the whole batch in one forward/backward
+    micro_batch: int | None = None  # None: each process's share of the batch in one forward/backward
+    groups: int = 1  # prompts per step (the batch is groups x completions per prompt)
+    num_gpus: int = 1  # data-parallel processes (`accelerate launch`), at most `groups`
     device: str = "cuda"
 
     def __post_init__(self):
@@ -66,8 +68,11 @@ class TrainCase:
             raise UserError(f"mode {self.mode!r}: use one of {MODES}")
         if self.steps < 2:
             raise UserError(f"steps={self.steps}: the first step warms up, so at least 2 are needed")
-        if min(self.batch, self.prompt_len, self.gen_len, self.lora_rank) < 1:
-            raise UserError("batch, prompt_len, gen_len and lora_rank must be >= 1")
+        if min(self.batch, self.prompt_len, self.gen_len, self.lora_rank, self.groups, self.num_gpus) < 1:
+            raise UserError("batch, prompt_len, gen_len, lora_rank, groups and num_gpus must be >= 1")
+        if self.batch % self.groups or self.num_gpus > self.groups or self.groups % self.num_gpus:
+            raise UserError(f"batch {self.batch} over {self.groups} group(s) on {self.num_gpus} GPU(s): the groups "
+                            "must divide the batch, and the GPUs the groups")
 
 
 def synthetic_reward(prompts, completions, completion_ids, **kwargs) -> list[float]:
@@ -81,10 +86,11 @@ def case_config(case: TrainCase):
 
     size = case.model.removeprefix("qwen2.5-") if case.model.startswith("qwen2.5-") else "7b"
     preset = f"qwen2.5-{size}-gsm8k"  # another architecture (a config path) takes the 7B preset's settings
-    micro = case.micro_batch or case.batch
+    micro = case.micro_batch or case.batch // case.num_gpus
     cpu = {"optim": "adamw_torch"} if case.device == "cpu" else {}  # the presets' 8-bit AdamW needs a GPU
     return make_config(preset, mode=case.mode, steps=case.steps, seed=0, model=f"random:{case.model}", data="random",
-                       n_train=case.steps, prompts_per_step=1, num_generations=case.batch, micro_batch=micro,
+                       n_train=case.steps * case.groups, prompts_per_step=case.groups,
+                       num_generations=case.batch // case.groups, micro_batch=micro,
                        num_iterations=1, max_prompt_tokens=case.prompt_len, max_completion_length=case.gen_len,
                        lora_rank=case.lora_rank, lora_alpha=2 * case.lora_rank,
                        gradient_checkpointing=case.gradient_checkpointing, mismatch_forward=case.mismatch_forward,
@@ -98,7 +104,8 @@ def run_case_here(case: TrainCase, out_dir: str | Path) -> dict:
     from qerl_lib.train.grpo import train
 
     out_dir = Path(out_dir)
-    train(case_config(case), out_dir, extra_rewards=[("synthetic", synthetic_reward, 1.0)], quiet=True)
+    if not train(case_config(case), out_dir, extra_rewards=[("synthetic", synthetic_reward, 1.0)], quiet=True):
+        return {}  # not the first process of an `accelerate launch`: that one reports
     rows = [r for r in read_jsonl(out_dir / "metrics.jsonl") if r.get("step_seconds") is not None][1:]
     if not rows:
         raise RuntimeError("the trainer logged no step after the first")
@@ -124,9 +131,15 @@ def run_case(case: TrainCase, timeout_s: float = 1800) -> dict:
         spec.write_text(json.dumps(asdict(case)))
         env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": os.environ.get("PYTORCH_CUDA_ALLOC_CONF",
                                                                        "expandable_segments:True")}
+        command = [sys.executable, "-m", "qerl_lib.studies.train_bench", str(spec), str(result), str(Path(tmp) / "run")]
+        if case.num_gpus > 1:
+            from qerl_lib.paths import DATA_DIR
+
+            command[1:3] = ["-m", "accelerate.commands.launch", "--config_file",
+                            str(DATA_DIR / "accelerate" / "one_node.yaml"), "--num_processes", str(case.num_gpus),
+                            *(["--cpu"] if case.device == "cpu" else []), "-m", "qerl_lib.studies.train_bench"]
         try:
-            proc = subprocess.run([sys.executable, "-m", "qerl_lib.studies.train_bench", str(spec), str(result)],
-                                  capture_output=True, text=True, timeout=timeout_s, env=env)
+            proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, env=env)
         except subprocess.TimeoutExpired:
             return {**row, "error": f"timed out after {timeout_s:.0f} s"}
         if proc.returncode != 0 or not result.is_file():
@@ -157,19 +170,26 @@ def run_bench(cases: list[TrainCase], progress: bool = True) -> dict:
 
 
 def add_speedups(rows: list[dict]) -> None:
-    """Each row's step-time speedup over the lora row of the same model, batch and lengths (in place)."""
-    def key(r):
-        return (r["model"], r["batch"], r["prompt_len"], r["gen_len"], r["gradient_checkpointing"])
+    """Each row's step-time speedup over the lora row of the same model, batch, lengths and GPUs, and over the
+    one-GPU row of the same case (in place)."""
+    def key(r, *extra):
+        return (r["model"], r["batch"], r.get("groups", 1), r["prompt_len"], r["gen_len"], r["gradient_checkpointing"],
+                *extra)
 
-    lora = {key(r): r["step_s"] for r in rows if r["mode"] == "lora" and not r.get("error")}
+    lora = {key(r, r.get("num_gpus", 1)): r["step_s"] for r in rows if r["mode"] == "lora" and not r.get("error")}
+    one = {key(r, r["mode"]): r["step_s"] for r in rows if r.get("num_gpus", 1) == 1 and not r.get("error")}
     for r in rows:
-        ref = lora.get(key(r))
-        r["speedup_vs_lora"] = ref / r["step_s"] if ref and not r.get("error") and r.get("step_s") else None
+        ok = not r.get("error") and r.get("step_s")
+        ref, single = lora.get(key(r, r.get("num_gpus", 1))), one.get(key(r, r["mode"]))
+        r["speedup_vs_lora"] = ref / r["step_s"] if ref and ok else None
+        r["speedup_vs_1gpu"] = single / r["step_s"] if single and ok else None
 
 
-COLUMNS = (("model", "", 12), ("mode", "", 6), ("batch", "d", 5), ("gen_len", "d", 7), ("completion_len", ".0f", 14),
+COLUMNS = (("model", "", 12), ("mode", "", 6), ("batch", "d", 5), ("num_gpus", "d", 8), ("gen_len", "d", 7),
+           ("completion_len", ".0f", 14),
            ("rollout_s", ".2f", 9), ("train_s", ".2f", 8), ("step_s", ".2f", 7), ("peak_gib", ".1f", 8),
-           ("tokens_per_s", ".0f", 12), ("speedup_vs_lora", ".2f", 15), ("paper", "", 13), ("error", "", 5))
+           ("tokens_per_s", ".0f", 12), ("speedup_vs_lora", ".2f", 15), ("speedup_vs_1gpu", ".2f", 15),
+           ("paper", "", 13), ("error", "", 5))
 
 
 def format_bench(record: dict) -> str:
@@ -180,8 +200,7 @@ def format_bench(record: dict) -> str:
     return format_table(rows, COLUMNS)
 
 
-if __name__ == "__main__":  # one case in its own process: python -m qerl_lib.studies.train_bench CASE.json ROW.json
-    _case = TrainCase(**json.loads(Path(sys.argv[1]).read_text()))
-    with tempfile.TemporaryDirectory(prefix="qerl-bench-run-") as _out:
-        _row = run_case_here(_case, Path(_out) / "run")
-    Path(sys.argv[2]).write_text(json.dumps(_row))
+if __name__ == "__main__":  # one case: python -m qerl_lib.studies.train_bench CASE.json ROW.json RUN_DIR
+    _row = run_case_here(TrainCase(**json.loads(Path(sys.argv[1]).read_text())), Path(sys.argv[3]))
+    if _row:
+        Path(sys.argv[2]).write_text(json.dumps(_row))
