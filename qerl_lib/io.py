@@ -2,13 +2,22 @@
 
 Every writer goes to a temporary sibling first and then `os.replace`s it into place, which
 is atomic on POSIX file systems: a reader (or a resumed run) sees the old file or the new
-one, never a torn one.
+one, never a torn one. Temporary files and folders are created private (0600 / 0700); before
+they are published they get the modes a plain `open` / `mkdir` would give (0666 / 0777 less the
+process umask: `file_mode` / `folder_mode`; `atomic_directory` widens everything inside to at
+least those, `open_up_tree`), so outputs are as readable as the user's umask allows.
+
+JSON writers refuse NaN and Infinity (not JSON; most parsers reject them) with one line naming the
+key path of the first offending value: a writer that has no number writes null and says why.
 
 Output folders (`--out` of quantize, export, prepare-model): `prepare_output_folder` decides
 whether a folder may be written at all (an existing non-empty one only with `--force`; one that
 is, contains or lies inside an input never), and `atomic_directory` writes it into a temporary
-sibling that replaces the old folder by rename only once complete. `fsync_tree` / `fsync_dir`
-make a folder's files durable before a completion marker is written after them.
+sibling that replaces the old folder by rename only once complete. `atomic_directory` itself
+refuses to replace a non-empty folder unless told `force=True` or `prepare_output_folder` cleared
+that folder for replacement earlier in the process, so library code that skips the check cannot
+delete a user's folder. `fsync_tree` / `fsync_dir` make a folder's files durable before a
+completion marker is written after them.
 
 Every results/ JSON and every metrics JSON embeds `provenance()` (device, date, package
 versions, command), so a reader can tell where a number came from and whether it is comparable
@@ -21,9 +30,11 @@ import contextlib
 import datetime as _dt
 import importlib.metadata as _md
 import json
+import math
 import os
 import platform
 import shutil
+import stat
 import sys
 import tempfile
 import uuid
@@ -33,12 +44,37 @@ from typing import Any, Iterable, Iterator
 from qerl_lib.errors import UserError
 
 
+def current_umask() -> int:
+    """The process umask, read without changing it where Linux allows (/proc), else by setting and restoring it."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)  # no read-only API elsewhere: set, then restore at once
+    os.umask(mask)
+    return mask
+
+
+def file_mode() -> int:
+    """Mode of a new file under the current umask, as `open` gives it: 0o666 & ~umask."""
+    return 0o666 & ~current_umask()
+
+
+def folder_mode() -> int:
+    """Mode of a new folder under the current umask, as `mkdir` gives it: 0o777 & ~umask."""
+    return 0o777 & ~current_umask()
+
+
 def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
     """Write `text` to `path` through a temp file + rename."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.fchmod(fd, file_mode())  # mkstemp's 0600 would make every output private
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
             f.flush()
@@ -52,21 +88,59 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
 
 
 def write_json_atomic(path: str | os.PathLike, obj: Any, indent: int = 2) -> Path:
-    """Serialise `obj` as JSON (keys in insertion order) and write it atomically."""
-    return write_text_atomic(path, json.dumps(obj, indent=indent, default=_json_default) + "\n")
+    """Serialise `obj` as JSON (keys in insertion order) and write it atomically; NaN/Infinity are refused."""
+    return write_text_atomic(path, dumps_strict(obj, path, indent=indent) + "\n")
 
 
 def write_jsonl_atomic(path: str | os.PathLike, rows: Iterable[dict]) -> Path:
-    """Write one JSON document per line, atomically."""
-    text = "".join(json.dumps(r, default=_json_default) + "\n" for r in rows)
+    """Write one JSON document per line, atomically; NaN/Infinity are refused."""
+    text = "".join(dumps_strict(r, path, where=f"line {i + 1}: ") + "\n" for i, r in enumerate(rows))
     return write_text_atomic(path, text)
 
 
 def append_jsonl_atomic(path: str | os.PathLike, row: dict) -> Path:
-    """Append one line to a JSONL file by rewriting it atomically (files here are small)."""
+    """Append one line to a JSONL file by rewriting it atomically (files here are small); NaN/Infinity are refused."""
     path = Path(path)
+    line = dumps_strict(row, path, where="new line: ")  # before reading: a refused row changes nothing
     old = path.read_text(encoding="utf-8") if path.exists() else ""
-    return write_text_atomic(path, old + json.dumps(row, default=_json_default) + "\n")
+    return write_text_atomic(path, old + line + "\n")
+
+
+def dumps_strict(obj: Any, path: str | os.PathLike = "JSON", indent: int | None = None, where: str = "") -> str:
+    """`json.dumps` with ``allow_nan=False``; a NaN/Infinity raises ValueError naming its key path, e.g.
+    ``results/x.json: NaN at formats.nvfp4.per_problem[3] is not JSON: write null (and a note saying why) instead``."""
+    try:
+        return json.dumps(obj, indent=indent, default=_json_default, allow_nan=False)
+    except ValueError as e:
+        found = _non_finite_path(obj, "") if str(e).startswith("Out of range float") else None
+        if found is None:  # another error (a circular reference...): json's own message
+            raise
+        key, value = found
+        value = "NaN" if math.isnan(value) else "Infinity" if value > 0 else "-Infinity"
+        raise ValueError(f"{path}: {where}{value} at {key or '(top level)'} is not JSON: "
+                         "write null (and a note saying why) instead") from None
+
+
+def _non_finite_path(obj: Any, key: str) -> tuple[str, float] | None:
+    """(key path, value) of the first NaN/Infinity in `obj`, converting objects as `_json_default` does."""
+    if isinstance(obj, float):
+        return None if math.isfinite(obj) else (key, obj)
+    if isinstance(obj, dict):
+        items = ((f"{key}.{k}" if key else str(k), v) for k, v in obj.items())
+    elif isinstance(obj, (list, tuple)):
+        items = ((f"{key}[{i}]", v) for i, v in enumerate(obj))
+    elif isinstance(obj, (str, int, bool, Path)) or obj is None:
+        return None
+    else:
+        try:
+            return _non_finite_path(_json_default(obj), key)
+        except TypeError:
+            return None
+    for k, v in items:
+        found = _non_finite_path(v, k)
+        if found is not None:
+            return found
+    return None
 
 
 def read_jsonl(path: str | os.PathLike) -> list[dict]:
@@ -120,28 +194,58 @@ def prepare_output_folder(out: str | os.PathLike, inputs: Iterable[str | os.Path
     if out.exists() and not out.is_dir():
         raise UserError(f"{flag} {out} is a file, not a folder: choose another {flag}")
     refuse_overlap(out, inputs, flag)
-    if out.is_dir() and not force and any(out.iterdir()):
-        raise UserError(f"{flag} {out} already exists and is not empty: pass --force to replace it, "
-                        f"or choose another {flag}")
+    if out.is_dir() and any(out.iterdir()):
+        if not force:
+            raise UserError(f"{flag} {out} already exists and is not empty: pass --force to replace it, "
+                            f"or choose another {flag}")
+        _CLEARED.add(_key(out))  # atomic_directory may now replace it (once)
     return out
 
 
+# Folders `prepare_output_folder` cleared for replacement (with force) in this process; `atomic_directory`
+# consumes an entry when it replaces the folder.
+_CLEARED: set[str] = set()
+
+
+def _key(folder: Path) -> str:
+    return os.path.abspath(folder)
+
+
+def _refuse_replacing(final: Path, force: bool) -> None:
+    """`UserError` unless `final` is absent, an empty folder, cleared by `prepare_output_folder`, or `force`."""
+    if force or _key(final) in _CLEARED:
+        return
+    if final.is_symlink() or (final.exists() and not final.is_dir()):
+        what = "a symbolic link" if final.is_symlink() else "a file"
+    elif final.is_dir() and any(final.iterdir()):
+        what = "a non-empty folder"
+    else:
+        return
+    raise UserError(f"{final} already exists ({what}) and writing there would replace it: pass force=True "
+                    "(or clear it with io.prepare_output_folder(..., force=True)), or write elsewhere")
+
+
 @contextlib.contextmanager
-def atomic_directory(final: str | os.PathLike) -> Iterator[Path]:
+def atomic_directory(final: str | os.PathLike, force: bool = False) -> Iterator[Path]:
     """Yield a temporary folder next to `final`; on success it replaces `final` by rename.
 
     On any exception the temporary folder is removed and `final` is untouched, so a crash
     (or a corrupt input) never leaves a half-written folder behind. If `final` already exists
     it is renamed to a fresh hidden sibling, the new folder renamed into place, and only then
     the old one removed; a crash between the two renames leaves the old folder under
-    ``.NAME.*.old`` beside it, never deleted. Whether `final` may be replaced at all is the
-    caller's decision (`prepare_output_folder`).
+    ``.NAME.*.old`` beside it, never deleted. An existing `final` that is not an empty folder is
+    replaced only with `force=True` or when `prepare_output_folder(final, force=True)` cleared it
+    in this process; otherwise `UserError` before anything is written. Before publishing,
+    `open_up_tree` gives the folder and everything in it at least the modes `mkdir` / `open` give
+    under the umask (the temporary folder is created 0700, and safetensors writes its files 0600).
     """
     final = Path(final)
+    _refuse_replacing(final, force)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent))
     try:
         yield tmp
+        open_up_tree(tmp)
         fsync_tree(tmp)
         if final.exists() or final.is_symlink():
             old = final.with_name(f".{final.name}.{uuid.uuid4().hex[:12]}.old")  # a name nobody holds
@@ -155,9 +259,28 @@ def atomic_directory(final: str | os.PathLike) -> Iterator[Path]:
         else:
             os.replace(tmp, final)
             fsync_dir(final.parent)
+        _CLEARED.discard(_key(final))
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def open_up_tree(folder: str | os.PathLike) -> None:
+    """Widen modes below `folder` (itself included) to at least 0o777 & ~umask for folders and
+    0o666 & ~umask for files, as `mkdir` / `open` would create them.
+
+    Writers that go through private temporary files (mkstemp, safetensors) leave 0600 behind; this
+    undoes that without narrowing anything a writer made more open on purpose (an executable bit,
+    a 0644 under umask 027). Symbolic links are left alone.
+    """
+    dmode, fmode = folder_mode(), file_mode()
+    for root, dirs, files in os.walk(folder):
+        os.chmod(root, stat.S_IMODE(os.stat(root).st_mode) | dmode)
+        for name in files:
+            path = os.path.join(root, name)
+            st = os.lstat(path)
+            if stat.S_ISREG(st.st_mode):
+                os.chmod(path, stat.S_IMODE(st.st_mode) | fmode)
 
 
 def fsync_dir(folder: str | os.PathLike) -> None:

@@ -16,7 +16,8 @@ import torch
 
 from qerl_lib.studies.aqn_noise import (capture_norm_input, dequantize_nvfp4_linears_, entropy_vs_sigma,
                                 equivalence_on_layer, verdict)
-from qerl_lib.evals.entropy import mean_token_entropy, per_sequence_mean, token_entropies
+from qerl_lib.evals.entropy import NO_PAIRS, NO_TOKENS, mean_token_entropy, per_sequence_mean, token_entropies
+from qerl_lib.io import write_json_atomic
 
 SEED = int(os.environ.get("QERL_TEST_SEED", random.SystemRandom().randrange(2**31)))
 
@@ -95,6 +96,25 @@ def test_entropy_vs_sigma_pairs_against_the_clean_model_and_restores_it(model):
     assert big["diff_vs_sigma0"]["mean_diff"] == pytest.approx(sum(diffs) / len(diffs), abs=1e-12)
 
 
+def test_nothing_to_score_is_null_with_a_note_and_valid_json(model, tmp_path):
+    prompts, completions = _batch(SEED)
+    completions[1] = []  # one empty completion: skipped in the pairs
+    points = entropy_vs_sigma(model, prompts, completions, [0.3], seed=SEED, n_boot=50)
+    assert points[1]["per_problem"][1] is None and points[1]["diff_vs_sigma0"]["n"] == 2, f"seed={SEED}"
+    empty = entropy_vs_sigma(model, prompts, [[], [], []], [0.3], seed=SEED, n_boot=50)  # nothing at all
+    for point in empty:
+        assert point["entropy"] is None and point["entropy_note"] == NO_TOKENS
+        assert point["per_problem"] == [None, None, None]
+        assert point["diff_vs_sigma0"]["note"] == NO_PAIRS and point["verdict"] == "no data"
+    hidden = capture_norm_input(model, torch.randint(0, 96, (1, 5), generator=torch.Generator().manual_seed(SEED)), 0)
+    report = equivalence_on_layer(model, hidden, 0, sigma=1e-30, seed=SEED)  # noise below float32 resolution of w
+    row = report["precisions"]["float32"]["q_proj"]
+    assert row["max_abs_noise_effect"] == 0 and row["diff_over_effect"] is None and "diff_over_effect_note" in row
+    path = write_json_atomic(tmp_path / "m.json", {"points": points, "empty": empty, "equivalence": report})
+    saved = json.loads(path.read_text(), parse_constant=lambda c: pytest.fail(f"JSON holds {c}"))
+    assert saved["empty"][0]["entropy"] is None
+
+
 def test_entropy_vs_sigma_rejects_bad_sigmas(model):
     prompts, completions = _batch(SEED)
     with pytest.raises(ValueError, match="finite number >= 0"):
@@ -105,7 +125,7 @@ def test_entropy_vs_sigma_rejects_bad_sigmas(model):
     ({"mean_diff": 0.1, "low": 0.02, "high": 0.2, "n": 8}, "raises"),
     ({"mean_diff": -0.1, "low": -0.2, "high": -0.01, "n": 8}, "lowers"),
     ({"mean_diff": 0.01, "low": -0.02, "high": 0.05, "n": 8}, "no detectable change"),
-    ({"mean_diff": float("nan"), "low": float("nan"), "high": float("nan"), "n": 0}, "no data"),
+    ({"mean_diff": None, "low": None, "high": None, "n": 0, "note": "no pairs"}, "no data"),
 ], ids=["above0", "below0", "straddles0", "empty"])
 def test_verdict(diff, expected):
     assert verdict(diff) == expected

@@ -10,16 +10,22 @@ verdict sentences against the intervals they are built from.
 from __future__ import annotations
 
 import json
-import math
 import shutil
 
 import pytest
 import torch
 
-from qerl_lib.evals.entropy import token_entropies
-from qerl_lib.studies.entropy import (StudyConfig, direction, grouped_token_entropies, load_format_model,
-                                    paper_direction_holds, reference_completion, run_entropy_study, verdict_lines)
+from qerl_lib.evals.entropy import NO_PAIRS, NO_TOKENS, paired_bootstrap, token_entropies
+from qerl_lib.studies.entropy import (StudyConfig, _add_comparisons, _aqn_curve, _score, _set_entropy, direction,
+                                    grouped_token_entropies, load_format_model, paper_direction_holds,
+                                    reference_completion, run_entropy_study, verdict_lines)
 from qerl_lib.errors import UserError
+from qerl_lib.io import write_json_atomic
+
+
+def strict_json(path):
+    """Parse a file as standard JSON: NaN / Infinity fail the test."""
+    return json.loads(path.read_text(), parse_constant=lambda c: pytest.fail(f"{path.name} holds {c}"))
 
 
 @pytest.fixture(scope="module")
@@ -114,7 +120,9 @@ def test_verdicts_follow_the_interval():
     assert direction(_diff(0.2, 0.1, 0.3)) == "higher"
     assert direction(_diff(-0.2, -0.3, -0.1)) == "lower"
     assert direction(_diff(0.1, -0.1, 0.3)) == "inconclusive"
-    assert direction(_diff(math.nan, math.nan, math.nan, 0)) == "inconclusive"
+    empty = paired_bootstrap([None, 0.5], [0.4, None])
+    assert empty == {"mean_diff": None, "low": None, "high": None, "n": 0, "note": NO_PAIRS}
+    assert direction(empty) == "inconclusive"
     diffs = {"entropy_own": _diff(0.2, 0.1, 0.3), "entropy_gold": _diff(0.05, 0.01, 0.09),
              "entropy_bf16_samples": _diff(0.1, -0.1, 0.3)}
     result = {"formats": {"bf16": {}, "nvfp4": {"diff_vs_bf16": diffs}}}
@@ -122,6 +130,10 @@ def test_verdicts_follow_the_interval():
     assert lines[0].startswith("NVFP4 raises entropy vs BF16 on its own samples: yes (+0.2000 nats")
     assert "excludes 0" in lines[0] and "not shown" in lines[2] and "includes 0" in lines[2]
     assert paper_direction_holds(result) == "inconclusive"
+    diffs["entropy_gold"] = empty
+    assert verdict_lines(result)[1].endswith(f"not shown ({NO_PAIRS})")
+    assert paper_direction_holds(result) == "inconclusive"
+    diffs["entropy_gold"] = _diff(0.05, 0.01, 0.09)
     diffs["entropy_bf16_samples"] = _diff(0.1, 0.05, 0.2)
     assert paper_direction_holds(result) == "yes"
     diffs["entropy_gold"] = _diff(-0.1, -0.2, -0.05)
@@ -154,10 +166,59 @@ def test_study_end_to_end_on_a_tiny_model(tiny_model_dir, tmp_path):
     assert points[1]["entropy_gold"] == pytest.approx(sum(points[1]["entropy_gold_per_draw"]) / 2)
     assert len(m["verdicts"]) == 9 and set(m["paper_direction_holds"]) == {"nvfp4", "mxfp4", "nf4"}
 
-    path = tmp_path / "study.json"
-    path.write_text(json.dumps(m))
+    path = write_json_atomic(tmp_path / "study.json", m)  # refuses NaN / Infinity
+    assert strict_json(path)["n_problems"] == 3
     png = plot_entropy_study(path, tmp_path / "study.png")
     assert png.stat().st_size > 10_000
+
+
+def test_nothing_to_score_is_null_with_a_note_never_nan(tiny_model_dir, tmp_path):
+    """Empty completions have no entropy: the study writes null and says why, and the JSON stays valid."""
+    from qerl_lib.models.loader import load_model
+
+    model = load_model(tiny_model_dir, dtype=torch.float32)
+    prompts = [[5, 6, 7], [8, 9]]
+    refs = {"own": [(0, []), (1, [])],  # nothing at all to score
+            "gold": [(0, [11, 12]), (1, [])],  # problem 1 has no tokens
+            "bf16_samples": [(0, [13]), (0, []), (1, [14, 15])]}  # an empty sample beside a real one
+    scored = _score(model, prompts, refs, n=2, chunk=4)
+    assert scored["own"] == (None, [None, None])
+    gold_mean, gold_per_problem = scored["gold"]
+    assert gold_mean is not None and gold_per_problem[0] is not None and gold_per_problem[1] is None
+    alone = _score(model, prompts, {"x": [(0, [13]), (1, [14, 15])]}, n=2, chunk=4)["x"]
+    assert scored["bf16_samples"] == alone  # the empty sample is skipped, not counted as 0 or NaN
+
+    def row(scores):
+        out = {}
+        for name, (mean, per_problem) in scores.items():
+            _set_entropy(out, f"entropy_{name}", mean)
+            out[f"per_problem_{name}"] = per_problem
+        return out
+
+    points = _aqn_curve(model, prompts, {"own": refs["own"], "gold": refs["gold"]}, row(scored),
+                        StudyConfig(sigmas=(0.0, 0.1), aqn_draws=2, n_boot=50))
+    for point in points:  # σ = 0 copies the row, σ > 0 averages the draws that have a value
+        assert point["entropy_own"] is None and point["entropy_own_note"] == NO_TOKENS
+        assert point["per_problem_own"] == [None, None] and point["per_problem_gold"][1] is None
+        assert point["entropy_gold"] is not None and "entropy_gold_note" not in point
+    assert points[1]["entropy_own_per_draw"] == [None, None]
+    result = {"formats": {"bf16": row(scored), "nvfp4": row(scored)},
+              "aqn": {"format": "nvfp4", "references": ["own", "gold"], "points": points}}
+    _add_comparisons(result, StudyConfig(n_boot=50))
+    assert points[1]["diff_vs_sigma0_own"]["n"] == 0 and points[1]["diff_vs_sigma0_gold"]["n"] == 1
+    nvfp4 = result["formats"]["nvfp4"]
+    assert nvfp4["diff_vs_bf16"]["entropy_own"] == {"mean_diff": None, "low": None, "high": None, "n": 0,
+                                                    "note": NO_PAIRS}
+    assert nvfp4["diff_vs_bf16"]["entropy_gold"]["n"] == 1 and nvfp4["diff_vs_bf16"]["entropy_gold"]["mean_diff"] == 0
+    assert nvfp4["entropy_own_problem_mean_ci95"] == [None, None]
+    assert nvfp4["entropy_own_problem_mean_ci95_note"] == NO_TOKENS
+    assert None not in nvfp4["entropy_gold_problem_mean_ci95"]
+    result["verdicts"] = verdict_lines(result)
+    assert "not shown" in result["verdicts"][0]
+    saved = strict_json(write_json_atomic(tmp_path / "m.json", result))
+    assert saved["formats"]["nvfp4"]["entropy_own"] is None
+    assert saved["formats"]["nvfp4"]["entropy_own_note"] == NO_TOKENS
+    assert "entropy_gold_note" not in saved["formats"]["nvfp4"]
 
 
 def test_plot_rejects_a_json_without_formats(tmp_path):

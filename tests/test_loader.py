@@ -184,6 +184,37 @@ def test_native_checkpoint_is_byte_identical_to_llmcompressor_tiny(kind, tiny_di
     _assert_interop(native_ckpts[kind], reference)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
+def test_both_backends_write_the_same_bytes_for_every_source_dtype(dtype, tmp_path):
+    """Both backends quantize the source in the dtype it is stored in, as llm-compressor does: fp32 weights
+    get other scales than their bf16 roundings would, and dense tensors stay fp32 / fp16."""
+    pytest.importorskip("llmcompressor", reason="llm-compressor (the reference quantizer) is not installed")
+    from transformers import AutoModelForCausalLM
+
+    from test_grpo import save_tiny_llama
+
+    base = save_tiny_llama(tmp_path / "base", hidden=64, layers=2, heads=4, kv_heads=2)  # saved in fp32
+    model = AutoModelForCausalLM.from_pretrained(str(base), dtype=dtype)
+    with torch.no_grad():  # absmax below 2688 / 65504: in fp16, CT's global scale overflows and becomes 1
+        model.model.layers[1].mlp.down_proj.weight.mul_(0.25)
+    src = tmp_path / "src"
+    model.save_pretrained(src)
+    native = quantize_checkpoint(src, tmp_path / "native", backend="native")
+    reference = quantize_checkpoint(src, tmp_path / "llmc", backend="llmcompressor")
+    for name in ("model.safetensors", "config.json"):
+        assert (native / name).read_bytes() == (reference / name).read_bytes(), f"{name} differs"
+    tensors = _tensors(native)
+    assert tensors["model.embed_tokens.weight"].dtype == tensors["model.norm.weight"].dtype == dtype
+    weight = model.model.layers[1].mlp.down_proj.weight.detach()
+    small_gs = tensors["model.layers.1.mlp.down_proj.weight_global_scale"]
+    assert torch.equal(small_gs, nvfp4.global_scale(weight))  # computed in the source dtype
+    assert (small_gs.item() == 1.0) == (dtype == torch.float16), "the fp16 overflow path was not exercised"
+    if dtype == torch.float32:  # the bug this pins: quantizing the bf16 rounding gives other bytes
+        rounded = nvfp4.quantize(weight.to(torch.bfloat16))
+        assert not torch.equal(rounded.weight_global_scale, small_gs) or not torch.equal(
+            _raw(rounded.weight_scale), _raw(tensors["model.layers.1.mlp.down_proj.weight_scale"]))
+
+
 @pytest.mark.slow
 def test_embedded_model_interop_with_llmcompressor(embedded_model_dir, tmp_path):
     # ~2.5 min on 2 CPU cores (llm-compressor's CPU compression of 210 layers dominates).

@@ -103,14 +103,66 @@ def test_atomic_directory_keeps_the_old_folder_until_the_new_one_is_complete(tmp
     (out / "old.txt").write_text("old")
     before = tree_hash(tmp_path)
     with pytest.raises(RuntimeError, match="crash"):
-        with atomic_directory(out) as tmp:
+        with atomic_directory(out, force=True) as tmp:
             (tmp / "half.bin").write_bytes(b"\0" * 100)
             raise RuntimeError("crash while writing")
     assert tree_hash(tmp_path) == before, "a failed write changed the folder or left a temp folder"
-    with atomic_directory(out) as tmp:
+    with atomic_directory(out, force=True) as tmp:
         (tmp / "new.txt").write_text("new")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"], "temp or old folder left behind"
     assert sorted(p.name for p in out.iterdir()) == ["new.txt"]
+
+
+def test_atomic_directory_replaces_only_what_it_was_allowed_to(tmp_path):
+    """Library code that skips prepare_output_folder cannot delete a user's folder, file or link."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "mine.txt").write_text("a user's file")
+    (tmp_path / "file").write_text("a user's file")
+    (tmp_path / "link").symlink_to(out)
+    before = tree_hash(tmp_path)
+    for final, what in [(out, "non-empty folder"), (tmp_path / "file", "a file"), (tmp_path / "link", "symbolic link")]:
+        with pytest.raises(UserError, match=what) as info:
+            with atomic_directory(final) as tmp:
+                (tmp / "new.txt").write_text("new")
+        assert "\n" not in str(info.value) and "force=True" in str(info.value)
+    assert tree_hash(tmp_path) == before, "a refused write changed something"
+    (tmp_path / "empty").mkdir()
+    for fresh in (tmp_path / "empty", tmp_path / "absent"):  # nothing to lose: written without force
+        with atomic_directory(fresh) as tmp:
+            (tmp / "new.txt").write_text("new")
+        assert sorted(p.name for p in fresh.iterdir()) == ["new.txt"]
+    # prepare_output_folder(force=True) clears the folder for one replacement, as the CLI's --force does
+    prepare_output_folder(out, [], force=True)
+    with atomic_directory(out) as tmp:
+        (tmp / "new.txt").write_text("new")
+    assert sorted(p.name for p in out.iterdir()) == ["new.txt"]
+    with pytest.raises(UserError, match="non-empty folder"):  # the clearance was used up
+        with atomic_directory(out) as tmp:
+            (tmp / "newer.txt").write_text("newer")
+    assert sorted(p.name for p in out.iterdir()) == ["new.txt"]
+
+
+def test_save_nvfp4_checkpoint_refuses_a_users_folder_and_its_source(workspace, tmp_path):
+    from qerl_lib.models.loader import load_model, replace_linear_with_nvfp4, save_nvfp4_checkpoint
+
+    model_dir = workspace / "models" / "tiny"
+    model = replace_linear_with_nvfp4(load_model(model_dir))
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "mine.txt").write_text("mine")
+    before, model_before = tree_hash(tmp_path), tree_hash(model_dir)
+    with pytest.raises(UserError, match="force=True"):
+        save_nvfp4_checkpoint(model, notes, source_dir=model_dir)
+    for out, message in [(model_dir, "is the input"), (model_dir / "nvfp4", "is inside the input"),
+                         (workspace / "models", "contains the input")]:
+        with pytest.raises(UserError, match=message):  # force does not override this
+            save_nvfp4_checkpoint(model, out, source_dir=model_dir, force=True)
+    with pytest.raises(UserError, match="is the input"):  # the source defaults to the folder it was loaded from
+        save_nvfp4_checkpoint(model, model_dir)
+    assert tree_hash(tmp_path) == before and tree_hash(model_dir) == model_before
+    assert save_nvfp4_checkpoint(model, notes, source_dir=model_dir, force=True) == notes
+    assert not (notes / "mine.txt").exists() and (notes / "model.safetensors").is_file()
 
 
 # ------------------------------------------------------------------------------------------- qerl quantize
@@ -190,6 +242,31 @@ def test_prepare_model_misuse_is_refused_and_changes_nothing(tmp_path, capsys):
     assert code == 2 and "is not a file" in err, err
 
 
+def test_prepare_embedded_model_never_replaces_an_unmarked_folder_silently(tmp_path):
+    from qerl_lib.models.embedded import SOURCE_MARKER, prepare_embedded_model
+
+    gguf_dir = tmp_path / "ggufs"
+    gguf_dir.mkdir()
+    gguf = gguf_dir / "model.gguf"
+    gguf.write_bytes(b"GGUF" + b"\0" * 60)  # refused before it is read
+    half = tmp_path / "half"
+    half.mkdir()
+    (half / "config.json").write_text("{}")  # an interrupted conversion or someone's folder: no marker
+    (tmp_path / "file").write_text("mine")
+    before = tree_hash(tmp_path)
+    for out in (half, tmp_path / "file"):
+        with pytest.raises(UserError, match=f"lacks {SOURCE_MARKER}") as info:
+            prepare_embedded_model(gguf=gguf, out=out, quiet=True)
+        assert "\n" not in str(info.value) and f"--out {out} --force" in str(info.value)
+    for out, message in [(gguf_dir, "contains the input"), (tmp_path, "contains the input")]:
+        with pytest.raises(UserError, match=message):  # even with force
+            prepare_embedded_model(gguf=gguf, out=out, force=True, quiet=True)
+    assert tree_hash(tmp_path) == before
+    (half / SOURCE_MARKER).write_text("{}")  # marked complete: returned as is, nothing read or written
+    assert prepare_embedded_model(gguf=gguf, out=half, quiet=True) == half
+    assert sorted(p.name for p in half.iterdir()) == ["config.json", SOURCE_MARKER]
+
+
 # ------------------------------------------------------------------------------------------- training runs
 def test_a_run_folder_never_overlaps_its_inputs_or_overwrites_files(workspace, tmp_path):
     from qerl_lib.train.metrics import prepare_output
@@ -240,3 +317,41 @@ def test_adapters_replace_only_an_adapter_folder(workspace, tmp_path):
     assert (again / "adapter_model.safetensors").read_bytes() == first
     save_adapters(peft_model, foreign, force=True)
     assert not (foreign / "mine.txt").exists() and (foreign / "adapter_config.json").is_file()
+
+
+# ------------------------------------------------------------------------------------------- JSON
+@pytest.mark.parametrize("value, shown", [(float("nan"), "NaN"), (float("inf"), "Infinity"),
+                                          (-float("inf"), "-Infinity"), (torch.tensor(float("nan")), "NaN")],
+                         ids=["nan", "inf", "-inf", "tensor"])
+def test_json_writers_refuse_nan_naming_the_key_path(value, shown, tmp_path):
+    from qerl_lib.io import append_jsonl_atomic, write_json_atomic, write_jsonl_atomic
+
+    doc = {"formats": {"nvfp4": {"per_problem": [0.5, value], "n": 2}}, "ok": 1.0}
+    with pytest.raises(ValueError) as info:
+        write_json_atomic(tmp_path / "m.json", doc)
+    message = str(info.value)
+    assert "\n" not in message and f"{shown} at formats.nvfp4.per_problem[1]" in message and "null" in message
+    assert str(tmp_path / "m.json") in message
+    with pytest.raises(ValueError, match=r"line 2: .* at score"):
+        write_jsonl_atomic(tmp_path / "rows.jsonl", [{"score": 1.0}, {"score": value}])
+    assert sorted(p.name for p in tmp_path.iterdir()) == [], "a refused write left a file (or a temp file) behind"
+    append_jsonl_atomic(tmp_path / "log.jsonl", {"step": 1, "loss": 0.5})
+    before = (tmp_path / "log.jsonl").read_bytes()
+    with pytest.raises(ValueError, match=r"new line: .* at loss"):
+        append_jsonl_atomic(tmp_path / "log.jsonl", {"step": 2, "loss": value})
+    assert (tmp_path / "log.jsonl").read_bytes() == before
+    with pytest.raises(ValueError, match=r"at \(top level\)"):
+        write_json_atomic(tmp_path / "x.json", value)
+
+
+def test_json_writers_write_null_and_plain_values(tmp_path):
+    import json
+
+    from qerl_lib.io import write_json_atomic
+
+    doc = {"entropy": None, "entropy_note": "no completion tokens to score", "t": torch.tensor(2.5),
+           "rows": [(1, 2.0)], "path": tmp_path}
+    path = write_json_atomic(tmp_path / "m.json", doc)
+    strict = json.loads(path.read_text(), parse_constant=lambda c: pytest.fail(f"{c} in JSON"))
+    assert strict == {"entropy": None, "entropy_note": "no completion tokens to score", "t": 2.5,
+                      "rows": [[1, 2.0]], "path": str(tmp_path)}

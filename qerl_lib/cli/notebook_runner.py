@@ -121,7 +121,7 @@ def ensure_kernel(name: str = KERNEL_NAME, prefix: str | os.PathLike | None = No
     from ipykernel.kernelspec import RESOURCES
 
     target = _kernel_install_dir(name, prefix)
-    with atomic_directory(target) as tmp:
+    with atomic_directory(target, force=True) as tmp:  # the kit's own kernel spec, replaced when stale
         for logo in Path(RESOURCES).iterdir():
             if logo.is_file():
                 shutil.copyfile(logo, tmp / logo.name)

@@ -7,14 +7,18 @@ import re
 
 
 def register(sub) -> None:
-    p = sub.add_parser("quantize", help="write an NVFP4A16 compressed-tensors checkpoint of a bf16 model")
-    p.add_argument("--model", required=True, help="bf16 model: local folder, hub id, or 'smollm2' (embedded)")
+    p = sub.add_parser("quantize", help="write an NVFP4A16 compressed-tensors checkpoint of a dense model")
+    p.add_argument("--model", required=True, help="dense model (bf16, fp16 or fp32 safetensors): local folder, hub id, "
+                                                  "or 'smollm2' (embedded)")
     p.add_argument("--out", required=True, help="output folder (written atomically; never the model folder)")
     p.add_argument("--force", action="store_true", help="replace --out if it exists and is not empty")
     p.add_argument("--scheme", default="NVFP4A16", help="quantization scheme (only NVFP4A16: 4-bit weights, bf16 activations)")
     p.add_argument("--backend", choices=("llmcompressor", "native"), default="llmcompressor",
-                   help="llmcompressor: the reference tool (oneshot, data-free); native: this kit's quantizer, "
-                        "byte-identical output (default: llmcompressor)")
+                   help="llmcompressor: the reference tool (oneshot, data-free); native: this kit's quantizer. "
+                        "Both quantize in the dtype the model is stored in (fp32 weights are not rounded to bf16 "
+                        "first; dense tensors keep that dtype), so model.safetensors and config.json are "
+                        "byte-identical for bf16, fp16 and fp32 models; llmcompressor also writes recipe.yaml "
+                        "(default: llmcompressor)")
     p.add_argument("--device", default="cpu", help="device for the native backend (e.g. cuda)")
     p.set_defaults(func=_quantize)
 

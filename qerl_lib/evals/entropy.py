@@ -15,13 +15,21 @@ Two ways to choose the completions, and both are used by the entropy study:
 
 Computed in float32 from the logits (temperature 1, no top-k/top-p), batched with right
 padding and an attention mask, so padding never changes the result.
+
+Empty input has no entropy. `per_sequence_mean` and `paired_bootstrap` then give None (JSON
+null), the bootstrap with a ``note`` saying why; `mean_token_entropy` gives NaN, which a caller
+writing JSON turns into null and a note (`NO_TOKENS`): the kit's JSON writers refuse NaN.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import torch
+
+NO_TOKENS = "no completion tokens to score"  # the note beside an entropy that is null
+NO_PAIRS = "no problem has a value on both sides (no completion tokens)"
 
 
 @torch.no_grad()
@@ -61,25 +69,32 @@ def token_entropies(model, prompts: Sequence[Sequence[int]], completions: Sequen
 
 
 def mean_token_entropy(entropies: Sequence[torch.Tensor]) -> float:
-    """Token-weighted mean over all completions (each token counts once, like TRL's masked mean)."""
+    """Token-weighted mean over all completions (each token counts once, like TRL's masked mean); NaN if
+    there are no tokens at all (write it as null with the note `NO_TOKENS`)."""
     total = sum(float(e.sum()) for e in entropies)
     count = sum(e.numel() for e in entropies)
     return total / count if count else float("nan")
 
 
-def per_sequence_mean(entropies: Sequence[torch.Tensor]) -> list[float]:
-    """Mean entropy of each completion (NaN for empty ones): the unit for paired bootstrap tests."""
-    return [float(e.mean()) if e.numel() else float("nan") for e in entropies]
+def per_sequence_mean(entropies: Sequence[torch.Tensor]) -> list[float | None]:
+    """Mean entropy of each completion (None for empty ones): the unit for paired bootstrap tests."""
+    return [float(e.mean()) if e.numel() else None for e in entropies]
 
 
-def paired_bootstrap(a: Sequence[float], b: Sequence[float], n_boot: int = 2000, seed: int = 0,
+def _missing(x: float | None) -> bool:
+    return x is None or math.isnan(x)
+
+
+def paired_bootstrap(a: Sequence[float | None], b: Sequence[float | None], n_boot: int = 2000, seed: int = 0,
                      level: float = 0.95) -> dict:
-    """Mean of the paired differences b - a with a percentile bootstrap interval over problems."""
-    import math
+    """Mean of the paired differences b - a with a percentile bootstrap interval over problems.
 
-    pairs = [(x, y) for x, y in zip(a, b) if not (math.isnan(x) or math.isnan(y))]
+    Pairs with a missing side (None or NaN) are skipped; ``n`` counts the pairs used. With none left,
+    ``mean_diff``, ``low`` and ``high`` are None and ``note`` says why (`NO_PAIRS`).
+    """
+    pairs = [(x, y) for x, y in zip(a, b) if not (_missing(x) or _missing(y))]
     if not pairs:
-        return {"mean_diff": float("nan"), "low": float("nan"), "high": float("nan"), "n": 0}
+        return {"mean_diff": None, "low": None, "high": None, "n": 0, "note": NO_PAIRS}
     diffs = torch.tensor([y - x for x, y in pairs], dtype=torch.float64)
     gen = torch.Generator().manual_seed(seed)
     samples = diffs[torch.randint(len(diffs), (n_boot, len(diffs)), generator=gen)].mean(1)

@@ -231,7 +231,7 @@ def compare_formats(models: dict, tokenizer, problems: list[dict], config: EvalC
         out["formats"][name] = {
             **{k: v for k, v in reports[name].summary.items() if k != "config"},
             "entropy": own,
-            "entropy_on_reference": mean_token_entropy(ents),
+            "entropy_on_reference": _finite_or_none(mean_token_entropy(ents)),  # None: no reference tokens
             "per_problem_entropy_on_reference": seq,
             "same_completion_as_reference": sum(a == b for a, b in zip(answers, ref_answers)) / len(answers),
             "per_problem_correct": [sum(r["correct"]) / len(r["correct"]) for r in reports[name].records],
@@ -244,3 +244,7 @@ def compare_formats(models: dict, tokenizer, problems: list[dict], config: EvalC
     out["examples"] = {name: [{k: v for k, v in r.items() if k != "completion_ids"} for r in reports[name].records[:3]]
                        for name in models}
     return out
+
+
+def _finite_or_none(value: float) -> float | None:
+    return value if math.isfinite(value) else None

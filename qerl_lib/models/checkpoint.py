@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from qerl_lib.errors import UserError
-from qerl_lib.io import atomic_directory
+from qerl_lib.io import atomic_directory, refuse_overlap, write_text_atomic
 
 NVFP4_FORMAT = "nvfp4-pack-quantized"
 COMPRESSED_TENSORS_VERSION = "0.19.0"  # the version whose output we reproduce byte for byte
@@ -232,19 +232,25 @@ def copy_side_files(source: str | Path | None, dest: Path) -> list[str]:
     for pattern in _SIDE_FILE_PATTERNS:
         for path in sorted(Path(source).glob(pattern)):
             if path.is_file() and not (dest / path.name).exists():
-                shutil.copy2(path, dest / path.name)
+                shutil.copyfile(path, dest / path.name)  # contents only: the mode comes from the umask
                 copied.append(path.name)
     return copied
 
 
-def save_nvfp4_checkpoint(model: nn.Module, out_dir: str | Path, source_dir: str | Path | None = None) -> Path:
+def save_nvfp4_checkpoint(model: nn.Module, out_dir: str | Path, source_dir: str | Path | None = None,
+                          force: bool = False) -> Path:
     """Write a model holding ``NVFP4Linear`` layers as a compressed-tensors NVFP4A16 checkpoint, atomically.
 
     Tensors: exactly what llm-compressor writes (``weight_packed``/``weight_scale``/``weight_global_scale``
-    for each quantized Linear, everything else dense, tied weights once). ``config.json``: the model
-    config plus the verbatim ``quantization_config`` of CT 0.19.0, with ``ignore`` = every Linear left
-    dense. Tokenizer and generation files are copied from ``source_dir`` (default: the folder the model
-    was loaded from, when it is local).
+    for each quantized Linear, everything else dense in the model's dtype, tied weights once).
+    ``config.json``: the model config plus the verbatim ``quantization_config`` of CT 0.19.0, with
+    ``ignore`` = every Linear left dense, serialised as CT writes it (sorted keys, indent 2, no final
+    newline), so the file is byte-identical to llm-compressor's. Tokenizer and generation files are
+    copied from ``source_dir`` (default: the folder the model was loaded from, when it is local).
+
+    ``out_dir`` is never ``source_dir``, a folder around it or inside it (``io.refuse_overlap``); an
+    existing ``out_dir`` that is not an empty folder is replaced only with ``force=True`` or when
+    ``io.prepare_output_folder`` cleared it (``io.atomic_directory``), otherwise ``UserError``.
     """
     from qerl_lib.models.nvfp4_linear import NVFP4Linear
 
@@ -260,9 +266,10 @@ def save_nvfp4_checkpoint(model: nn.Module, out_dir: str | Path, source_dir: str
     config = copy.deepcopy(model.config)
     config.quantization_config = nvfp4a16_quantization_config(ignore=dense_linears)
     source_dir = source_dir if source_dir is not None else getattr(model.config, "_name_or_path", None)
+    source_dir = source_dir or None  # "" (a model built from a config) is no folder, not the working directory
 
-    out_dir = Path(out_dir)
-    with atomic_directory(out_dir) as tmp:
+    out_dir = refuse_overlap(out_dir, [source_dir], flag="out_dir")
+    with atomic_directory(out_dir, force=force) as tmp:
         original = model.config
         model.config = config
         try:
@@ -270,9 +277,16 @@ def save_nvfp4_checkpoint(model: nn.Module, out_dir: str | Path, source_dir: str
             model.save_pretrained(tmp, safe_serialization=True)
         finally:
             model.config = original
+        _rewrite_config_as_ct(tmp / "config.json")
         _check_written(tmp, nvfp4_layers)
         copy_side_files(source_dir, tmp)
     return out_dir
+
+
+def _rewrite_config_as_ct(path: Path) -> None:
+    """Re-serialise config.json the way CT's ``ModelCompressor.update_config`` does after llm-compressor's
+    save (``json.dump(..., indent=2, sort_keys=True)``: transformers' text without its final newline)."""
+    write_text_atomic(path, json.dumps(json.loads(path.read_text(encoding="utf-8")), indent=2, sort_keys=True))
 
 
 def _check_written(folder: Path, nvfp4_layers: set[str]) -> None:

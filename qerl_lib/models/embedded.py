@@ -35,7 +35,7 @@ import os
 from pathlib import Path
 
 from qerl_lib.errors import UserError
-from qerl_lib.io import atomic_directory
+from qerl_lib.io import atomic_directory, refuse_overlap
 from qerl_lib.paths import cache_dir
 
 EMBEDDED_ALIASES = ("smollm2", "smollm2-135m", "embedded")
@@ -75,19 +75,29 @@ def prepare_embedded_model(gguf: str | os.PathLike | None = None, out: str | os.
     """Convert the embedded GGUF into a cached Hugging Face folder once; return the folder.
 
     Idempotent: a complete folder (marked by `qerl_source.json`, written last) is returned
-    untouched. `force=True` rebuilds it. A corrupt or truncated GGUF raises `UserError`
-    and leaves no folder behind.
+    untouched. `force=True` rebuilds it. Anything else already at the target (a non-empty folder
+    without the marker, a file, a link) is refused with a `UserError` naming the fix unless
+    `force=True`: it is not a conversion this function finished, so it is not replaced silently.
+    The target is never the GGUF or a folder around it. A corrupt or truncated GGUF raises
+    `UserError` and leaves no folder behind.
     """
     gguf_path = Path(gguf).expanduser() if gguf else find_embedded_gguf()
     target = Path(out).expanduser() if out else embedded_model_dir()
     if not force and (target / SOURCE_MARKER).is_file():
         return target
+    refuse_overlap(target, [gguf_path], flag="--out")
+    occupied = target.is_symlink() or (target.exists() and not (target.is_dir() and not any(target.iterdir())))
+    if occupied and not force:
+        rebuild = "qerl prepare-model" + (f" --out {target}" if out else "") + " --force"
+        raise UserError(f"{target} is not an empty folder and lacks {SOURCE_MARKER}, the marker a finished "
+                        f"conversion writes last (an interrupted conversion or another folder): remove it, "
+                        f"or rebuild it with `{rebuild}`")
     digest = _sha256(gguf_path)
     if gguf is None and "QERL_GGUF" not in os.environ and digest != GGUF_SHA256:
         raise UserError(f"{gguf_path} does not have the expected sha256 (truncated or corrupt): {REINSTALL_HINT}")
     if not quiet:
         print(f"converting {gguf_path.name} -> {target} (once)")
-    with atomic_directory(target) as tmp:
+    with atomic_directory(target, force=force) as tmp:
         _convert(gguf_path, tmp)
         (tmp / SOURCE_MARKER).write_text(json.dumps(
             {"gguf": gguf_path.name, "sha256": digest, "dtype": "bfloat16", "eos": END_OF_TURN}, indent=2) + "\n")

@@ -13,15 +13,9 @@ The two-phase pattern (gpt-fast, Marlin)
 
 Checkpoint validation (always on, cheap)
 ----------------------------------------
-Before any tensor is read, every safetensors file's header is parsed and each tensor's byte
-range checked against the file size and its dtype x shape (``safetensors_index``): a truncated
-download or a disk-full write fails naming the first damaged tensor and the file. After reading,
-``check_nvfp4_values`` checks what the format allows: global scales finite and > 0, block scales
-(FP8 E4M3, checked on their bytes) not NaN and not negative, every dense floating tensor (norms,
-embeddings, biases, lm_head) finite. Packed codes need no check: every byte is two valid E2M1
-codes. Each failure is one ``UserError`` line naming the tensor, the file and the fix. Quantizing
-refuses a dense checkpoint with a non-finite tensor the same way, on either backend, before any
-output is written (``refuse_non_finite``).
+Every checkpoint is checked before and after its tensors are read (`qerl_lib.models.validate`:
+whole files, present / well-shaped / well-typed tensors, values the format allows); each failure
+is one ``UserError`` line naming the tensor, the file and the fix.
 
 Which Linears are quantized is read from the checkpoint's ``quantization_config`` (targets /
 ignore, matched like compressed-tensors), never from a file name.
@@ -53,11 +47,13 @@ import torch
 from torch import nn
 
 from qerl_lib.quant import nvfp4 as nvfp4_format  # the module; `nvfp4` is a flag of build_random_model
-from qerl_lib.models.checkpoint import (checkpoint_files, copy_side_files, load_checked_state_dict, quantized_linear_names,
-                                 read_quantization_config, save_nvfp4_checkpoint)
+from qerl_lib.models.checkpoint import (copy_side_files, load_checked_state_dict, quantized_linear_names,
+                                        read_quantization_config, save_nvfp4_checkpoint)
 from qerl_lib.errors import UserError
 from qerl_lib.io import atomic_directory, prepare_output_folder
 from qerl_lib.models.nvfp4_linear import FORMAT_BUFFERS, IMPLS, NVFP4Linear
+from qerl_lib.models.validate import (REWRITE_HINT, check_nvfp4_values, first_non_finite, refuse_non_finite,
+                                      safetensors_index)
 from qerl_lib.paths import CONFIGS_DIR
 
 __all__ = ["load_model", "replace_linear_with_nvfp4", "save_nvfp4_checkpoint", "quantize_checkpoint",
@@ -166,7 +162,7 @@ def _load_nvfp4(folder: Path, quant: dict, device: torch.device, dtype: torch.dt
     except UserError:
         raise
     except ValueError as e:  # missing / mis-shaped / mis-typed tensor, named by load_checked_state_dict
-        raise UserError(f"{e}; {_REWRITE_HINT}") from None
+        raise UserError(f"{e}; {REWRITE_HINT}") from None
     check_nvfp4_values(state, set(names), where)
     model.load_state_dict(state, strict=False, assign=True)
     model.tie_weights()
@@ -178,130 +174,6 @@ def _load_nvfp4(folder: Path, quant: dict, device: torch.device, dtype: torch.dt
     if (folder / "generation_config.json").is_file():
         model.generation_config = GenerationConfig.from_pretrained(str(folder))
     return model.eval()
-
-
-# ----------------------------------------------------------------------------- validation
-_REWRITE_HINT = "the checkpoint is damaged or is not this model's: re-download it or write it again with `qerl quantize`"
-_ST_ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
-                "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
-
-
-def _safetensors_header(path: Path) -> dict[str, tuple[str, list[int]]]:
-    """``{key: (dtype, shape)}`` of one safetensors file, after checking every byte range fits the file."""
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        head = f.read(8)
-        length = int.from_bytes(head, "little") if len(head) == 8 else None
-        if length is None or length > size - 8:
-            raise UserError(f"{path}: truncated safetensors file ({size} bytes, header cut off): {_REWRITE_HINT}")
-        try:
-            header = json.loads(f.read(length))
-        except ValueError:
-            header = None
-    if not isinstance(header, dict):
-        raise UserError(f"{path}: unreadable safetensors header: {_REWRITE_HINT}")
-    data_bytes = size - 8 - length
-    tensors, damaged = {}, []
-    for key, info in header.items():
-        if key == "__metadata__":
-            continue
-        try:
-            dtype, shape, (start, end) = info["dtype"], [int(d) for d in info["shape"]], info["data_offsets"]
-        except (TypeError, KeyError, ValueError):
-            raise UserError(f"{path}: unreadable header entry for tensor {key!r}: {_REWRITE_HINT}") from None
-        numel = 1
-        for dim in shape:
-            numel *= dim
-        if dtype not in _ST_ITEMSIZE:
-            raise UserError(f"{path}: tensor {key!r} has unknown dtype {dtype!r}: {_REWRITE_HINT}")
-        if end > data_bytes:
-            damaged.append((start, key, end))
-        elif end - start != numel * _ST_ITEMSIZE[dtype]:
-            raise UserError(f"{path}: tensor {key!r} holds {end - start} bytes but is declared {dtype} {shape} "
-                            f"({numel * _ST_ITEMSIZE[dtype]} bytes): {_REWRITE_HINT}")
-        tensors[key] = (dtype, shape)
-    if damaged:
-        start, key, end = min(damaged)
-        raise UserError(f"{path}: truncated file: tensor {key!r} needs bytes {start}-{end} of the data, the file holds "
-                        f"{data_bytes} ({len(damaged)} tensor(s) cut off): {_REWRITE_HINT}")
-    return tensors
-
-
-def safetensors_index(folder: str | os.PathLike) -> dict[str, Path]:
-    """``{tensor name: file}`` over a model folder's safetensors files, each checked whole (headers only, no
-    tensor data is read): ``UserError`` naming the first damaged tensor and its file otherwise."""
-    index: dict[str, Path] = {}
-    for path in checkpoint_files(folder):
-        for key in _safetensors_header(path):
-            index[key] = path
-    return index
-
-
-def _first_bad(mask: torch.Tensor) -> list[int]:
-    return [int(i) for i in torch.nonzero(mask)[0].tolist()]
-
-
-def _first_non_finite(tensor: torch.Tensor, chunk: int = 1 << 24) -> list[int] | None:
-    """Index of the first NaN/Inf of ``tensor`` (None if all finite), in chunks of ``chunk`` elements so the
-    check never needs a mask as large as an embedding."""
-    flat = tensor.reshape(-1)
-    for start in range(0, flat.numel(), chunk):
-        bad = ~torch.isfinite(flat[start:start + chunk])
-        if bool(bad.any()):
-            index = start + int(torch.nonzero(bad)[0, 0])
-            return [int(i) for i in torch.unravel_index(torch.tensor(index), tuple(tensor.shape))]
-    return None
-
-
-def check_nvfp4_values(state: dict[str, torch.Tensor], quantized: set[str], where: dict[str, Path]) -> None:
-    """Raise ``UserError`` naming the tensor and its file for a value an NVFP4A16 checkpoint cannot hold.
-
-    ``<layer>.weight_global_scale`` of a quantized layer: finite and > 0 (it divides every block scale).
-    ``<layer>.weight_scale`` (FP8 E4M3, checked on its bytes: 0x7F/0xFF is NaN, sign bit with a nonzero
-    magnitude is negative): not NaN and >= 0. ``<layer>.weight_packed``: any byte is valid. Every other
-    floating tensor (norms, embeddings, biases, dense layers): finite.
-    """
-    for key, tensor in state.items():
-        layer, _, suffix = key.rpartition(".")
-        problem = None
-        if layer in quantized and suffix == "weight_global_scale":
-            bad = ~(torch.isfinite(tensor) & (tensor > 0))
-            if bool(bad.any()):
-                value = float(tensor.flatten()[bad.flatten()][0])
-                problem = f"global scale {value} at index {_first_bad(bad)} (must be finite and > 0)"
-        elif layer in quantized and suffix == "weight_scale":
-            raw = tensor.view(torch.uint8)
-            nan, negative = (raw & 0x7F) == 0x7F, raw > 0x80
-            if bool(nan.any()):
-                problem = f"NaN block scale at index {_first_bad(nan)} (block scales must be finite and >= 0)"
-            elif bool(negative.any()):
-                problem = f"negative block scale at index {_first_bad(negative)} (block scales must be finite and >= 0)"
-        elif layer in quantized and suffix == "weight_packed":
-            continue
-        elif tensor.is_floating_point():
-            index = _first_non_finite(tensor)
-            if index is not None:
-                problem = f"non-finite value at index {index} (weights must be finite)"
-        if problem is not None:
-            raise UserError(f"{where.get(key, 'checkpoint')}: tensor {key!r} has a {problem}: {_REWRITE_HINT}")
-
-
-def first_non_finite(model: nn.Module) -> tuple[str, list[int]] | None:
-    """``(tensor name, index)`` of the first NaN/Inf among the model's floating tensors, None if all finite."""
-    for key, tensor in model.state_dict().items():
-        index = _first_non_finite(tensor) if tensor.is_floating_point() else None
-        if index is not None:
-            return key, index
-    return None
-
-
-def refuse_non_finite(model: nn.Module, folder: Path) -> None:
-    """``UserError`` naming the tensor and its file when a dense model holds NaN or Inf (before quantizing)."""
-    bad = first_non_finite(model)
-    if bad is not None:
-        key, index = bad
-        raise UserError(f"{safetensors_index(folder).get(key, folder)}: tensor {key!r} holds NaN or Inf (e.g. at index "
-                        f"{index}); NVFP4 needs finite weights: fix or re-download the model, then quantize again")
 
 
 # ----------------------------------------------------------------------------- quantizing in memory
@@ -361,10 +233,15 @@ def quantize_checkpoint(model_path: str | os.PathLike, out_dir: str | os.PathLik
     """Quantize a dense checkpoint to a compressed-tensors NVFP4A16 folder (written atomically).
 
     ``backend="llmcompressor"`` runs llm-compressor's data-free ``oneshot`` (the reference tool);
-    ``backend="native"`` uses this kit's quantizer and writes byte-identical tensors. Before anything
-    is loaded, ``out_dir`` is checked (``io.prepare_output_folder``: an existing non-empty folder only
-    with ``force``, never the model folder or a folder around or inside it); a model holding NaN or
-    Inf is refused on both backends before anything is written.
+    ``backend="native"`` uses this kit's quantizer. Both load the source the same way, in the dtype it
+    is stored in (``dtype="auto"``, as llm-compressor's examples do), so the native output is byte for
+    byte llm-compressor's for bf16, fp16 and fp32 sources alike: scales are computed in the source
+    dtype (fp32 weights give other global and block scales than the same weights rounded to bf16;
+    fp16 reproduces compressed-tensors' small-amax overflow, ``quant.nvfp4``) and the dense tensors
+    (embeddings, norms, ``lm_head``, biases) stay in it. llm-compressor also writes ``recipe.yaml``.
+    Before anything is loaded, ``out_dir`` is checked (``io.prepare_output_folder``: an existing
+    non-empty folder only with ``force``, never the model folder or a folder around or inside it); a
+    model holding NaN or Inf is refused on both backends before anything is written.
     """
     if scheme not in SCHEMES:
         raise UserError(f"scheme {scheme!r} is not supported; use one of {SCHEMES} "
@@ -375,24 +252,34 @@ def quantize_checkpoint(model_path: str | os.PathLike, out_dir: str | os.PathLik
     out_dir = prepare_output_folder(out_dir, [src], force)
     if read_quantization_config(_read_config(src), source=str(src / "config.json")) is not None:
         raise UserError(f"{src} is already quantized; pass the dense (bf16) model to quantize")
+    model = _load_source(src, device if backend == "native" else "cpu")
     if backend == "native":
-        model = load_model(src, device=device, dtype=torch.bfloat16)
-        refuse_non_finite(model, src)
         replace_linear_with_nvfp4(model, ignore=ignore)
-        return save_nvfp4_checkpoint(model, out_dir, source_dir=src)
+        return save_nvfp4_checkpoint(model, out_dir, source_dir=src, force=force)
 
     from llmcompressor import oneshot
     from llmcompressor.modifiers.quantization import QuantizationModifier
-    from transformers import AutoModelForCausalLM
 
-    # oneshot re-reads config._name_or_path, so the model must come from a local folder (it does: src).
-    model = AutoModelForCausalLM.from_pretrained(str(src), dtype="auto")
-    refuse_non_finite(model, src)  # llm-compressor would write NaN scales without a word
     oneshot(model=model, recipe=QuantizationModifier(targets="Linear", scheme=scheme, ignore=list(ignore)))
-    with atomic_directory(out_dir) as tmp:
+    with atomic_directory(out_dir, force=force) as tmp:
         model.save_pretrained(tmp, save_compressed=True)
         copy_side_files(src, tmp)
     return out_dir
+
+
+def _load_source(src: Path, device: str) -> nn.Module:
+    """The dense model to quantize, in its stored dtype, refused if any tensor is NaN or Inf.
+
+    Both backends start here, so they quantize the same numbers. oneshot re-reads
+    ``config._name_or_path``, so the model comes from the local folder ``src``.
+    """
+    from transformers import AutoModelForCausalLM
+
+    safetensors_index(src)  # safetensors only, files whole
+    model = AutoModelForCausalLM.from_pretrained(str(src), dtype="auto", use_safetensors=True)
+    model = model.to(device).eval()
+    refuse_non_finite(model, src)  # llm-compressor would write NaN scales without a word
+    return model
 
 
 # ----------------------------------------------------------------------------- memory accounting

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 from qerl_lib.train.aqn import (DEFAULT_NORMS, apply_norm_overrides, merged_projection_weight, realized_noise_stats,
                           sample_norm_overrides)
-from qerl_lib.evals.entropy import mean_token_entropy, paired_bootstrap, per_sequence_mean, token_entropies
+from qerl_lib.evals.entropy import NO_TOKENS, mean_token_entropy, paired_bootstrap, per_sequence_mean, token_entropies
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj")  # what input_layernorm feeds in a Llama/Qwen2 layer
 
@@ -78,7 +78,8 @@ def equivalence_on_layer(model, hidden: torch.Tensor, layer_index: int, sigma: f
     """Compare noised-norm→projections with clean-norm→merged projections on one layer (see module docstring).
 
     Needs a dense model (projection weights readable as ``.weight``). Returns, per projection and in
-    float32 and float64: ``max_abs_diff`` (a vs b), ``max_abs_noise_effect`` (a vs clean) and their ratio.
+    float32 and float64: ``max_abs_diff`` (a vs b), ``max_abs_noise_effect`` (a vs clean) and their ratio
+    (null, with ``diff_over_effect_note``, when the noise had no effect).
     """
     if not sigma > 0:
         raise ValueError(f"sigma={sigma!r}: need sigma > 0, otherwise there is no noise to compare")
@@ -113,7 +114,9 @@ def equivalence_on_layer(model, hidden: torch.Tensor, layer_index: int, sigma: f
             diff = float((noised[n] - via_merge[n]).abs().max())
             effect = float((noised[n] - clean[n]).abs().max())
             rows[n] = {"max_abs_diff": diff, "max_abs_noise_effect": effect,
-                       "diff_over_effect": diff / effect if effect else float("nan")}
+                       "diff_over_effect": diff / effect if effect else None}
+            if not effect:  # JSON has no NaN: null, and why
+                rows[n]["diff_over_effect_note"] = "the noise did not change this projection's output"
         report["precisions"][label] = rows
     # the mechanism itself: the module's own forward with the override applied equals the by-hand (w + Z) ⊙ x̂
     with apply_norm_overrides(model, {name: noise.to(norm.weight.dtype)}):
@@ -150,7 +153,11 @@ def dequantize_nvfp4_linears_(model, dtype: torch.dtype = torch.float32):
 
 
 def _summary(entropies: list[torch.Tensor]) -> dict:
-    return {"entropy": mean_token_entropy(entropies), "per_problem": per_sequence_mean(entropies)}
+    """Token-mean entropy (null with ``entropy_note`` when there are no tokens) and per-problem means."""
+    mean = mean_token_entropy(entropies)
+    if math.isnan(mean):
+        return {"entropy": None, "entropy_note": NO_TOKENS, "per_problem": per_sequence_mean(entropies)}
+    return {"entropy": mean, "per_problem": per_sequence_mean(entropies)}
 
 
 @torch.no_grad()
@@ -159,9 +166,10 @@ def entropy_vs_sigma(model, prompts: Sequence[Sequence[int]], completions: Seque
                      batch_size: int = 16, n_boot: int = 2000) -> list[dict]:
     """Teacher-forced entropy of `completions` under AQN noise of each σ, paired against σ = 0.
 
-    Each point: sigma, entropy (token mean, nats), per_problem, diff_vs_sigma0 (paired bootstrap,
-    per-problem, 95%), realized_rms and fraction_changed of the float32 noise, and
-    fraction_changed_if_bf16 (the share of norm channels a bf16 cast would leave changed).
+    Each point: sigma, entropy (token mean, nats; null with ``entropy_note`` if no completion has tokens),
+    per_problem (null for an empty completion), diff_vs_sigma0 (paired bootstrap, per-problem, 95%),
+    realized_rms and fraction_changed of the float32 noise, and fraction_changed_if_bf16 (the share of norm
+    channels a bf16 cast would leave changed).
     """
     sigmas = [float(s) for s in sigmas]
     if any(not math.isfinite(s) or s < 0 for s in sigmas):
@@ -192,7 +200,7 @@ def entropy_vs_sigma(model, prompts: Sequence[Sequence[int]], completions: Seque
 
 def verdict(diff: dict) -> str:
     """Read a paired interval: 'raises' / 'lowers' when it excludes 0, else 'no detectable change'."""
-    if diff.get("n", 0) == 0 or math.isnan(diff["low"]):
+    if diff.get("n", 0) == 0 or diff.get("low") is None:
         return "no data"
     if diff["low"] > 0:
         return "raises"

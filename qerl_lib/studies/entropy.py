@@ -33,6 +33,8 @@ every interval is the problem. Per-problem means are compared in pairs (format m
 percentile bootstrap over problems gives the 95% interval (`qerl_lib.evals.entropy.paired_bootstrap`).
 An interval that excludes 0 is a difference at this sample size. One that includes 0 is not
 evidence of "no difference": it is evidence of no difference *large enough to detect here*.
+Where there is nothing to measure (no completion tokens for a problem or a reference) the value
+is null, with a sibling ``<key>_note`` saying why for the summary numbers, never NaN: JSON has none.
 
 Deviations from the paper, and why
 ----------------------------------
@@ -61,7 +63,7 @@ import torch
 
 from qerl_lib.train.aqn import apply_norm_overrides, sample_norm_overrides
 from qerl_lib.tasks.problems import encode_prompts, load_problems
-from qerl_lib.evals.entropy import mean_token_entropy, paired_bootstrap, per_sequence_mean
+from qerl_lib.evals.entropy import NO_TOKENS, mean_token_entropy, paired_bootstrap, per_sequence_mean
 from qerl_lib.errors import UserError
 from qerl_lib.evals.evaluation import EvalConfig, bootstrap_interval, evaluate
 from qerl_lib.quant.formats import FORMAT_BITS, fake_quantize_
@@ -163,14 +165,27 @@ def load_format_model(model_dir, fmt: str, device: str, dtype: torch.dtype, nvfp
     return model.to(dtype).eval(), report
 
 
-def _per_problem(values: list[float], owners: list[int], n: int) -> list[float]:
-    """Mean of the per-completion values of each problem (NaN entries skipped; NaN if none)."""
+def _per_problem(values: list[float | None], owners: list[int], n: int) -> list[float | None]:
+    """Mean of the per-completion values of each problem (None entries skipped; None if none)."""
     sums, counts = [0.0] * n, [0] * n
     for v, i in zip(values, owners):
-        if not math.isnan(v):
+        if v is not None:
             sums[i] += v
             counts[i] += 1
-    return [s / c if c else float("nan") for s, c in zip(sums, counts)]
+    return [s / c if c else None for s, c in zip(sums, counts)]
+
+
+def _mean_or_none(values) -> float | None:
+    """Mean of the values that are not None; None if there are none."""
+    present = [v for v in values if v is not None]
+    return sum(present) / len(present) if present else None
+
+
+def _set_entropy(row: dict, key: str, value: float | None) -> None:
+    """``row[key] = value``, or null with ``row[key + "_note"]`` saying why (JSON has no NaN)."""
+    row[key] = value
+    if value is None:
+        row[f"{key}_note"] = NO_TOKENS
 
 
 @torch.no_grad()
@@ -222,15 +237,19 @@ def _free_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def _score(model, prompts, refs: dict[str, list], n: int, chunk: int) -> dict[str, tuple[float, list[float]]]:
-    """{reference: (token-mean entropy, per-problem means)}, every reference in one grouped pass."""
+def _score(model, prompts, refs: dict[str, list], n: int, chunk: int
+           ) -> dict[str, tuple[float | None, list[float | None]]]:
+    """{reference: (token-mean entropy, per-problem means)}, every reference in one grouped pass; None
+    where there are no tokens to score."""
     names = [name for name, items in refs.items() for _ in items]
     items = [item for group in refs.values() for item in group]
     ents = grouped_token_entropies(model, prompts, items, chunk)
     out = {}
     for name, group in refs.items():
         mine = [e for e, owner in zip(ents, names) if owner == name]
-        out[name] = (mean_token_entropy(mine), _per_problem(per_sequence_mean(mine), [i for i, _ in group], n))
+        mean = mean_token_entropy(mine)
+        out[name] = (None if math.isnan(mean) else mean,
+                     _per_problem(per_sequence_mean(mine), [i for i, _ in group], n))
     return out
 
 
@@ -246,8 +265,8 @@ def _aqn_curve(model, prompts, refs: dict, unperturbed: dict, config: StudyConfi
         point = {"sigma": sigma, "draws": 0 if sigma == 0 else config.aqn_draws}
         if sigma == 0:
             for name in refs:
-                point.update({f"entropy_{name}": unperturbed[f"entropy_{name}"],
-                              f"entropy_{name}_per_draw": [unperturbed[f"entropy_{name}"]],
+                _set_entropy(point, f"entropy_{name}", unperturbed[f"entropy_{name}"])
+                point.update({f"entropy_{name}_per_draw": [unperturbed[f"entropy_{name}"]],
                               f"per_problem_{name}": unperturbed[f"per_problem_{name}"]})
             points.append(point)
             continue
@@ -258,8 +277,8 @@ def _aqn_curve(model, prompts, refs: dict, unperturbed: dict, config: StudyConfi
                 draws.append(_score(model, prompts, refs, len(prompts), config.entropy_batch_size))
         for name in refs:
             point[f"entropy_{name}_per_draw"] = [d[name][0] for d in draws]
-            point[f"entropy_{name}"] = sum(point[f"entropy_{name}_per_draw"]) / len(draws)
-            point[f"per_problem_{name}"] = [sum(v) / len(v) for v in zip(*(d[name][1] for d in draws))]
+            _set_entropy(point, f"entropy_{name}", _mean_or_none(point[f"entropy_{name}_per_draw"]))
+            point[f"per_problem_{name}"] = [_mean_or_none(v) for v in zip(*(d[name][1] for d in draws))]
         points.append(point)
     return points
 
@@ -296,16 +315,20 @@ def run_entropy_study(config: StudyConfig) -> dict:
         own_items = [(r["index"], ids) for r in own.records for ids in r["completion_ids"]]
         if fmt == "bf16":  # bf16's samples become a fixed reference for every format
             fixed["bf16_samples"] = own_items
+        sqnr = sum(r["sqnr_db"] for r in layers) / len(layers) if layers else None
         row = {"bits_per_weight": FORMAT_BITS[fmt],
-               "mean_layer_sqnr_db": sum(r["sqnr_db"] for r in layers) / len(layers) if layers else None,
+               "mean_layer_sqnr_db": sqnr if sqnr is None or math.isfinite(sqnr) else None,
                "sampled": {k: own.summary[k] for k in ("pass@1", "pass@1_ci95", "pass@k", "format_rate",
                                                      "mean_length", "truncated_rate")},
                "per_problem_correct_sampled": [sum(r["correct"]) / len(r["correct"]) for r in own.records],
                "examples": [{"question": r["question"], "gold": r["gold"], "completion": r["completions"][0]}
                             for r in own.records[:2]]}
+        if sqnr is not None and not math.isfinite(sqnr):
+            row["mean_layer_sqnr_db_note"] = "a layer came through the format exactly (infinite SQNR)"
         for name, (mean, per_problem) in _score(model, prompts, {"own": own_items, **fixed}, n,
                                                 config.entropy_batch_size).items():
-            row[f"entropy_{name}"], row[f"per_problem_{name}"] = mean, per_problem
+            _set_entropy(row, f"entropy_{name}", mean)
+            row[f"per_problem_{name}"] = per_problem
         if config.greedy_accuracy:
             g = evaluate(model, tokenizer, problems, greedy, progress=config.progress)
             row["greedy"] = {k: g.summary[k] for k in ("pass@1", "pass@1_ci95", "format_rate", "mean_length")}
@@ -352,13 +375,16 @@ def _add_comparisons(result: dict, config: StudyConfig) -> None:
                                                                 point[f"per_problem_{ref}"], config.n_boot, config.seed)
     for row in result["formats"].values():  # intervals of the per-problem means themselves
         for ref in REFERENCES:
-            vals = torch.tensor([v for v in row[f"per_problem_{ref}"] if not math.isnan(v)], dtype=torch.float64)
-            row[f"entropy_{ref}_problem_mean_ci95"] = list(bootstrap_interval(vals, config.n_boot, config.seed))
+            vals = torch.tensor([v for v in row[f"per_problem_{ref}"] if v is not None], dtype=torch.float64)
+            key = f"entropy_{ref}_problem_mean_ci95"
+            row[key] = list(bootstrap_interval(vals, config.n_boot, config.seed)) if len(vals) else [None, None]
+            if not len(vals):
+                row[f"{key}_note"] = NO_TOKENS
 
 
 def direction(diff: dict) -> str:
     """'higher' / 'lower' when the 95% interval excludes 0, else 'inconclusive'."""
-    if diff["n"] == 0 or math.isnan(diff["low"]):
+    if diff["n"] == 0 or diff["low"] is None:
         return "inconclusive"
     return "higher" if diff["low"] > 0 else "lower" if diff["high"] < 0 else "inconclusive"
 
@@ -374,6 +400,9 @@ def verdict_lines(result: dict) -> list[str]:
     for fmt, row in result["formats"].items():
         for ref in REFERENCES if fmt != "bf16" else ():
             d = row["diff_vs_bf16"][f"entropy_{ref}"]
+            if d["n"] == 0:
+                lines.append(f"{fmt.upper()} raises entropy vs BF16 {_REF_WORDS[ref]}: not shown ({d.get('note')})")
+                continue
             way = direction(d)
             answer = {"higher": "yes", "lower": "no, it lowers it", "inconclusive": "not shown"}[way]
             note = "excludes 0" if way != "inconclusive" else "includes 0"
