@@ -334,7 +334,11 @@ def test_bf16_rounds_small_noise_away_and_float32_overrides_keep_it():
     assert realized_noise_stats(model, bf16) == {"realized_rms": 0.0, "fraction_changed": 0.0}
     fp32 = noise_to_overrides(model, noise, dtype=torch.float32)
     stats = realized_noise_stats(model, fp32)
-    assert stats["fraction_changed"] == 1.0 and abs(stats["realized_rms"] / 5e-4 - 1) < 0.25, stats
+    # float32 keeps every draw except |Z| below half its spacing at 1.0 (2^-24, ~1e-4 σ): which ones
+    # those are depends on the CPU's randn code path, so the expectation is computed from the draw.
+    kept = sum(int(((1.0 + z) != 1.0).sum()) for z in noise.values()) / sum(z.numel() for z in noise.values())
+    assert kept > 0.98 and stats["fraction_changed"] == kept, (stats, kept)
+    assert abs(stats["realized_rms"] / 5e-4 - 1) < 0.25, stats
 
 
 # ----------------------------------------------------------------------------- equivalence

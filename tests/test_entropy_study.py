@@ -86,6 +86,27 @@ def test_grouped_entropies_equal_the_plain_reference(tiny_model_dir):
         torch.testing.assert_close(g, p, atol=1e-4, rtol=0)
 
 
+def test_token_entropies_equal_one_sequence_at_a_time(tiny_model_dir):
+    """The batched scorer (right padding, logits only from the shortest prompt on) against the plainest
+    reference: each sequence alone, all its logits, the entropy of the rows that predict completion tokens."""
+    from qerl_lib.models.loader import load_model
+
+    model = load_model(tiny_model_dir, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(2)
+    lengths = [(9, 4), (3, 6), (14, 1), (5, 0), (7, 8)]  # (prompt, completion) of different shapes
+    prompts = [torch.randint(0, 49152, (p,), generator=gen).tolist() for p, _ in lengths]
+    completions = [torch.randint(0, 49152, (c,), generator=gen).tolist() for _, c in lengths]
+    batched = token_entropies(model, prompts, completions, batch_size=3, temperature=0.7)
+    for p, c, got in zip(prompts, completions, batched):
+        assert got.shape == (len(c),)
+        if not c:
+            continue
+        with torch.no_grad():
+            logits = model(torch.tensor([p + c])).logits[0].float() / 0.7
+        logp = torch.log_softmax(logits[len(p) - 1: len(p) + len(c) - 1], dim=-1)
+        torch.testing.assert_close(got, -(logp.exp() * logp).sum(-1), atol=1e-4, rtol=0)
+
+
 def test_packed_nvfp4_has_the_fake_quantized_weights(tiny_model_dir):
     from qerl_lib.models.nvfp4_linear import NVFP4Linear
 

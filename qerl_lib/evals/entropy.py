@@ -56,13 +56,20 @@ def token_entropies(model, prompts: Sequence[Sequence[int]], completions: Sequen
         for r, s in enumerate(seqs):
             ids[r, : len(s)] = torch.tensor(s)
             mask[r, : len(s)] = 1
-        logits = model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits.float()
+        # logits only where a completion token is predicted: from the shortest prompt's last position on
+        # (the prompts are most of each sequence; lm_head and the softmax over them were a fifth of the time)
+        keep = width - min(len(prompts[i]) for i in idx) + 1
+        logits = model(input_ids=ids.to(device), attention_mask=mask.to(device), logits_to_keep=keep).logits.float()
+        if logits.shape[1] != keep:
+            raise RuntimeError(f"{type(model).__name__} ignored logits_to_keep={keep} "
+                               f"(returned {logits.shape[1]} positions)")
+        offset = width - keep  # sequence position j is logits column j - offset
         for r, i in enumerate(idx):
             p, c = len(prompts[i]), len(completions[i])
             if c == 0:
                 out[i] = torch.empty(0)
                 continue
-            step = logits[r, p - 1: p + c - 1] / temperature
+            step = logits[r, p - 1 - offset: p + c - 1 - offset] / temperature
             logp = torch.log_softmax(step, dim=-1)
             out[i] = -(logp.exp() * logp).sum(-1).cpu()
     return out

@@ -18,8 +18,8 @@ Forward, chosen per layer by the ``impl`` argument (not a global switch):
 
 * ``"reference"``: ``F.linear(x, dequantize(W), bias)``. ``dequantize`` is bit-exact with
   compressed-tensors, so this layer computes exactly what transformers computes on a
-  checkpoint loaded with ``CompressedTensorsConfig(dequantize=True)``. The bf16 weight is a
-  temporary that lives for one matmul.
+  checkpoint loaded with ``CompressedTensorsConfig(dequantize=True)``. On CUDA the dense weight
+  is a temporary that lives for one matmul; on CPU it is cached (next section).
 * ``"kernel"``: ``qerl_lib.kernels.fp4_gemm.fp4_linear`` on a zero-copy ``PreparedFP4Weight`` cached
   by the layer (the Triton FP4 x BF16 GEMM on CUDA; on CPU that module's Marlin-style oracle
   ``nvfp4.reference_matmul``). It applies ``1/gs`` to the fp32 accumulator like Marlin, so it
@@ -30,6 +30,28 @@ On the kernel path the layer's ``small_m_backend`` and ``mma_rule`` (both None b
 ``QERL_FP4_SMALL_M`` environment variable and the launch rule ``pick_mma_config``) choose the
 kernel of the decode step (M <= 8); ``set_small_m_kernel(model, ...)`` sets them on every layer.
 
+The CPU weight cache
+--------------------
+Dequantizing is elementwise work over every weight, so redoing it for every matmul makes a CPU
+decode step (a few tokens, one pass over all weights) several times slower than the matmul
+itself: the layer would be paying to unpack the model at every generated token. On CPU the
+reference path therefore keeps the dense weight it dequantized (in the activation dtype) and reuses
+it while the format buffers are unchanged. It is the same tensor the uncached path would build,
+so outputs and gradients are bit-identical. The cache:
+
+* costs ``2 bytes x N x K`` per layer in bf16, ``4 bytes x N x K`` in fp32, on top of the
+  packed 0.56 bytes: for SmolLM2-135M's 106M quantized weights that is 212 MB (bf16) or
+  425 MB (fp32) of RAM. Where that matters more than speed (a 7B model on a CPU), turn it off:
+  ``set_cpu_cache(model, False)`` for a model, ``NVFP4Linear.cpu_cache = False`` for the process;
+* is never used on CUDA (the kernel path reads the packed bytes in place, which is the point of
+  NVFP4 there; ``impl="reference"`` on CUDA keeps the temporary) nor on the CPU kernel oracle;
+* is not a buffer: ``state_dict`` and checkpoints hold the three format tensors only, and
+  pickling or ``copy.deepcopy`` drops it;
+* is dropped by ``set_nvfp4_weight``, ``load_state_dict`` and any ``.to()``/``.float()``/device
+  move, and is rebuilt when a format buffer is replaced (checked by identity, not by address) or
+  written in place (the tensor's version counter; views share it). Writes through ``.data`` bypass
+  version counters: call ``layer.clear_cache()`` after those.
+
 Training through a frozen 4-bit layer
 -------------------------------------
 LoRA needs ``dL/dx`` of every base layer (to reach the adapters of earlier layers) but never
@@ -37,7 +59,8 @@ LoRA needs ``dL/dx`` of every base layer (to reach the adapters of earlier layer
 dequantized bf16 weight alive from forward to backward, i.e. a full bf16 copy of the model
 during training. ``_FrozenNVFP4Matmul`` saves only the packed buffers (already resident) and
 dequantizes again in backward: ``dx = dy @ W``, the QLoRA trick (bitsandbytes ``MatMul4Bit``).
-The buffers never require grad, so no gradient can reach them.
+The buffers never require grad, so no gradient can reach them. (On CPU the backward
+reuses the cached dense weight of the forward instead, which is resident anyway.)
 
 Playing well with transformers and peft
 ---------------------------------------
@@ -86,25 +109,31 @@ class _FrozenNVFP4Matmul(torch.autograd.Function):
     """``y = x @ W.T + b`` with W stored in NVFP4; gradient for ``x`` only (W and b are frozen)."""
 
     @staticmethod
-    def forward(ctx, x, packed, scale, global_scale, bias, prepared, small_m_backend, mma_rule):
-        ctx.save_for_backward(packed, scale, global_scale)  # resident buffers: saving them is free
+    def forward(ctx, x, packed, scale, global_scale, bias, prepared, small_m_backend, mma_rule, dense=None):
+        # `dense`: the CPU cache's dequantized weight in x.dtype (NVFP4Linear._cached_dense), or None.
+        # Resident either way (the buffers in the module, `dense` in the cache): saving them is free.
+        ctx.save_for_backward(packed, scale, global_scale, dense)
         if prepared is not None:  # the kernel path (kernels.fp4_gemm)
             from qerl_lib.kernels.fp4_gemm import fp4_linear
 
             return fp4_linear(x, prepared, bias, small_m_backend=small_m_backend, mma_rule=mma_rule)
-        weight = nvfp4.dequantize(nvfp4.NVFP4Weight(packed, scale, global_scale), dtype=x.dtype)  # temporary
+        weight = dense if dense is not None else \
+            nvfp4.dequantize(nvfp4.NVFP4Weight(packed, scale, global_scale), dtype=x.dtype)  # temporary
         return F.linear(x, weight, None if bias is None else bias.to(x.dtype))
 
     @staticmethod
     def backward(ctx, grad_out):
-        packed, scale, global_scale = ctx.saved_tensors
+        packed, scale, global_scale, dense = ctx.saved_tensors
         grad_x = None
         if ctx.needs_input_grad[0]:
-            # Dequantize again instead of keeping a bf16 copy from forward (QLoRA's trick). For the
-            # kernel path this is the bf16-rounded W, within one bf16 ulp of the kernel's exact W.
-            weight = nvfp4.dequantize(nvfp4.NVFP4Weight(packed, scale, global_scale), dtype=grad_out.dtype)
+            if dense is not None and dense.dtype == grad_out.dtype:
+                weight = dense  # the forward's weight, from the CPU cache: the same values as dequantizing again
+            else:
+                # Dequantize again instead of keeping a bf16 copy from forward (QLoRA's trick). For the
+                # kernel path this is the bf16-rounded W, within one bf16 ulp of the kernel's exact W.
+                weight = nvfp4.dequantize(nvfp4.NVFP4Weight(packed, scale, global_scale), dtype=grad_out.dtype)
             grad_x = grad_out @ weight
-        return grad_x, None, None, None, None, None, None, None
+        return grad_x, None, None, None, None, None, None, None, None
 
 
 class NVFP4Linear(nn.Module):
@@ -118,7 +147,12 @@ class NVFP4Linear(nn.Module):
         compute_dtype: dtype of ``weight``/``dequantize()`` and of the bias (bf16 normally).
         device: where the (uninitialised) buffers are allocated; ``"meta"`` for a skeleton.
         name: the layer's name in its model, used in error messages.
+
+    ``cpu_cache`` (class attribute, True): keep the dequantized weight between CPU forwards (module
+    docstring). Set it on one layer, through ``set_cpu_cache(model, ...)``, or on the class for the process.
     """
+
+    cpu_cache: bool = True
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, impl: str = "auto",
                  compute_dtype: torch.dtype = torch.bfloat16, device=None, name: str = "NVFP4Linear"):
@@ -142,6 +176,10 @@ class NVFP4Linear(nn.Module):
         self._weight_key = None
         self._prepared = None  # kernels.fp4_gemm.PreparedFP4Weight (zero-copy views + host-side 1/gs), cached
         self._prepared_key = None
+        # the CPU weight cache (module docstring): dense weight, weak refs to its source buffers, their versions
+        self._dense = None
+        self._dense_sources = None
+        self._dense_key = None
         # the decode-step kernel on the kernel path (None: QERL_FP4_SMALL_M, and pick_mma_config)
         self.small_m_backend: str | None = None
         self.mma_rule = None  # (m, n, k) -> kernels.mma.MmaConfig
@@ -176,6 +214,13 @@ class NVFP4Linear(nn.Module):
     def _forget_derived(self) -> None:
         self._weight_ref = self._weight_key = None
         self._prepared = self._prepared_key = None
+        self._dense = self._dense_sources = self._dense_key = None
+
+    def clear_cache(self) -> None:
+        """Drop everything derived from the format buffers (the CPU weight cache, the kernel view, the
+        last ``weight``). Needed only after writing into a buffer through ``.data``, which no version
+        counter sees; replacing a buffer, ``load_state_dict`` and ``.to()`` are noticed on their own."""
+        self._forget_derived()
 
     def prepare_kernel(self):
         """The kernel's view of the buffers (``kernels.fp4_gemm.PreparedFP4Weight``), built once and
@@ -190,6 +235,22 @@ class NVFP4Linear(nn.Module):
             self._prepared = prepare_fp4_weights(self.weight_packed, self.weight_scale, self.weight_global_scale)
             self._prepared_key = key
         return self._prepared
+
+    def _cached_dense(self, dtype: torch.dtype) -> torch.Tensor:
+        """The CPU cache: the dequantized weight in ``dtype``, rebuilt when a format buffer was replaced
+        (identity through weak references, so a new tensor at a recycled address is not mistaken for
+        the old one) or written in place (version counters), or when ``dtype`` changes."""
+        buffers = (self.weight_packed, self.weight_scale, self.weight_global_scale)
+        key = (tuple(t._version for t in buffers), dtype)
+        sources = self._dense_sources
+        if (self._dense is None or self._dense_key != key or sources is None
+                or any(ref() is not t for ref, t in zip(sources, buffers))):
+            self._dense = None  # free the stale copy before allocating the new one
+            with torch.no_grad():
+                self._dense = nvfp4.dequantize(nvfp4.NVFP4Weight(*buffers), dtype=dtype)
+            self._dense_sources = tuple(weakref.ref(t) for t in buffers)
+            self._dense_key = key
+        return self._dense
 
     # ------------------------------------------------------------------ views of the weight
     @property
@@ -231,8 +292,14 @@ class NVFP4Linear(nn.Module):
         if x.shape[-1] != self.in_features:
             raise ValueError(f"{self.layer_name}: input last dim {x.shape[-1]} != in_features {self.in_features}")
         prepared = self.prepare_kernel() if resolve_impl(self.impl, x.device) == "kernel" else None
+        dense = None
+        if prepared is None and x.device.type == "cpu":  # the reference path on CPU: the weight cache
+            if self.cpu_cache:
+                dense = self._cached_dense(x.dtype)
+            elif self._dense is not None:
+                self._dense = self._dense_sources = self._dense_key = None  # turned off: free it
         return _FrozenNVFP4Matmul.apply(x, self.weight_packed, self.weight_scale, self.weight_global_scale,
-                                        self.bias, prepared, self.small_m_backend, self.mma_rule)
+                                        self.bias, prepared, self.small_m_backend, self.mma_rule, dense)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
@@ -256,8 +323,9 @@ class NVFP4Linear(nn.Module):
 
     def __getstate__(self):
         state = super().__getstate__()
-        # weak references do not pickle; the kernel view is rebuilt on first use
-        state.update(_weight_ref=None, _weight_key=None, _prepared=None, _prepared_key=None)
+        # weak references do not pickle; the kernel view and the CPU weight cache are rebuilt on first use
+        state.update(_weight_ref=None, _weight_key=None, _prepared=None, _prepared_key=None,
+                     _dense=None, _dense_sources=None, _dense_key=None)
         return state
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
@@ -296,6 +364,18 @@ def set_impl(model: nn.Module, impl: str) -> int:
     layers = nvfp4_modules(model)
     for layer in layers.values():
         layer.impl = impl
+    return len(layers)
+
+
+def set_cpu_cache(model: nn.Module, enabled: bool) -> int:
+    """Turn the CPU weight cache of every NVFP4Linear in ``model`` on or off (on by default; off frees
+    the cached dense weights at once and makes CPU forwards dequantize per call, as on CUDA with
+    ``impl="reference"``). Returns the number of layers set."""
+    layers = nvfp4_modules(model)
+    for layer in layers.values():
+        layer.cpu_cache = bool(enabled)
+        if not enabled:
+            layer._dense = layer._dense_sources = layer._dense_key = None
     return len(layers)
 
 
