@@ -160,3 +160,10 @@ def test_plot_entropy_vs_sigma_from_json(tmp_path):
     path.write_text(json.dumps({"entropy": {}}))
     with pytest.raises(ValueError, match="entropy.points"):
         plot_entropy_vs_sigma(path, tmp_path / "fig2.png")
+    # nothing scored at one σ: null entropy and a null difference with its note are drawn as "n/a"
+    empty = {"sigma": 2e-3, "entropy": None, "entropy_note": NO_TOKENS,
+             "diff_vs_sigma0": {"mean_diff": None, "low": None, "high": None, "n": 0, "note": NO_PAIRS}}
+    metrics["entropy"]["points"].append(empty)
+    metrics["entropy"]["nvfp4_minus_bf16"] = empty["diff_vs_sigma0"]
+    path.write_text(json.dumps(metrics))
+    assert plot_entropy_vs_sigma(path, tmp_path / "fig3.png").stat().st_size > 1000

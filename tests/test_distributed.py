@@ -1,7 +1,8 @@
 """Data-parallel training through `accelerate launch` on a CPU (gloo): the distributed path CI can run.
 
-The embedded-model preset runs 2 steps in 2 processes; bad splits of a step over the processes fail in one
-line before any model loads. (Multi-GPU speed and trajectory equality are GPU benchmarks, not tests.)
+The embedded-model preset runs 2 steps in 2 processes and matches the same global batch on one process
+(rewards and token counts exactly, losses to float rounding); bad splits of a step over the processes fail
+in one line before any model loads. (Multi-GPU speed is a GPU benchmark, not a test.)
 """
 
 from __future__ import annotations
@@ -20,20 +21,51 @@ from qerl_lib.train.presets import make_config
 REPO = Path(__file__).resolve().parents[1]
 
 
-def test_two_processes_train_two_steps_and_write_once(tmp_path, embedded_model_dir):
-    """~75 s on 2 cores: two processes each load the embedded model and run their own rollout engine."""
-    out = tmp_path / "run"
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "2",
-               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-               "-m", "qerl_lib", "train", "--preset", "smollm2-arith-cpu", "--mode", "lora", "--steps", "2",
-               "--prompts-per-step", "2", "--micro-batch", "2", "--save-steps", "1", "--out", str(out)]
-    proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
+# the calibrated task at its easiest level (the bf16 base gets some right, so groups have a reward spread; the
+# NVFP4 base rarely does at this size), AQN noise on the rollouts (σ > 0 from the second rollout on), rollouts
+# of 2 prompts x 8 completions of <= 32 tokens in micro-batches of 4, μ = 2: 4 optimizer steps = 2 rollouts
+TRAIN = ["train", "--preset", "smollm2-expr", "--level", "1", "--base", "bf16", "--aqn", "rollout", "--steps", "4",
+         "--prompts-per-step", "2", "--micro-batch", "4", "--save-steps", "2"]
+LAUNCH_2 = [sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "2",
+            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "qerl_lib"]
+
+
+def _metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_two_processes_sample_and_learn_what_one_process_does(tmp_path, embedded_model_dir):
+    """~2.5 min on 2 cores. The same global batch on 1 and on 2 processes (gloo): every completion samples
+    from its own seeded stream, so both draw the same rollouts, TRL gathers the same rewards for the group
+    advantages, and the all-reduced gradient equals the one-process accumulated one up to float rounding."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    single = subprocess.run([sys.executable, "-m", "qerl_lib", *TRAIN, "--out", str(one)], cwd=REPO,
+                            capture_output=True, text=True, timeout=900)
+    assert single.returncode == 0, single.stderr[-3000:]
+    proc = subprocess.run([*LAUNCH_2, *TRAIN, "--out", str(two)], cwd=REPO, capture_output=True, text=True,
+                          timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2], "metrics must come from one process, one line per step"
-    assert (out / "adapter" / "adapter_config.json").is_file() and (out / "summary.json").is_file()
-    assert sorted(p.name for p in (out / "checkpoints").iterdir() if p.name.startswith("checkpoint-"))
-    assert proc.stdout.count("done: 2 steps") == 1, "only the first process reports"
+
+    rows = _metrics(two)
+    assert [r["step"] for r in rows] == [1, 3], "metrics must come from one process, one line per rollout (μ = 2)"
+    assert (two / "adapter" / "adapter_config.json").is_file() and (two / "summary.json").is_file()
+    assert sorted(p.name for p in (two / "checkpoints").iterdir() if p.name.startswith("checkpoint-"))
+    assert proc.stdout.count("done: 4 steps (2 rollouts)") == 1, "only the first process reports"
+    summary = json.loads((two / "summary.json").read_text())
+    assert (summary["steps"], summary["rollouts"]) == (4, 2)
+
+    reference = _metrics(one)
+    assert any(r["reward_std"] > 0 for r in reference), "the comparison needs groups with a reward spread"
+    assert reference[-1]["sigma"] > 0, "and AQN noise in a rollout"
+    assert any(r["grad_norm"] > 0 for r in reference), "and a gradient (the logged on-policy loss is 0.0)"
+    for a, b in zip(reference, rows):
+        step = a["step"]
+        # the same tokens: exact counts and rewards (the rollouts match token for token)
+        for key in ("reward", "reward_std", "accuracy", "completion_length", "num_tokens", "truncated_rate"):
+            assert a[key] == pytest.approx(b[key], abs=1e-6), (step, key, a[key], b[key])
+        # the same losses up to float32 summation order (batch 16 vs 2 x 8 matmuls, all-reduce vs accumulation)
+        for key in ("entropy", "loss", "grad_norm", "logprob_mismatch"):
+            assert a[key] == pytest.approx(b[key], rel=1e-3, abs=1e-5), (step, key, a[key], b[key])
 
 
 @pytest.mark.parametrize("world_size, overrides, message", [

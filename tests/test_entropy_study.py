@@ -191,6 +191,12 @@ def test_study_end_to_end_on_a_tiny_model(tiny_model_dir, tmp_path):
     assert strict_json(path)["n_problems"] == 3
     png = plot_entropy_study(path, tmp_path / "study.png")
     assert png.stat().st_size > 10_000
+    # a difference with no pairs (null, with its note) is drawn as "n/a", in the bars and on the σ panel
+    none = {"mean_diff": None, "low": None, "high": None, "n": 0, "note": NO_PAIRS}
+    m["formats"]["mxfp4"]["diff_vs_bf16"]["entropy_gold"] = none
+    m["aqn"]["points"][1]["diff_vs_bf16_gold"] = none
+    path = write_json_atomic(tmp_path / "study_nulls.json", m)
+    assert plot_entropy_study(path, tmp_path / "study_nulls.png").stat().st_size > 10_000
 
 
 def test_nothing_to_score_is_null_with_a_note_never_nan(tiny_model_dir, tmp_path):

@@ -97,7 +97,8 @@ def _train(args) -> int:
     if not summary:  # not the first process of an `accelerate launch`: that one reports
         return 0
     seconds = summary["seconds"]
-    print(f"done: {summary['steps']} steps in {seconds['step_seconds']:.0f}s "
+    rollouts = "" if summary["rollouts"] == summary["steps"] else f" ({summary['rollouts']} rollouts)"
+    print(f"done: {summary['steps']} steps{rollouts} in {seconds['step_seconds']:.0f}s "
           f"(rollout {seconds['rollout_seconds']:.0f}s = {100 * (summary['rollout_share'] or 0):.0f}%, "
           f"training {seconds['train_seconds']:.0f}s); reward first {summary['window']} steps "
           f"{_fmt(summary['first']['reward'])} -> last {_fmt(summary['last']['reward'])}; summary in {out}/summary.json")

@@ -22,7 +22,8 @@ How one call works
 4. **Decode**: one token per row per step. On CUDA the step is replayed from a CUDA graph
    captured per (batch bucket, cache-length bucket) (``engine/cache.py``); on CPU it runs eagerly.
    Sampling (``engine/sampling.py``) runs after the step, from a ``torch.Generator`` seeded with
-   ``seed``.
+   ``seed``, or from one stream per row seeded with ``row_seeds[r]`` (``sampling.RowStreams``: a
+   row's completion then does not depend on the rest of the batch).
 5. **Stop** rows independently: a row is finished at its first stop token (kept in the output,
    ``finish_reason="stop"``) or at ``max_new_tokens`` (``"length"``). Finished rows keep
    stepping with the batch (their extra tokens are discarded) instead of compacting the batch:
@@ -69,7 +70,7 @@ from qerl_lib.engine.attention import AttentionLaunch
 from qerl_lib.engine.cache import BATCH_BUCKETS, DecodeGraphs, KVCache, batch_bucket, length_bucket
 from qerl_lib.engine.forward import SUPPORTED_MODEL_TYPES, ForwardPass, ModelView
 from qerl_lib.engine.adapters import LoraAdapter, lora_from_peft
-from qerl_lib.engine.sampling import SamplingParams, sample
+from qerl_lib.engine.sampling import RowStreams, SamplingParams, sample
 
 __all__ = ["Completion", "RolloutEngine", "generate", "release", "to_padded", "LoraAdapter", "lora_from_peft",
            "SUPPORTED_MODEL_TYPES"]
@@ -158,15 +159,21 @@ class RolloutEngine:
     # ---- public ---------------------------------------------------------------------------------
     def generate(self, prompt_ids, max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
                  top_k: int = 0, seed: int | None = None, stop_token_ids=None, lora=None, norm_overrides=None,
-                 prompt_mask: torch.Tensor | None = None, timing: bool = False) -> list[Completion]:
+                 prompt_mask: torch.Tensor | None = None, timing: bool = False, row_seeds=None) -> list[Completion]:
         """See ``qerl_lib.engine.rollout.generate``."""
         params = SamplingParams(temperature, top_p, top_k)
+        if row_seeds is not None and seed is not None:
+            raise ValueError("pass seed (one stream for the call) or row_seeds (one per prompt), not both")
         if int(max_new_tokens) != max_new_tokens or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens}")
         max_new_tokens = int(max_new_tokens)
         prompts = _as_prompt_lists(prompt_ids, prompt_mask)
         if not prompts:
             return []
+        if row_seeds is not None:
+            row_seeds = [int(s) for s in row_seeds]
+            if len(row_seeds) != len(prompts):
+                raise ValueError(f"row_seeds has {len(row_seeds)} seeds for {len(prompts)} prompts: give one per prompt")
         model = self._model_ref()
         if model is None:
             raise RuntimeError("the model behind this engine was garbage-collected")
@@ -190,7 +197,7 @@ class RolloutEngine:
         model.eval()  # no dropout in rollouts (peft's LoRA dropout included); restored below
         try:
             with torch.no_grad():
-                return self._run(forward, prompts, max_new_tokens, params, seed, stops, timing)
+                return self._run(forward, prompts, max_new_tokens, params, seed, stops, timing, row_seeds)
         finally:
             for m, flag in training:
                 m.training = flag
@@ -258,7 +265,7 @@ class RolloutEngine:
             self.cache = KVCache(view.n_layers, rows, view.n_kv_heads, length, view.head_dim, view.dtype, view.device)
         return self.cache
 
-    def _run(self, forward, prompts, max_new_tokens, params, seed, stops, timing) -> list[Completion]:
+    def _run(self, forward, prompts, max_new_tokens, params, seed, stops, timing, row_seeds=None) -> list[Completion]:
         view = forward.view
         device = view.device
         batch, plen = len(prompts), max(len(p) for p in prompts)
@@ -281,6 +288,11 @@ class RolloutEngine:
         tokens, positions, pad = tokens.to(device), positions.to(device), pad.to(device)
         cache = self._ensure_cache(forward, batch, plen + max_new_tokens - 1)
         generator = torch.Generator(device=device).manual_seed(int(seed)) if seed is not None else None
+        streams = RowStreams(row_seeds, device) if row_seeds is not None and not params.greedy else None
+
+        def draw(logits, position):
+            race = streams.exponentials(logits.shape[-1], position) if streams is not None else None
+            return sample(logits, params, generator, race)
         stop_tensor = torch.tensor(stops, dtype=torch.long, device=device) if stops else None
 
         out_tokens = torch.empty(batch, max_new_tokens, dtype=torch.long, device=device)
@@ -288,7 +300,7 @@ class RolloutEngine:
         done = torch.zeros(batch, dtype=torch.bool, device=device)
 
         logits = forward.prefill(tokens, positions, mask, cache)
-        token, logprob = sample(logits, params, generator)
+        token, logprob = draw(logits, 0)
         out_tokens[:, 0], out_logprobs[:, 0] = token, logprob
         if stop_tensor is not None:
             done |= torch.isin(token, stop_tensor)
@@ -300,7 +312,7 @@ class RolloutEngine:
             if stop_tensor is not None and t % self.check_every == 0 and bool(done.all()):
                 break
             logits = step(token, plen + t - 1)
-            token, logprob = sample(logits, params, generator)
+            token, logprob = draw(logits, t)
             out_tokens[:, t], out_logprobs[:, t] = token, logprob
             if stop_tensor is not None:
                 done |= torch.isin(token, stop_tensor)
@@ -358,13 +370,16 @@ _ENGINES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 def generate(model, prompt_ids, max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
              seed: int | None = None, stop_token_ids=None, lora=None, norm_overrides=None, *,
              prompt_mask: torch.Tensor | None = None, max_seq_len: int | None = None,
-             decode_backend: str = "auto") -> list[Completion]:
+             decode_backend: str = "auto", row_seeds=None) -> list[Completion]:
     """Sample continuations of a batch of prompts from a Llama/Qwen2 causal LM (bf16 or NVFP4).
 
     prompt_ids: list of prompts (lists or 1-D tensors of token ids, any lengths), or a 2-D tensor
         with ``prompt_mask`` marking real tokens (left or right padding). ``[]`` gives ``[]``.
     temperature: 0 = greedy. ``top_p`` / ``top_k`` filter the distribution (1.0 / 0 = off).
     seed: seeds this call's ``torch.Generator``; same seed, batch and device give the same samples.
+    row_seeds: instead of ``seed``, one integer in [0, 2^64) per prompt: row ``r`` samples from its own
+        stream (``sampling.RowStreams``), so its completion does not depend on the other rows, their
+        number or order (same device and weights; batched matmuls can still differ in the last bits).
     stop_token_ids: default: the model's ``generation_config.eos_token_id``; ``[]`` = never stop early.
     lora: ``{module name: LoraAdapter}`` (or ``(A, B, scale)`` tuples), e.g. ``lora_from_peft(peft_model)``,
         applied unmerged by the engine. A PeftModel passed as ``model`` runs its own adapters unmerged
@@ -382,7 +397,7 @@ def generate(model, prompt_ids, max_new_tokens: int, temperature: float = 1.0, t
         _ENGINES[model] = engine
     return engine.generate(prompt_ids, max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                            stop_token_ids=stop_token_ids, lora=lora, norm_overrides=norm_overrides,
-                           prompt_mask=prompt_mask)
+                           prompt_mask=prompt_mask, row_seeds=row_seeds)
 
 
 def release(model) -> None:

@@ -28,6 +28,28 @@ busy. Draws come from the caller's ``torch.Generator`` (one per ``generate`` cal
 ``seed``), so the same seed on the same device and batch gives the same samples. Sampling runs
 outside the CUDA graph, so it needs no graph-safe RNG bookkeeping.
 
+Per-row streams
+---------------
+With one generator per call, row ``r``'s draws depend on everything drawn before them: the
+batch's size and order, how a rollout is chunked, how many GPUs share it. ``RowStreams`` gives
+every row its own stream instead, from a 64-bit seed of its own (``generate(..., row_seeds=...)``),
+so a completion is a function of its prompt, its seed and the weights only. The trainer seeds row
+``i`` of a step's global batch from (run seed, step, i): one GPU and two GPUs sample the same
+completions. Two implementations, one contract (row ``r``'s draws at decode position ``t``
+depend on ``seeds[r]`` and ``t`` only):
+
+* CPU: one ``torch.Generator`` per row, advanced by one vocabulary-sized draw per position.
+* CUDA: a counter-based hash: ``E = -log1p(-U)`` with ``U = (h + 1/2) / 2^32`` and ``h`` a 32-bit
+  hash of (seed, position, vocabulary index), filled by one Triton kernel (no state to carry, no
+  launch per row). ``hashed_exponentials`` is its plain-torch reference (and the path without
+  Triton). Its resolution is that of torch's float32 draws; it is tested for uniformity and
+  independence across rows, positions and vocabulary entries, and for sampling the right
+  distribution (``tests/test_row_streams.py``).
+
+The two draw different numbers for the same seed (as torch's generators do on CPU and CUDA).
+Cost on an H100 at Qwen2.5's vocabulary, draws plus the fused sampler: 73 against 55 us per decode
+step at batch 8, 122 against 93 at batch 128 (one generator): under 1% of a 7B decode step.
+
 On CUDA, plain sampling (no top-k/top-p) runs fused: after torch draws ``E``, one Triton kernel
 takes per block of the vocabulary the max, the sum of exponentials and the best
 ``logit / T - log E`` (the log of ``probs / E`` up to a per-row constant, so the same argmax), and
@@ -103,15 +125,22 @@ def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     return scores
 
 
-def sample(logits: torch.Tensor, params: SamplingParams,
-           generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None,
+           race: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Draw one token per row of ``logits [B, V]``; return ``(tokens [B] int64, logprobs [B] float32)``.
 
     The logprob is that of the returned token under the distribution described in the module
     docstring (processed for sampling, raw for greedy). No host synchronisation happens here.
+    ``race``: the Exponential(1) draws ``[B, V]`` float32 to use (e.g. ``RowStreams.exponentials``);
+    None draws them from ``generator``.
     """
+    if race is not None and (race.shape != logits.shape or race.dtype != torch.float32):
+        raise ValueError(f"race must be float32 of the logits' shape {list(logits.shape)}, "
+                         f"got {race.dtype} {list(race.shape)}")
     if logits.is_cuda and triton is not None and not params.greedy and not params.filters:
-        race = torch.empty(logits.shape, dtype=torch.float32, device=logits.device).exponential_(1.0, generator=generator)
+        if race is None:
+            race = torch.empty(logits.shape, dtype=torch.float32, device=logits.device).exponential_(
+                1.0, generator=generator)
         return fused_sample(logits, race, params.temperature)
     scores = process_logits(logits, params)
     logprobs_all = torch.log_softmax(scores, dim=-1)
@@ -119,10 +148,96 @@ def sample(logits: torch.Tensor, params: SamplingParams,
         tokens = scores.argmax(dim=-1)
     else:
         probs = logprobs_all.exp()
-        race = torch.empty_like(probs).exponential_(1.0, generator=generator)
+        race = torch.empty_like(probs).exponential_(1.0, generator=generator) if race is None else race.clone()
         race.clamp_min_(torch.finfo(race.dtype).tiny)  # a 0 draw would turn a removed token's 0/0 into NaN
         tokens = (probs / race).argmax(dim=-1)
     return tokens, logprobs_all.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+# ----------------------------------------------------------------------------- per-row streams
+_M32 = 0xFFFFFFFF
+_GOLDEN = 0x9E3779B9  # 2^32 / golden ratio: spreads consecutive positions before hashing
+_MIX_1, _MIX_2 = 0x7FEB352D, 0x846CA68B  # a 32-bit avalanche mixer ("lowbias32", C. Wellons)
+_SALT = 0x6A09E667  # keeps the two per-row keys apart (without it, a zero high half made entry 0 hash to 0)
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """``x * c mod 2^32`` for int64 ``x`` in [0, 2^32), without int64 overflow (c split in 16-bit halves)."""
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _M32
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    x = x ^ (x >> 16)
+    x = _mul32(x, _MIX_1)
+    x = x ^ (x >> 15)
+    x = _mul32(x, _MIX_2)
+    return x ^ (x >> 16)
+
+
+def _row_keys(keys: torch.Tensor, position: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row 32-bit keys (a, b) of decode position ``position`` from ``keys [B, 2]`` (seed halves)."""
+    spread = _mix32(torch.tensor((int(position) * _GOLDEN) & _M32, dtype=torch.int64, device=keys.device))
+    a = _mix32(keys[:, 0] ^ spread)
+    return a, _mix32(keys[:, 1] ^ _mix32(a ^ _SALT))
+
+
+def _log1p_neg_kahan(u: torch.Tensor) -> torch.Tensor:
+    """``log1p(-u)`` in float32 by Kahan's formula, the same operations as the Triton kernel."""
+    w = 1.0 - u
+    return torch.where(w == 1.0, -u, torch.log(w) * (-u) / (w - 1.0))
+
+
+def hashed_exponentials(keys: torch.Tensor, position: int, vocab: int) -> torch.Tensor:
+    """The plain-torch reference of the CUDA per-row stream: Exponential(1) draws ``[B, vocab]``
+    float32 for decode position ``position``, from ``keys [B, 2]`` int64 (a 64-bit seed's low and
+    high 32-bit halves, ``RowStreams.keys``)."""
+    a, b = _row_keys(keys, position)
+    cols = torch.arange(vocab, dtype=torch.int64, device=keys.device)
+    h = _mix32(_mix32(cols[None, :] ^ a[:, None]) ^ b[:, None])
+    u = (h.to(torch.float32) + 0.5) * 2.0 ** -32
+    return -_log1p_neg_kahan(u)
+
+
+class RowStreams:
+    """One random stream per row (module docstring, "Per-row streams").
+
+    ``seeds``: one integer in [0, 2^64) per row. ``exponentials(vocab, position)`` gives the
+    Exponential(1) draws ``[B, vocab]`` of every row at decode position ``position`` (0 = the first
+    new token); on CPU positions must be asked for in order 0, 1, 2, ... (each row's generator
+    advances by one draw per position), on CUDA in any order.
+    """
+
+    def __init__(self, seeds, device):
+        seeds = [int(s) for s in seeds]
+        bad = [s for s in seeds if not 0 <= s < 2**64]
+        if bad:
+            raise ValueError(f"row seeds must be integers in [0, 2^64), got {bad[0]}")
+        self.device = torch.device(device)
+        self.rows = len(seeds)
+        self._next = 0
+        if self.device.type == "cuda":
+            self.keys = torch.tensor([[s & _M32, s >> 32] for s in seeds], dtype=torch.int64, device=self.device)
+            self._generators = None
+        else:
+            self.keys = torch.tensor([[s & _M32, s >> 32] for s in seeds], dtype=torch.int64)
+            self._generators = [torch.Generator().manual_seed(s) for s in seeds]
+
+    def exponentials(self, vocab: int, position: int) -> torch.Tensor:
+        if self._generators is None:
+            if triton is None:
+                return hashed_exponentials(self.keys, position, vocab)
+            out = torch.empty(self.rows, vocab, dtype=torch.float32, device=self.device)
+            block = 1024
+            _row_exponentials_kernel[(self.rows, triton.cdiv(vocab, block))](
+                self.keys, out, vocab, (int(position) * _GOLDEN) & _M32, BLOCK=block, num_warps=4)
+            return out
+        if position != self._next:
+            raise RuntimeError(f"CPU row streams advance in order: position {self._next} expected, got {position}")
+        self._next += 1
+        out = torch.empty(self.rows, vocab, dtype=torch.float32)
+        for row, generator in zip(out, self._generators):
+            row.exponential_(1.0, generator=generator)
+        return out
 
 
 def fused_sample(logits: torch.Tensor, race: torch.Tensor, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -170,6 +285,29 @@ if triton is not None:
         tl.store(base + stride, total)
         tl.store(base + 2 * stride, best)
         tl.store(base + 3 * stride, index.to(tl.float32))
+
+    @triton.jit
+    def _mix32_tl(x):
+        """``_mix32`` in int64 lanes holding 32-bit values (the torch reference's operations)."""
+        x = x ^ (x >> 16)
+        x = ((x * 0x352D) + (((x * 0x7FEB) & 0xFFFF) << 16)) & 0xFFFFFFFF
+        x = x ^ (x >> 15)
+        x = ((x * 0xA68B) + (((x * 0x846C) & 0xFFFF) << 16)) & 0xFFFFFFFF
+        return x ^ (x >> 16)
+
+    @triton.jit
+    def _row_exponentials_kernel(keys_ptr, out_ptr, vocab, position_word, BLOCK: tl.constexpr):
+        """Program (row, block): ``hashed_exponentials`` for one block of one row."""
+        row, blk = tl.program_id(0), tl.program_id(1)
+        spread = _mix32_tl(tl.full([1], 0, tl.int64) + position_word)
+        a = _mix32_tl(tl.load(keys_ptr + 2 * row + tl.zeros([1], tl.int32)) ^ spread)
+        b = _mix32_tl(tl.load(keys_ptr + 2 * row + 1 + tl.zeros([1], tl.int32)) ^ _mix32_tl(a ^ 0x6A09E667))
+        cols = blk * BLOCK + tl.arange(0, BLOCK)
+        h = _mix32_tl(_mix32_tl(cols.to(tl.int64) ^ a) ^ b)
+        u = (h.to(tl.float32) + 0.5) * 2.3283064365386963e-10  # 2^-32
+        w = 1.0 - u
+        log1p_neg = tl.where(w == 1.0, -u, tl.log(w) * (-u) / (w - 1.0))
+        tl.store(out_ptr + row * vocab + cols, -log1p_neg, mask=cols < vocab)
 
     @triton.jit
     def _sample_combine_kernel(logits_ptr, part_ptr, tokens_ptr, logprobs_ptr, vocab, blocks, temperature,

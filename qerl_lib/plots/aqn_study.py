@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from qerl_lib.plots.style import COLORS, load_json, new_figure, save_figure
+from qerl_lib.plots.style import COLORS, has_value, load_json, new_figure, save_figure
 
 
 def plot_entropy_vs_sigma(metrics_json: str | Path, out_png: str | Path) -> Path:
@@ -25,11 +25,12 @@ def plot_entropy_vs_sigma(metrics_json: str | Path, out_png: str | Path) -> Path
     xs = list(range(len(points)))
     fig, (ax_abs, ax_diff) = new_figure(ncols=2, width=4.6)
 
-    ax_abs.plot(xs, [p["entropy"] for p in points], marker="o", color=COLORS["nvfp4"], label="NVFP4 + AQN")
+    entropies = [float("nan") if p["entropy"] is None else p["entropy"] for p in points]  # null: nothing scored
+    ax_abs.plot(xs, entropies, marker="o", color=COLORS["nvfp4"], label="NVFP4 + AQN")
     bf16 = m["entropy"].get("bf16")
-    if bf16:
+    values = [v for v in entropies if v == v] + ([bf16["entropy"]] if bf16 and bf16.get("entropy") is not None else [])
+    if bf16 and bf16.get("entropy") is not None and values:
         ax_abs.axhline(bf16["entropy"], ls=":", color=COLORS["bf16"], label="BF16, σ = 0")
-        values = [p["entropy"] for p in points] + [bf16["entropy"]]
         pad = 0.08 * (max(values) - min(values)) or 0.01  # keep the BF16 line off the frame
         ax_abs.set_ylim(min(values) - pad, max(values) + pad)
     ax_abs.set_ylabel("mean token entropy (nats)")
@@ -37,12 +38,16 @@ def plot_entropy_vs_sigma(metrics_json: str | Path, out_png: str | Path) -> Path
     ax_abs.legend(fontsize=7)
 
     diffs = [p["diff_vs_sigma0"] for p in points]
-    means = [d["mean_diff"] for d in diffs]
-    yerr = [[d["mean_diff"] - d["low"] for d in diffs], [d["high"] - d["mean_diff"] for d in diffs]]
-    colors = [COLORS["qerl"] if d["low"] > 0 or d["high"] < 0 else "0.6" for d in diffs]
-    ax_diff.bar(xs, means, yerr=yerr, color=colors, capsize=3)
+    shown = [(x, d) for x, d in zip(xs, diffs) if has_value(d)]  # null (with a note) when nothing was scored
+    for x, d in zip(xs, diffs):
+        if not has_value(d):
+            ax_diff.text(x, 0, "n/a", ha="center", va="bottom", fontsize=7)
+    if shown:
+        ax_diff.bar([x for x, _ in shown], [d["mean_diff"] for _, d in shown],
+                    yerr=[[d["mean_diff"] - d["low"] for _, d in shown], [d["high"] - d["mean_diff"] for _, d in shown]],
+                    color=[COLORS["qerl"] if d["low"] > 0 or d["high"] < 0 else "0.6" for _, d in shown], capsize=3)
     quant = m["entropy"].get("nvfp4_minus_bf16")
-    if quant:  # what the quantization itself adds, for scale
+    if has_value(quant):  # what the quantization itself adds, for scale
         ax_diff.axhline(quant["mean_diff"], ls=":", color=COLORS["bf16"],
                         label="NVFP4 − BF16 at σ = 0 (mean)")
         ax_diff.legend(fontsize=7)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from qerl_lib.plots.style import COLORS, load_json, new_figure, save_figure
+from qerl_lib.plots.style import COLORS, has_value, load_json, new_figure, save_figure
 
 REFERENCE_STYLE = {  # reference -> (label, hatch, alpha)
     "own": ("own samples", "", 1.0),
@@ -27,6 +27,7 @@ REFERENCE_STYLE = {  # reference -> (label, hatch, alpha)
 
 def _yerr(d: dict) -> list[list[float]]:
     return [[d["mean_diff"] - d["low"]], [d["high"] - d["mean_diff"]]]
+
 
 
 def plot_entropy_study(metrics_json: str | Path, out_png: str | Path) -> Path:
@@ -45,6 +46,9 @@ def plot_entropy_study(metrics_json: str | Path, out_png: str | Path) -> Path:
         for j, (ref, (label, hatch, alpha)) in enumerate(REFERENCE_STYLE.items()):
             d = formats[fmt]["diff_vs_bf16"][f"entropy_{ref}"]
             pos = x + (j - (len(REFERENCE_STYLE) - 1) / 2) * width
+            if not has_value(d):
+                ax_diff.text(pos, 0, "n/a", ha="center", va="bottom", fontsize=6, rotation=90)
+                continue
             ax_diff.bar(pos, d["mean_diff"], width=width, color=COLORS.get(fmt, "0.5"), alpha=alpha, hatch=hatch,
                         edgecolor="k", linewidth=0.4, label=label if x == 0 else None)
             ax_diff.errorbar(pos, d["mean_diff"], yerr=_yerr(d), color="k", capsize=3, lw=1)
@@ -72,12 +76,15 @@ def plot_entropy_study(metrics_json: str | Path, out_png: str | Path) -> Path:
         sigmas = [p["sigma"] for p in points]
         for ref, marker in zip(aqn.get("references", ["gold"]), "os"):
             key = f"diff_vs_bf16_{ref}"
-            ys = [p[key]["mean_diff"] for p in points]
-            err = [[p[key]["mean_diff"] - p[key]["low"] for p in points], [p[key]["high"] - p[key]["mean_diff"] for p in points]]
-            ax_s.errorbar(sigmas, ys, yerr=err, marker=marker, ms=4, capsize=3, color=COLORS.get(aqn["format"], "C2"),
+            drawn = [p for p in points if has_value(p.get(key))]
+            if not drawn:
+                continue
+            ys = [p[key]["mean_diff"] for p in drawn]
+            err = [[p[key]["mean_diff"] - p[key]["low"] for p in drawn], [p[key]["high"] - p[key]["mean_diff"] for p in drawn]]
+            ax_s.errorbar([p["sigma"] for p in drawn], ys, yerr=err, marker=marker, ms=4, capsize=3, color=COLORS.get(aqn["format"], "C2"),
                           alpha=REFERENCE_STYLE[ref][2], label=f"{aqn['format'].upper()} + AQN, {REFERENCE_STYLE[ref][0]}")
         for fmt in quantized:
-            if fmt != aqn["format"]:
+            if fmt != aqn["format"] and has_value(formats[fmt]["diff_vs_bf16"]["entropy_gold"]):
                 level = formats[fmt]["diff_vs_bf16"]["entropy_gold"]["mean_diff"]
                 ax_s.axhline(level, color=COLORS.get(fmt, "0.5"), ls=":", lw=1.2, label=f"{fmt.upper()} (no noise), solutions")
         ax_s.axhline(0, color=COLORS["bf16"], lw=0.8, label="BF16")

@@ -50,3 +50,9 @@ def save_figure(fig, path: str | os.PathLike, source: str | os.PathLike | None =
         if os.path.exists(tmp):
             os.unlink(tmp)
     return path
+
+
+def has_value(d: dict | None) -> bool:
+    """A paired difference that was computed (``mean_diff`` is null, with a note, when no problem had a
+    value on both sides): the figures draw those as "n/a" instead of failing."""
+    return bool(d) and d.get("mean_diff") is not None

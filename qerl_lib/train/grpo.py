@@ -101,8 +101,9 @@ TRL/transformers save adapters, optimizer, scheduler, RNG and trainer state ever
 last: it is the completion marker, so a checkpoint cut short by a kill never counts, and ``--resume``
 takes the newest complete one (`metrics.last_complete_checkpoint`; the kit, not transformers, deletes
 old checkpoints, after the marker). Resuming truncates ``metrics.jsonl`` back to the checkpoint.
-Rollout seeds and AQN draws are functions of (seed, step, call), so a resumed run samples exactly
-what the uninterrupted run would have. A step whose trainable weights turn non-finite ends the run
+Rollout seeds (one per completion: seed, step, call, row of the global batch) and AQN draws (seed,
+step, call) depend on no RNG state, so a resumed run samples exactly what the uninterrupted run would
+have, and N processes sample what one process would. A step whose trainable weights turn non-finite ends the run
 (`errors.TrainingDiverged`) without a checkpoint of them.
 """
 
@@ -377,18 +378,24 @@ def _seed(*words: int) -> int:
     return int(state[0]) << 32 | int(state[1])
 
 
-def _rank_word() -> tuple[int, ...]:
-    """A seed word for processes after the first (rank 0 keeps the one-process streams, so a resumed or
-    single-GPU run samples the same), so that two processes never draw the same samples."""
+def row_seeds(run_seed: int, step: int, call: int, rows: int) -> list[int]:
+    """Sampling seeds of this process's ``rows`` rows of rollout ``call`` of optimizer step ``step``.
+
+    Row ``i`` of process ``rank`` is row ``rank * rows + i`` of the step's global batch (TRL hands each
+    process a contiguous slice of it), and its seed is a function of (run seed, step, call, global
+    row): one process and N processes, any ``rollout_batch`` chunking, and a resumed run all sample
+    the same completion for the same row.
+    """
     rank, _ = world()
-    return (rank,) if rank else ()
+    return [_seed(run_seed, step, call, rank * rows + i) for i in range(rows)]
 
 
 class EngineRollout:
     """TRL ``rollout_func``: chat-template the prompts, sample from the engine, return ids and logprobs.
 
-    Sampling seeds are functions of (run seed, optimizer step, rollout number, chunk), so the
-    samples do not depend on any global RNG state (and a resumed run repeats them exactly).
+    Every completion samples from its own stream, seeded by (run seed, optimizer step, rollout number,
+    row of the global batch) (``row_seeds``): the samples depend on no global RNG state, on neither the
+    chunking nor the number of processes, and a resumed run repeats them exactly.
     With ``config.release_engine_cache`` (the default) the engine's KV cache and decode graphs are
     freed after every rollout, before the loss forward and backward run.
     """
@@ -436,11 +443,11 @@ class EngineRollout:
         start = time.perf_counter()
         completions = []
         chunk = self.config.rollout_batch
+        seeds = row_seeds(self.config.seed, step, self._calls, len(prompt_ids))
         for i in range(0, len(prompt_ids), chunk):
             completions += self.engine.generate(
                 prompt_ids[i:i + chunk], max_new_tokens=trainer.max_completion_length, temperature=trainer.temperature,
-                top_p=trainer.top_p, top_k=trainer.top_k or 0, seed=_seed(self.config.seed, step, self._calls, i,
-                                                                            *_rank_word()),
+                top_p=trainer.top_p, top_k=trainer.top_k or 0, row_seeds=seeds[i:i + chunk],
                 stop_token_ids=trainer.eos_token_ids, lora=adapters, norm_overrides=overrides)
         _sync(device)
         seconds = time.perf_counter() - start
@@ -534,7 +541,7 @@ def train(config: TrainConfig, out_dir: str | os.PathLike, resume: bool = False,
     trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint is not None else None)
     run_metrics = next(cb for cb in trainer.callback_handler.callbacks if isinstance(cb, gm.RunMetrics))
     if run_metrics.diverged_at is not None:
-        gm.write_summary(out, config, diverged_at_step=run_metrics.diverged_at)
+        gm.write_summary(out, config, diverged_at_step=run_metrics.diverged_at, steps_done=trainer.state.global_step)
         raise TrainingDiverged(f"training diverged at step {run_metrics.diverged_at}: the LoRA weights became "
                                f"non-finite (learning rate {config.learning_rate:g}); lower it with --lr",
                                step=run_metrics.diverged_at)
@@ -542,6 +549,6 @@ def train(config: TrainConfig, out_dir: str | os.PathLike, resume: bool = False,
         trainer.accelerator.wait_for_everyone()
         return {}
     save_adapters(trainer.accelerator.unwrap_model(trainer.model), out / "adapter")
-    summary = gm.write_summary(out, config)
+    summary = gm.write_summary(out, config, steps_done=trainer.state.global_step)
     trainer.accelerator.wait_for_everyone()
     return summary

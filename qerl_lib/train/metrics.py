@@ -94,7 +94,7 @@ class RunMetrics(TrainerCallback):
         if not self.quiet and state.is_world_process_zero:
             from tqdm.auto import tqdm
 
-            self.bar = tqdm(total=state.max_steps, initial=state.global_step, desc=f"{self.config.mode}", unit="step",
+            self.bar = tqdm(total=state.max_steps, initial=state.global_step, desc=f"{self.config.arm_label}", unit="step",
                             dynamic_ncols=True)
 
     def on_step_begin(self, args, state, control, **kwargs):
@@ -338,7 +338,8 @@ def summarize(rows: list[dict], window: int = 10) -> dict:
     totals = {k: sum(r.get(k) or 0.0 for r in rows) for k in ("rollout_seconds", "train_seconds", "step_seconds")}
     learning = ("reward", "accuracy", "format_rate", "entropy", "completion_length", "logprob_mismatch", "sigma")
     return {
-        "steps": len(rows),
+        "steps": len(rows),  # one metrics row per rollout; write_summary replaces it with optimizer steps
+        "rollouts": len(rows),
         "first": {k: mean(k, head) for k in learning},
         "last": {k: mean(k, tail) for k in learning},
         "window": window,
@@ -356,11 +357,15 @@ def _median(values):
     return values[len(values) // 2] if values else None
 
 
-def write_summary(out: Path, config, diverged_at_step: int | None = None) -> dict:
+def write_summary(out: Path, config, diverged_at_step: int | None = None, steps_done: int | None = None) -> dict:
+    """summary.json of a finished run. ``steps_done``: optimizer steps run (the trainer's global step); with
+    μ > 1 a rollout serves μ steps, so the metrics have fewer rows than the run has steps."""
     from qerl_lib.io import provenance
 
     rows = read_jsonl(Path(out) / "metrics.jsonl") if (Path(out) / "metrics.jsonl").exists() else []
     summary = {"preset": config.preset, "mode": config.mode, **summarize(rows), "diverged_at_step": diverged_at_step,
                "provenance": provenance()}
+    if steps_done is not None:
+        summary["steps"] = int(steps_done)
     write_json_atomic(Path(out) / "summary.json", summary)
     return summary
