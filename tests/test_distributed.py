@@ -1,18 +1,21 @@
 """Data-parallel training through `accelerate launch` on a CPU (gloo): the distributed path CI can run.
 
-The embedded-model preset runs 2 steps in 2 processes and matches the same global batch on one process
-(rewards and token counts exactly, losses to float rounding); bad splits of a step over the processes fail
-in one line before any model loads. (Multi-GPU speed is a GPU benchmark, not a test.)
+The embedded-model preset runs in 2 processes and matches the same global batch on one process (rewards and
+token counts exactly, losses to float rounding), and a one-process checkpoint resumes on 2 processes to the
+same end; bad splits of a step over the processes fail in one line before any model loads. (Multi-GPU speed
+is a GPU benchmark, not a test.)
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from qerl_lib.errors import UserError
 from qerl_lib.train.grpo import accumulation_steps, world
@@ -25,7 +28,7 @@ REPO = Path(__file__).resolve().parents[1]
 # NVFP4 base rarely does at this size), AQN noise on the rollouts (σ > 0 from the second rollout on), rollouts
 # of 2 prompts x 8 completions of <= 32 tokens in micro-batches of 4, μ = 2: 4 optimizer steps = 2 rollouts
 TRAIN = ["train", "--preset", "smollm2-expr", "--level", "1", "--base", "bf16", "--aqn", "rollout", "--steps", "4",
-         "--prompts-per-step", "2", "--micro-batch", "4", "--save-steps", "2"]
+         "--prompts-per-step", "2", "--micro-batch", "4", "--save-steps", "2", "--save-total-limit", "2"]
 LAUNCH_2 = [sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "2",
             "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "qerl_lib"]
 
@@ -34,10 +37,18 @@ def _metrics(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
+def _adapter(out: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(out / "adapter" / "adapter_model.safetensors"))
+
+
 def test_two_processes_sample_and_learn_what_one_process_does(tmp_path, embedded_model_dir):
-    """~2.5 min on 2 cores. The same global batch on 1 and on 2 processes (gloo): every completion samples
+    """~3.5 min on 2 cores. The same global batch on 1 and on 2 processes (gloo): every completion samples
     from its own seeded stream, so both draw the same rollouts, TRL gathers the same rewards for the group
-    advantages, and the all-reduced gradient equals the one-process accumulated one up to float rounding."""
+    advantages, and the all-reduced gradient equals the one-process accumulated one up to float rounding.
+    Then the one-process run's step-2 checkpoint resumes on 2 processes and ends where the one-process run
+    ended."""
     one, two = tmp_path / "one", tmp_path / "two"
     single = subprocess.run([sys.executable, "-m", "qerl_lib", *TRAIN, "--out", str(one)], cwd=REPO,
                             capture_output=True, text=True, timeout=900)
@@ -66,6 +77,23 @@ def test_two_processes_sample_and_learn_what_one_process_does(tmp_path, embedded
         # the same losses up to float32 summation order (batch 16 vs 2 x 8 matmuls, all-reduce vs accumulation)
         for key in ("entropy", "loss", "grad_norm", "logprob_mismatch"):
             assert a[key] == pytest.approx(b[key], rel=1e-3, abs=1e-5), (step, key, a[key], b[key])
+
+    # resume on another number of processes: the one-process run's checkpoint-2, continued by two processes
+    resumed = tmp_path / "resumed"
+    shutil.copytree(one, resumed)
+    shutil.rmtree(resumed / "checkpoints" / "checkpoint-4")
+    proc = subprocess.run([*LAUNCH_2, *TRAIN, "--out", str(resumed), "--resume"], cwd=REPO, capture_output=True,
+                          text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resuming from checkpoint-2" in proc.stdout + proc.stderr
+    for a, b in zip(reference, _metrics(resumed), strict=True):
+        for key in ("reward", "completion_length", "num_tokens", "sigma", "learning_rate"):
+            assert a[key] == pytest.approx(b[key], abs=1e-9), (a["step"], key, a[key], b[key])
+        assert a["entropy"] == pytest.approx(b["entropy"], rel=1e-3), a["step"]
+    final, continued = _adapter(one), _adapter(resumed)
+    assert final.keys() == continued.keys()
+    for name, tensor in final.items():
+        torch.testing.assert_close(continued[name], tensor, rtol=1e-4, atol=1e-6, msg=name)
 
 
 @pytest.mark.parametrize("world_size, overrides, message", [

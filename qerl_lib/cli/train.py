@@ -29,6 +29,8 @@ def register(sub) -> None:
     p.add_argument("--decode-backend", choices=DECODE_BACKENDS, default=None,
                    help="rollout engine decode path (default auto: CUDA graphs on GPU, eager on CPU)")
     p.add_argument("--save-steps", type=int, default=None, help="checkpoint every N steps (default: the preset's)")
+    p.add_argument("--save-total-limit", type=int, default=None,
+                   help="complete checkpoints kept, newest first (default: the preset's)")
     p.add_argument("--num-gpus", type=int, default=1,
                    help="data-parallel processes, one per GPU: runs `accelerate launch --config_file "
                         "data/accelerate/one_node.yaml --num_processes N -m qerl_lib train ...` (the global batch "
@@ -70,7 +72,8 @@ def _train(args) -> int:
     from qerl_lib.paths import ARTIFACTS_DIR
 
     overrides = {"model": args.model, "data_path": args.data_path, "device": args.device,
-                 "decode_backend": args.decode_backend, "save_steps": args.save_steps, "base_format": args.base,
+                 "decode_backend": args.decode_backend, "save_steps": args.save_steps,
+                 "save_total_limit": args.save_total_limit, "base_format": args.base,
                  "aqn_target": args.aqn, "aqn_schedule": args.schedule, "sigma_start": args.sigma_start,
                  "sigma_end": args.sigma_end, "aqn_stages": args.aqn_stages, "lr": args.lr,
                  "lora_rank": args.lora_rank, "data_level": args.level, "report_to": args.report_to,
