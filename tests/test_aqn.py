@@ -328,8 +328,10 @@ def test_bf16_rounds_small_noise_away_and_float32_overrides_keep_it():
     model = _tiny_model("llama", torch.bfloat16)
     with torch.no_grad():
         for m in find_norms(model, DEFAULT_NORMS).values():
-            m.weight.fill_(1.0)  # bf16 spacing above 1.0 is 2^-7: |Z| < 2^-8 rounds back to 1.0
-    noise = sample_norm_noise(model, 5e-4, torch.Generator().manual_seed(SEED))  # |Z| > 2^-8 is a 7.8σ event
+            m.weight.fill_(1.0)  # bf16 spacing is 2^-7 above 1.0 and 2^-8 below: |Z| < 2^-9 rounds back to 1.0
+    # σ = 2e-4: |Z| > 2^-9 is a 9.8σ event (at 5e-4 it was 3.9σ: 1 in 40 draws of 256 kept one value, and
+    # which draw a CPU makes depends on its randn code path and thread count)
+    noise = sample_norm_noise(model, 2e-4, torch.Generator().manual_seed(SEED))
     bf16 = noise_to_overrides(model, noise)
     assert realized_noise_stats(model, bf16) == {"realized_rms": 0.0, "fraction_changed": 0.0}
     fp32 = noise_to_overrides(model, noise, dtype=torch.float32)
@@ -338,7 +340,7 @@ def test_bf16_rounds_small_noise_away_and_float32_overrides_keep_it():
     # those are depends on the CPU's randn code path, so the expectation is computed from the draw.
     kept = sum(int(((1.0 + z) != 1.0).sum()) for z in noise.values()) / sum(z.numel() for z in noise.values())
     assert kept > 0.98 and stats["fraction_changed"] == kept, (stats, kept)
-    assert abs(stats["realized_rms"] / 5e-4 - 1) < 0.25, stats
+    assert abs(stats["realized_rms"] / 2e-4 - 1) < 0.25, stats
 
 
 # ----------------------------------------------------------------------------- equivalence

@@ -203,3 +203,37 @@ def test_cuda_engine_rows_follow_their_seeds_through_a_permuted_batch():
     for got, i in zip(permuted, order):
         assert got.token_ids == full[i].token_ids
     assert len({tuple(c.token_ids) for c in engine.generate([prompts[0]] * 4, row_seeds=[1, 2, 3, 4], **kw)}) > 1
+
+
+# ----------------------------------------------------------------------------- per-row token budgets
+def test_per_row_budgets_cut_each_row_where_its_uncapped_run_would_be(engine):
+    """With row streams a row's tokens do not depend on the others, so a row with budget n holds the first n
+    tokens of the same row generated with the largest budget; the call ends with its longest row."""
+    prompts = [[5, 7, 9, 11], [3, 4, 6, 8], [100, 20, 30, 40]]
+    seeds = [11, 12, 13]
+    full = engine.generate(prompts, 20, temperature=1.0, stop_token_ids=[], row_seeds=seeds)
+    capped = engine.generate(prompts, [3, 20, 1], temperature=1.0, stop_token_ids=[], row_seeds=seeds)
+    for budget, got, ref in zip([3, 20, 1], capped, full):
+        assert len(got.token_ids) == budget and got.finish_reason == "length"
+        assert got.token_ids == ref.token_ids[:budget]
+        assert torch.allclose(torch.tensor(got.logprobs), torch.tensor(ref.logprobs[:budget]), atol=1e-5)
+
+
+def test_per_row_budgets_stop_early_and_keep_stop_tokens(engine):
+    """All rows short: the loop ends at the longest budget; a stop token inside a budget ends that row."""
+    prompts = [[5, 7, 9, 11], [3, 4, 6, 8]]
+    ref = engine.generate(prompts, 6, temperature=1.0, stop_token_ids=[], row_seeds=[1, 2])
+    stop = ref[0].token_ids[2]  # row 0 emits this token third: make it a stop token
+    out = engine.generate(prompts, [6, 2], temperature=1.0, stop_token_ids=[stop], row_seeds=[1, 2])
+    first = ref[0].token_ids.index(stop) + 1
+    assert out[0].token_ids == ref[0].token_ids[:first] and out[0].finish_reason == "stop"
+    expected = ref[1].token_ids[:2]
+    cut = next((j + 1 for j, t in enumerate(expected) if t == stop), None)
+    assert out[1].token_ids == (expected if cut is None else expected[:cut])
+
+
+@pytest.mark.parametrize("budgets, message", [([4], "1 budgets for 2 prompts"), ([4, 0], "positive integers"),
+                                               ([4, 2.5], "positive integers"), (0, "positive integers")])
+def test_bad_budgets_are_one_line(engine, budgets, message):
+    with pytest.raises(ValueError, match=message):
+        engine.generate([[1, 2], [3, 4]], budgets)

@@ -46,6 +46,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from qerl_lib.bench.table import format_table, table_header, table_row
+from qerl_lib.bench.workloads import WORKLOADS
 from qerl_lib.engine.attention import AttentionLaunch
 from qerl_lib.engine.forward import DECODE_ATTENTION
 from qerl_lib.engine.rollout import DECODE_BACKENDS
@@ -95,6 +96,7 @@ class RolloutBenchConfig:
     fuse_projections: bool = True  # engine runs q/k/v and gate/up as one matmul each (models/fused.py)
     decode_attention: str | None = None  # None: the engine's default ("kernel" on CUDA)
     fp4_small_m: str = "auto"  # NVFP4 GEMM for M <= 8: "auto" (mma.sync CUDA kernel where it runs), "mma", "triton"
+    workload: str = "fixed"  # "fixed" (every row gen_len tokens) or "gsm8k-like" (uneven lengths, bench/workloads.py)
 
     def __post_init__(self):
         for m in self.models:
@@ -111,6 +113,8 @@ class RolloutBenchConfig:
             raise ValueError(f"fp4_small_m must be one of {', '.join(SMALL_M_BACKENDS)}, got {self.fp4_small_m!r}")
         if self.init not in ("random_codes", "quantize"):
             raise ValueError(f"init must be 'random_codes' or 'quantize', got {self.init!r}")
+        if self.workload not in WORKLOADS:
+            raise ValueError(f"workload must be one of {', '.join(WORKLOADS)}, got {self.workload!r}")
 
 
 @dataclass
@@ -132,6 +136,9 @@ class Row:
     kv_cache_gib: float | None = None
     repeats_s: list = field(default_factory=list)
     error: str | None = None
+    workload: str = "fixed"  # bench/workloads.py: with "gsm8k-like", gen_len is the longest a row may run
+    useful_tokens: int | None = None  # the rows' completion tokens (tok_s counts these)
+    slot_utilization: float | None = None  # useful tokens / (batch x longest row)
 
 
 # ---- models -------------------------------------------------------------------------------------
@@ -189,7 +196,9 @@ def time_engine(model, row: Row, backend: str, lora, repeats: int, seed: int, fu
                 decode_attention: str | None = None, glue_kernels: bool = True,
                 attention_launch: AttentionLaunch | None = None) -> Row:
     """Fill ``row``'s timings: a fresh ``RolloutEngine`` (the keyword arguments are its own) warmed up,
-    then ``repeats`` fixed-length generations of ``row.batch`` random prompts; medians."""
+    then ``repeats`` generations of ``row.batch`` random prompts, each row to its length of ``row.workload``
+    (all ``gen_len`` when "fixed"); medians. ``tok_s`` counts the rows' tokens, not the idle slots."""
+    from qerl_lib.bench.workloads import sample_lengths, slot_utilization
     from qerl_lib.engine.rollout import RolloutEngine
 
     engine = RolloutEngine(model, decode_backend=backend, max_seq_len=row.prompt_len + row.gen_len,
@@ -197,21 +206,24 @@ def time_engine(model, row: Row, backend: str, lora, repeats: int, seed: int, fu
                            glue_kernels=glue_kernels, attention_launch=attention_launch)
     row.backend = engine.decode_backend
     prompts = random_prompts(row.batch, row.prompt_len, model.config.vocab_size, seed)
+    lengths = sample_lengths(row.workload, row.batch, row.gen_len, seed)
+    useful, longest = sum(lengths), max(lengths)
     engine.warmup(row.batch, row.prompt_len, row.gen_len, lora=lora)
     totals, decodes, prefills = [], [], []
     for r in range(repeats):
-        engine.generate(prompts, row.gen_len, temperature=1.0, seed=seed + r, stop_token_ids=[], lora=lora,
-                        timing=True)
+        out = engine.generate(prompts, lengths, temperature=1.0, seed=seed + r, stop_token_ids=[], lora=lora,
+                              timing=True)
         t = engine.last_timing
-        if t.steps != row.gen_len - 1:
-            raise RuntimeError(f"expected {row.gen_len - 1} decode steps, ran {t.steps}")
+        if t.steps != longest - 1 or sum(len(c.token_ids) for c in out) != useful:
+            raise RuntimeError(f"expected {longest - 1} decode steps and {useful} tokens, ran {t.steps} steps")
         totals.append(t.prefill_s + t.decode_s)
         decodes.append(t.decode_s)
         prefills.append(t.prefill_s)
     total, decode = statistics.median(totals), statistics.median(decodes)
-    row.tok_s = row.batch * row.gen_len / total
-    row.decode_tok_s = row.batch * (row.gen_len - 1) / decode
-    row.ms_per_step = 1e3 * decode / (row.gen_len - 1)
+    row.tok_s = useful / total
+    row.decode_tok_s = (useful - row.batch) / decode if longest > 1 else None
+    row.ms_per_step = 1e3 * decode / (longest - 1) if longest > 1 else None
+    row.useful_tokens, row.slot_utilization = useful, round(slot_utilization(lengths), 4)
     row.ttft_ms = 1e3 * statistics.median(prefills)
     row.repeats_s = [round(x, 4) for x in totals]
     row.kv_cache_gib = engine.cache.nbytes / 2**30 if engine.cache is not None else None
@@ -314,7 +326,7 @@ def run_rollout_bench(cfg: RolloutBenchConfig, log=print, checkpoint=None) -> di
                         rows.append(_measure(lambda row: time_engine(model, row, backend, lora, cfg.repeats, cfg.seed,
                                                                      cfg.fuse_projections, cfg.decode_attention),
                                              Row(name, weights, batch, rank, backend, "qerl", cfg.prompt_len,
-                                                 cfg.gen_len, weights_gib=weights_gib), log))
+                                                 cfg.gen_len, weights_gib=weights_gib, workload=cfg.workload), log))
                     del lora
                 if name == "smollm2" and weights == "bf16" and cfg.hf_baseline and batch in cfg.hf_batches:
                     gen = cfg.hf_gen_len or cfg.gen_len
@@ -432,7 +444,7 @@ def merge_results(docs: list[dict]) -> dict:
 TABLE_COLUMNS = (("model", "", 13), ("weights", "", 7), ("batch", "", 5), ("rank", "", 4), ("engine", "", 11),
                  ("backend", "", 12), ("gen_len", "", 7), ("tok_s", ".0f", 9), ("decode_tok_s", ".0f", 12),
                  ("ms_per_step", ".2f", 11), ("ttft_ms", ".0f", 8), ("peak_gib", ".2f", 8),
-                 ("weights_gib", ".2f", 11))
+                 ("weights_gib", ".2f", 11), ("slot_utilization", ".2f", 16))
 
 
 def format_row(row: Row) -> str:
@@ -482,6 +494,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="decode attention of the engine (default: the split-KV Triton kernel on CUDA)")
     p.add_argument("--fp4-small-m", choices=SMALL_M_BACKENDS, default="auto",
                    help="NVFP4 GEMM kernel for decode (M <= 8): auto = the mma.sync CUDA kernel where it runs")
+    p.add_argument("--workload", choices=WORKLOADS, default="fixed",
+                   help="fixed: every row generates --gen-len tokens; gsm8k-like: uneven lengths up to --gen-len "
+                        "(GSM8K solution lengths, bench/workloads.py), as RL rollouts end")
     p.add_argument("--json", default=None, dest="json_out", help="write the results JSON here (atomically)")
     p.add_argument("--merge", nargs="+", default=None, metavar="JSON",
                    help="instead of measuring: merge these results files into --json and print the table")
@@ -506,7 +521,8 @@ def run_cli(args) -> int:
                              backends=args.backends, repeats=args.repeats, hf_baseline=args.hf_baseline,
                              hf_gen_len=args.hf_gen_len, hf_batches=args.hf_batches, init=args.init,
                              profile=args.profile, fuse_projections=args.fuse_projections,
-                             decode_attention=args.decode_attention, fp4_small_m=args.fp4_small_m)
+                             decode_attention=args.decode_attention, fp4_small_m=args.fp4_small_m,
+                             workload=args.workload)
     print(table_header(TABLE_COLUMNS), flush=True)
     checkpoint = (lambda doc: write_json_atomic(args.json_out, doc)) if args.json_out else None
     result = run_rollout_bench(cfg, log=lambda line: print(line, flush=True), checkpoint=checkpoint)

@@ -25,7 +25,8 @@ How one call works
    ``seed``, or from one stream per row seeded with ``row_seeds[r]`` (``sampling.RowStreams``: a
    row's completion then does not depend on the rest of the batch).
 5. **Stop** rows independently: a row is finished at its first stop token (kept in the output,
-   ``finish_reason="stop"``) or at ``max_new_tokens`` (``"length"``). Finished rows keep
+   ``finish_reason="stop"``) or at ``max_new_tokens`` (``"length"``; one budget for all rows, or one
+   per row, e.g. a workload of uneven lengths). Finished rows keep
    stepping with the batch (their extra tokens are discarded) instead of compacting the batch:
    decode is bound by reading the weights, so a finished row costs almost nothing, and a fixed
    batch keeps the graph valid. The loop checks every ``check_every`` steps (one host sync)
@@ -157,19 +158,18 @@ class RolloutEngine:
         self.last_timing = Timing()
 
     # ---- public ---------------------------------------------------------------------------------
-    def generate(self, prompt_ids, max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
+    def generate(self, prompt_ids, max_new_tokens, temperature: float = 1.0, top_p: float = 1.0,
                  top_k: int = 0, seed: int | None = None, stop_token_ids=None, lora=None, norm_overrides=None,
                  prompt_mask: torch.Tensor | None = None, timing: bool = False, row_seeds=None) -> list[Completion]:
         """See ``qerl_lib.engine.rollout.generate``."""
         params = SamplingParams(temperature, top_p, top_k)
         if row_seeds is not None and seed is not None:
             raise ValueError("pass seed (one stream for the call) or row_seeds (one per prompt), not both")
-        if int(max_new_tokens) != max_new_tokens or max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens}")
-        max_new_tokens = int(max_new_tokens)
         prompts = _as_prompt_lists(prompt_ids, prompt_mask)
         if not prompts:
             return []
+        caps = _token_budgets(max_new_tokens, len(prompts))
+        max_new_tokens = max(caps)
         if row_seeds is not None:
             row_seeds = [int(s) for s in row_seeds]
             if len(row_seeds) != len(prompts):
@@ -197,7 +197,7 @@ class RolloutEngine:
         model.eval()  # no dropout in rollouts (peft's LoRA dropout included); restored below
         try:
             with torch.no_grad():
-                return self._run(forward, prompts, max_new_tokens, params, seed, stops, timing, row_seeds)
+                return self._run(forward, prompts, caps, params, seed, stops, timing, row_seeds)
         finally:
             for m, flag in training:
                 m.training = flag
@@ -265,8 +265,9 @@ class RolloutEngine:
             self.cache = KVCache(view.n_layers, rows, view.n_kv_heads, length, view.head_dim, view.dtype, view.device)
         return self.cache
 
-    def _run(self, forward, prompts, max_new_tokens, params, seed, stops, timing, row_seeds=None) -> list[Completion]:
+    def _run(self, forward, prompts, caps, params, seed, stops, timing, row_seeds=None) -> list[Completion]:
         view = forward.view
+        max_new_tokens = max(caps)
         device = view.device
         batch, plen = len(prompts), max(len(p) for p in prompts)
         t0 = _now(device, timing)
@@ -294,6 +295,9 @@ class RolloutEngine:
             race = streams.exponentials(logits.shape[-1], position) if streams is not None else None
             return sample(logits, params, generator, race)
         stop_tensor = torch.tensor(stops, dtype=torch.long, device=device) if stops else None
+        # per-row token budgets: a row is done once it has its budget (None: every row has max_new_tokens)
+        budget = torch.tensor(caps, dtype=torch.long, device=device) if min(caps) < max_new_tokens else None
+        can_end_early = stop_tensor is not None or budget is not None
 
         out_tokens = torch.empty(batch, max_new_tokens, dtype=torch.long, device=device)
         out_logprobs = torch.empty(batch, max_new_tokens, dtype=torch.float32, device=device)
@@ -304,24 +308,28 @@ class RolloutEngine:
         out_tokens[:, 0], out_logprobs[:, 0] = token, logprob
         if stop_tensor is not None:
             done |= torch.isin(token, stop_tensor)
+        if budget is not None:
+            done |= budget <= 1
         t1 = _now(device, timing)
 
         step = self._decoder(forward, batch, pad, plen, padded)
         steps = 0
         for t in range(1, max_new_tokens):
-            if stop_tensor is not None and t % self.check_every == 0 and bool(done.all()):
+            if can_end_early and t % self.check_every == 0 and bool(done.all()):
                 break
             logits = step(token, plen + t - 1)
             token, logprob = draw(logits, t)
             out_tokens[:, t], out_logprobs[:, t] = token, logprob
             if stop_tensor is not None:
                 done |= torch.isin(token, stop_tensor)
+            if budget is not None:
+                done |= budget <= t + 1
             steps = t
         t2 = _now(device, timing)
         if timing:
             self.last_timing = Timing(prefill_s=t1 - t0, decode_s=t2 - t1, steps=steps, batch=batch,
                                       extra={"backend": self.decode_backend, "cache_bytes": cache.nbytes})
-        return _completions(out_tokens[:, :steps + 1].cpu(), out_logprobs[:, :steps + 1].cpu(), set(stops))
+        return _completions(out_tokens[:, :steps + 1].cpu(), out_logprobs[:, :steps + 1].cpu(), set(stops), caps)
 
     def _decoder(self, forward: ForwardPass, batch: int, pad: torch.Tensor, plen: int, padded: bool):
         """A function ``(last tokens [batch], column) -> logits [batch, V]`` for this call's backend."""
@@ -367,7 +375,7 @@ class RolloutEngine:
 _ENGINES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def generate(model, prompt_ids, max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
+def generate(model, prompt_ids, max_new_tokens, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
              seed: int | None = None, stop_token_ids=None, lora=None, norm_overrides=None, *,
              prompt_mask: torch.Tensor | None = None, max_seq_len: int | None = None,
              decode_backend: str = "auto", row_seeds=None) -> list[Completion]:
@@ -375,6 +383,8 @@ def generate(model, prompt_ids, max_new_tokens: int, temperature: float = 1.0, t
 
     prompt_ids: list of prompts (lists or 1-D tensors of token ids, any lengths), or a 2-D tensor
         with ``prompt_mask`` marking real tokens (left or right padding). ``[]`` gives ``[]``.
+    max_new_tokens: tokens to generate at most: one int for every prompt, or a list of one per prompt
+        (a row is done at its own budget; the call runs until the last row is done).
     temperature: 0 = greedy. ``top_p`` / ``top_k`` filter the distribution (1.0 / 0 = off).
     seed: seeds this call's ``torch.Generator``; same seed, batch and device give the same samples.
     row_seeds: instead of ``seed``, one integer in [0, 2^64) per prompt: row ``r`` samples from its own
@@ -465,9 +475,21 @@ def _as_adapters(lora) -> dict[str, LoraAdapter] | None:
     return {name: a if isinstance(a, LoraAdapter) else LoraAdapter(*a) for name, a in lora.items()}
 
 
-def _completions(tokens: torch.Tensor, logprobs: torch.Tensor, stops: set[int]) -> list[Completion]:
+def _token_budgets(max_new_tokens, rows: int) -> list[int]:
+    """``max_new_tokens`` as one budget per row (an int for all rows, or a sequence of one per prompt)."""
+    caps = list(max_new_tokens) if isinstance(max_new_tokens, (list, tuple)) else [max_new_tokens] * rows
+    if len(caps) != rows:
+        raise ValueError(f"max_new_tokens has {len(caps)} budgets for {rows} prompts: give one int, or one per prompt")
+    for cap in caps:
+        if isinstance(cap, bool) or int(cap) != cap or cap < 1:
+            raise ValueError(f"max_new_tokens must be positive integers, got {cap!r}")
+    return [int(c) for c in caps]
+
+
+def _completions(tokens: torch.Tensor, logprobs: torch.Tensor, stops: set[int], caps: list[int]) -> list[Completion]:
     out = []
-    for row_t, row_l in zip(tokens.tolist(), logprobs.tolist()):
+    for row_t, row_l, cap in zip(tokens.tolist(), logprobs.tolist(), caps):
+        row_t, row_l = row_t[:cap], row_l[:cap]
         end = next((j + 1 for j, t in enumerate(row_t) if t in stops), None)
         if end is None:
             out.append(Completion(row_t, row_l, "length"))
