@@ -32,6 +32,7 @@ def test_cases_run_the_real_trainer_and_rows_add_up(tiny_arch):
         assert row["step_s"] == pytest.approx(row["rollout_s"] + row["train_s"], rel=1e-6)
         assert 0 < row["rollout_s"] < row["step_s"]
         assert row["tokens_per_s"] == pytest.approx(12 * 4 / row["step_s"])
+        assert row["peak_gib"] == pytest.approx(row["peak_gb"] * 1e9 / 2**30) and row["peak_gb"] > 0  # units
     lora, nvfp4 = record["rows"]
     assert lora["speedup_vs_lora"] == pytest.approx(1.0)
     assert nvfp4["speedup_vs_lora"] == pytest.approx(lora["step_s"] / nvfp4["step_s"])

@@ -115,9 +115,11 @@ def run_case_here(case: TrainCase, out_dir: str | Path) -> dict:
         return statistics.median(values) if values else None
 
     step_s = median("step_seconds")
+    peak_gb = max((r["peak_memory_gb"] for r in rows if r.get("peak_memory_gb")), default=None)
     completion_len = median("completion_length")
     return {"rollout_s": median("rollout_seconds"), "train_s": median("train_seconds"), "step_s": step_s,
-            "peak_gib": max((r["peak_memory_gb"] for r in rows if r.get("peak_memory_gb")), default=None),
+            # the trainer logs GB (1e9 bytes): the row keeps it and reports GiB (2^30), like the rollout bench
+            "peak_gb": peak_gb, "peak_gib": peak_gb * 1e9 / 2**30 if peak_gb is not None else None,
             "completion_len": completion_len,
             "tokens_per_s": (completion_len * case.batch / step_s) if step_s and completion_len else None,
             "steps_measured": len(rows)}
