@@ -441,3 +441,34 @@ def test_mismatch_forward_off_skips_the_extra_forward_at_mu_one(tiny_model_dir, 
     assert logged[True] is not None and logged[False] is None, logged
     with pytest.raises(UserError, match="is_correction needs"):
         tiny_config(tiny_model_dir, "lora", is_correction=True, mismatch_forward=False)
+
+
+def test_memory_accounting_adds_up(tiny_model_dir, tmp_path):
+    """Each step's row accounts for what the step holds: the frozen base, the LoRA parameters (r x (in + out)
+    per targeted Linear, counted here from the model's shapes), their gradients, AdamW's two moments, and the
+    rollout's KV cache; together they stay under the measured peak."""
+    from peft.tuners.lora import LoraLayer
+
+    from qerl_lib.train.grpo import build_trainer
+
+    trainer = build_trainer(tiny_config(tiny_model_dir, "nvfp4", steps=1), tmp_path,
+                            extra_rewards=[("toy", toy_reward, 1.0)], quiet=True)
+    model = trainer.model
+    trainer.train()
+    (row,) = read_lines(tmp_path)
+    lora_numel = 0
+    for module in model.modules():
+        if isinstance(module, LoraLayer):
+            base = module.get_base_layer()
+            lora_numel += module.r["default"] * (base.in_features + base.out_features)
+    assert lora_numel > 0
+    assert row["lora_gb"] == pytest.approx(lora_numel * 4 / 1e9) == row["grads_gb"]  # float32 adapters
+    params = sum(1 for p in model.parameters() if p.requires_grad)
+    assert 2 * row["lora_gb"] <= row["optimizer_gb"] <= 2 * row["lora_gb"] + params * 8 / 1e9  # moments (+ step)
+    frozen = sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad)
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    assert row["base_weights_gb"] <= (frozen + buffers) / 1e9  # tied embeddings count once
+    assert row["base_weights_gb"] > 0.5 * (frozen + buffers) / 1e9
+    assert row["kv_cache_gb"] > 0
+    held = sum(row[k] for k in ("base_weights_gb", "lora_gb", "grads_gb", "optimizer_gb"))
+    assert held < row["peak_memory_gb"], row

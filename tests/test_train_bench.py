@@ -33,6 +33,8 @@ def test_cases_run_the_real_trainer_and_rows_add_up(tiny_arch):
         assert 0 < row["rollout_s"] < row["step_s"]
         assert row["tokens_per_s"] == pytest.approx(12 * 4 / row["step_s"])
         assert row["peak_gib"] == pytest.approx(row["peak_gb"] * 1e9 / 2**30) and row["peak_gb"] > 0  # units
+        parts = [row[k] for k in ("base_weights_gib", "lora_gib", "grads_gib", "optimizer_gib", "kv_cache_gib")]
+        assert all(p > 0 for p in parts) and sum(parts) < row["peak_gib"], parts
     lora, nvfp4 = record["rows"]
     assert lora["speedup_vs_lora"] == pytest.approx(1.0)
     assert nvfp4["speedup_vs_lora"] == pytest.approx(lora["step_s"] / nvfp4["step_s"])

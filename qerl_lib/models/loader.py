@@ -283,7 +283,8 @@ def _load_source(src: Path, device: str) -> nn.Module:
 
 
 # ----------------------------------------------------------------------------- memory accounting
-def _storage_bytes(tensors, seen: set) -> int:
+def storage_bytes(tensors, seen: set) -> int:
+    """Bytes of the storages behind ``tensors``, each storage once (``seen`` collects them across calls)."""
     total = 0
     for t in tensors:
         if t is None or t.is_meta:
@@ -310,11 +311,11 @@ def linear_weight_bytes(model: nn.Module) -> dict:
             continue  # adapter matrices are trainable state, not base weights
         if isinstance(module, NVFP4Linear):
             n_nvfp4 += 1
-            nvfp4_bytes += _storage_bytes([getattr(module, b) for b in FORMAT_BUFFERS], seen)
+            nvfp4_bytes += storage_bytes([getattr(module, b) for b in FORMAT_BUFFERS], seen)
             nvfp4_bf16 += module.in_features * module.out_features * 2
         elif isinstance(module, nn.Linear):
             n_dense += 1
-            dense_bytes += _storage_bytes([module.weight], seen)
+            dense_bytes += storage_bytes([module.weight], seen)
             dense_bf16 += module.weight.numel() * 2
     total, total_bf16 = nvfp4_bytes + dense_bytes, nvfp4_bf16 + dense_bf16
     return {

@@ -13,7 +13,8 @@ Each case runs in its own process (a case that runs out of memory becomes a row 
 and leaves nothing behind for the next). The row reports the median over the steps after the first
 (the first one captures graphs and warms the allocator) of the trainer's own per-step metrics
 (``metrics.jsonl``): ``rollout_s`` (engine), ``train_s`` (everything else in the step), ``step_s``,
-``peak_gib`` (the step's peak allocated GPU memory), ``completion_len``, and completion tokens per
+``peak_gib`` (the step's peak allocated GPU memory) with what it is made of (``base_weights_gib``,
+``lora_gib``, ``grads_gib``, ``optimizer_gib``, ``kv_cache_gib``), ``completion_len``, and completion tokens per
 second of the whole step.
 
 Where this differs from the paper's Tables 3 and 5-8: the paper averages over the first 30 steps of
@@ -120,6 +121,9 @@ def run_case_here(case: TrainCase, out_dir: str | Path) -> dict:
     return {"rollout_s": median("rollout_seconds"), "train_s": median("train_seconds"), "step_s": step_s,
             # the trainer logs GB (1e9 bytes): the row keeps it and reports GiB (2^30), like the rollout bench
             "peak_gb": peak_gb, "peak_gib": peak_gb * 1e9 / 2**30 if peak_gb is not None else None,
+            # what the peak is made of (train.metrics.memory_accounting and the rollout's KV cache), in GiB
+            **{key.replace("_gb", "_gib"): (median(key) * 1e9 / 2**30 if median(key) is not None else None)
+               for key in ("base_weights_gb", "lora_gb", "grads_gb", "optimizer_gb", "kv_cache_gb")},
             "completion_len": completion_len,
             "tokens_per_s": (completion_len * case.batch / step_s) if step_s and completion_len else None,
             "steps_measured": len(rows)}

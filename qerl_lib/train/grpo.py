@@ -451,6 +451,7 @@ class EngineRollout:
                 stop_token_ids=trainer.eos_token_ids, lora=adapters, norm_overrides=overrides)
         _sync(device)
         seconds = time.perf_counter() - start
+        cache_bytes = self.engine.cache.nbytes if self.engine.cache is not None else 0
         if self.config.release_engine_cache:
             # the KV cache (and the decode graphs that point into it) would otherwise sit through the
             # backward pass: ~32 GB at the 7B preset. Freed tensors go back to torch's caching allocator,
@@ -462,6 +463,7 @@ class EngineRollout:
         metrics["rollout_seconds"].append(seconds)
         metrics["rollout_tokens"].append(float(tokens))
         metrics["rollout_tokens_per_s"].append(tokens / max(seconds, 1e-9))
+        metrics["kv_cache_gb"].append(cache_bytes / 1e9)  # the engine's KV cache during this rollout
         if self.aqn is not None:
             stats = self.aqn.last_stats
             metrics["sigma"].append(float(self.aqn.sigma(step)))

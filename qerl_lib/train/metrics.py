@@ -64,11 +64,12 @@ RENAMES = {
 }
 KIT_KEYS = ("sigma", "aqn_stage", "noise_rms", "logprob_mismatch", "logprob_mismatch_max", "mismatch_kl",
             "is_ratio_mean", "is_ratio_min", "is_ratio_max", "is_truncated_rate", "rollout_tokens",
-            "rollout_tokens_per_s", "rollout_seconds")
+            "rollout_tokens_per_s", "rollout_seconds", "kv_cache_gb")
+MEMORY_KEYS = ("base_weights_gb", "lora_gb", "grads_gb", "optimizer_gb")  # memory_accounting()
 METRIC_KEYS = ("step", "epoch", "learning_rate", "loss", "grad_norm", "reward", "reward_std", "accuracy",
                "format_rate", "reward_errors", "zero_std_groups", "entropy", "completion_length", "truncated_rate",
                "clip_ratio_low", "clip_ratio_high", "clip_ratio", *KIT_KEYS, "train_seconds", "step_seconds",
-               "peak_memory_gb", "memory_kind")
+               "peak_memory_gb", "memory_kind", *MEMORY_KEYS)
 SIDE_STATE = "qerl_state.json"  # written last into every checkpoint folder: AQN state + completion marker
 RUN_FILES = ("run.json", "metrics.jsonl", "checkpoints", "adapter", "summary.json")  # what a run writes into OUT
 
@@ -126,6 +127,8 @@ class RunMetrics(TrainerCallback):
         row["step_seconds"] = self._step_seconds
         row["train_seconds"] = self._step_seconds - rollout_s
         row["peak_memory_gb"], row["memory_kind"] = _peak_memory()
+        if kwargs.get("model") is not None:
+            row.update(memory_accounting(kwargs["model"], kwargs.get("optimizer")))
         row = {k: _plain(v) for k, v in row.items()}
         append_jsonl_atomic(self.path, row)
         if self.bar is not None:
@@ -169,6 +172,31 @@ def progress_line(row: dict, total: int) -> str:
             f"acc {f('accuracy', '.2f')} fmt {f('format_rate', '.2f')} | H {f('entropy', '.3f')} | "
             f"σ {f('sigma', '.1e')} Δlogp {f('logprob_mismatch', '.2e')} | rollout {f('rollout_seconds', '.1f')}s "
             f"train {f('train_seconds', '.1f')}s ({share:.0f}% rollout) | {f('rollout_tokens_per_s', '.0f')} tok/s")
+
+
+def memory_accounting(model, optimizer=None) -> dict[str, float]:
+    """What a training step holds from start to end, in GB (1e9 bytes, like ``peak_memory_gb``), counted
+    from the tensors themselves (shared storages, e.g. tied embeddings, once):
+
+    * ``base_weights_gb``: the frozen parameters and the buffers (NVFP4 codes and scales, or bf16 weights);
+    * ``lora_gb``: the trainable parameters; ``grads_gb``: their gradients during the backward (one per
+      trainable parameter, in its dtype: counted from the parameters, as they are freed between steps);
+    * ``optimizer_gb``: the optimizer's state tensors (AdamW: two per trainable parameter).
+
+    Beside them the step holds, for a while, the rollout's KV cache (``kv_cache_gb``, freed before the
+    backward with ``release_engine_cache``) and the activations; ``peak_memory_gb`` is the measured
+    maximum of all of it.
+    """
+    from qerl_lib.models.loader import storage_bytes
+
+    frozen = [p for p in model.parameters() if not p.requires_grad] + list(model.buffers())
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    state = [t for group in (optimizer.state.values() if optimizer is not None else ())
+             for t in group.values() if isinstance(t, torch.Tensor)]
+    return {"base_weights_gb": storage_bytes(frozen, set()) / 1e9,
+            "lora_gb": storage_bytes(trainable, set()) / 1e9,
+            "grads_gb": sum(p.numel() * p.element_size() for p in trainable) / 1e9,
+            "optimizer_gb": storage_bytes(state, set()) / 1e9}
 
 
 def _peak_memory() -> tuple[float, str]:
