@@ -33,6 +33,10 @@ scripts where the paper is silent:
 * Where the scripts and the paper differ (rank 16 vs 32, 2 vs 8 generations, completion 2048 vs
   4096, σ_end 1e-4 vs 5e-4, trainable layer norms), we take the paper. ``train_norms=True``
   reproduces the scripts' ``--ln True``.
+* Where we deviate, for one 80 GB GPU: gradient checkpointing at every size (the paper: 14B and 32B
+  only; without it a micro-batch of 8 x 4352 tokens would hold ~90-120 GB of activations at 3B-7B),
+  and ``rollout_batch``, the rows the engine generates at once, sized by ``train.memory`` so that
+  the rollout's weights and full-length KV cache fit (the paper's vLLM pages its cache instead).
 
 ``smollm2-arith`` is the kit's own: the embedded SmolLM2-135M-Instruct on generated level-1
 arithmetic problems (one operation), sized for a 100-step GPU run in minutes. ``smollm2-arith-cpu``
@@ -149,7 +153,7 @@ class TrainConfig:
     steps: int = 100
     seed: int = 0
     device: str = "auto"
-    gradient_checkpointing: bool = False  # paper: off for 3B/7B, on for 14B/32B
+    gradient_checkpointing: bool = False  # paper: off for 3B/7B, on for 14B/32B; the kit's Qwen presets: on (_qwen)
     save_steps: int = 25
     save_total_limit: int = 2
     release_engine_cache: bool = True  # free the engine's KV cache after each rollout, before the backward (grpo.py)
@@ -322,16 +326,30 @@ def _one_of(name: str, value, allowed: tuple, flag: str) -> None:
         raise UserError(f"unknown {name} {value!r}: {flag} must be one of {', '.join(allowed)}")
 
 
+def _rollout_rows(size: str, prompt_tokens: int, completion_tokens: int) -> int:
+    """Rows the engine runs at once so that the rollout phase (weights + KV cache for full-length
+    completions) fits one 80 GB GPU (`train.memory`): with a bf16 base up to 14B, so that mode lora fits
+    too, and with the NVFP4 base at 32B (whose bf16 weights alone take 62 GB)."""
+    from qerl_lib.paths import load_model_config
+    from qerl_lib.train.memory import rollout_rows_that_fit
+
+    base = "nvfp4" if size == "32b" else "bf16"
+    return rollout_rows_that_fit(load_model_config(f"qwen2.5-{size}"), base, prompt_tokens, completion_tokens)
+
+
 def _qwen(size: str, data: str, **kw) -> TrainConfig:
-    big = size in ("14b", "32b")
+    # Gradient checkpointing at every size: a micro-batch of 8 sequences of 256 + 4096 tokens keeps ~34 x hidden
+    # bytes of activations per token and layer without it, ~120 GB at 7B and ~90 GB at 3B; with it, one hidden
+    # state per token and layer (the 7B step measured 17-26 GiB at 2304 tokens, results/train_step_h100.json).
     gsm8k = data == "gsm8k"
+    prompt_tokens, completion_tokens = (256, 4096) if gsm8k else (1024, 8192)
     return TrainConfig(
         preset=f"qwen2.5-{size}-{data}", model=f"Qwen/Qwen2.5-{size.upper()}-Instruct",
-        data="gsm8k" if gsm8k else "file", max_prompt_tokens=256 if gsm8k else 1024,
+        data="gsm8k" if gsm8k else "file", max_prompt_tokens=prompt_tokens,
         prompts_per_step=16 if gsm8k else 8, num_generations=8 if gsm8k else 16, micro_batch=8,
-        num_iterations=4 if gsm8k else 1, max_completion_length=4096 if gsm8k else 8192,
-        rollout_batch=64 if big else 128, loss_type="grpo" if gsm8k else "dapo",
-        gradient_checkpointing=big, steps=600 if gsm8k else 500, save_steps=50, **kw)
+        num_iterations=4 if gsm8k else 1, max_completion_length=completion_tokens,
+        rollout_batch=_rollout_rows(size, prompt_tokens, completion_tokens), loss_type="grpo" if gsm8k else "dapo",
+        gradient_checkpointing=True, steps=600 if gsm8k else 500, save_steps=50, **kw)
 
 
 _SMOLLM2 = TrainConfig(

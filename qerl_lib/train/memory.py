@@ -1,0 +1,82 @@
+"""The rollout phase's memory, from the architecture alone: base weights + the engine's KV cache.
+
+A GRPO step has two phases that do not overlap in memory when ``release_engine_cache`` is on (the
+default): the rollout (base weights, the engine's KV cache, CUDA-graph pools) and the training step
+(base weights, LoRA, gradients, optimizer state, activations; `train.metrics.memory_accounting`
+counts the fixed part of it every step). The rollout phase is the one a preset can size in advance,
+exactly: the engine allocates its cache up front for ``rows x (prompt + completion)`` columns, rounded
+up to its buckets, whatever length the completions end at. At Qwen2.5-32B each cached token costs
+256 KiB (64 layers x K and V x 8 heads x 128 x bf16), so 64 rows of 256 + 4096 tokens hold 68 GiB,
+which with the 4-bit weights no longer fits an 80 GB GPU: the presets' ``rollout_batch`` (the rows
+the engine runs at once; a step's completions are generated in chunks of it) is sized here.
+
+Counted exactly (tests compare with a built model's tensors and with the engine's cache):
+
+* weights: bf16 ``2`` bytes per weight; NVFP4 ``0.5 + 1/16`` (packed codes + one FP8 scale per 16)
+  plus 4 bytes of global scale per Linear; biases, norms and the embedding (and an untied
+  ``lm_head``) in bf16. NF4 (bitsandbytes, double quantization) is counted as ``0.5 + 1/64`` bytes per
+  weight, within a percent of bitsandbytes' own layout (its second-level statistics are left out).
+* KV cache: ``layers x 2 x rows x kv_heads x columns x head_dim x 2`` bytes, rows and columns rounded
+  up as the engine's CUDA-graph path does (`engine.cache.batch_bucket`, `length_bucket`).
+
+Not counted: CUDA-graph memory pools and the logits of a step (a few hundred MB at these sizes), and
+everything of the training phase beyond the weights.
+"""
+
+from __future__ import annotations
+
+from qerl_lib.engine.cache import BATCH_BUCKETS, batch_bucket, length_bucket
+
+BYTES_PER_WEIGHT = {"bf16": 2.0, "nvfp4": 0.5 + 1 / 16, "nf4": 0.5 + 1 / 64, "mxfp4": 0.5 + 1 / 32}
+ROLLOUT_BUDGET_BYTES = 0.85 * 80e9  # an 80 GB GPU, with room for graph pools, logits and fragmentation
+
+
+def _shape(arch: dict) -> tuple[int, int, int, int, int, int, int]:
+    hidden, layers = arch["hidden_size"], arch["num_hidden_layers"]
+    heads, kv_heads = arch["num_attention_heads"], arch.get("num_key_value_heads", arch["num_attention_heads"])
+    head_dim = arch.get("head_dim") or hidden // heads
+    return hidden, layers, heads, kv_heads, head_dim, arch["intermediate_size"], arch["vocab_size"]
+
+
+def base_weight_bytes(arch: dict, base: str) -> int:
+    """Bytes of a model of architecture ``arch`` (a transformers config as a dict) with its decoder Linears
+    in ``base`` format (bf16, nvfp4, nf4, mxfp4) and everything else in bf16."""
+    if base not in BYTES_PER_WEIGHT:
+        raise ValueError(f"unknown base {base!r}: choose one of {', '.join(BYTES_PER_WEIGHT)}")
+    hidden, layers, heads, kv_heads, head_dim, inter, vocab = _shape(arch)
+    q, kv = heads * head_dim, kv_heads * head_dim
+    linears = [(q, hidden), (kv, hidden), (kv, hidden), (hidden, q), (inter, hidden), (inter, hidden), (hidden, inter)]
+    weights = sum(n * k for n, k in linears)
+    per_layer = weights * BYTES_PER_WEIGHT[base] + (4 * len(linears) if base == "nvfp4" else 0)
+    biases = (q + 2 * kv) * 2 if arch.get("model_type") == "qwen2" or arch.get("attention_bias") else 0
+    norms = 2 * hidden * 2
+    embeddings = vocab * hidden * 2 * (1 if arch.get("tie_word_embeddings", False) else 2)
+    return int(round(layers * (per_layer + biases + norms) + hidden * 2 + embeddings))
+
+
+def kv_cache_bytes(arch: dict, rows: int, columns: int, length_step: int = 256,
+                   buckets: tuple[int, ...] = BATCH_BUCKETS, dtype_bytes: int = 2) -> int:
+    """The engine's KV cache for ``rows`` sequences of ``columns`` cached tokens (prompt + completion - 1),
+    rounded up to its batch and length buckets as on CUDA."""
+    _, layers, _, kv_heads, head_dim, _, _ = _shape(arch)
+    rows = batch_bucket(rows, buckets)
+    columns = length_bucket(columns, length_step, max(columns, arch.get("max_position_embeddings", columns)))
+    return layers * 2 * rows * kv_heads * columns * head_dim * dtype_bytes
+
+
+def rollout_phase_bytes(arch: dict, base: str, rows: int, prompt_tokens: int, completion_tokens: int) -> dict:
+    """``{"weights": ..., "kv_cache": ..., "total": ...}`` in bytes for a rollout of ``rows`` at once."""
+    weights = base_weight_bytes(arch, base)
+    cache = kv_cache_bytes(arch, rows, prompt_tokens + completion_tokens - 1)
+    return {"weights": weights, "kv_cache": cache, "total": weights + cache}
+
+
+def rollout_rows_that_fit(arch: dict, base: str, prompt_tokens: int, completion_tokens: int,
+                          budget_bytes: float = ROLLOUT_BUDGET_BYTES, most: int = 128) -> int:
+    """The largest power of two <= ``most`` rows whose rollout phase fits ``budget_bytes`` (0 if none does)."""
+    rows = most
+    while rows >= 1:
+        if rollout_phase_bytes(arch, base, rows, prompt_tokens, completion_tokens)["total"] <= budget_bytes:
+            return rows
+        rows //= 2
+    return 0
