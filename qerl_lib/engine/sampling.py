@@ -34,7 +34,7 @@ With one generator per call, row ``r``'s draws depend on everything drawn before
 batch's size and order, how a rollout is chunked, how many GPUs share it. ``RowStreams`` gives
 every row its own stream instead, from a 64-bit seed of its own (``generate(..., row_seeds=...)``),
 so a completion is a function of its prompt, its seed and the weights only. The trainer seeds row
-``i`` of a step's global batch from (run seed, step, i): one GPU and two GPUs sample the same
+``i`` of a step's global batch from (run seed, step, rollout, i): one GPU and two GPUs sample the same
 completions. Two implementations, one contract (row ``r``'s draws at decode position ``t``
 depend on ``seeds[r]`` and ``t`` only):
 
