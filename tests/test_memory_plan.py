@@ -10,7 +10,7 @@ import torch
 
 from qerl_lib.engine.rollout import RolloutEngine
 from qerl_lib.models.loader import build_random_model, storage_bytes
-from qerl_lib.paths import CONFIGS_DIR
+from qerl_lib.paths import load_model_config
 from qerl_lib.train.memory import (ROLLOUT_BUDGET_BYTES, base_weight_bytes, kv_cache_bytes, rollout_phase_bytes,
                                    rollout_rows_that_fit)
 from qerl_lib.train.presets import PRESETS
@@ -49,7 +49,7 @@ def test_kv_cache_bytes_equal_the_engines_cache(tiny_config):
 
 
 def test_rows_that_fit_is_the_largest_power_of_two_under_the_budget():
-    arch = json.loads((CONFIGS_DIR / "qwen2.5-32b.json").read_text())
+    arch = load_model_config("qwen2.5-32b")
     rows = rollout_rows_that_fit(arch, "nvfp4", 256, 4096)
     assert rollout_phase_bytes(arch, "nvfp4", rows, 256, 4096)["total"] <= ROLLOUT_BUDGET_BYTES
     assert rollout_phase_bytes(arch, "nvfp4", 2 * rows, 256, 4096)["total"] > ROLLOUT_BUDGET_BYTES
@@ -63,7 +63,7 @@ def test_every_qwen_preset_rolls_out_within_80_gb(name):
     (modes nvfp4 and qerl) and, up to 14B, a bf16 one (lora), fit ROLLOUT_BUDGET_BYTES."""
     preset = PRESETS[name]
     size = name.split("-")[1]
-    arch = json.loads((CONFIGS_DIR / f"qwen2.5-{size}.json").read_text())
+    arch = load_model_config(f"qwen2.5-{size}")
     for base in ("nvfp4", "bf16") if size != "32b" else ("nvfp4",):
         plan = rollout_phase_bytes(arch, base, preset.rollout_batch, preset.max_prompt_tokens,
                                    preset.max_completion_length)

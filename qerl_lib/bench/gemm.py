@@ -36,7 +36,7 @@ import torch
 
 from qerl_lib.bench.table import format_table
 from qerl_lib.errors import UserError
-from qerl_lib.models.fused import PROJECTIONS
+from qerl_lib.models.fused import PROJECTIONS, layer_projection_shapes
 from qerl_lib.paths import CONFIGS_DIR, load_model_config  # noqa: F401 (re-exported)
 
 FP4_BYTES_PER_WEIGHT = 0.5 + 1 / 16  # 4-bit code + one E4M3 scale per 16 weights
@@ -167,14 +167,8 @@ class GemmShape:
 
 def projection_shapes(model: str, layouts: Sequence[str] = LAYOUTS) -> list[GemmShape]:
     """The distinct (N, K) projection shapes of a decoder layer, from ``data/configs/<model>.json``."""
-    cfg = load_model_config(model)
-    hidden, inter = int(cfg["hidden_size"]), int(cfg["intermediate_size"])
-    head_dim = int(cfg.get("head_dim") or hidden // int(cfg["num_attention_heads"]))
-    q_dim = int(cfg["num_attention_heads"]) * head_dim
-    kv_dim = int(cfg["num_key_value_heads"]) * head_dim
-    shape = {"q_proj": (q_dim, hidden), "k_proj": (kv_dim, hidden), "v_proj": (kv_dim, hidden),
-             "o_proj": (hidden, q_dim), "gate_proj": (inter, hidden), "up_proj": (inter, hidden),
-             "down_proj": (hidden, inter)}
+    shape = layer_projection_shapes(load_model_config(model))
+    (q_dim, hidden), (kv_dim, _), (inter, _) = shape["q_proj"], shape["k_proj"], shape["gate_proj"]
     merged: dict[tuple[int, int], list[str]] = {}
     for name in PROJECTIONS:  # k/v and gate/up share a shape, q and o too when q_dim == hidden
         merged.setdefault(shape[name], []).append(name)

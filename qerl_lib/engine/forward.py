@@ -171,9 +171,10 @@ def sdpa_attention(q, k, v, mask, scaling, causal):
 
     transformers repeats K/V for the query heads when a mask is given. On a CPU the kit does not: the
     result is bit-identical (tests/test_engine.py compares greedy tokens and logits with transformers),
-    and the copies made a masked decode step of the embedded model at batch 64 ~15x slower (21 ms
-    against 1.3 ms per layer on 2 cores). On CUDA it does, as transformers does: with a mask and
-    ``enable_gqa`` SDPA would leave its memory-efficient kernel for the math fallback.
+    and the copies made masked decode attention at the embedded model's shapes, batch 64, ~16x slower
+    (19.2 against 1.2 ms per layer on 2 cores: dev/runs/cpu_tour_2026-11-24/cpu_gqa_attention.json).
+    On CUDA it keeps transformers' repeat: the CUDA prefill was measured that way, and which SDPA
+    kernel a mask with ``enable_gqa`` selects there was not.
     """
     groups = q.shape[1] // k.shape[1]
     kwargs = {}

@@ -215,12 +215,8 @@ class RowStreams:
         self.device = torch.device(device)
         self.rows = len(seeds)
         self._next = 0
-        if self.device.type == "cuda":
-            self.keys = torch.tensor([[s & _M32, s >> 32] for s in seeds], dtype=torch.int64, device=self.device)
-            self._generators = None
-        else:
-            self.keys = torch.tensor([[s & _M32, s >> 32] for s in seeds], dtype=torch.int64)
-            self._generators = [torch.Generator().manual_seed(s) for s in seeds]
+        self.keys = torch.tensor([[s & _M32, s >> 32] for s in seeds], dtype=torch.int64, device=self.device)
+        self._generators = None if self.device.type == "cuda" else [torch.Generator().manual_seed(s) for s in seeds]
 
     def exponentials(self, vocab: int, position: int) -> torch.Tensor:
         if self._generators is None:

@@ -56,6 +56,18 @@ PROJECTION_GROUPS = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",),
                      "gate_up": ("gate_proj", "up_proj"), "down": ("down_proj",)}
 
 
+def layer_projection_shapes(config: dict) -> dict[str, tuple[int, int]]:
+    """``{projection: (N, K)}`` (out, in features) of one decoder layer of a transformers config given as a
+    dict (e.g. ``paths.load_model_config``), in ``PROJECTIONS`` order."""
+    hidden, inter = int(config["hidden_size"]), int(config["intermediate_size"])
+    heads = int(config["num_attention_heads"])
+    head_dim = int(config.get("head_dim") or hidden // heads)
+    q_dim, kv_dim = heads * head_dim, int(config.get("num_key_value_heads") or heads) * head_dim
+    return {"q_proj": (q_dim, hidden), "k_proj": (kv_dim, hidden), "v_proj": (kv_dim, hidden),
+            "o_proj": (hidden, q_dim), "gate_proj": (inter, hidden), "up_proj": (inter, hidden),
+            "down_proj": (hidden, inter)}
+
+
 class FusedProjection:
     """One matmul for a group of projections reading the same input; call it to get the members' outputs."""
 

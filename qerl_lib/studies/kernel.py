@@ -24,6 +24,7 @@ import math
 from collections.abc import Sequence
 from pathlib import Path
 
+from qerl_lib.models.fused import layer_projection_shapes
 from qerl_lib.quant.nvfp4 import GROUP_SIZE
 from qerl_lib.paths import CONFIGS_DIR, load_model_config  # noqa: F401 (re-exported)
 
@@ -50,14 +51,10 @@ def current_kernel_hash() -> str:
 def decode_bytes_per_token(model: str) -> dict:
     """Weight bytes one decode step reads (batch 1), bf16 vs NVFP4 linears, from ``data/configs/<model>.json``."""
     cfg = load_model_config(model)
-    hidden, inter, layers = int(cfg["hidden_size"]), int(cfg["intermediate_size"]), int(cfg["num_hidden_layers"])
-    head_dim = int(cfg.get("head_dim") or hidden // int(cfg["num_attention_heads"]))
-    q_dim = int(cfg["num_attention_heads"]) * head_dim
-    kv_dim = int(cfg["num_key_value_heads"]) * head_dim
     # q, k, v, o, gate, up, down: the seven projections NVFP4 quantizes
-    per_layer = hidden * q_dim + 2 * hidden * kv_dim + q_dim * hidden + 3 * hidden * inter
-    linear = layers * per_layer
-    lm_head = int(cfg["vocab_size"]) * hidden  # bf16 in both formats; read in full every step
+    per_layer = sum(n * k for n, k in layer_projection_shapes(cfg).values())
+    linear = int(cfg["num_hidden_layers"]) * per_layer
+    lm_head = int(cfg["vocab_size"]) * int(cfg["hidden_size"])  # bf16 in both formats; read in full every step
     bf16 = linear * BF16_BYTES_PER_WEIGHT + lm_head * BF16_BYTES_PER_WEIGHT
     fp4 = linear * FP4_BYTES_PER_WEIGHT + lm_head * BF16_BYTES_PER_WEIGHT
     return {"model": model, "linear_params": linear, "lm_head_params": lm_head,

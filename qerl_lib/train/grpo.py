@@ -211,14 +211,14 @@ def _random_arch(config: TrainConfig) -> str | None:
 def random_prompts(config: TrainConfig, tokenizer) -> list[dict]:
     """``n_train`` prompts of random tokens, each rendered to at most ``max_prompt_tokens`` (speed benchmarks:
     the completions' rewards come from the caller's extra reward functions; the gold answer is a placeholder)."""
+    from qerl_lib.tasks.problems import render_messages
+
     generator = np.random.default_rng(config.seed)
     rows, budget = [], config.max_prompt_tokens
     low, high = 1000, min(len(tokenizer), 40000)  # ordinary tokens of the embedded tokenizer's vocabulary
     for _ in range(config.n_train or 64):
         ids = generator.integers(low, high, size=budget).tolist()
         while True:
-            from qerl_lib.tasks.problems import render_messages
-
             messages = [{"role": "user", "content": tokenizer.decode(ids)}]
             length = len(tokenizer(render_messages(tokenizer, messages), add_special_tokens=False)["input_ids"])
             if length <= budget:
@@ -267,8 +267,9 @@ def load_base(config: TrainConfig, device: torch.device, dtype: torch.dtype):
     from qerl_lib.models.embedded import resolve_model
     from qerl_lib.models.loader import is_nvfp4_checkpoint, load_model, replace_linear_with_nvfp4
 
-    if _random_arch(config):
-        model = _random_base(_random_arch(config), config.base, device, dtype, config.seed)
+    arch = _random_arch(config)
+    if arch:
+        model = _random_base(arch, config.base, device, dtype, config.seed)
         if config.base == "mxfp4":
             from qerl_lib.quant.formats import fake_quantize_
 

@@ -26,16 +26,18 @@ everything of the training phase beyond the weights.
 from __future__ import annotations
 
 from qerl_lib.engine.cache import BATCH_BUCKETS, batch_bucket, length_bucket
+from qerl_lib.models.fused import layer_projection_shapes
 
-BYTES_PER_WEIGHT = {"bf16": 2.0, "nvfp4": 0.5 + 1 / 16, "nf4": 0.5 + 1 / 64, "mxfp4": 0.5 + 1 / 32}
+# mxfp4 bases are fake-quantized (MXFP4's values held in bf16, `quant.formats.fake_quantize_`): bf16 bytes
+BYTES_PER_WEIGHT = {"bf16": 2.0, "nvfp4": 0.5 + 1 / 16, "nf4": 0.5 + 1 / 64, "mxfp4": 2.0}
 ROLLOUT_BUDGET_BYTES = 0.85 * 80e9  # an 80 GB GPU, with room for graph pools, logits and fragmentation
 
 
-def _shape(arch: dict) -> tuple[int, int, int, int, int, int, int]:
-    hidden, layers = arch["hidden_size"], arch["num_hidden_layers"]
-    heads, kv_heads = arch["num_attention_heads"], arch.get("num_key_value_heads", arch["num_attention_heads"])
-    head_dim = arch.get("head_dim") or hidden // heads
-    return hidden, layers, heads, kv_heads, head_dim, arch["intermediate_size"], arch["vocab_size"]
+def _kv_shape(arch: dict) -> tuple[int, int, int]:
+    """(layers, KV heads, head dim) of an architecture."""
+    heads = arch["num_attention_heads"]
+    head_dim = arch.get("head_dim") or arch["hidden_size"] // heads
+    return arch["num_hidden_layers"], arch.get("num_key_value_heads") or heads, head_dim
 
 
 def base_weight_bytes(arch: dict, base: str) -> int:
@@ -43,12 +45,12 @@ def base_weight_bytes(arch: dict, base: str) -> int:
     in ``base`` format (bf16, nvfp4, nf4, mxfp4) and everything else in bf16."""
     if base not in BYTES_PER_WEIGHT:
         raise ValueError(f"unknown base {base!r}: choose one of {', '.join(BYTES_PER_WEIGHT)}")
-    hidden, layers, heads, kv_heads, head_dim, inter, vocab = _shape(arch)
-    q, kv = heads * head_dim, kv_heads * head_dim
-    linears = [(q, hidden), (kv, hidden), (kv, hidden), (hidden, q), (inter, hidden), (inter, hidden), (hidden, inter)]
-    weights = sum(n * k for n, k in linears)
-    per_layer = weights * BYTES_PER_WEIGHT[base] + (4 * len(linears) if base == "nvfp4" else 0)
-    biases = (q + 2 * kv) * 2 if arch.get("model_type") == "qwen2" or arch.get("attention_bias") else 0
+    hidden, layers, vocab = arch["hidden_size"], arch["num_hidden_layers"], arch["vocab_size"]
+    shapes = layer_projection_shapes(arch)
+    weights = sum(n * k for n, k in shapes.values())
+    per_layer = weights * BYTES_PER_WEIGHT[base] + (4 * len(shapes) if base == "nvfp4" else 0)
+    biased = arch.get("model_type") == "qwen2" or arch.get("attention_bias")  # q/k/v biases
+    biases = sum(shapes[name][0] for name in ("q_proj", "k_proj", "v_proj")) * 2 if biased else 0
     norms = 2 * hidden * 2
     embeddings = vocab * hidden * 2 * (1 if arch.get("tie_word_embeddings", False) else 2)
     return int(round(layers * (per_layer + biases + norms) + hidden * 2 + embeddings))
@@ -58,7 +60,7 @@ def kv_cache_bytes(arch: dict, rows: int, columns: int, length_step: int = 256,
                    buckets: tuple[int, ...] = BATCH_BUCKETS, dtype_bytes: int = 2) -> int:
     """The engine's KV cache for ``rows`` sequences of ``columns`` cached tokens (prompt + completion - 1),
     rounded up to its batch and length buckets as on CUDA."""
-    _, layers, _, kv_heads, head_dim, _, _ = _shape(arch)
+    layers, kv_heads, head_dim = _kv_shape(arch)
     rows = batch_bucket(rows, buckets)
     columns = length_bucket(columns, length_step, max(columns, arch.get("max_position_embeddings", columns)))
     return layers * 2 * rows * kv_heads * columns * head_dim * dtype_bytes
