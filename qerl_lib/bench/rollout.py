@@ -97,6 +97,7 @@ class RolloutBenchConfig:
     decode_attention: str | None = None  # None: the engine's default ("kernel" on CUDA)
     fp4_small_m: str = "auto"  # NVFP4 GEMM for M <= 8: "auto" (mma.sync CUDA kernel where it runs), "mma", "triton"
     workload: str = "fixed"  # "fixed" (every row gen_len tokens) or "gsm8k-like" (uneven lengths, bench/workloads.py)
+    lora_kernels: bool = True  # adapters through kernels/lora.py (False: one matmul per group + one addmm per member)
 
     def __post_init__(self):
         for m in self.models:
@@ -194,7 +195,7 @@ def random_prompts(batch: int, prompt_len: int, vocab: int, seed: int) -> list[l
 
 def time_engine(model, row: Row, backend: str, lora, repeats: int, seed: int, fuse_projections: bool = True,
                 decode_attention: str | None = None, glue_kernels: bool = True,
-                attention_launch: AttentionLaunch | None = None) -> Row:
+                attention_launch: AttentionLaunch | None = None, lora_kernels: bool | None = None) -> Row:
     """Fill ``row``'s timings: a fresh ``RolloutEngine`` (the keyword arguments are its own) warmed up,
     then ``repeats`` generations of ``row.batch`` random prompts, each row to its length of ``row.workload``
     (all ``gen_len`` when "fixed"); medians. ``tok_s`` counts the rows' tokens, not the idle slots."""
@@ -203,7 +204,7 @@ def time_engine(model, row: Row, backend: str, lora, repeats: int, seed: int, fu
 
     engine = RolloutEngine(model, decode_backend=backend, max_seq_len=row.prompt_len + row.gen_len,
                            fuse_projections=fuse_projections, decode_attention=decode_attention,
-                           glue_kernels=glue_kernels, attention_launch=attention_launch)
+                           glue_kernels=glue_kernels, attention_launch=attention_launch, lora_kernels=lora_kernels)
     row.backend = engine.decode_backend
     prompts = random_prompts(row.batch, row.prompt_len, model.config.vocab_size, seed)
     lengths = sample_lengths(row.workload, row.batch, row.gen_len, seed)
@@ -324,7 +325,8 @@ def run_rollout_bench(cfg: RolloutBenchConfig, log=print, checkpoint=None) -> di
                     lora = random_lora(model, rank, cfg.seed) if rank else None
                     for backend in cfg.backends:
                         rows.append(_measure(lambda row: time_engine(model, row, backend, lora, cfg.repeats, cfg.seed,
-                                                                     cfg.fuse_projections, cfg.decode_attention),
+                                                                     cfg.fuse_projections, cfg.decode_attention,
+                                                                     lora_kernels=cfg.lora_kernels),
                                              Row(name, weights, batch, rank, backend, "qerl", cfg.prompt_len,
                                                  cfg.gen_len, weights_gib=weights_gib, workload=cfg.workload), log))
                     del lora
@@ -497,6 +499,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workload", choices=WORKLOADS, default="fixed",
                    help="fixed: every row generates --gen-len tokens; gsm8k-like: uneven lengths up to --gen-len "
                         "(GSM8K solution lengths, bench/workloads.py), as RL rollouts end")
+    p.add_argument("--no-lora-kernels", action="store_false", dest="lora_kernels",
+                   help="apply adapters with torch matmuls (one per group + one addmm per member) instead of "
+                        "kernels/lora.py's two launches per group")
     p.add_argument("--json", default=None, dest="json_out", help="write the results JSON here (atomically)")
     p.add_argument("--merge", nargs="+", default=None, metavar="JSON",
                    help="instead of measuring: merge these results files into --json and print the table")
@@ -522,7 +527,7 @@ def run_cli(args) -> int:
                              hf_gen_len=args.hf_gen_len, hf_batches=args.hf_batches, init=args.init,
                              profile=args.profile, fuse_projections=args.fuse_projections,
                              decode_attention=args.decode_attention, fp4_small_m=args.fp4_small_m,
-                             workload=args.workload)
+                             workload=args.workload, lora_kernels=args.lora_kernels)
     print(table_header(TABLE_COLUMNS), flush=True)
     checkpoint = (lambda doc: write_json_atomic(args.json_out, doc)) if args.json_out else None
     result = run_rollout_bench(cfg, log=lambda line: print(line, flush=True), checkpoint=checkpoint)

@@ -15,7 +15,9 @@ Only a change of *layout* (targets, ranks, scales) forces a re-capture.
 
 It is also cheaper per token: q/k/v read the same input, so their A matrices are stacked and
 applied in one matmul (likewise gate/up), and each B is applied by one ``addmm`` that also adds
-into the base output: 2 launches per projection group instead of 3 per projection.
+into the base output: 1 + members launches per projection group instead of 3 per projection. In the
+CUDA decode step (``lora_kernels``) the engine runs ``kernels/lora.py`` instead: two Triton
+launches per group whatever its members, the first overlapping the base GEMM.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from qerl_lib.kernels import lora as lora_kernels
 from qerl_lib.models.fused import PARENT, PROJECTION_GROUPS  # LoRA targets, grouped by the input they read
 
 
@@ -55,11 +58,17 @@ class LoraAdapter:
 
 
 class LoraBuffers:
-    """Engine-owned copies of LoRA adapters, grouped by shared input, refreshed in place per call."""
+    """Engine-owned copies of LoRA adapters, grouped by shared input, refreshed in place per call.
+
+    Per (layer, group): the present members' A matrices stacked, and a ``kernels.lora.GroupPlan``
+    (None when a member's output width is unknown) whose zero-padded ``B`` buffer holds each
+    member's B at its columns of the group's output; the per-member B buffers of the torch path
+    are views into it, so one refresh serves both paths."""
 
     def __init__(self, view, adapters: dict[str, LoraAdapter]):
         # (layer, group) -> (stacked A [sum of ranks, in], one slot per group member or None)
         self.layout: dict[tuple[int, str], tuple[torch.Tensor, list]] = {}
+        self.plans: dict[tuple[int, str], lora_kernels.GroupPlan | None] = {}
         self._copies: list[tuple[torch.Tensor, str, str]] = []  # (engine buffer, adapter name, "A" or "B")
         by_layer: dict[int, dict[str, str]] = {}
         for name in adapters:
@@ -75,22 +84,34 @@ class LoraBuffers:
                     raise ValueError(f"LoRA A matrices of layer {layer} {group} disagree on in_features {in_features}")
                 total_rank = sum(adapters[targets[m]].A.shape[0] for m in present)
                 a_cat = torch.empty(total_rank, in_features.pop(), dtype=view.dtype, device=view.device)
-                slots, start = [], 0
+                widths = [_out_features(view.projection(layer, m)) for m in members]
+                spans, placed, start, col = [], [], 0, 0  # spans: (n_start, n_end, r_start, rank, scale)
+                for m, width in zip(members, widths):
+                    if m in targets:
+                        name, ad = targets[m], adapters[targets[m]]
+                        if width is not None and ad.B.shape[0] != width:
+                            raise ValueError(f"LoRA B of {name} has {ad.B.shape[0]} rows, the layer has {width} outputs")
+                        r = ad.A.shape[0]
+                        spans.append((col, col + ad.B.shape[0], start, r, float(ad.scale)))
+                        placed.append(m)
+                        start += r
+                    col += width if width is not None else 0
+                plan = None
+                if all(w is not None for w in widths):
+                    plan = lora_kernels.build_plan(a_cat, col, spans)
+                slots = []
                 for m in members:
-                    if m not in targets:
+                    if m not in placed:
                         slots.append(None)
                         continue
-                    name, ad = targets[m], adapters[targets[m]]
-                    out_features = _out_features(view.projection(layer, m))
-                    if out_features is not None and ad.B.shape[0] != out_features:
-                        raise ValueError(f"LoRA B of {name} has {ad.B.shape[0]} rows, "
-                                         f"the layer has {out_features} outputs")
-                    r = ad.A.shape[0]
-                    b_buf = torch.empty(tuple(ad.B.shape), dtype=view.dtype, device=view.device)
-                    self._copies += [(a_cat[start:start + r], name, "A"), (b_buf, name, "B")]
-                    slots.append((start, start + r, b_buf, float(ad.scale)))
-                    start += r
+                    i = placed.index(m)
+                    name, (_, _, r0, r, scale) = targets[m], spans[i]
+                    b_buf = plan.b_view(i) if plan is not None else \
+                        torch.empty(tuple(adapters[name].B.shape), dtype=view.dtype, device=view.device)
+                    self._copies += [(a_cat[r0:r0 + r], name, "A"), (b_buf, name, "B")]
+                    slots.append((r0, r0 + r, b_buf, scale))
                 self.layout[(layer, group)] = (a_cat, slots)
+                self.plans[(layer, group)] = plan
         self.signature = lora_signature(adapters)
 
     def refresh(self, adapters: dict[str, LoraAdapter]) -> None:

@@ -64,6 +64,7 @@ import torch.nn.functional as F
 from qerl_lib.engine import glue as engine_glue
 from qerl_lib.engine.attention import AttentionLaunch, rope_cache_attention
 from qerl_lib.engine.adapters import LoraAdapter, LoraBuffers, canonical_name, lora_signature, unwrap_model
+from qerl_lib.kernels import lora as lora_kernels_mod
 from qerl_lib.models.fused import PARENT, PROJECTION_GROUPS, PROJECTIONS, fuse_group
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
@@ -225,7 +226,7 @@ class ForwardPass:
 
     def __init__(self, view: ModelView, decode_attention: str = "sdpa", fuse_elementwise: bool = False,
                  bypass_peft: bool = False, fuse_projections: bool = False, glue_kernels: bool = False,
-                 attention_launch: AttentionLaunch | None = None):
+                 attention_launch: AttentionLaunch | None = None, lora_kernels: bool = False):
         if decode_attention not in DECODE_ATTENTION:
             raise ValueError(f"decode_attention must be one of {DECODE_ATTENTION}, got {decode_attention!r}")
         self.view = view
@@ -234,6 +235,9 @@ class ForwardPass:
         with torch.no_grad():
             self.norm_weights = [m.weight.detach().clone() for m in view.norm_modules]
         self.lora: LoraBuffers | None = None
+        # lora_kernels: adapters through kernels/lora.py's two launches per group (CUDA, <= 256 rows)
+        self.lora_kernels = bool(lora_kernels) and lora_kernels_mod.triton is not None and (
+            view.device.type == "cuda" or lora_kernels_mod.interpreting())
         # bypass_peft: call peft's base layers, because the engine applies the adapters itself (lora=...)
         self._groups = [{g: [view.projection(i, p, base=bypass_peft) for p in members]
                          for g, members in PROJECTION_GROUPS.items()} for i in range(view.n_layers)]
@@ -311,8 +315,19 @@ class ForwardPass:
 
     def _project(self, layer: int, group: str, x: torch.Tensor) -> list[torch.Tensor]:
         fused = self._fused[layer][group]
-        outs = fused(x) if fused is not None else [module(x) for module in self._groups[layer][group]]
+        if fused is not None:
+            full = fused.full(x)
+            outs = list(full.split(fused.splits, dim=-1))
+        else:
+            outs = [module(x) for module in self._groups[layer][group]]
+            full = outs[0] if len(outs) == 1 else None
         entry = self.lora.layout.get((layer, group)) if self.lora is not None else None
+        plan = self.lora.plans.get((layer, group)) if entry is not None and self.lora_kernels else None
+        if plan is not None and full is not None:
+            full2, x2 = full.reshape(-1, full.shape[-1]), x.reshape(-1, x.shape[-1])
+            if full2.data_ptr() == full.data_ptr() and lora_kernels_mod.supported(full2, x2):
+                lora_kernels_mod.apply_(full2, x2, plan)  # in place: the members' outputs are views of it
+                return outs
         if entry is not None:
             a_cat, slots = entry
             xa = x.reshape(-1, x.shape[-1]) @ a_cat.t()  # all members' A at once: [tokens, sum of ranks]

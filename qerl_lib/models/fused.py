@@ -82,6 +82,10 @@ class FusedProjection:
         self._scale_keys = [_scale_key(m) for m in members] if kind == "nvfp4" else []
 
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
+        return list(self.full(x).split(self.splits, dim=-1))
+
+    def full(self, x: torch.Tensor) -> torch.Tensor:
+        """The members' outputs side by side, ``[..., sum of N]`` (what ``__call__`` splits)."""
         if self.kind == "nvfp4":
             from qerl_lib.kernels.fp4_gemm import fp4_linear
 
@@ -90,7 +94,7 @@ class FusedProjection:
                              mma_rule=first.mma_rule)
         else:
             out = F.linear(x, self.tensors["weight"], self.tensors.get("bias"))
-        return list(out.split(self.splits, dim=-1))
+        return out
 
     def is_current(self) -> bool:
         """True while every member still reads its rows of the fused buffers (cheap: pointer checks)."""

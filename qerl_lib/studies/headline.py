@@ -38,9 +38,10 @@ RESULT_FILES = {
                          "the mma kernel ran (a labelling bug of `bench gemm` then, fixed since; the timings are the "
                          "mma kernel's). Notebook 03; `figures/03_gemm_speedup.png`, "
                          "`figures/03_gemm_bandwidth.png`",
-    "rollout_h100.json": "rollout engine, three runs merged: engine vs `transformers.generate` (SmolLM2 bf16, batch 64, "
+    "rollout_h100.json": "rollout engine: engine vs `transformers.generate` (SmolLM2 bf16, batch 64, "
                          "256 + 512 tokens); bf16 vs NVFP4 on Qwen2.5-7B/32B shapes (batch 8, 256 + 2048 tokens); 7B at "
-                         "LoRA rank 16/32/64. Notebook 03; `figures/03_rollout.png`",
+                         "LoRA rank 0/16/64 with the engine's LoRA kernels (`kernels/lora.py`, four runs merged). "
+                         "Notebook 03; `figures/03_rollout.png`",
     "rollout_h200_final.json": "bf16 vs NVFP4 on Qwen2.5-7B/32B shapes, batch 8, 256 + 2048 tokens",
     "rollout_h200_smollm2_final.json": "engine vs `transformers.generate`, SmolLM2 bf16, batch 64, 256 + 512 tokens",
     "rollout_step_breakdown_h200.json": "where a 7B decode step's time goes (kernel time per category, idle time, "
@@ -57,9 +58,10 @@ RESULT_FILES = {
                "(`qerl claims --export` from the sweep folders in `dev/runs/claims/`). Notebook 07; "
                "`figures/07_*.png`",
     "train_step_h100.json": "one GRPO step through the real trainer (`qerl bench train`): random-weight Qwen2.5-7B "
-                            "(lora, qlora, nvfp4, qerl; batch 8), 14B (lora, qerl; batch 8) and 32B (qerl; batch "
-                            "2) shapes, 256 + 2048 tokens, LoRA r32, gradient checkpointing; rollout, training and "
-                            "step seconds, peak memory, the paper's number beside; four runs merged",
+                            "(lora, qlora, nvfp4, qerl; batch 8), 14B (lora, qlora, qerl; batch 8) and 32B (qerl; "
+                            "batch 2) shapes, 256 + 2048 tokens, LoRA r32, gradient checkpointing; rollout, training "
+                            "and step seconds, peak memory, the paper's number beside; merged by "
+                            "`dev/sweeps/merge_train_step.py` (the 32B row predates the engine's LoRA kernels)",
     "calibration.json": "the expression task's calibration for the claim sweeps: the untrained SmolLM2's pass@1 "
                         "and share of mixed-reward groups of 8 per (base, level, temperature), 128 training problems "
                         "each, and the setting the pre-registered rule chose (`qerl_lib/studies/calibration.py`, "
@@ -292,7 +294,8 @@ def _train_step_rows(results_dir) -> list[tuple]:
 
     dev = device_name(doc, file)
     lora, qerl, qlora = row("qwen2.5-7b", "lora", 8), row("qwen2.5-7b", "qerl", 8), row("qwen2.5-7b", "qlora", 8)
-    lora14, qerl14, big = row("qwen2.5-14b", "lora", 8), row("qwen2.5-14b", "qerl", 8), row("qwen2.5-32b", "qerl", 2)
+    lora14, qerl14, qlora14 = row("qwen2.5-14b", "lora", 8), row("qwen2.5-14b", "qerl", 8), row("qwen2.5-14b", "qlora", 8)
+    big = row("qwen2.5-32b", "qerl", 2)
     return [
         (f"GRPO step (rollout + scoring + forward/backward + AdamW), Qwen2.5-7B shapes, batch 8, 256 + "
          f"{qerl['gen_len']} tokens, LoRA r32: qerl / lora / qlora",
@@ -300,10 +303,11 @@ def _train_step_rows(results_dir) -> list[tuple]:
          f"{_x(lora['step_s'] / qerl['step_s'])} over lora, {_x(qlora['step_s'] / qerl['step_s'])} over qlora; peak "
          f"{qerl['peak_gib']:.1f} / {lora['peak_gib']:.1f} / {qlora['peak_gib']:.1f} GiB (paper, Tab. 3: qerl "
          f"{qerl['paper'].replace('x', '×', 1)}, qlora {qlora['paper'].replace('x', '×', 1)})", dev, file),
-        (f"the same step, Qwen2.5-14B shapes, batch 8: qerl / lora",
-         f"{qerl14['step_s']:.1f} / {lora14['step_s']:.1f} s = {_x(lora14['step_s'] / qerl14['step_s'])}, peak "
-         f"{qerl14['peak_gib']:.1f} / {lora14['peak_gib']:.1f} GiB (paper, Tab. 3: "
-         f"{qerl14['paper'].replace('x', '×', 1)})", dev, file),
+        (f"the same step, Qwen2.5-14B shapes, batch 8: qerl / lora / qlora",
+         f"{qerl14['step_s']:.1f} / {lora14['step_s']:.1f} / {qlora14['step_s']:.1f} s: "
+         f"{_x(lora14['step_s'] / qerl14['step_s'])} over lora, {_x(qlora14['step_s'] / qerl14['step_s'])} over "
+         f"qlora; peak {qerl14['peak_gib']:.1f} / {lora14['peak_gib']:.1f} / {qlora14['peak_gib']:.1f} GiB (paper, "
+         f"Tab. 3: {qerl14['paper'].replace('x', '×', 1)})", dev, file),
         (f"the same step for Qwen2.5-32B shapes, mode qerl, batch 2, on one GPU",
          f"{big['step_s']:.1f} s ({big['rollout_s']:.1f} s rollout of {big['completion_len']:.0f}-token completions), "
          f"peak {big['peak_gib']:.1f} GiB (paper, Tab. 8: {big['paper']}, shorter completions)", dev, file),

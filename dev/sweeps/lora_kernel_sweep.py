@@ -1,0 +1,78 @@
+"""Launch shapes of kernels/lora.py in the engine: decode ms per step of random Qwen2.5-7B NVFP4 + LoRA r16,
+batch 8, 256 + 512 tokens, for K columns per shrink program x K-slice cap x expand tile width x warps
+(environment: RANK, GRID, TAG); plus the same
+without adapters and with the torch path, and a kernel-time table (torch.profiler over graph replays) of the
+default shape. Writes lora_kernel_sweep.json to $OUT. Run: python dev/sweeps/lora_kernel_sweep.py
+"""
+
+import itertools
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.getcwd())
+from qerl_lib.bench.rollout import load_bench_model, random_lora, random_prompts  # noqa: E402
+from qerl_lib.engine.rollout import RolloutEngine  # noqa: E402
+from qerl_lib.io import provenance  # noqa: E402
+from qerl_lib.kernels import lora as lk  # noqa: E402
+
+BATCH, PROMPT, GEN, RANK = 8, 256, 512, int(os.environ.get("RANK", "16"))
+OUT = os.environ.get("OUT", ".")
+
+
+def ms_per_step(model, lora, use_kernels=True, profile=False):
+    engine = RolloutEngine(model, max_seq_len=PROMPT + GEN, lora_kernels=use_kernels)
+    prompts = random_prompts(BATCH, PROMPT, model.config.vocab_size, 0)
+    engine.warmup(BATCH, PROMPT, GEN, lora=lora)
+    best = None
+    for r in range(2):
+        engine.generate(prompts, GEN, temperature=1.0, seed=r, stop_token_ids=[], lora=lora, timing=True)
+        t = engine.last_timing
+        ms = 1e3 * t.decode_s / t.steps
+        best = ms if best is None else min(best, ms)
+    table = None
+    if profile:
+        from torch.profiler import ProfilerActivity, profile as prof_ctx
+
+        with prof_ctx(activities=[ProfilerActivity.CUDA]) as prof:
+            engine.generate(prompts, 33, temperature=1.0, seed=0, stop_token_ids=[], lora=lora)
+            torch.cuda.synchronize()
+        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=50)
+    engine.release()
+    return best, table
+
+
+def main():
+    model = load_bench_model("qwen2.5-7b", "nvfp4", torch.device("cuda"))
+    lora = random_lora(model, RANK, 0)
+    rows = []
+    base, _ = ms_per_step(model, None)
+    torch_path, _ = ms_per_step(model, lora, use_kernels=False)
+    rows.append({"variant": "no adapter", "ms": base})
+    rows.append({"variant": "torch path", "ms": torch_path})
+    print(f"no adapter {base:.3f} ms, torch path {torch_path:.3f} ms", flush=True)
+    default = (lk.K_PER_SPLIT, lk.MAX_SPLITS, lk.BLOCK_N, lk.SHRINK_WARPS, lk.EXPAND_WARPS)
+    # GRID (JSON lists of choices, in this order) overrides the first run's grid
+    choices = json.loads(os.environ.get("GRID", "[[256, 512, 1024], [32], [64, 128, 256], [2, 4], [4]]"))
+    grid = [default] + [c for c in itertools.product(*choices) if c != default]
+    for kps, splits, bn, sw, ew in grid:
+        lk.K_PER_SPLIT, lk.MAX_SPLITS, lk.BLOCK_N, lk.SHRINK_WARPS, lk.EXPAND_WARPS = kps, splits, bn, sw, ew
+        ms, table = ms_per_step(model, lora, profile=(kps, splits, bn, sw, ew) == default and not os.environ.get("GRID"))
+        rows.append({"variant": "kernels", "k_per_split": kps, "max_splits": splits, "block_n": bn,
+                     "shrink_warps": sw, "expand_warps": ew, "ms": ms, "overhead_pct": 100 * (ms / base - 1)})
+        print(f"k/split {kps:5d} max splits {splits:3d} block_n {bn:4d} warps {sw}/{ew}: {ms:.3f} ms "
+              f"(+{100 * (ms / base - 1):.1f}%)", flush=True)
+        if table:
+            print(table, flush=True)
+            rows[-1]["profile"] = table
+    doc = {"benchmark": "lora_kernel_sweep", "provenance": provenance(),
+           "settings": {"model": "qwen2.5-7b", "weights": "nvfp4", "batch": BATCH, "prompt_len": PROMPT,
+                        "gen_len": GEN, "rank": RANK}, "rows": rows}
+    with open(os.path.join(OUT, f"lora_kernel_sweep_r{RANK}{os.environ.get('TAG', '')}.json"), "w") as f:
+        json.dump(doc, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
