@@ -15,7 +15,8 @@ bytes are < 1% of the weights'. With these kernels it costs 11% (dev/LOG.md, sec
 How (``apply_``)
 ----------------
 * ``_shrink_kernel``: ``xa = x @ A_cat^T``. Programs tile (16 ranks) x (a slice of K) x (rows),
-  ~256 columns of K each (measured best); each writes its fp32 partial. Who adds the partials
+  ~256 columns of K each (128 and 256 measured equal and best; 512 and 1024 slower, dev/LOG.md
+  section 17); each writes its fp32 partial. Who adds the partials
   depends on the rank (``EXPAND_SUMS_UP_TO_RANK``): at small ranks every expand program sums the few
   bytes it needs itself; at larger ones the last slice of a block to arrive (an atomic counter,
   reset by that program) adds them once and writes ``xa``. Either way in slice order (deterministic
