@@ -22,6 +22,7 @@ _LAZY = {
     "fake_quantize_": "qerl_lib.quant.formats",
     # kernel and layers
     "fp4_matmul": "qerl_lib.kernels.fp4_gemm", "fp4_linear": "qerl_lib.kernels.fp4_gemm",
+    "fp4_grad_input": "qerl_lib.kernels.fp4_gemm",
     "prepare_fp4_weights": "qerl_lib.kernels.fp4_gemm", "NVFP4Linear": "qerl_lib.models.nvfp4_linear",
     # models
     "load_model": "qerl_lib.models.loader", "replace_linear_with_nvfp4": "qerl_lib.models.loader",

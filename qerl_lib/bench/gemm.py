@@ -19,6 +19,12 @@ How the numbers are taken (and why)
 * **Correctness on every shape.** The output is filled with NaN before the run, so an element
   the kernel failed to write stays NaN; then the mean relative error
   ``mean|out - ref| / mean|ref|`` against ``nvfp4.reference_matmul`` (fp32, TF32 off) is stored.
+* **Both layouts of training.** ``direction`` "fwd" times ``y = x @ W.T`` (``fp4_linear`` vs
+  ``F.linear``); "bwd" times the input gradient ``dx = dy @ W`` (``fp4_grad_input`` vs
+  ``torch.mm(dy, W)``, ``dy [M, N]``, checked against ``nvfp4.reference_grad_input``). Both move the
+  same bytes (weights + bf16 ``[M, N]`` and ``[M, K]``) and flops. The summary's historical keys
+  (geomean at M <= 16, ``min_speedup_m_ge_1024``) are computed from the fwd rows; rows without a
+  ``direction`` key (files written before it existed) are fwd rows.
 
 The timing helpers (``time_graph``, ``time_eager``, ``copy_bandwidth_gbps``, ``l2_cache_bytes``,
 ``rotation_copies``, ``mean_relative_error``, ``TimingStats``) are shared with the rollout benchmark
@@ -45,6 +51,7 @@ CEILING = BF16_BYTES_PER_WEIGHT / FP4_BYTES_PER_WEIGHT  # 16 / 4.5 = 3.56x
 DEFAULT_MODELS = ("qwen2.5-7b", "qwen2.5-32b")
 DEFAULT_MS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096)
 LAYOUTS = ("hf", "fused")  # one GEMM per HF projection module; vLLM-style fused q|k|v and gate|up
+DIRECTIONS = ("fwd", "bwd")  # y = x @ W.T (forward); dx = dy @ W (backward, the input gradient)
 MAX_REL_ERR = 1e-3  # acceptance bound on the mean relative error vs the oracle
 
 
@@ -194,14 +201,24 @@ def mean_relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out64 - ref64).abs().mean() / ref64.abs().mean().clamp_min(1e-300))
 
 
-def bench_gemm_shape(shape: GemmShape, ms: Sequence[int], *, l2: int, copy_gbps: float, graph: bool = True,
-                     config=None, seed: int = 0, progress: Callable[[str], None] | None = None) -> list[dict]:
-    """Time BF16 ``F.linear`` and ``fp4_linear`` on one projection shape for every M; check every
-    FP4 output (NaN-poisoned, vs the oracle). The weight is quantized once per shape."""
-    from qerl_lib.kernels.fp4_gemm import fp4_linear, pick_config, prepare_fp4_weights, uses_mma
-    from qerl_lib.kernels.mma import pick_mma_config
-    from qerl_lib.quant.nvfp4 import quantize, reference_matmul
+def row_direction(row: dict) -> str:
+    """A result row's direction; rows written before the key existed are forward rows."""
+    return row.get("direction", "fwd")
 
+
+def bench_gemm_shape(shape: GemmShape, ms: Sequence[int], *, l2: int, copy_gbps: float, graph: bool = True,
+                     config=None, seed: int = 0, progress: Callable[[str], None] | None = None,
+                     directions: Sequence[str] = DIRECTIONS) -> list[dict]:
+    """Time BF16 and FP4 on one projection shape for every M and direction (module docstring); check
+    every FP4 output (NaN-poisoned, vs the oracle). The weight is quantized once per shape. ``config``
+    forces the Triton launch of the fwd direction."""
+    from qerl_lib.kernels.fp4_gemm import fp4_grad_input, fp4_linear, pick_config, prepare_fp4_weights, uses_mma
+    from qerl_lib.kernels.mma import pick_mma_config
+    from qerl_lib.quant.nvfp4 import quantize, reference_grad_input, reference_matmul
+
+    bad = [d for d in directions if d not in DIRECTIONS]
+    if bad or not directions:
+        raise UserError(f"directions must be a non-empty subset of {DIRECTIONS}, got {list(directions)}")
     n, k = shape.n, shape.k
     gen = torch.Generator(device="cuda").manual_seed(seed)
     dense = (torch.randn(n, k, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)
@@ -212,105 +229,137 @@ def bench_gemm_shape(shape: GemmShape, ms: Sequence[int], *, l2: int, copy_gbps:
     w_bf16 = [dense.clone() for _ in range(rotation_copies(n * k * BF16_BYTES_PER_WEIGHT + 2 * min(ms) * (k + n), l2))]
     timer = time_graph if graph else time_eager
     sms = torch.cuda.get_device_properties(0).multi_processor_count
+    # per direction: input columns, output columns, the FP4 call, the oracle, the bf16 baseline
+    ops = {
+        "fwd": (k, n, lambda a, w, o: fp4_linear(a, w, out=o, config=config), lambda a: reference_matmul(a, q),
+                lambda a, w: torch.nn.functional.linear(a, w)),
+        "bwd": (n, k, lambda a, w, o: fp4_grad_input(a, w, out=o), lambda a: reference_grad_input(a, q),
+                lambda a, w: torch.mm(a, w)),
+    }
     rows = []
     for m in ms:
-        x0 = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
-        out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")  # poison
-        fp4_linear(x0, w_fp4[0], out=out, config=config)
-        torch.cuda.synchronize()
-        unwritten = int(torch.isnan(out).sum())
-        rel = mean_relative_error(out.float().nan_to_num(0.0), reference_matmul(x0, q).float())
-        del out
+        for direction in directions:
+            cols_in, cols_out, fp4_call, oracle, bf16_call = ops[direction]
+            a0 = torch.randn(m, cols_in, device="cuda", generator=gen).to(torch.bfloat16)
+            out = torch.full((m, cols_out), float("nan"), dtype=torch.bfloat16, device="cuda")  # poison
+            fp4_call(a0, w_fp4[0], out)
+            torch.cuda.synchronize()
+            unwritten = int(torch.isnan(out).sum())
+            rel = mean_relative_error(out.float().nan_to_num(0.0), oracle(a0).float())
+            del out
 
-        fp4_bytes = n * k * FP4_BYTES_PER_WEIGHT + 2 * m * (k + n)
-        bf16_bytes = n * k * BF16_BYTES_PER_WEIGHT + 2 * m * (k + n)
-        sets = [(x0.clone(), w, torch.empty(m, n, dtype=torch.bfloat16, device="cuda"))
-                for w in w_fp4[:rotation_copies(fp4_bytes, l2)]]
-        fp4_t = timer([(lambda s=s: fp4_linear(s[0], s[1], out=s[2], config=config)) for s in sets])
-        sets = [(x0.clone(), w) for w in w_bf16[:rotation_copies(bf16_bytes, l2)]]
-        bf16_t = timer([(lambda s=s: torch.nn.functional.linear(s[0], s[1])) for s in sets])
-        del sets, x0
-        torch.cuda.empty_cache()
+            fp4_bytes = n * k * FP4_BYTES_PER_WEIGHT + 2 * m * (k + n)
+            bf16_bytes = n * k * BF16_BYTES_PER_WEIGHT + 2 * m * (k + n)
+            sets = [(a0.clone(), w, torch.empty(m, cols_out, dtype=torch.bfloat16, device="cuda"))
+                    for w in w_fp4[:rotation_copies(fp4_bytes, l2)]]
+            fp4_t = timer([(lambda s=s: fp4_call(*s)) for s in sets])
+            sets = [(a0.clone(), w) for w in w_bf16[:rotation_copies(bf16_bytes, l2)]]
+            bf16_t = timer([(lambda s=s: bf16_call(*s)) for s in sets])
+            del sets, a0
+            torch.cuda.empty_cache()
 
-        if config is None and uses_mma(m, k, torch.device("cuda")):
-            path, cfg_doc = "mma", asdict(pick_mma_config(m, n, k))
-        else:
-            cfg = config or pick_config(m, n, k, sms)
-            path = "dequant+cublas" if cfg.cublas else ("fused-fragment" if cfg.fragment else "fused")
-            cfg_doc = asdict(cfg)
-        fp4_gbps = fp4_bytes / (fp4_t.median_ms * 1e-3) / 1e9
-        bf16_gbps = bf16_bytes / (bf16_t.median_ms * 1e-3) / 1e9
-        row = {
-            "model": shape.model, "proj": shape.name, "layout": shape.layout, "n": n, "k": k, "m": m,
-            "bf16_us": bf16_t.median_ms * 1e3, "bf16_us_p20": bf16_t.p20_ms * 1e3, "bf16_us_p80": bf16_t.p80_ms * 1e3,
-            "fp4_us": fp4_t.median_ms * 1e3, "fp4_us_p20": fp4_t.p20_ms * 1e3, "fp4_us_p80": fp4_t.p80_ms * 1e3,
-            "speedup": bf16_t.median_ms / fp4_t.median_ms, "byte_ceiling": bf16_bytes / fp4_bytes,
-            "fp4_gbps": fp4_gbps, "fp4_pct_copy": 100 * fp4_gbps / copy_gbps,
-            "bf16_gbps": bf16_gbps, "bf16_pct_copy": 100 * bf16_gbps / copy_gbps,
-            "fp4_tflops": 2 * m * n * k / (fp4_t.median_ms * 1e-3) / 1e12,
-            "bf16_tflops": 2 * m * n * k / (bf16_t.median_ms * 1e-3) / 1e12,
-            "rel_err": rel, "unwritten": unwritten, "ok": unwritten == 0 and rel <= MAX_REL_ERR,
-            "path": path, "config": cfg_doc, "repeats": fp4_t.repeats,
-        }
-        rows.append(row)
-        if progress:
-            progress(f"  {shape.model} {shape.name:<17} N={n:<6} K={k:<6} M={m:<5} bf16 {row['bf16_us']:8.1f} us  "
-                     f"fp4 {row['fp4_us']:8.1f} us  x{row['speedup']:.2f}  err {rel:.1e}{'' if row['ok'] else '  FAIL'}")
+            if direction == "bwd":
+                path, cfg_doc = "dequant+cublas", None  # fp4_grad_input has one CUDA path
+            elif config is None and uses_mma(m, k, torch.device("cuda")):
+                path, cfg_doc = "mma", asdict(pick_mma_config(m, n, k))
+            else:
+                cfg = config or pick_config(m, n, k, sms)
+                path = "dequant+cublas" if cfg.cublas else ("fused-fragment" if cfg.fragment else "fused")
+                cfg_doc = asdict(cfg)
+            rows.append(_result_row(shape, m, direction, fp4_t, bf16_t, fp4_bytes, bf16_bytes, copy_gbps,
+                                    rel, unwritten, path, cfg_doc))
+            if progress:
+                r = rows[-1]
+                progress(f"  {shape.model} {shape.name:<17} {direction} N={n:<6} K={k:<6} M={m:<5} "
+                         f"bf16 {r['bf16_us']:8.1f} us  fp4 {r['fp4_us']:8.1f} us  x{r['speedup']:.2f}  "
+                         f"err {rel:.1e}{'' if r['ok'] else '  FAIL'}")
     del w_fp4, w_bf16, dense, q
     torch.cuda.empty_cache()
     return rows
 
 
+def _result_row(shape: GemmShape, m: int, direction: str, fp4_t: TimingStats, bf16_t: TimingStats,
+                fp4_bytes: float, bf16_bytes: float, copy_gbps: float, rel: float, unwritten: int,
+                path: str, cfg_doc: dict | None) -> dict:
+    n, k = shape.n, shape.k
+    fp4_gbps = fp4_bytes / (fp4_t.median_ms * 1e-3) / 1e9
+    bf16_gbps = bf16_bytes / (bf16_t.median_ms * 1e-3) / 1e9
+    return {
+        "model": shape.model, "proj": shape.name, "layout": shape.layout, "direction": direction,
+        "n": n, "k": k, "m": m,
+        "bf16_us": bf16_t.median_ms * 1e3, "bf16_us_p20": bf16_t.p20_ms * 1e3, "bf16_us_p80": bf16_t.p80_ms * 1e3,
+        "fp4_us": fp4_t.median_ms * 1e3, "fp4_us_p20": fp4_t.p20_ms * 1e3, "fp4_us_p80": fp4_t.p80_ms * 1e3,
+        "speedup": bf16_t.median_ms / fp4_t.median_ms, "byte_ceiling": bf16_bytes / fp4_bytes,
+        "fp4_gbps": fp4_gbps, "fp4_pct_copy": 100 * fp4_gbps / copy_gbps,
+        "bf16_gbps": bf16_gbps, "bf16_pct_copy": 100 * bf16_gbps / copy_gbps,
+        "fp4_tflops": 2 * m * n * k / (fp4_t.median_ms * 1e-3) / 1e12,
+        "bf16_tflops": 2 * m * n * k / (bf16_t.median_ms * 1e-3) / 1e12,
+        "rel_err": rel, "unwritten": unwritten, "ok": unwritten == 0 and rel <= MAX_REL_ERR,
+        "path": path, "config": cfg_doc, "repeats": fp4_t.repeats,
+    }
+
+
 def summarize(rows: Sequence[dict]) -> dict:
-    """Acceptance view per model: geomean speedup for M <= 16 (per layout and all shapes), the
-    minimum for M >= 1024, and the worst correctness numbers."""
+    """Acceptance view per model: from the fwd rows, the geomean speedup for M <= 16 (per layout and
+    all shapes) and the minimum for M >= 1024 (also as ``min_speedup_m_ge_1024_fwd``); the minimum
+    for M >= 1024 of the bwd rows (``min_speedup_m_ge_1024_bwd``, None without bwd rows); and the
+    worst correctness numbers over every row of both directions."""
     out = {}
     for model in sorted({r["model"] for r in rows}):
         mine = [r for r in rows if r["model"] == model]
-        small = [r for r in mine if r["m"] <= 16]
-        large = [r for r in mine if r["m"] >= 1024]
+        small = [r for r in mine if r["m"] <= 16 and row_direction(r) == "fwd"]
+
+        def min_large(direction):
+            return min((r["speedup"] for r in mine if r["m"] >= 1024 and row_direction(r) == direction), default=None)
+
         out[model] = {
             "geomean_speedup_m_le_16": geomean([r["speedup"] for r in small]),
             "geomean_speedup_m_le_16_hf": geomean([r["speedup"] for r in small if r["layout"] == "hf"]),
             "geomean_speedup_m_le_16_fused": geomean([r["speedup"] for r in small if r["layout"] == "fused"]),
-            "min_speedup_m_ge_1024": min((r["speedup"] for r in large), default=None),
+            "min_speedup_m_ge_1024": min_large("fwd"),
+            "min_speedup_m_ge_1024_fwd": min_large("fwd"),
+            "min_speedup_m_ge_1024_bwd": min_large("bwd"),
             "max_rel_err": max((r["rel_err"] for r in mine), default=None),
             "all_ok": all(r["ok"] for r in mine),
         }
     return out
 
 
-TABLE_COLUMNS = (("model", "", 11), ("proj", "", 17), ("n", "d", 6), ("k", "d", 6), ("m", "d", 5),
+TABLE_COLUMNS = (("model", "", 11), ("proj", "", 17), ("dir", "", 3), ("n", "d", 6), ("k", "d", 6), ("m", "d", 5),
                  ("bf16_us", ".1f", 9), ("fp4_us", ".1f", 9), ("speedup", ".2f", 7), ("byte_ceiling", ".2f", 12),
                  ("fp4_gbps", ".0f", 8), ("fp4_pct_copy", ".0f", 12), ("rel_err", ".1e", 8), ("path", "", 14))
 
 
 def run_gemm_benchmark(models: Sequence[str] = DEFAULT_MODELS, ms: Sequence[int] = DEFAULT_MS, *,
-                       layouts: Sequence[str] = LAYOUTS, graph: bool = True, command: str | None = None,
-                       progress: Callable[[str], None] | None = print) -> dict:
+                       layouts: Sequence[str] = LAYOUTS, directions: Sequence[str] = DIRECTIONS, graph: bool = True,
+                       command: str | None = None, progress: Callable[[str], None] | None = print) -> dict:
     """The full ``qerl bench gemm`` sweep; returns the JSON document (provenance, rows, summary)."""
     from qerl_lib.io import provenance
 
     _require_cuda()
     if any(m < 1 for m in ms):
         raise UserError(f"--m values must be positive integers, got {list(ms)}")
+    if not directions or any(d not in DIRECTIONS for d in directions):
+        raise UserError(f"--directions accepts {' and '.join(DIRECTIONS)}, got {list(directions)}")
     shapes = [s for model in models for s in projection_shapes(model, layouts)]
     torch.backends.cuda.matmul.allow_tf32 = False  # the oracle's fp32 matmul must really be fp32
     copy_gbps = copy_bandwidth_gbps()
     l2 = l2_cache_bytes()
     if progress:
         progress(f"device copy bandwidth {copy_gbps:.0f} GB/s (read+write), L2 {l2 / 2**20:.0f} MiB; "
-                 f"{len(shapes)} shapes x {len(ms)} M values")
+                 f"{len(shapes)} shapes x {len(ms)} M values x {len(directions)} directions")
     rows = []
     for shape in shapes:
-        rows += bench_gemm_shape(shape, ms, l2=l2, copy_gbps=copy_gbps, graph=graph, progress=progress)
+        rows += bench_gemm_shape(shape, ms, l2=l2, copy_gbps=copy_gbps, graph=graph, progress=progress,
+                                 directions=directions)
     return {
         "benchmark": "gemm",
         "provenance": provenance(command),
-        "settings": {"models": list(models), "ms": list(ms), "layouts": list(layouts),
+        "settings": {"models": list(models), "ms": list(ms), "layouts": list(layouts), "directions": list(directions),
                      "timing": "cuda-graph replay, median over repeats" if graph else "eager launches, median",
                      "rotation": "distinct weight/activation copies per call, >= 3x L2 per pass",
-                     "rel_err_definition": "mean|out-ref| / mean|ref| vs nvfp4.reference_matmul (fp32, TF32 off)",
+                     "rel_err_definition": "mean|out-ref| / mean|ref| vs nvfp4.reference_matmul (fwd) or "
+                                           "nvfp4.reference_grad_input (bwd), fp32, TF32 off",
                      "max_rel_err": MAX_REL_ERR},
         "device": {"copy_gbps": copy_gbps, "l2_bytes": l2,
                    "sm_count": torch.cuda.get_device_properties(0).multi_processor_count},
@@ -321,15 +370,18 @@ def run_gemm_benchmark(models: Sequence[str] = DEFAULT_MODELS, ms: Sequence[int]
 
 
 def render_gemm_report(doc: dict) -> str:
-    """The fixed-width table plus the per-model acceptance summary."""
-    lines = [format_table(doc["rows"], TABLE_COLUMNS), "",
+    """The fixed-width table plus the per-model acceptance summary (rows without a direction are fwd)."""
+    rows = [{**r, "dir": row_direction(r)} for r in doc["rows"]]
+    lines = [format_table(rows, TABLE_COLUMNS), "",
              f"device: {doc['provenance']['device'].get('name')}  copy bandwidth {doc['device']['copy_gbps']:.0f} GB/s  "
              f"ceiling {doc['ceiling']:.2f}x (16/4.5)"]
+    def fmt(v, spec=".2f", unit="x"):
+        return "-" if v is None else format(v, spec) + unit
+
     for model, s in doc["summary"].items():
-        def fmt(v, spec=".2f"):
-            return "-" if v is None else format(v, spec)
-        lines.append(f"{model}: geomean speedup M<=16 {fmt(s['geomean_speedup_m_le_16'])}x "
-                     f"(hf {fmt(s['geomean_speedup_m_le_16_hf'])}x, fused {fmt(s['geomean_speedup_m_le_16_fused'])}x); "
-                     f"min speedup M>=1024 {fmt(s['min_speedup_m_ge_1024'])}x; max rel err {fmt(s['max_rel_err'], '.1e')}; "
+        lines.append(f"{model}: geomean speedup M<=16 {fmt(s['geomean_speedup_m_le_16'])} "
+                     f"(hf {fmt(s['geomean_speedup_m_le_16_hf'])}, fused {fmt(s['geomean_speedup_m_le_16_fused'])}); "
+                     f"min speedup M>=1024 fwd {fmt(s['min_speedup_m_ge_1024'])}, "
+                     f"bwd {fmt(s.get('min_speedup_m_ge_1024_bwd'))}; max rel err {fmt(s['max_rel_err'], '.1e', '')}; "
                      f"{'all correct' if s['all_ok'] else 'CORRECTNESS FAILURES'}")
     return "\n".join(lines)

@@ -12,10 +12,9 @@ How one program works (``_fp4_gemm_kernel``, small-M "fragment" path)
 Each program owns ``BLOCK_N`` output features, ``BLOCK_M`` (16-64) rows of ``x`` and one slice of
 K (split-K, below). Per K-step of 128:
 
-1. **Load** ``BLOCK_N x 16`` int32 words of ``weight_packed`` (the compressed-tensors bytes viewed
-   as int32, 8 codes per word, read in place: 16-byte vector loads, ``evict_first`` since every
-   weight is used once), ``BLOCK_N x 8`` scale bytes and the ``x`` tile. The next step's loads are
-   issued before this step's math (software prefetch in registers).
+1. **Load** ``BLOCK_N x 16`` int32 words of ``weight_packed`` (the compressed-tensors bytes read in place as
+   int32, 8 codes per word: 16-byte vector loads, ``evict_first`` as every weight is used once), ``BLOCK_N x 8``
+   scale bytes and the ``x`` tile; the next step's loads are issued before this step's math (prefetch).
 2. **Decode two codes per 32-bit op** (Marlin's trick, spec 4.6): for a code ``c = s e1 e0 m`` the
    16 bits ``s<<15 | e1 e0 m << 6`` *are* the bfloat16 ``fp4(c) * 2^-126`` (code 1 = 0.5 becomes a
    bf16 subnormal, exactly right). ``_code_pair_bits`` builds codes ``i`` and ``i + 4`` of a word in
@@ -37,10 +36,9 @@ K (split-K, below). Per K-step of 128:
    so no host sync is needed and the call can be captured in a CUDA graph.
 
 Parallelism. Small M gives only ``N / BLOCK_N`` programs (28 for a 3584-wide output), too few for
-132 SMs, so K is split into slices that write fp32 partials; ``_splitk_reduce_kernel`` sums them
-in a fixed order (deterministic, no atomics) and runs the epilogue. ``pick_config``
-(``kernels/launch_rule.py``) picks tile width and slices (about 2 programs per SM for
-2 <= M <= 16, measured best on an H100).
+132 SMs, so K is split into slices that write fp32 partials; ``_splitk_reduce_kernel`` sums them in
+a fixed order (deterministic, no atomics) and runs the epilogue. ``pick_config`` (``launch_rule.py``)
+picks tile width and slices (about 2 programs per SM for 2 <= M <= 16, measured best on an H100).
 
 Large M (prefill, training forward) is compute-bound. Measured fastest: expand the weights once
 per call with ``_fp4_dequant_kernel`` (an exact bf16 copy of ``fp4 * s * 2^-8``, at ~97% of copy
@@ -48,23 +46,26 @@ bandwidth) and let cuBLAS multiply with ``alpha = 2^8/gs`` applied in its fp32 e
 (``torch.addmm``), keeping the oracle's single output rounding. The fused kernel with large tiles
 (``swap_ab=False``) remains for calls without a host copy of ``gs``; it reached 0.44-0.55x of cuBLAS.
 
-Where we deviate from Marlin / vLLM: no offline repacking (the fragment layout comes from
-relabeling K, the compressed-tensors bytes are read in place); only ``x`` goes through shared
-memory (wgmma's B operand must), once per K-step, instead of Marlin's multi-stage ``cp.async``
-pipeline with ``mma.sync``; E4M3-subnormal block scales (bytes 0x01-0x07) are kept, as
-compressed-tensors does, where Marlin flushes them to zero; the global scale (the *encode* factor
-``gs``, ``w = fp4 * s / gs``) is read on device instead of being inverted on the host.
+Backward layout (``fp4_grad_input``, oracle ``nvfp4.reference_grad_input``): ``dL/dx = dy @ W``
+(``dy [M, N]`` -> ``[M, K]``) of a frozen layer, by the large-M forward's single-rounding arithmetic
+with W untransposed: a temporary ``_fp4_dequant_kernel`` copy ``W'``, then cuBLAS ``dy @ W'`` with
+``alpha = 2^8/gs`` in fp32 (under the Triton interpreter that is torch's CPU bf16 ``addmm``).
 
-Dispatch: CUDA tensors with M <= 8 and K % 128 == 0 (the decode step) run the CUDA ``mma.sync``
-kernel of ``kernels/mma.py`` where it can run (sm_90+ and NVRTC), since it streams the weights
-faster than this Triton kernel (measured on an H100 and an H200; see dev/LOG.md). The
-``small_m_backend`` argument of ``fp4_linear`` chooses ("auto", "mma" or "triton"); without it the
-environment variable ``QERL_FP4_SMALL_M`` does (default "auto"), read at each call. Other CUDA
-calls run the Triton kernel (or dequantize + cuBLAS for large M); CPU tensors run the plain-torch
-oracle ``nvfp4.reference_matmul`` (dequantize-then-matmul in fp32), unless ``impl="triton"``
-forces the kernel (CPU tensors then need ``TRITON_INTERPRET=1`` set before Triton is imported; the
-interpreter cannot run PTX and mishandles bf16 -- see ``_interpreted`` -- so it multiplies in fp32
-instead: the same exact products, bit-identical results).
+Where we deviate from Marlin / vLLM: no offline repacking (the fragment layout comes from relabeling K,
+the compressed-tensors bytes are read in place); only ``x`` goes through shared memory (wgmma's B operand
+must), once per K-step, instead of Marlin's multi-stage ``cp.async`` pipeline with ``mma.sync``; E4M3-subnormal
+block scales (bytes 0x01-0x07) are kept, as compressed-tensors does, where Marlin flushes them to zero; the
+global scale (the *encode* factor ``gs``, ``w = fp4 * s / gs``) is read on device, not inverted on the host.
+
+Dispatch: CUDA calls with M <= 8 and K % 128 == 0 (the decode step) run the ``mma.sync`` kernel of
+``kernels/mma.py`` where it can run (sm_90+ and NVRTC): it streams the weights faster than this
+Triton kernel (H100 and H200, dev/LOG.md). ``fp4_linear``'s ``small_m_backend`` ("auto", "mma",
+"triton") chooses, else the environment variable ``QERL_FP4_SMALL_M`` read at each call (default
+"auto"). Other CUDA calls run the Triton kernel (or dequantize + cuBLAS for large M); CPU tensors
+run the plain-torch oracles (``nvfp4.reference_matmul``: dequantize-then-matmul in fp32) unless
+``impl="triton"`` forces the kernels, which then need ``TRITON_INTERPRET=1`` set before Triton is
+imported; the interpreter cannot run PTX and mishandles bf16 (``_interpreted``), so the kernels
+multiply in fp32 there: the same exact products, bit-identical results.
 """
 
 from __future__ import annotations
@@ -79,7 +80,7 @@ import torch
 
 from qerl_lib.kernels import mma
 from qerl_lib.kernels.launch_rule import KernelConfig, pick_config
-from qerl_lib.quant.nvfp4 import GROUP_SIZE, NVFP4Weight, reference_matmul
+from qerl_lib.quant.nvfp4 import GROUP_SIZE, NVFP4Weight, reference_grad_input, reference_matmul
 
 try:  # Triton is optional: the CPU reference path works without it.
     import triton
@@ -98,21 +99,17 @@ def resolve_small_m_backend(name: str | None = None) -> str:
     ``QERL_FP4_SMALL_M`` as it is now (default ``"auto"``). ``"mma"``: the CUDA mma.sync kernel of
     ``kernels/mma.py`` (error if this machine cannot run it); ``"triton"``: this module's Triton
     kernel; ``"auto"``: mma where available, else Triton."""
-    if name is None:
-        value = os.environ.get(SMALL_M_ENV, "auto")
-        if value not in SMALL_M_BACKENDS:
-            raise ValueError(f"{SMALL_M_ENV} must be one of {SMALL_M_BACKENDS}, got {value!r}")
-        return value
-    if name not in SMALL_M_BACKENDS:
-        raise ValueError(f"small-M backend must be one of {SMALL_M_BACKENDS}, got {name!r}")
-    return name
+    value = os.environ.get(SMALL_M_ENV, "auto") if name is None else name
+    if value not in SMALL_M_BACKENDS:
+        what = SMALL_M_ENV if name is None else "small-M backend"
+        raise ValueError(f"{what} must be one of {SMALL_M_BACKENDS}, got {value!r}")
+    return value
 
 
 def uses_mma(m: int, k: int, device: torch.device, backend: str | None = None) -> bool:
-    """Whether an ``fp4_linear`` call with ``m`` rows, reduction ``k`` on ``device`` (and no explicit
-    Triton ``config``) runs the mma.sync CUDA kernel under small-M ``backend`` (None: the
-    environment's, see ``resolve_small_m_backend``); raises if the backend is "mma" but this
-    machine cannot run it."""
+    """Whether an ``fp4_linear`` call with ``m`` rows, reduction ``k`` on ``device`` (and no Triton
+    ``config``) runs the mma.sync kernel under small-M ``backend`` (None: the environment's, see
+    ``resolve_small_m_backend``); raises if the backend is "mma" but this machine cannot run it."""
     backend = resolve_small_m_backend(backend)
     if backend == "triton" or device.type != "cuda" or m > mma.AUTO_MAX_M or not mma.supported_problem(m, k):
         return False
@@ -128,12 +125,10 @@ def uses_mma(m: int, k: int, device: torch.device, backend: str | None = None) -
 # ============================================================================ prepared weights
 @dataclass
 class PreparedFP4Weight:
-    """An NVFP4 weight checked once, as the kernel reads it (zero-copy views, nothing repacked).
-
-    ``words``: int32 ``[N, K/8]`` view of ``weight_packed`` (8 codes per word); ``scales``: uint8 view
-    of the E4M3 block scales; ``inv_global_scale``: ``fl32(1/gs)`` as a Python float, read once here
-    so that the large-M cuBLAS path needs no host sync per call. Build with ``prepare_fp4_weights``.
-    """
+    """An NVFP4 weight checked once, as the kernel reads it (zero-copy views, nothing repacked); build
+    with ``prepare_fp4_weights``. ``words``: int32 ``[N, K/8]`` view of ``weight_packed`` (8 codes per
+    word); ``scales``: uint8 view of the E4M3 block scales; ``inv_global_scale``: ``fl32(1/gs)`` as a
+    Python float, read once so that the cuBLAS paths need no host sync per call (NaN: not read)."""
 
     words: torch.Tensor
     scales: torch.Tensor
@@ -155,12 +150,10 @@ class PreparedFP4Weight:
 
 def prepare_fp4_weights(weight_packed: torch.Tensor, weight_scale: torch.Tensor,
                         weight_global_scale: torch.Tensor) -> PreparedFP4Weight:
-    """Validate an NVFP4 weight once; the result is what ``fp4_linear`` takes.
-
-    Call once per layer at load time and cache it (``NVFP4Linear`` does): it reads ``gs`` to the
-    host (one sync), so build it before capturing CUDA graphs. Zero-copy: the kernel reads
-    ``weight_packed`` and ``weight_scale`` in place.
-    """
+    """Validate an NVFP4 weight once; the result is what ``fp4_linear`` and ``fp4_grad_input`` take.
+    Call once per layer at load time and cache it (``NVFP4Linear`` does): it reads ``gs`` to the host
+    (one sync), so build it before capturing CUDA graphs. Zero-copy: the kernels read
+    ``weight_packed`` and ``weight_scale`` in place."""
     _check_weight(weight_packed, weight_scale, weight_global_scale)
     gs = weight_global_scale.reshape(1)
     inv = float(torch.reciprocal(gs.to(torch.float32)).item())  # fl32(1/gs), as the oracle
@@ -171,14 +164,12 @@ def prepare_fp4_weights(weight_packed: torch.Tensor, weight_scale: torch.Tensor,
 def fp4_matmul(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch.Tensor,
                weight_global_scale: torch.Tensor, bias: torch.Tensor | None = None, *,
                impl: str = "auto", out: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ W.T (+ bias)`` for an NVFP4 weight in compressed-tensors layout.
-
-    ``x``: bf16 ``[..., K]``. ``weight_packed``: uint8 ``[N, K/2]``; ``weight_scale``: float8_e4m3fn
-    ``[N, K/16]``; ``weight_global_scale``: float32 ``[1]`` (the encode factor gs). Returns bf16
-    ``[..., N]``. ``impl``: ``"auto"`` (Triton on CUDA, reference on CPU), ``"triton"`` or
-    ``"reference"``. ``out``: optional bf16 ``[..., N]`` contiguous tensor to write into.
-    Layers should call ``prepare_fp4_weights`` once and use ``fp4_linear``.
-    """
+    """``x @ W.T (+ bias)`` for an NVFP4 weight in compressed-tensors layout. ``x``: bf16 ``[..., K]``.
+    ``weight_packed``: uint8 ``[N, K/2]``; ``weight_scale``: float8_e4m3fn ``[N, K/16]``;
+    ``weight_global_scale``: float32 ``[1]`` (the encode factor gs). Returns bf16 ``[..., N]``.
+    ``impl``: ``"auto"`` (Triton on CUDA, reference on CPU), ``"triton"`` or ``"reference"``. ``out``:
+    optional bf16 ``[..., N]`` contiguous tensor to write into. Layers should call
+    ``prepare_fp4_weights`` once and use ``fp4_linear``."""
     impl = _resolve_impl(impl, x)
     _check_weight(weight_packed, weight_scale, weight_global_scale)
     n, k = int(weight_packed.shape[0]), int(weight_packed.shape[1]) * 2
@@ -214,6 +205,31 @@ def fp4_linear(x: torch.Tensor, weight: PreparedFP4Weight, bias: torch.Tensor | 
         return res if out is None else out.copy_(res)
     return _triton_linear(x, weight, bias, out, allow_cublas=True, config=config, small_m_backend=small_m_backend,
                           mma_rule=mma_rule)
+
+
+def fp4_grad_input(grad_out: torch.Tensor, weight: PreparedFP4Weight, *, impl: str = "auto",
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+    """``grad_out @ W``, the input gradient of ``y = x @ W.T``, for a ``prepare_fp4_weights`` result
+    (module docstring, "Backward layout"): bf16 ``[..., N]`` -> bf16 ``[..., K]``. ``impl`` as in
+    ``fp4_matmul``. ``out``: optional bf16 ``[..., K]`` contiguous tensor to write into."""
+    impl = _resolve_impl(impl, grad_out)
+    if not isinstance(weight, PreparedFP4Weight):
+        raise ValueError(f"fp4_grad_input: weight must be a PreparedFP4Weight (use prepare_fp4_weights), got {type(weight).__name__}")
+    n, k = weight.shape
+    _check_x_bias(grad_out, None, k, n, weight.device, name="grad_out", dim="N (out_features)")
+    out = _check_out(out, grad_out, k)
+    if impl == "reference":
+        res = reference_grad_input(grad_out, weight.to_compressed_tensors())
+        return res if out is None else out.copy_(res)
+    g2 = grad_out.reshape(-1, n)
+    res = torch.empty(g2.shape[0], k, dtype=torch.bfloat16, device=g2.device) if out is None else out.view(g2.shape[0], k)
+    if g2.shape[0]:
+        w = dequantize_exact(weight, unscale=False)  # fp4 * s * 2^-8, exact; lives for this call only
+        if math.isnan(weight.inv_global_scale):  # no host copy of 1/gs: fp32 product, * 2^8/gs on device
+            res.copy_(torch.mm(g2.float(), w.float()) * (256.0 / weight.global_scale))
+        else:  # alpha = 2^8/gs applied in fp32 before the single rounding; beta = 0: `res` is not read
+            res.addmm_(g2, w, beta=0.0, alpha=256.0 * weight.inv_global_scale)
+    return res.reshape(*grad_out.shape[:-1], k)
 
 
 def dequantize_exact(weight: PreparedFP4Weight, unscale: bool = True) -> torch.Tensor:
@@ -275,13 +291,14 @@ def _check_out(out: torch.Tensor | None, x: torch.Tensor, n: int) -> torch.Tenso
     return out
 
 
-def _check_x_bias(x: torch.Tensor, bias: torch.Tensor | None, n: int, k: int, device: torch.device) -> None:
+def _check_x_bias(x: torch.Tensor, bias: torch.Tensor | None, n: int, k: int, device: torch.device,
+                  name: str = "x", dim: str = "K") -> None:  # x [..., k]: the activation (or dy) operand
     if not isinstance(x, torch.Tensor) or x.dtype != torch.bfloat16:
-        raise ValueError(f"x must be a bfloat16 tensor, got {getattr(x, 'dtype', type(x))}; convert with x.to(torch.bfloat16)")
+        raise ValueError(f"{name} must be a bfloat16 tensor, got {getattr(x, 'dtype', type(x))}; convert with {name}.to(torch.bfloat16)")
     if x.dim() < 1 or x.shape[-1] != k:
-        raise ValueError(f"x has shape {list(x.shape)}; its last dim must equal the weight's K = {k}")
+        raise ValueError(f"{name} has shape {list(x.shape)}; its last dim must equal the weight's {dim} = {k}")
     if x.device != device:
-        raise ValueError(f"x is on {x.device} but the weight is on {device}")
+        raise ValueError(f"{name} is on {x.device} but the weight is on {device}")
     if bias is not None:
         if not isinstance(bias, torch.Tensor) or bias.dtype != torch.bfloat16 or tuple(bias.shape) != (n,):
             raise ValueError(f"bias must be a bfloat16 [N] = [{n}] tensor, got "
@@ -374,10 +391,7 @@ if triton is not None:
         # E4M3 -> fp32 is exact (subnormal scales too); * 2^118 keeps fp4 * s * 2^-8 a normal bf16
         s = s_byte.to(tl.float8e4nv, bitcast=True).to(tl.float32) * 2.0**118
         s_word = tl.reshape(tl.join(s, s), [BLOCK_N, WORDS]).to(tl.bfloat16)  # word w is in group w // 2
-        p0 = _code_pair_bits(q, 0)
-        p1 = _code_pair_bits(q, 1)
-        p2 = _code_pair_bits(q, 2)
-        p3 = _code_pair_bits(q, 3)
+        p0, p1, p2, p3 = _code_pair_bits(q, 0), _code_pair_bits(q, 1), _code_pair_bits(q, 2), _code_pair_bits(q, 3)
         # tl.join appends a new *innermost* dim, so the lo/hi join goes last: each 32-bit register
         # then holds exactly one decoded pair (code i, code i + 4) -- no repacking.
         lows = tl.join(tl.join(p0.to(tl.uint16), p1.to(tl.uint16)), tl.join(p2.to(tl.uint16), p3.to(tl.uint16)))
@@ -406,8 +420,7 @@ if triton is not None:
 
     @triton.jit
     def _round_bf16(v, INTERPRETED: tl.constexpr):
-        """fp32 -> bf16, round-to-nearest-even. The GPU's convert does this; the interpreter
-        truncates, so there we round the bits by hand (finite values only)."""
+        """fp32 -> bf16, round-to-nearest-even (the interpreter truncates: round the bits by hand, finite values only)."""
         if INTERPRETED:
             bits = v.to(tl.uint32, bitcast=True)
             bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
@@ -416,10 +429,9 @@ if triton is not None:
 
     @triton.jit
     def _bitreverse_k(t, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr):
-        """Permute the K axis of ``t [ROWS, BLOCK_K]`` by 3-bit bit reversal inside every 8 (an
-        involution: kernel order <-> natural order), in registers. The identity ``mov`` in inline
-        PTX hides the permute from Triton 3.6's dot-operand optimizer, which otherwise tries to fold
-        it into a shared-memory layout and aborts ("Illegal shared layout")."""
+        """Permute the K axis of ``t [ROWS, BLOCK_K]`` by 3-bit bit reversal inside every 8 (an involution:
+        kernel order <-> natural order), in registers. The identity inline-PTX ``mov`` hides the permute from
+        Triton 3.6's dot-operand optimizer, which would fold it into a shared layout and abort ("Illegal shared layout")."""
         t = tl.reshape(t, [ROWS, BLOCK_K // 8, 2, 2, 2])
         t = tl.reshape(tl.permute(t, [0, 1, 4, 3, 2]), [ROWS, BLOCK_K])
         if not INTERPRETED:
@@ -428,9 +440,9 @@ if triton is not None:
 
     @triton.jit
     def _frag_rows(pid_n, N, BLOCK_N: tl.constexpr):
-        """Row indices shaped (l, w, h, r) = [8, 4, 2, BLOCK_N/64], row = 64r + 16w + 8h + l, clamped.
-        Loading through it makes Triton give lanes to (word group, l), warps to w and registers to
-        h, r: the rows of Hopper's wgmma A fragment (warp w: rows 16w.., lane/4: row, +8: 2nd reg)."""
+        """Row indices shaped (l, w, h, r) = [8, 4, 2, BLOCK_N/64], row = 64r + 16w + 8h + l, clamped. Loading
+        through it makes Triton give lanes to (word group, l), warps to w and registers to h, r: the rows of
+        Hopper's wgmma A fragment (warp w: rows 16w.., lane/4: row, +8: 2nd reg)."""
         r = (tl.arange(0, 8)[:, None, None, None] + tl.arange(0, 4)[None, :, None, None] * 16
              + tl.arange(0, 2)[None, None, :, None] * 8 + tl.arange(0, BLOCK_N // 64)[None, None, None, :] * 64)
         return tl.minimum(pid_n * BLOCK_N + r, N - 1)
@@ -443,12 +455,11 @@ if triton is not None:
     @triton.jit
     def _frag_dequant(q, sb, BLOCK_N: tl.constexpr, INTERPRETED: tl.constexpr):
         """words [BLOCK_N, 16] + scale bytes [BLOCK_N, 8] (one 128-wide K-step) -> W' bf16 [BLOCK_N, 128]
-        with K relabeled so each thread already holds its wgmma A-fragment values.
-
-        Thread lane t (= lane % 4) loaded words 4t..4t+3 (j = 0..3) of its rows; the decoder yields
-        each word's codes as (x, y, z) with code number x + 2y + 4z. Logical K index
-        kappa = 32 j + 16 x + 8 y + 2 t + z is exactly the fragment's 16 c + 8 a + 2 t + b, so no
-        shuffle or shared-memory round trip is needed. x is permuted to match (``_frag_x``)."""
+        with K relabeled so each thread already holds its wgmma A-fragment values. Thread lane
+        t (= lane % 4) loaded words 4t..4t+3 (j = 0..3) of its rows; the decoder yields each word's
+        codes as (x, y, z) with code number x + 2y + 4z. Logical K index kappa = 32 j + 16 x + 8 y + 2 t + z
+        is exactly the fragment's 16 c + 8 a + 2 t + b: no shuffle or shared-memory round trip.
+        x is permuted to match (``_frag_x``)."""
         w = tl.reshape(_scaled_codes(q, sb, BLOCK_N, 16, INTERPRETED), [BLOCK_N, 4, 4, 2, 2, 2])  # [n, t, j, x, y, z]
         return tl.reshape(tl.permute(w, [0, 2, 3, 4, 1, 5]), [BLOCK_N, 128])  # [n, j, x, y, t, z]
 
@@ -465,9 +476,8 @@ if triton is not None:
     @triton.jit
     def _load_step(w_ptr, s_ptr, x_ptr, rows, offs_m, m_mask, kk, K, stride_wn, stride_sn, stride_xm,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, FRAG: tl.constexpr):
-        """Words [BLOCK_N, BLOCK_K/8], scale bytes [BLOCK_N, BLOCK_K/16] and x [BLOCK_M, BLOCK_K] of
-        the K-step at ``kk``; ``rows`` is [BLOCK_N] or, with FRAG, the 4-D ``_frag_rows`` index.
-        Weights are streamed once: evict them first from L2."""
+        """Words [BLOCK_N, BLOCK_K/8], scale bytes [BLOCK_N, BLOCK_K/16] and x [BLOCK_M, BLOCK_K] of the K-step at
+        ``kk``; ``rows``: [BLOCK_N] or, with FRAG, the 4-D ``_frag_rows`` index. Weights are read once: evict_first."""
         offs_w = kk // 8 + tl.arange(0, BLOCK_K // 8)
         offs_g = kk // 16 + tl.arange(0, BLOCK_K // 16)
         offs_k = kk + tl.arange(0, BLOCK_K)
@@ -498,11 +508,10 @@ if triton is not None:
         EVEN_K: tl.constexpr, SWAP_AB: tl.constexpr,
         HAS_BIAS: tl.constexpr, INTERPRETED: tl.constexpr, FRAG: tl.constexpr = False, PREFETCH: tl.constexpr = True,
     ):
-        """One (BLOCK_N x BLOCK_M) output tile over one K-slice. FRAG: the small-M fragment path
-        (module docstring). Otherwise the generic path: W' is built in the decoder's K order (3-bit
-        bit reversal inside each 8), x is permuted the same way in registers, and the tensor-core
-        operands are W' (A) and x (B) if SWAP_AB, else x (A) and W' (B) for large M. Both paths issue
-        the next K-step's loads before this step's decode (prefetch), so DRAM latency overlaps math."""
+        """One (BLOCK_N x BLOCK_M) output tile over one K-slice. FRAG: the small-M fragment path (module docstring).
+        Otherwise the generic path: W' is built in the decoder's K order (3-bit bit reversal inside each 8), x is
+        permuted the same way in registers, and the tensor-core operands are W' (A) and x (B) if SWAP_AB, else x (A)
+        and W' (B) for large M. Both issue the next K-step's loads before this step's decode: DRAM latency overlaps math."""
         pid_n, pid_m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rows = tl.minimum(offs_n, N - 1)  # clamp instead of masking: weight loads stay unpredicated

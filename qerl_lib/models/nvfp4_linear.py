@@ -58,9 +58,18 @@ LoRA needs ``dL/dx`` of every base layer (to reach the adapters of earlier layer
 ``dL/dW``. A plain ``F.linear(x, dequantize(W))`` would make autograd keep each layer's
 dequantized bf16 weight alive from forward to backward, i.e. a full bf16 copy of the model
 during training. ``_FrozenNVFP4Matmul`` saves only the packed buffers (already resident) and
-dequantizes again in backward: ``dx = dy @ W``, the QLoRA trick (bitsandbytes ``MatMul4Bit``).
-The buffers never require grad, so no gradient can reach them. (On CPU the backward
-reuses the cached dense weight of the forward instead, which is resident anyway.)
+expands the weight again in backward for ``dx = dy @ W``, the QLoRA trick (bitsandbytes
+``MatMul4Bit``); the expanded weight is a temporary of that one matmul. The buffers never require
+grad, so no gradient can reach them. Per path:
+
+* kernel path (bf16 ``dy``): ``kernels.fp4_gemm.fp4_grad_input`` on the layer's prepared weight.
+  It uses the forward's arithmetic: exact products ``dy * fp4 * s``, an fp32 sum and ``1/gs``
+  applied once before a single bf16 rounding (on CUDA a Triton dequantization to a temporary bf16
+  ``fp4 * s * 2^-8`` and one cuBLAS matmul with ``alpha = 2^8/gs``; on CPU the oracle
+  ``nvfp4.reference_grad_input``). Any other ``dy`` dtype takes the reference path's backward.
+* reference path: ``dy @ dequantize(W)`` in ``dy``'s dtype (the bf16-rounded weights, as the
+  forward used them). On CPU the backward reuses the cached dense weight of the forward instead,
+  which is resident anyway.
 
 Playing well with transformers and peft
 ---------------------------------------
@@ -113,6 +122,7 @@ class _FrozenNVFP4Matmul(torch.autograd.Function):
         # `dense`: the CPU cache's dequantized weight in x.dtype (NVFP4Linear._cached_dense), or None.
         # Resident either way (the buffers in the module, `dense` in the cache): saving them is free.
         ctx.save_for_backward(packed, scale, global_scale, dense)
+        ctx.prepared = prepared  # the kernel path's zero-copy views of those buffers, or None
         if prepared is not None:  # the kernel path (kernels.fp4_gemm)
             from qerl_lib.kernels.fp4_gemm import fp4_linear
 
@@ -126,13 +136,16 @@ class _FrozenNVFP4Matmul(torch.autograd.Function):
         packed, scale, global_scale, dense = ctx.saved_tensors
         grad_x = None
         if ctx.needs_input_grad[0]:
-            if dense is not None and dense.dtype == grad_out.dtype:
-                weight = dense  # the forward's weight, from the CPU cache: the same values as dequantizing again
+            if ctx.prepared is not None and grad_out.dtype == torch.bfloat16:
+                from qerl_lib.kernels.fp4_gemm import fp4_grad_input
+
+                grad_x = fp4_grad_input(grad_out, ctx.prepared)  # fp32 sum, 1/gs once, one rounding
             else:
-                # Dequantize again instead of keeping a bf16 copy from forward (QLoRA's trick). For the
-                # kernel path this is the bf16-rounded W, within one bf16 ulp of the kernel's exact W.
-                weight = nvfp4.dequantize(nvfp4.NVFP4Weight(packed, scale, global_scale), dtype=grad_out.dtype)
-            grad_x = grad_out @ weight
+                if dense is not None and dense.dtype == grad_out.dtype:
+                    weight = dense  # the forward's weight, from the CPU cache: the same values as dequantizing again
+                else:  # dequantize again instead of keeping a bf16 copy from forward (QLoRA's trick)
+                    weight = nvfp4.dequantize(nvfp4.NVFP4Weight(packed, scale, global_scale), dtype=grad_out.dtype)
+                grad_x = grad_out @ weight
         return grad_x, None, None, None, None, None, None, None, None
 
 

@@ -11,9 +11,10 @@ def plot_gemm_speedup(gemm_json: str | Path, out_png: str | Path, target: float 
                       target_large_m: float | None = None) -> Path:
     """One panel per model: speedup of the fused NVFP4 kernel over torch BF16 vs batch size M,
     one line per projection shape, with the 16/4.5 = 3.56x byte ceiling, the 1x line and, if given,
-    the target speedups for M <= 16 and M >= 1024 (each drawn over its range of M only)."""
+    the target speedups for M <= 16 and M >= 1024 (each drawn over its range of M only). Forward
+    layout only: rows with ``direction`` "bwd" are left out (rows without the key are forward)."""
     doc = load_json(gemm_json)
-    rows = doc["rows"]
+    rows = [r for r in doc["rows"] if r.get("direction", "fwd") == "fwd"]
     models = sorted({r["model"] for r in rows})
     fig, axes = new_figure(ncols=len(models), width=5.2, height=3.8)
     for ax, model in zip(axes, models):
@@ -41,9 +42,10 @@ def plot_gemm_speedup(gemm_json: str | Path, out_png: str | Path, target: float 
 
 def plot_gemm_bandwidth(gemm_json: str | Path, out_png: str | Path, max_m: int = 16) -> Path:
     """Achieved bandwidth as % of the measured device copy bandwidth, BF16 vs FP4, for M <= max_m
-    (the memory-bound regime), one bar pair per (model, projection) at the largest such M."""
+    (the memory-bound regime), one bar pair per (model, projection) at the largest such M; forward
+    layout only, as ``plot_gemm_speedup``."""
     doc = load_json(gemm_json)
-    rows = [r for r in doc["rows"] if r["m"] <= max_m]
+    rows = [r for r in doc["rows"] if r["m"] <= max_m and r.get("direction", "fwd") == "fwd"]
     top_m = max((r["m"] for r in rows), default=None)
     rows = [r for r in rows if r["m"] == top_m]
     fig, (ax,) = new_figure(ncols=1, width=max(5.0, 0.5 * len(rows) + 2), height=3.8)

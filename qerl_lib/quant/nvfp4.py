@@ -50,9 +50,10 @@ Where Marlin (and our kernel oracle) differ
 CT's dequantizer rounds each weight to bf16: ``bf16(fp4 * fl32(s / gs))``. vLLM's Marlin kernel
 instead forms ``fp4 * s`` exactly (<= 6 significant bits, always exact in bf16), accumulates in
 fp32 and multiplies the fp32 result by ``fl32(1/gs)`` once in the epilogue. The two differ in
-the last bits, so ``reference_matmul`` (the Marlin-style oracle for `qerl_lib.kernels.fp4_gemm`) is compared
-with tolerances while ``dequantize`` is compared bit-exactly with CT. Marlin also flushes
-E4M3-subnormal block scales (bytes 0x01-0x07) to zero; we keep them, as CT does.
+the last bits, so ``reference_matmul`` and ``reference_grad_input`` (the Marlin-style oracles of
+`qerl_lib.kernels.fp4_gemm`'s forward ``x @ W.T`` and backward ``dy @ W``) are compared with
+tolerances while ``dequantize`` is compared bit-exactly with CT. Marlin also flushes E4M3-subnormal
+block scales (bytes 0x01-0x07) to zero; we keep them, as CT does.
 
 docs/nvfp4_format.md walks through the same facts with the on-disk layout and hand-checkable test vectors
 (V1-V7, which tests/test_nvfp4.py and tests/test_quant_report.py pin).
@@ -268,6 +269,12 @@ def dequantize(q: NVFP4Weight, dtype: torch.dtype = torch.bfloat16) -> torch.Ten
 
 
 # ----------------------------------------------------------------------------- GEMM oracle
+def _exact_rows(q: NVFP4Weight, start: int, stop: int) -> torch.Tensor:
+    """Rows ``start:stop`` of W as exact fp32 products ``fp4 * s`` (the global scale not yet applied)."""
+    values = decode_e2m1(unpack_fp4(q.weight_packed[start:stop])).unflatten(-1, (-1, GROUP_SIZE))
+    return (values * q.weight_scale[start:stop].to(torch.float32).unsqueeze(-1)).flatten(-2)
+
+
 def reference_matmul(x: torch.Tensor, q: NVFP4Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """Plain-torch oracle of the FP4 x BF16 GEMM: ``x @ W.T (+ bias)`` the way Marlin computes it.
 
@@ -286,12 +293,31 @@ def reference_matmul(x: torch.Tensor, q: NVFP4Weight, bias: torch.Tensor | None 
     inv_gs = torch.reciprocal(q.weight_global_scale.to(torch.float32))  # fl32(1/gs), as Marlin
     out = torch.empty(x2.shape[0], n, dtype=x.dtype, device=x.device)
     for start, stop in _row_chunks(n, k):  # chunk over output columns to bound weight memory
-        values = decode_e2m1(unpack_fp4(q.weight_packed[start:stop])).unflatten(-1, (-1, GROUP_SIZE))
-        w_exact = (values * q.weight_scale[start:stop].to(torch.float32).unsqueeze(-1)).flatten(-2)
-        out[:, start:stop] = ((x2 @ w_exact.T) * inv_gs).to(x.dtype)
+        out[:, start:stop] = ((x2 @ _exact_rows(q, start, stop).T) * inv_gs).to(x.dtype)
     if bias is not None:
         out = out + bias.to(out.dtype)
     return out.reshape(*x.shape[:-1], n)
+
+
+def reference_grad_input(grad_out: torch.Tensor, q: NVFP4Weight) -> torch.Tensor:
+    """Plain-torch oracle of the backward-layout GEMM ``grad_out @ W`` (dL/dx of ``y = x @ W.T``), Marlin-style.
+
+    ``out = cast((grad_out.float() @ (fp4 * s).float()) * fl32(1 / gs))``: the products are exact,
+    the sum over N is fp32 (accumulated over row chunks of W, which bounds the fp32 weight
+    temporary), and ``1/gs`` is applied once to the fp32 result, as ``reference_matmul`` does for
+    the forward. ``grad_out`` is ``[..., N]`` with any leading dims; the result is ``[..., K]`` in
+    ``grad_out.dtype``. Run with TF32 off (torch's default) or the "fp32" accumulation is not fp32.
+    """
+    q.validate("reference_grad_input")
+    n, k = q.shape
+    if grad_out.shape[-1] != n:
+        raise ValueError(f"reference_grad_input: grad_out has last dim {grad_out.shape[-1]}, the weight expects N = {n}")
+    g2 = grad_out.reshape(-1, n).to(torch.float32)
+    inv_gs = torch.reciprocal(q.weight_global_scale.to(torch.float32))  # fl32(1/gs), as Marlin
+    acc = torch.zeros(g2.shape[0], k, dtype=torch.float32, device=grad_out.device)
+    for start, stop in _row_chunks(n, k):  # chunk over the reduction (rows of W) to bound weight memory
+        acc.addmm_(g2[:, start:stop], _exact_rows(q, start, stop))
+    return (acc * inv_gs).to(grad_out.dtype).reshape(*grad_out.shape[:-1], k)
 
 
 def sqnr_db(reference: torch.Tensor, approx: torch.Tensor) -> float:
