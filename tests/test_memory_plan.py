@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 
+from qerl_lib.engine.continuous import headroom_columns
 from qerl_lib.engine.rollout import RolloutEngine
 from qerl_lib.models.loader import build_random_model, storage_bytes
 from qerl_lib.paths import load_model_config
@@ -46,6 +47,10 @@ def test_kv_cache_bytes_equal_the_engines_cache(tiny_config):
         else:
             expected = kv_cache_bytes(TINY, rows, prompt + new - 1, dtype_bytes=4)
         assert engine.cache.nbytes == expected, (backend, rows, prompt, new)
+    # continuous batching (more prompts than rows): the headroom columns on top
+    engine = RolloutEngine(model, decode_backend="graphs", keep_alive=True)
+    engine.generate([[1] * 300] * 20, 40, temperature=1.0, seed=0, stop_token_ids=[], max_batch=9)
+    assert engine.cache.nbytes == kv_cache_bytes(TINY, 9, 300 + 40 - 1 + headroom_columns(), dtype_bytes=4)
 
 
 def test_rows_that_fit_is_the_largest_power_of_two_under_the_budget():
@@ -59,12 +64,13 @@ def test_rows_that_fit_is_the_largest_power_of_two_under_the_budget():
 
 @pytest.mark.parametrize("name", [n for n in PRESETS if n.startswith("qwen2.5-")])
 def test_every_qwen_preset_rolls_out_within_80_gb(name):
-    """The preset's rollout_batch rows of max_prompt_tokens + max_completion_length tokens, with an NVFP4 base
+    """The preset's rollout_batch rows of max_prompt_tokens + max_completion_length tokens (plus the continuous-
+    batching headroom: a step's 128 completions queue for the rows), with an NVFP4 base
     (modes nvfp4 and qerl) and, up to 14B, a bf16 one (lora), fit ROLLOUT_BUDGET_BYTES."""
     preset = PRESETS[name]
     size = name.split("-")[1]
     arch = load_model_config(f"qwen2.5-{size}")
     for base in ("nvfp4", "bf16") if size != "32b" else ("nvfp4",):
         plan = rollout_phase_bytes(arch, base, preset.rollout_batch, preset.max_prompt_tokens,
-                                   preset.max_completion_length)
+                                   preset.max_completion_length, continuous=True)
         assert plan["total"] <= ROLLOUT_BUDGET_BYTES, (name, base, {k: v / 2**30 for k, v in plan.items()})

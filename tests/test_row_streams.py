@@ -101,9 +101,15 @@ for position, vocab in [(0, 1000), (5, 2500), (123456, 777)]:
     ref = sampling.hashed_exponentials(keys, position, vocab)
     got = torch.empty(len(seeds), vocab, dtype=torch.float32)
     sampling._row_exponentials_kernel[(len(seeds), -(-vocab // 256))](
-        keys, got, vocab, (position * sampling._GOLDEN) & sampling._M32, BLOCK=256)
+        keys, got, vocab, (position * sampling._GOLDEN) & sampling._M32, keys, PER_ROW=False, BLOCK=256)
     rel = ((got - ref).abs() / ref.abs().clamp_min(1e-30)).max().item()
     out[f"{position}/{vocab}"] = [rel, (got == ref).double().mean().item()]
+positions = torch.arange(len(seeds), dtype=torch.int64) * 977 + 3  # one position per row
+ref = sampling.hashed_exponentials(keys, positions, 1000)
+got = torch.empty(len(seeds), 1000, dtype=torch.float32)
+sampling._row_exponentials_kernel[(len(seeds), 4)](keys, got, 1000, 0, positions, PER_ROW=True, BLOCK=256)
+rel = ((got - ref).abs() / ref.abs().clamp_min(1e-30)).max().item()
+out["per-row"] = [rel, (got == ref).double().mean().item()]
 print("RESULTS " + json.dumps(out))
 """
     from tests.conftest import run_triton_interpreter
@@ -123,8 +129,41 @@ def test_cpu_streams_are_per_row_and_in_order():
         x, y = a.exponentials(50, position), b.exponentials(50, position)
         assert torch.equal(x[2], y[0]) and torch.equal(x[0], y[1])
         assert not torch.equal(x[0], x[1])
-    with pytest.raises(RuntimeError, match="position 3 expected, got 5"):
+    with pytest.raises(RuntimeError, match="row 0 is at position 3, asked for 5"):
         a.exponentials(50, 5)
+
+
+def test_cpu_streams_reseed_and_draw_for_some_rows():
+    """What continuous batching does with a slot: draw for a subset of rows at their own positions, and
+    reseed a row, which then restarts its new seed's stream at position 0."""
+    a = RowStreams([11, 22, 33], "cpu")
+    fresh = RowStreams([44], "cpu")
+    a.exponentials(40, 0)
+    got = a.exponentials(40, torch.tensor([1, 1]), rows=[2, 0])
+    assert torch.equal(got[0], _nth_draw(33, 1, 40)) and torch.equal(got[1], _nth_draw(11, 1, 40))
+    a.reseed([2], [44])
+    assert torch.equal(a.exponentials(40, 0, rows=[2])[0], fresh.exponentials(40, 0)[0])
+    both = a.exponentials(40, torch.tensor([2, 1, 1]))  # row 0 at 2, row 1 still at 1, row 2 (reseeded) at 1
+    assert torch.equal(both[0], _nth_draw(11, 2, 40)) and torch.equal(both[2], fresh.exponentials(40, 1)[0])
+    with pytest.raises(RuntimeError, match="row 1 is at position 2, asked for 5"):
+        a.exponentials(40, 5, rows=[1])
+    with pytest.raises(ValueError, match="rows must be in"):
+        a.reseed([3], [1])
+
+
+def _nth_draw(seed: int, n: int, vocab: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(n):
+        torch.empty(vocab).exponential_(1.0, generator=g)
+    return torch.empty(vocab).exponential_(1.0, generator=g)
+
+
+def test_hashed_draws_at_per_row_positions_are_each_rows_own():
+    keys = _keys(SEEDS)
+    positions = torch.tensor([0, 5, 123456, 5, 2**31 - 1, 9, 0])
+    got = hashed_exponentials(keys, positions, 300)
+    for r, p in enumerate(positions.tolist()):
+        assert torch.equal(got[r], hashed_exponentials(keys[r:r + 1], p, 300)[0]), r
 
 
 @pytest.mark.parametrize("seeds, message", [([-1], r"\[0, 2\^64\)"), ([2**64], r"\[0, 2\^64\)")])
@@ -187,6 +226,11 @@ def test_cuda_streams_follow_the_reference_and_the_batch_does_not_matter():
     assert rel < 1e-6 and (got == ref).double().mean() > 0.5, rel
     sub = RowStreams([seeds[4], seeds[1]], "cuda").exponentials(152064, 9).cpu()
     assert torch.equal(sub[0], got[4]) and torch.equal(sub[1], got[1])
+    positions = torch.tensor([9, 0, 31], device="cuda")  # per-row positions, a subset of rows
+    picked = streams.exponentials(152064, positions, rows=[2, 4, 6]).cpu()
+    ref = hashed_exponentials(_keys([seeds[2], seeds[4], seeds[6]]), positions.cpu(), 152064)
+    assert ((picked - ref).abs() / ref.clamp_min(1e-30)).max().item() < 1e-6
+    assert torch.equal(picked[0], got[2])
 
 
 @pytest.mark.cuda

@@ -57,3 +57,23 @@ def test_the_engine_timing_counts_useful_tokens_on_uneven_lengths():
     assert row.tok_s > 0 and row.ms_per_step > 0
     fixed = time_engine(model, Row("tiny", "bf16", 6, 0, "eager", "qerl", 8, 40), "eager", None, 1, 5)
     assert fixed.useful_tokens == 240 and fixed.slot_utilization == 1.0
+
+
+def test_continuous_scheduling_runs_the_same_rollout_in_fewer_row_steps():
+    """bench.rollout.time_engine with ``prompts`` > ``batch``: "static" runs batches of ``batch`` in turn,
+    "continuous" refills ``batch`` rows; both return every prompt's tokens (time_engine checks the count),
+    and the continuous schedule keeps more of its row-steps busy."""
+    from qerl_lib.bench.rollout import Row, time_engine
+    from tests.test_engine import tiny_model
+
+    model = tiny_model("llama")
+    rows = {s: time_engine(model, Row("tiny", "bf16", 4, 0, "eager", "qerl", prompt_len=8, gen_len=40,
+                                      workload="gsm8k-like", scheduling=s, prompts=16), "eager", None, 1, 5)
+            for s in ("static", "continuous")}
+    lengths = sample_lengths("gsm8k-like", 16, 40, seed=5)
+    static, continuous = rows["static"], rows["continuous"]
+    assert static.useful_tokens == continuous.useful_tokens == sum(lengths)
+    chunks = [lengths[i:i + 4] for i in range(0, 16, 4)]
+    assert static.slot_utilization == pytest.approx(sum(lengths) / (4 * sum(max(c) for c in chunks)), abs=1e-4)
+    assert continuous.slot_utilization > static.slot_utilization
+    assert static.schedule is None and continuous.schedule["refills"] == 16 - 4, "every queued prompt refills a row"

@@ -2,17 +2,18 @@
 
 What is measured
 ----------------
-Each configuration (model, weights, batch, LoRA rank, decode backend) generates exactly
-``gen_len`` tokens per row after a ``prompt_len``-token prompt (stop tokens ignored, as in a
-fixed-length throughput test), through ``qerl_lib.engine.rollout``:
+Each configuration (model, weights, batch, LoRA rank, decode backend, scheduling) generates after
+``prompt_len``-token prompts either exactly ``gen_len`` tokens per row (``workload="fixed"``, stop
+tokens ignored) or each row's own length (``"gsm8k-like"``, ``bench/workloads.py``), through
+``qerl_lib.engine.rollout``. A rollout is ``prompts`` completions (default: one batch), run in
+batches of ``batch`` (``scheduling="static"``) or on ``batch`` rows refilled as sequences end
+(``"continuous"``, ``engine/continuous.py``):
 
-* ``tok/s``: ``batch * gen_len / (prefill + decode wall time)``, the paper's "rollout throughput"
-  (vLLM's generation throughput, prompt processing included);
-* ``decode tok/s``: ``batch * (gen_len - 1) / decode time``, and ``ms/step``;
-* ``TTFT``: prefill plus the first sampled token;
+* ``tok/s``: the rows' tokens / (prefill + decode wall time), the paper's "rollout throughput"
+  (vLLM's generation throughput, prompt processing included); ``decode tok/s`` and ``ms/step``;
+* ``TTFT``: prefill plus the first sampled token; ``slot_utilization``: tokens kept / row-steps run;
 * ``peak``: ``torch.cuda.max_memory_allocated`` over the configuration (weights + KV cache +
-  activations + graph pools), reset after the model is built; ``weights``: memory the model
-  occupies once built.
+  activations + graph pools), reset after the model is built; ``weights``: the built model's memory.
 
 Method: ``engine.warmup`` first (one short generation for kernel selection and Triton autotuning,
 then a CUDA-graph capture of every cache-length bucket), then ``repeats`` timed generations;
@@ -45,7 +46,9 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from qerl_lib.bench.table import format_table, table_header, table_row
+from qerl_lib.bench.rollout_report import (PAPER_TOK_S, TABLE_COLUMNS, TARGETS, format_row,  # noqa: F401 (re-exported)
+                                           merge_results, render_rollout_report, summarize)
+from qerl_lib.bench.table import table_header
 from qerl_lib.bench.workloads import WORKLOADS
 from qerl_lib.engine.attention import AttentionLaunch
 from qerl_lib.engine.forward import DECODE_ATTENTION
@@ -59,20 +62,7 @@ WEIGHTS = ("bf16", "nvfp4")
 SMOLLM2_SHAPE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                      num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=8192,
                      rms_norm_eps=1e-5, rope_theta=100000.0, tie_word_embeddings=True, initializer_range=0.02)
-# Acceptance targets of the rollout engine (the paper's vLLM numbers in parentheses).
-TARGETS = {
-    "engine_vs_hf_smollm2_b64": 10.0,  # engine tok/s / transformers.generate tok/s at batch 64
-    "nvfp4_over_bf16_7b_b8": 1.6,  # (paper: 1.27x)
-    "nvfp4_over_bf16_32b_b8": 2.2,  # (paper: 2.0x)
-    "nvfp4_tok_s_7b_b8": 3000.0,  # (paper: 2092 with vLLM + Marlin)
-    "nvfp4_peak_gib_32b_b8": 80.0 * 1e9 / 2**30,  # must fit an 80 GB GPU
-}
-
-
-# The paper's rollout throughput (tokens/s, vLLM on one H100, 256 prompt / up to 2048 generated,
-# Tables 5-8), for context in the JSON; not comparable one to one (see the module docstring).
-PAPER_TOK_S = {"7b_bf16_b8": 1641.1, "7b_nvfp4_b8": 2091.8, "14b_bf16_b8": 737.2, "14b_nvfp4_b8": 1091.1,
-               "32b_bf16_b8": 344.3, "32b_nvfp4_b8": 688.2, "7b_bf16_b2": 115.4, "7b_nvfp4_b2": 151.6}
+SCHEDULING = ("static", "continuous")
 
 
 @dataclass
@@ -98,6 +88,8 @@ class RolloutBenchConfig:
     fp4_small_m: str = "auto"  # NVFP4 GEMM for M <= 8: "auto" (mma.sync CUDA kernel where it runs), "mma", "triton"
     workload: str = "fixed"  # "fixed" (every row gen_len tokens) or "gsm8k-like" (uneven lengths, bench/workloads.py)
     lora_kernels: bool = True  # adapters through kernels/lora.py (False: one matmul per group + one addmm per member)
+    scheduling: tuple[str, ...] = ("static",)  # "static": batches of `batch` prompts; "continuous": `batch` rows refilled
+    prompts: int | None = None  # completions per rollout (None: one batch); more than the batch queue for its rows
 
     def __post_init__(self):
         for m in self.models:
@@ -116,6 +108,11 @@ class RolloutBenchConfig:
             raise ValueError(f"init must be 'random_codes' or 'quantize', got {self.init!r}")
         if self.workload not in WORKLOADS:
             raise ValueError(f"workload must be one of {', '.join(WORKLOADS)}, got {self.workload!r}")
+        bad = [x for x in self.scheduling if x not in SCHEDULING]
+        if bad or not self.scheduling:
+            raise ValueError(f"scheduling must be one or more of {', '.join(SCHEDULING)}, got {list(self.scheduling)}")
+        if self.prompts is not None and self.prompts < 1:
+            raise ValueError(f"prompts must be >= 1 (completions per rollout), got {self.prompts}")
 
 
 @dataclass
@@ -139,7 +136,10 @@ class Row:
     error: str | None = None
     workload: str = "fixed"  # bench/workloads.py: with "gsm8k-like", gen_len is the longest a row may run
     useful_tokens: int | None = None  # the rows' completion tokens (tok_s counts these)
-    slot_utilization: float | None = None  # useful tokens / (batch x longest row)
+    slot_utilization: float | None = None  # useful tokens / (rows x decode steps + rows x prefills), as measured
+    scheduling: str = "static"  # "static": batches of `batch` prompts in turn; "continuous": `batch` rows, refilled
+    prompts: int | None = None  # completions per rollout (None: `batch`)
+    schedule: dict | None = None  # continuous rows: refills, refill_prefills, compactions, refill_s (last repeat)
 
 
 # ---- models -------------------------------------------------------------------------------------
@@ -197,37 +197,57 @@ def time_engine(model, row: Row, backend: str, lora, repeats: int, seed: int, fu
                 decode_attention: str | None = None, glue_kernels: bool = True,
                 attention_launch: AttentionLaunch | None = None, lora_kernels: bool | None = None) -> Row:
     """Fill ``row``'s timings: a fresh ``RolloutEngine`` (the keyword arguments are its own) warmed up,
-    then ``repeats`` generations of ``row.batch`` random prompts, each row to its length of ``row.workload``
-    (all ``gen_len`` when "fixed"); medians. ``tok_s`` counts the rows' tokens, not the idle slots."""
-    from qerl_lib.bench.workloads import sample_lengths, slot_utilization
+    then ``repeats`` rollouts of ``row.prompts`` random prompts (default ``row.batch``), each row to its
+    length of ``row.workload`` (all ``gen_len`` when "fixed"); medians. ``row.scheduling`` "static" runs
+    them in batches of ``row.batch``, each until its longest row is done; "continuous" runs ``row.batch``
+    rows and refills each from the queue as it finishes (``engine/continuous.py``). ``tok_s`` counts the
+    rows' tokens, not the idle slots."""
+    from qerl_lib.bench.workloads import sample_lengths
+    from qerl_lib.engine.continuous import headroom
     from qerl_lib.engine.rollout import RolloutEngine
 
+    n = row.prompts or row.batch
+    continuous = row.scheduling == "continuous" and n > row.batch
     engine = RolloutEngine(model, decode_backend=backend, max_seq_len=row.prompt_len + row.gen_len,
                            fuse_projections=fuse_projections, decode_attention=decode_attention,
                            glue_kernels=glue_kernels, attention_launch=attention_launch, lora_kernels=lora_kernels)
     row.backend = engine.decode_backend
-    prompts = random_prompts(row.batch, row.prompt_len, model.config.vocab_size, seed)
-    lengths = sample_lengths(row.workload, row.batch, row.gen_len, seed)
-    useful, longest = sum(lengths), max(lengths)
-    engine.warmup(row.batch, row.prompt_len, row.gen_len, lora=lora)
-    totals, decodes, prefills = [], [], []
+    prompts = random_prompts(n, row.prompt_len, model.config.vocab_size, seed)
+    lengths = sample_lengths(row.workload, n, row.gen_len, seed)
+    useful = sum(lengths)
+    # the continuous cache is longer by its headroom: capture every length bucket it will visit now
+    engine.warmup(row.batch, row.prompt_len, row.gen_len + (headroom(engine) if continuous else 0), lora=lora)
+    totals, decodes, prefills, slot_steps = [], [], [], 0
     for r in range(repeats):
-        out = engine.generate(prompts, lengths, temperature=1.0, seed=seed + r, stop_token_ids=[], lora=lora,
-                              timing=True)
-        t = engine.last_timing
-        if t.steps != longest - 1 or sum(len(c.token_ids) for c in out) != useful:
-            raise RuntimeError(f"expected {longest - 1} decode steps and {useful} tokens, ran {t.steps} steps")
-        totals.append(t.prefill_s + t.decode_s)
-        decodes.append(t.decode_s)
-        prefills.append(t.prefill_s)
+        kw = dict(temperature=1.0, seed=seed + r, stop_token_ids=[], lora=lora, timing=True)
+        total = decode = prefill = 0.0
+        tokens, slot_steps = 0, 0
+        calls = [(prompts, lengths)] if continuous else \
+            [(prompts[i:i + row.batch], lengths[i:i + row.batch]) for i in range(0, n, row.batch)]
+        for chunk, caps in calls:
+            out = engine.generate(chunk, caps, max_batch=row.batch if continuous else None, **kw)
+            t = engine.last_timing
+            if not continuous and t.steps != max(caps) - 1:
+                raise RuntimeError(f"expected {max(caps) - 1} decode steps, ran {t.steps}")
+            tokens += sum(len(c.token_ids) for c in out)
+            total, decode, prefill = total + t.prefill_s + t.decode_s, decode + t.decode_s, prefill + t.prefill_s
+            slot_steps += t.batch * (t.steps + 1) + (t.extra.get("refills", 0) if continuous else 0)
+        if tokens != useful:
+            raise RuntimeError(f"expected {useful} tokens, the rollout returned {tokens}")
+        totals.append(total)
+        decodes.append(decode)
+        prefills.append(prefill)
     total, decode = statistics.median(totals), statistics.median(decodes)
     row.tok_s = useful / total
-    row.decode_tok_s = (useful - row.batch) / decode if longest > 1 else None
-    row.ms_per_step = 1e3 * decode / (longest - 1) if longest > 1 else None
-    row.useful_tokens, row.slot_utilization = useful, round(slot_utilization(lengths), 4)
+    steps = slot_steps / row.batch  # decode steps (+ prefills) of one row: the rollout's length in steps
+    row.decode_tok_s = (useful - row.batch) / decode if steps > 1 else None
+    row.ms_per_step = 1e3 * decode / (steps - len(calls)) if steps > len(calls) else None
+    row.useful_tokens, row.slot_utilization = useful, round(useful / slot_steps, 4)
     row.ttft_ms = 1e3 * statistics.median(prefills)
     row.repeats_s = [round(x, 4) for x in totals]
     row.kv_cache_gib = engine.cache.nbytes / 2**30 if engine.cache is not None else None
+    if continuous:
+        row.schedule = {k: t.extra[k] for k in ("refills", "refill_prefills", "compactions", "refill_s")}
     engine.release()
     return row
 
@@ -324,11 +344,14 @@ def run_rollout_bench(cfg: RolloutBenchConfig, log=print, checkpoint=None) -> di
                 for rank in cfg.lora_ranks:
                     lora = random_lora(model, rank, cfg.seed) if rank else None
                     for backend in cfg.backends:
-                        rows.append(_measure(lambda row: time_engine(model, row, backend, lora, cfg.repeats, cfg.seed,
-                                                                     cfg.fuse_projections, cfg.decode_attention,
-                                                                     lora_kernels=cfg.lora_kernels),
-                                             Row(name, weights, batch, rank, backend, "qerl", cfg.prompt_len,
-                                                 cfg.gen_len, weights_gib=weights_gib, workload=cfg.workload), log))
+                        for scheduling in cfg.scheduling:
+                            rows.append(_measure(
+                                lambda row: time_engine(model, row, backend, lora, cfg.repeats, cfg.seed,
+                                                        cfg.fuse_projections, cfg.decode_attention,
+                                                        lora_kernels=cfg.lora_kernels),
+                                Row(name, weights, batch, rank, backend, "qerl", cfg.prompt_len, cfg.gen_len,
+                                    weights_gib=weights_gib, workload=cfg.workload, scheduling=scheduling,
+                                    prompts=cfg.prompts), log))
                     del lora
                 if name == "smollm2" and weights == "bf16" and cfg.hf_baseline and batch in cfg.hf_batches:
                     gen = cfg.hf_gen_len or cfg.gen_len
@@ -388,85 +411,6 @@ def _free() -> None:
         torch.cuda.empty_cache()
 
 
-def summarize(rows: list[Row]) -> dict:
-    """NVFP4/bf16 ratios for every (size, batch, rank, lengths) measured both ways, and the acceptance
-    criteria, each with its target and whether it was met. Where several backends were measured for
-    one configuration, the fastest counts (the engine uses whichever measures faster)."""
-    def find(**kw):
-        hits = [r for r in rows if r.error is None and r.tok_s and all(getattr(r, k) == v for k, v in kw.items())]
-        return max(hits, key=lambda r: r.tok_s) if hits else None
-
-    out: dict = {}
-    checks = []
-    hf = find(model="smollm2", weights="bf16", batch=64, engine="hf-generate")
-    if hf is not None:  # like for like: the engine at the baseline's prompt and generation lengths
-        eng = find(model="smollm2", weights="bf16", batch=64, engine="qerl", rank=0, gen_len=hf.gen_len,
-                   prompt_len=hf.prompt_len)
-        if eng is not None:
-            checks.append(("engine_vs_hf_smollm2_b64", eng.tok_s / hf.tok_s))
-    for size in ("3b", "7b", "14b", "32b"):
-        for key in sorted({(r.batch, r.rank, r.prompt_len, r.gen_len) for r in rows}):
-            batch, rank, plen, glen = key
-            common = dict(model=f"qwen2.5-{size}", batch=batch, rank=rank, prompt_len=plen, gen_len=glen, engine="qerl")
-            bf, fp = find(weights="bf16", **common), find(weights="nvfp4", **common)
-            if bf is not None and fp is not None:
-                out[f"nvfp4_over_bf16_{size}_b{batch}_r{rank}_p{plen}_g{glen}"] = fp.tok_s / bf.tok_s
-    # the criteria's setting: batch 8, 256-token prompts, 2048 generated tokens, no adapter
-    setting = "b8_r0_p256_g2048"
-    for size in ("7b", "32b"):
-        if f"nvfp4_over_bf16_{size}_{setting}" in out:
-            checks.append((f"nvfp4_over_bf16_{size}_b8", out[f"nvfp4_over_bf16_{size}_{setting}"]))
-    headline = dict(weights="nvfp4", batch=8, rank=0, prompt_len=256, gen_len=2048, engine="qerl")
-    fp7 = find(model="qwen2.5-7b", **headline)
-    if fp7 is not None:
-        checks.append(("nvfp4_tok_s_7b_b8", fp7.tok_s))
-    fp32 = find(model="qwen2.5-32b", **headline)
-    if fp32 is not None and fp32.peak_gib is not None:
-        checks.append(("nvfp4_peak_gib_32b_b8", fp32.peak_gib))
-    out["paper_vllm_h100"] = PAPER_TOK_S
-    out["targets"] = {k: {"value": round(v, 3), "target": round(TARGETS[k], 3),
-                          "met": v <= TARGETS[k] if k.endswith("peak_gib_32b_b8") else v >= TARGETS[k]}
-                      for k, v in checks}
-    return out
-
-
-def merge_results(docs: list[dict]) -> dict:
-    """One results document from several runs (e.g. one GPU call per model size): rows concatenated,
-    every run's provenance and config kept, the summary recomputed over all rows."""
-    from qerl_lib.io import provenance
-
-    rows = [Row(**r) for d in docs for r in d["rows"]]
-    return {"merged_by": provenance(), "provenance": [d["provenance"] for d in docs],
-            "code": [d.get("code") for d in docs],
-            "config": [d["config"] for d in docs],
-            "rows": [asdict(r) for r in rows], "summary": summarize(rows)}
-
-
-# ---- output -------------------------------------------------------------------------------------
-TABLE_COLUMNS = (("model", "", 13), ("weights", "", 7), ("batch", "", 5), ("rank", "", 4), ("engine", "", 11),
-                 ("backend", "", 12), ("gen_len", "", 7), ("tok_s", ".0f", 9), ("decode_tok_s", ".0f", 12),
-                 ("ms_per_step", ".2f", 11), ("ttft_ms", ".0f", 8), ("peak_gib", ".2f", 8),
-                 ("weights_gib", ".2f", 11), ("slot_utilization", ".2f", 16))
-
-
-def format_row(row: Row) -> str:
-    """One row of the table (``TABLE_COLUMNS``), with its error appended if it failed."""
-    line = table_row(asdict(row), TABLE_COLUMNS)
-    return f"{line}  ERROR {row.error}" if row.error else line
-
-
-def render_rollout_report(result: dict) -> str:
-    """The fixed-width table of every row, the rows that failed with their errors, then each
-    acceptance target and whether it was met."""
-    rows = result["rows"]
-    lines = [format_table(rows, TABLE_COLUMNS)]
-    lines += [f"ERROR {r.get('model')} {r.get('weights')} batch {r.get('batch')} rank {r.get('rank')}: {r['error']}"
-              for r in rows if r.get("error")]
-    for key, t in result["summary"].get("targets", {}).items():
-        lines.append(f"{key:<28} {t['value']:>10} target {t['target']:>8}  {'met' if t['met'] else 'MISSED'}")
-    return "\n".join(lines)
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     def ints(s):
         return tuple(int(x) for x in s.split(",") if x)
@@ -499,6 +443,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workload", choices=WORKLOADS, default="fixed",
                    help="fixed: every row generates --gen-len tokens; gsm8k-like: uneven lengths up to --gen-len "
                         "(GSM8K solution lengths, bench/workloads.py), as RL rollouts end")
+    p.add_argument("--scheduling", type=names, default=("static",),
+                   help="static: the rollout's prompts in batches of --batch, each until its longest row ends; "
+                        "continuous: --batch rows, each refilled from the queue as its sequence ends (comma list)")
+    p.add_argument("--prompts", type=int, default=None,
+                   help="completions per rollout (default: one batch); with more, static runs several batches")
     p.add_argument("--no-lora-kernels", action="store_false", dest="lora_kernels",
                    help="apply adapters with torch matmuls (one per group + one addmm per member) instead of "
                         "kernels/lora.py's two launches per group")
@@ -527,7 +476,8 @@ def run_cli(args) -> int:
                              hf_gen_len=args.hf_gen_len, hf_batches=args.hf_batches, init=args.init,
                              profile=args.profile, fuse_projections=args.fuse_projections,
                              decode_attention=args.decode_attention, fp4_small_m=args.fp4_small_m,
-                             workload=args.workload, lora_kernels=args.lora_kernels)
+                             workload=args.workload, lora_kernels=args.lora_kernels, scheduling=args.scheduling,
+                             prompts=args.prompts)
     print(table_header(TABLE_COLUMNS), flush=True)
     checkpoint = (lambda doc: write_json_atomic(args.json_out, doc)) if args.json_out else None
     result = run_rollout_bench(cfg, log=lambda line: print(line, flush=True), checkpoint=checkpoint)

@@ -364,17 +364,24 @@ class ForwardPass:
                                      view.final_eps if last else view.eps[i + 1][0])
         return h
 
-    def prefill(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None, cache) -> torch.Tensor:
+    def prefill(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None, cache,
+                rows: torch.Tensor | None = None, start: int = 0) -> torch.Tensor:
         """Run left-padded prompts ``tokens [B, P]`` through the model, writing K/V into cache columns
-        ``[0, P)``; return float32 logits of the last column ``[B, V]``. ``mask [B, 1, P, P]`` (bool,
-        True = may attend) or None for unpadded prompts (plain causal attention)."""
+        ``[start, start + P)`` of cache rows ``rows`` (int64 ``[B]``; None: rows ``0 .. B-1``); return
+        float32 logits of the last column ``[B, V]``. ``mask [B, 1, P, P]`` (bool, True = may attend) or
+        None for unpadded prompts (plain causal attention). The prompts attend only to each other's
+        columns, never to what the cache held before."""
         bsz, plen = tokens.shape
         x = self.view.embed(tokens)
         cos, sin = self.view.rotary(x, positions)
 
         def attend(i, q, k, v, ops):
-            cache.k[i, :bsz, :, :plen].copy_(k)
-            cache.v[i, :bsz, :, :plen].copy_(v)
+            if rows is None:
+                cache.k[i, :bsz, :, start:start + plen].copy_(k)
+                cache.v[i, :bsz, :, start:start + plen].copy_(v)
+            else:
+                cache.k[i, :, :, start:start + plen].index_copy_(0, rows, k)
+                cache.v[i, :, :, start:start + plen].index_copy_(0, rows, v)
             return sdpa_attention(q, k, v, mask, self.view.scaling, causal=True)
 
         h = self._decoder(x, cos, sin, attend, self.eager_ops)

@@ -40,8 +40,9 @@ padded ``ids / mask / logprobs`` tensors a trainer wants.
 
 How this differs from vLLM (what the paper used)
 ------------------------------------------------
-No paged attention and no continuous batching: the batch is fixed for a call and the cache is
-one dense tensor, which is simpler and fine for GRPO's "generate a batch, then train" rhythm.
+No paged attention: the cache is one dense tensor. A call's batch is fixed unless ``max_batch``
+is given, in which case more prompts than rows are run by continuous batching
+(``engine/continuous.py``): a finished row is refilled from the queue at the next check.
 No prefix sharing: a GRPO group's identical prompts are each prefilled (the prompt is short
 next to the 2048-token completion). LoRA runs as two plain matmuls per adapter group rather
 than punica's fused kernels. These choices cost peak throughput at large batch, not
@@ -69,6 +70,7 @@ import torch
 
 from qerl_lib.engine.attention import AttentionLaunch
 from qerl_lib.engine.cache import BATCH_BUCKETS, DecodeGraphs, KVCache, batch_bucket, length_bucket
+from qerl_lib.engine.continuous import left_padded, run_continuous
 from qerl_lib.engine.forward import SUPPORTED_MODEL_TYPES, ForwardPass, ModelView
 from qerl_lib.engine.adapters import LoraAdapter, lora_from_peft
 from qerl_lib.engine.sampling import RowStreams, SamplingParams, sample
@@ -165,9 +167,12 @@ class RolloutEngine:
     # ---- public ---------------------------------------------------------------------------------
     def generate(self, prompt_ids, max_new_tokens, temperature: float = 1.0, top_p: float = 1.0,
                  top_k: int = 0, seed: int | None = None, stop_token_ids=None, lora=None, norm_overrides=None,
-                 prompt_mask: torch.Tensor | None = None, timing: bool = False, row_seeds=None) -> list[Completion]:
+                 prompt_mask: torch.Tensor | None = None, timing: bool = False, row_seeds=None,
+                 max_batch: int | None = None) -> list[Completion]:
         """See ``qerl_lib.engine.rollout.generate``."""
         params = SamplingParams(temperature, top_p, top_k)
+        if max_batch is not None and (isinstance(max_batch, bool) or int(max_batch) != max_batch or max_batch < 1):
+            raise ValueError(f"max_batch must be a positive integer (rows decoding at once) or None, got {max_batch!r}")
         if row_seeds is not None and seed is not None:
             raise ValueError("pass seed (one stream for the call) or row_seeds (one per prompt), not both")
         prompts = _as_prompt_lists(prompt_ids, prompt_mask)
@@ -202,6 +207,9 @@ class RolloutEngine:
         model.eval()  # no dropout in rollouts (peft's LoRA dropout included); restored below
         try:
             with torch.no_grad():
+                if max_batch is not None and len(prompts) > max_batch:
+                    return run_continuous(self, forward, prompts, caps, params, seed, stops, timing, row_seeds,
+                                          int(max_batch))
                 return self._run(forward, prompts, caps, params, seed, stops, timing, row_seeds)
         finally:
             for m, flag in training:
@@ -278,20 +286,10 @@ class RolloutEngine:
         t0 = _now(device, timing)
 
         # Left-padded prompt block, per-row pad counts, RoPE positions, prefill mask.
-        pad = torch.tensor([plen - len(p) for p in prompts], dtype=torch.long)
-        tokens = torch.zeros(batch, plen, dtype=torch.long)
-        for r, p in enumerate(prompts):
-            tokens[r, plen - len(p):] = torch.tensor(p, dtype=torch.long)
-        cols = torch.arange(plen)
-        positions = (cols[None, :] - pad[:, None]).clamp(min=0)
-        padded = bool((pad > 0).any())
-        mask = None
-        if padded:
-            causal = cols[None, :] <= cols[:, None]  # [query, key]
-            real_key = cols[None, None, :] >= pad[:, None, None]  # [B, 1, key]
-            mask = (causal[None] & real_key) | torch.eye(plen, dtype=torch.bool)[None]  # pad queries see themselves
-            mask = mask[:, None].to(device)
+        tokens, positions, pad, mask = left_padded(prompts)
+        padded = mask is not None
         tokens, positions, pad = tokens.to(device), positions.to(device), pad.to(device)
+        mask = mask.to(device) if padded else None
         cache = self._ensure_cache(forward, batch, plen + max_new_tokens - 1)
         generator = torch.Generator(device=device).manual_seed(int(seed)) if seed is not None else None
         streams = RowStreams(row_seeds, device) if row_seeds is not None and not params.greedy else None
@@ -383,7 +381,7 @@ _ENGINES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 def generate(model, prompt_ids, max_new_tokens, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
              seed: int | None = None, stop_token_ids=None, lora=None, norm_overrides=None, *,
              prompt_mask: torch.Tensor | None = None, max_seq_len: int | None = None,
-             decode_backend: str = "auto", row_seeds=None) -> list[Completion]:
+             decode_backend: str = "auto", row_seeds=None, max_batch: int | None = None) -> list[Completion]:
     """Sample continuations of a batch of prompts from a Llama/Qwen2 causal LM (bf16 or NVFP4).
 
     prompt_ids: list of prompts (lists or 1-D tensors of token ids, any lengths), or a 2-D tensor
@@ -401,6 +399,9 @@ def generate(model, prompt_ids, max_new_tokens, temperature: float = 1.0, top_p:
         without this argument.
     norm_overrides: ``{"model.layers.3.input_layernorm": weight, ...}`` used instead of those RMSNorm
         weights for this call only (AQN's noisy weights); the model's parameters are never modified.
+    max_batch: at most this many rows decode at once; further prompts queue and each takes the row of
+        the next sequence to finish (continuous batching, ``engine/continuous.py``). None: all prompts
+        in one batch. The KV cache holds ``max_batch`` rows.
 
     Returns one ``Completion`` per prompt. The engine (KV cache, CUDA graphs) is cached per model
     and reused; ``release(model)`` frees it.
@@ -412,7 +413,7 @@ def generate(model, prompt_ids, max_new_tokens, temperature: float = 1.0, top_p:
         _ENGINES[model] = engine
     return engine.generate(prompt_ids, max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                            stop_token_ids=stop_token_ids, lora=lora, norm_overrides=norm_overrides,
-                           prompt_mask=prompt_mask, row_seeds=row_seeds)
+                           prompt_mask=prompt_mask, row_seeds=row_seeds, max_batch=max_batch)
 
 
 def release(model) -> None:

@@ -174,9 +174,17 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def _row_keys(keys: torch.Tensor, position: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row 32-bit keys (a, b) of decode position ``position`` from ``keys [B, 2]`` (seed halves)."""
-    spread = _mix32(torch.tensor((int(position) * _GOLDEN) & _M32, dtype=torch.int64, device=keys.device))
+def _position_words(position, device) -> torch.Tensor:
+    """``position * golden mod 2^32`` as int64: a scalar for an int, ``[B]`` for per-row positions."""
+    if isinstance(position, torch.Tensor):
+        return _mul32(position.to(device=device, dtype=torch.int64), _GOLDEN)
+    return torch.tensor((int(position) * _GOLDEN) & _M32, dtype=torch.int64, device=device)
+
+
+def _row_keys(keys: torch.Tensor, position) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row 32-bit keys (a, b) of decode position ``position`` (an int, or one per row ``[B]``)
+    from ``keys [B, 2]`` (seed halves)."""
+    spread = _mix32(_position_words(position, keys.device))
     a = _mix32(keys[:, 0] ^ spread)
     return a, _mix32(keys[:, 1] ^ _mix32(a ^ _SALT))
 
@@ -187,10 +195,11 @@ def _log1p_neg_kahan(u: torch.Tensor) -> torch.Tensor:
     return torch.where(w == 1.0, -u, torch.log(w) * (-u) / (w - 1.0))
 
 
-def hashed_exponentials(keys: torch.Tensor, position: int, vocab: int) -> torch.Tensor:
+def hashed_exponentials(keys: torch.Tensor, position, vocab: int) -> torch.Tensor:
     """The plain-torch reference of the CUDA per-row stream: Exponential(1) draws ``[B, vocab]``
-    float32 for decode position ``position``, from ``keys [B, 2]`` int64 (a 64-bit seed's low and
-    high 32-bit halves, ``RowStreams.keys``)."""
+    float32 for decode position ``position`` (an int for every row, or an int64 tensor ``[B]`` of one
+    position per row, each < 2^31), from ``keys [B, 2]`` int64 (a 64-bit seed's low and high 32-bit
+    halves, ``RowStreams.keys``)."""
     a, b = _row_keys(keys, position)
     cols = torch.arange(vocab, dtype=torch.int64, device=keys.device)
     h = _mix32(_mix32(cols[None, :] ^ a[:, None]) ^ b[:, None])
@@ -203,36 +212,69 @@ class RowStreams:
 
     ``seeds``: one integer in [0, 2^64) per row. ``exponentials(vocab, position)`` gives the
     Exponential(1) draws ``[B, vocab]`` of every row at decode position ``position`` (0 = the first
-    new token); on CPU positions must be asked for in order 0, 1, 2, ... (each row's generator
-    advances by one draw per position), on CUDA in any order.
+    new token). ``position`` is one int for every row, or an int64 tensor ``[B]`` of one position per
+    row; ``rows`` (a list of row indices) draws for those rows only, in that order. ``reseed`` gives
+    rows new seeds, each starting again at position 0: the continuous-batching engine hands a slot
+    to the next prompt that way. On CPU every row's positions must be asked for in order 0, 1, 2, ...
+    (each row's generator advances by one draw per position); on CUDA in any order.
     """
 
     def __init__(self, seeds, device):
+        self.device = torch.device(device)
+        self.rows = 0
+        self.keys = torch.zeros(0, 2, dtype=torch.int64, device=self.device)
+        self._generators = None if self.device.type == "cuda" else []
+        self._next: list[int] = []
+        self.reseed(None, seeds)
+
+    def reseed(self, rows, seeds) -> None:
+        """Give ``rows`` (None: all, resizing to ``len(seeds)``) the streams of ``seeds``, at position 0."""
         seeds = [int(s) for s in seeds]
         bad = [s for s in seeds if not 0 <= s < 2**64]
         if bad:
             raise ValueError(f"row seeds must be integers in [0, 2^64), got {bad[0]}")
-        self.device = torch.device(device)
-        self.rows = len(seeds)
-        self._next = 0
-        self.keys = torch.tensor([[s & _M32, s >> 32] for s in seeds], dtype=torch.int64, device=self.device)
-        self._generators = None if self.device.type == "cuda" else [torch.Generator().manual_seed(s) for s in seeds]
+        keys = torch.tensor([[s & _M32, s >> 32] for s in seeds], dtype=torch.int64).reshape(-1, 2)
+        if rows is None:
+            self.rows, self.keys, self._next = len(seeds), keys.to(self.device), [0] * len(seeds)
+            if self._generators is not None:
+                self._generators = [torch.Generator().manual_seed(s) for s in seeds]
+            return
+        rows = [int(r) for r in rows]
+        if len(rows) != len(seeds) or any(not 0 <= r < self.rows for r in rows):
+            raise ValueError(f"reseed: {len(rows)} rows for {len(seeds)} seeds, rows must be in [0, {self.rows})")
+        self.keys[torch.tensor(rows, device=self.device)] = keys.to(self.device)
+        for r, s in zip(rows, seeds):
+            self._next[r] = 0
+            if self._generators is not None:
+                self._generators[r] = torch.Generator().manual_seed(s)
 
-    def exponentials(self, vocab: int, position: int) -> torch.Tensor:
+    def exponentials(self, vocab: int, position, rows=None) -> torch.Tensor:
+        picked = list(range(self.rows)) if rows is None else [int(r) for r in rows]
+        per_row = isinstance(position, torch.Tensor)
+        if per_row and position.shape != (len(picked),):
+            raise ValueError(f"per-row positions: shape {tuple(position.shape)}, expected ({len(picked)},)")
         if self._generators is None:
+            keys = self.keys if rows is None else self.keys[torch.tensor(picked, device=self.device)]
             if triton is None:
-                return hashed_exponentials(self.keys, position, vocab)
-            out = torch.empty(self.rows, vocab, dtype=torch.float32, device=self.device)
+                return hashed_exponentials(keys, position, vocab)
+            out = torch.empty(len(picked), vocab, dtype=torch.float32, device=self.device)
+            if not picked:
+                return out
             block = 1024
-            _row_exponentials_kernel[(self.rows, triton.cdiv(vocab, block))](
-                self.keys, out, vocab, (int(position) * _GOLDEN) & _M32, BLOCK=block, num_warps=4)
+            positions = position.to(device=self.device, dtype=torch.int64) if per_row else keys
+            word = 0 if per_row else (int(position) * _GOLDEN) & _M32
+            _row_exponentials_kernel[(len(picked), triton.cdiv(vocab, block))](
+                keys, out, vocab, word, positions, PER_ROW=per_row, BLOCK=block, num_warps=4)
             return out
-        if position != self._next:
-            raise RuntimeError(f"CPU row streams advance in order: position {self._next} expected, got {position}")
-        self._next += 1
-        out = torch.empty(self.rows, vocab, dtype=torch.float32)
-        for row, generator in zip(out, self._generators):
-            row.exponential_(1.0, generator=generator)
+        wanted = position.tolist() if per_row else [int(position)] * len(picked)
+        for r, p in zip(picked, wanted):
+            if p != self._next[r]:
+                raise RuntimeError(f"CPU row streams advance in order: row {r} is at position {self._next[r]}, "
+                                   f"asked for {p}")
+        out = torch.empty(len(picked), vocab, dtype=torch.float32)
+        for row, r in zip(out, picked):
+            row.exponential_(1.0, generator=self._generators[r])
+            self._next[r] += 1
         return out
 
 
@@ -292,10 +334,17 @@ if triton is not None:
         return x ^ (x >> 16)
 
     @triton.jit
-    def _row_exponentials_kernel(keys_ptr, out_ptr, vocab, position_word, BLOCK: tl.constexpr):
-        """Program (row, block): ``hashed_exponentials`` for one block of one row."""
+    def _row_exponentials_kernel(keys_ptr, out_ptr, vocab, position_word, positions_ptr, PER_ROW: tl.constexpr,
+                                 BLOCK: tl.constexpr):
+        """Program (row, block): ``hashed_exponentials`` for one block of one row; the position is
+        ``position_word`` (already ``* golden mod 2^32``) or, with PER_ROW, ``positions_ptr[row]``."""
         row, blk = tl.program_id(0), tl.program_id(1)
-        spread = _mix32_tl(tl.full([1], 0, tl.int64) + position_word)
+        if PER_ROW:
+            p = tl.load(positions_ptr + row + tl.zeros([1], tl.int32))
+            word = ((p * 0x79B9) + (((p * 0x9E37) & 0xFFFF) << 16)) & 0xFFFFFFFF  # _mul32(p, _GOLDEN)
+        else:
+            word = tl.full([1], 0, tl.int64) + position_word
+        spread = _mix32_tl(word)
         a = _mix32_tl(tl.load(keys_ptr + 2 * row + tl.zeros([1], tl.int32)) ^ spread)
         b = _mix32_tl(tl.load(keys_ptr + 2 * row + 1 + tl.zeros([1], tl.int32)) ^ _mix32_tl(a ^ 0x6A09E667))
         cols = blk * BLOCK + tl.arange(0, BLOCK)

@@ -384,8 +384,8 @@ def row_seeds(run_seed: int, step: int, call: int, rows: int) -> list[int]:
 
     Row ``i`` of process ``rank`` is row ``rank * rows + i`` of the step's global batch (TRL hands each
     process a contiguous slice of it), and its seed is a function of (run seed, step, call, global
-    row): one process and N processes, any ``rollout_batch`` chunking, and a resumed run all sample
-    the same completion for the same row.
+    row): one process and N processes, any ``rollout_batch`` (rows decoding at once), and a resumed run
+    all sample the same completion for the same row.
     """
     rank, _ = world()
     return [_seed(run_seed, step, call, rank * rows + i) for i in range(rows)]
@@ -396,7 +396,8 @@ class EngineRollout:
 
     Every completion samples from its own stream, seeded by (run seed, optimizer step, rollout number,
     row of the global batch) (``row_seeds``): the samples depend on no global RNG state, on neither the
-    chunking nor the number of processes, and a resumed run repeats them exactly.
+    rows decoding at once (``rollout_batch``: the engine's continuous batching) nor the number of
+    processes, and a resumed run repeats them exactly.
     With ``config.release_engine_cache`` (the default) the engine's KV cache and decode graphs are
     freed after every rollout, before the loss forward and backward run.
     """
@@ -442,14 +443,12 @@ class EngineRollout:
         device = next(model.parameters()).device
         _sync(device)
         start = time.perf_counter()
-        completions = []
-        chunk = self.config.rollout_batch
         seeds = row_seeds(self.config.seed, step, self._calls, len(prompt_ids))
-        for i in range(0, len(prompt_ids), chunk):
-            completions += self.engine.generate(
-                prompt_ids[i:i + chunk], max_new_tokens=trainer.max_completion_length, temperature=trainer.temperature,
-                top_p=trainer.top_p, top_k=trainer.top_k or 0, row_seeds=seeds[i:i + chunk],
-                stop_token_ids=trainer.eos_token_ids, lora=adapters, norm_overrides=overrides)
+        # at most rollout_batch rows decode at once; further prompts take the rows of finished ones
+        completions = self.engine.generate(
+            prompt_ids, max_new_tokens=trainer.max_completion_length, temperature=trainer.temperature,
+            top_p=trainer.top_p, top_k=trainer.top_k or 0, row_seeds=seeds, stop_token_ids=trainer.eos_token_ids,
+            lora=adapters, norm_overrides=overrides, max_batch=self.config.rollout_batch)
         _sync(device)
         seconds = time.perf_counter() - start
         cache_bytes = self.engine.cache.nbytes if self.engine.cache is not None else 0

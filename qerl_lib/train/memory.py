@@ -8,7 +8,8 @@ exactly: the engine allocates its cache up front for ``rows x (prompt + completi
 up to its buckets, whatever length the completions end at. At Qwen2.5-32B each cached token costs
 256 KiB (64 layers x K and V x 8 heads x 128 x bf16), so 64 rows of 256 + 4096 tokens hold 68 GiB,
 which with the 4-bit weights no longer fits an 80 GB GPU: the presets' ``rollout_batch`` (the rows
-the engine runs at once; a step's completions are generated in chunks of it) is sized here.
+the engine runs at once; when a step has more completions, they queue for the rows by continuous
+batching, whose cache holds ``engine.continuous.headroom_columns()`` columns more) is sized here.
 
 Counted exactly (tests compare with a built model's tensors and with the engine's cache):
 
@@ -26,6 +27,7 @@ everything of the training phase beyond the weights.
 from __future__ import annotations
 
 from qerl_lib.engine.cache import BATCH_BUCKETS, batch_bucket, length_bucket
+from qerl_lib.engine.continuous import headroom_columns
 from qerl_lib.models.fused import layer_projection_shapes
 
 # mxfp4 bases are fake-quantized (MXFP4's values held in bf16, `quant.formats.fake_quantize_`): bf16 bytes
@@ -66,19 +68,22 @@ def kv_cache_bytes(arch: dict, rows: int, columns: int, length_step: int = 256,
     return layers * 2 * rows * kv_heads * columns * head_dim * dtype_bytes
 
 
-def rollout_phase_bytes(arch: dict, base: str, rows: int, prompt_tokens: int, completion_tokens: int) -> dict:
-    """``{"weights": ..., "kv_cache": ..., "total": ...}`` in bytes for a rollout of ``rows`` at once."""
+def rollout_phase_bytes(arch: dict, base: str, rows: int, prompt_tokens: int, completion_tokens: int,
+                        continuous: bool = False) -> dict:
+    """``{"weights": ..., "kv_cache": ..., "total": ...}`` in bytes for a rollout of ``rows`` at once;
+    ``continuous``: more prompts than rows, so the cache has the continuous-batching headroom too."""
     weights = base_weight_bytes(arch, base)
-    cache = kv_cache_bytes(arch, rows, prompt_tokens + completion_tokens - 1)
+    extra = headroom_columns() if continuous else 0
+    cache = kv_cache_bytes(arch, rows, prompt_tokens + completion_tokens - 1 + extra)
     return {"weights": weights, "kv_cache": cache, "total": weights + cache}
 
 
 def rollout_rows_that_fit(arch: dict, base: str, prompt_tokens: int, completion_tokens: int,
-                          budget_bytes: float = ROLLOUT_BUDGET_BYTES, most: int = 128) -> int:
+                          budget_bytes: float = ROLLOUT_BUDGET_BYTES, most: int = 128, continuous: bool = False) -> int:
     """The largest power of two <= ``most`` rows whose rollout phase fits ``budget_bytes`` (0 if none does)."""
     rows = most
     while rows >= 1:
-        if rollout_phase_bytes(arch, base, rows, prompt_tokens, completion_tokens)["total"] <= budget_bytes:
+        if rollout_phase_bytes(arch, base, rows, prompt_tokens, completion_tokens, continuous)["total"] <= budget_bytes:
             return rows
         rows //= 2
     return 0

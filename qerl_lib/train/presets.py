@@ -36,7 +36,8 @@ scripts where the paper is silent:
 * Where we deviate, for one 80 GB GPU: gradient checkpointing at every size (the paper: 14B and 32B
   only; without it a micro-batch of 8 x 4352 tokens would hold ~90-120 GB of activations at 3B-7B),
   and ``rollout_batch``, the rows the engine generates at once, sized by ``train.memory`` so that
-  the rollout's weights and full-length KV cache fit (the paper's vLLM pages its cache instead).
+  the rollout's weights and full-length KV cache fit (the paper's vLLM pages its cache instead); a
+  step's further completions take the rows of finished ones (continuous batching).
 
 ``smollm2-arith`` is the kit's own: the embedded SmolLM2-135M-Instruct on generated level-1
 arithmetic problems (one operation), sized for a 100-step GPU run in minutes. ``smollm2-arith-cpu``
@@ -106,7 +107,7 @@ class TrainConfig:
     micro_batch: int = 8  # completions per forward/backward; the rest is gradient accumulation
     num_iterations: int = 1  # μ: optimizer passes over each rollout batch (TRL num_iterations)
     max_completion_length: int = 4096
-    rollout_batch: int = 256  # most sequences per engine call (bounds the KV cache)
+    rollout_batch: int = 256  # most sequences decoding at once (bounds the KV cache); more queue for their rows
     decode_backend: str = "auto"  # engine decode path: auto (CUDA graphs on GPU, eager on CPU) | eager | graphs
     temperature: float = 1.0
     top_p: float = 1.0
@@ -334,7 +335,8 @@ def _rollout_rows(size: str, prompt_tokens: int, completion_tokens: int) -> int:
     from qerl_lib.train.memory import rollout_rows_that_fit
 
     base = "nvfp4" if size == "32b" else "bf16"
-    return rollout_rows_that_fit(load_model_config(f"qwen2.5-{size}"), base, prompt_tokens, completion_tokens)
+    return rollout_rows_that_fit(load_model_config(f"qwen2.5-{size}"), base, prompt_tokens, completion_tokens,
+                                 continuous=True)
 
 
 def _qwen(size: str, data: str, **kw) -> TrainConfig:

@@ -1,0 +1,126 @@
+"""`qerl bench rollout`'s report: the acceptance summary, merging runs, and the fixed-width table.
+
+``summarize`` turns measured rows into ratios (NVFP4 over bf16 per configuration; continuous over
+static batching on the same rollout) and the acceptance targets, each with its value and whether it
+was met; ``merge_results`` joins several runs' documents (one GPU call per model size, say) and
+recomputes the summary; ``render_rollout_report`` prints the table. Rows are ``bench.rollout.Row``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+from qerl_lib.bench.table import format_table, table_row
+
+# Acceptance targets of the rollout engine (the paper's vLLM numbers in parentheses).
+TARGETS = {
+    "engine_vs_hf_smollm2_b64": 10.0,  # engine tok/s / transformers.generate tok/s at batch 64
+    "nvfp4_over_bf16_7b_b8": 1.6,  # (paper: 1.27x)
+    "nvfp4_over_bf16_32b_b8": 2.2,  # (paper: 2.0x)
+    "nvfp4_tok_s_7b_b8": 3000.0,  # (paper: 2092 with vLLM + Marlin)
+    "nvfp4_peak_gib_32b_b8": 80.0 * 1e9 / 2**30,  # must fit an 80 GB GPU
+    "continuous_over_static_7b": 1.5,  # uneven lengths: continuous batching tok/s / static batches' (same outputs)
+}
+
+
+# The paper's rollout throughput (tokens/s, vLLM on one H100, 256 prompt / up to 2048 generated,
+# Tables 5-8), for context in the JSON; not comparable one to one (see bench/rollout.py's docstring).
+PAPER_TOK_S = {"7b_bf16_b8": 1641.1, "7b_nvfp4_b8": 2091.8, "14b_bf16_b8": 737.2, "14b_nvfp4_b8": 1091.1,
+               "32b_bf16_b8": 344.3, "32b_nvfp4_b8": 688.2, "7b_bf16_b2": 115.4, "7b_nvfp4_b2": 151.6}
+
+
+def summarize(rows: list) -> dict:
+    """NVFP4/bf16 ratios for every (size, batch, rank, lengths) measured both ways, and the acceptance
+    criteria, each with its target and whether it was met. Where several backends were measured for
+    one configuration, the fastest counts (the engine uses whichever measures faster)."""
+    def find(**kw):
+        hits = [r for r in rows if r.error is None and r.tok_s and all(getattr(r, k) == v for k, v in kw.items())]
+        return max(hits, key=lambda r: r.tok_s) if hits else None
+
+    out: dict = {}
+    checks = []
+    hf = find(model="smollm2", weights="bf16", batch=64, engine="hf-generate")
+    if hf is not None:  # like for like: the engine at the baseline's prompt and generation lengths
+        eng = find(model="smollm2", weights="bf16", batch=64, engine="qerl", rank=0, gen_len=hf.gen_len,
+                   prompt_len=hf.prompt_len)
+        if eng is not None:
+            checks.append(("engine_vs_hf_smollm2_b64", eng.tok_s / hf.tok_s))
+    for size in ("3b", "7b", "14b", "32b"):
+        for key in sorted({(r.batch, r.rank, r.prompt_len, r.gen_len) for r in rows}):
+            batch, rank, plen, glen = key
+            common = dict(model=f"qwen2.5-{size}", batch=batch, rank=rank, prompt_len=plen, gen_len=glen, engine="qerl",
+                          scheduling="static", prompts=None)
+            bf, fp = find(weights="bf16", **common), find(weights="nvfp4", **common)
+            if bf is not None and fp is not None:
+                out[f"nvfp4_over_bf16_{size}_b{batch}_r{rank}_p{plen}_g{glen}"] = fp.tok_s / bf.tok_s
+    # the criteria's setting: batch 8, 256-token prompts, 2048 generated tokens, no adapter
+    setting = "b8_r0_p256_g2048"
+    for size in ("7b", "32b"):
+        if f"nvfp4_over_bf16_{size}_{setting}" in out:
+            checks.append((f"nvfp4_over_bf16_{size}_b8", out[f"nvfp4_over_bf16_{size}_{setting}"]))
+    headline = dict(weights="nvfp4", batch=8, rank=0, prompt_len=256, gen_len=2048, engine="qerl", scheduling="static",
+                    prompts=None)
+    fp7 = find(model="qwen2.5-7b", **headline)
+    if fp7 is not None:
+        checks.append(("nvfp4_tok_s_7b_b8", fp7.tok_s))
+    fp32 = find(model="qwen2.5-32b", **headline)
+    if fp32 is not None and fp32.peak_gib is not None:
+        checks.append(("nvfp4_peak_gib_32b_b8", fp32.peak_gib))
+    # continuous batching against static batches on the same rollout (workload, prompts, lengths, rank)
+    ratios_7b = []
+    for r in rows:
+        if r.scheduling != "continuous" or r.error is not None or not r.tok_s:
+            continue
+        static = find(model=r.model, weights=r.weights, batch=r.batch, rank=r.rank, prompt_len=r.prompt_len,
+                      gen_len=r.gen_len, workload=r.workload, prompts=r.prompts, engine=r.engine, scheduling="static")
+        if static is not None:
+            ratio = r.tok_s / static.tok_s
+            out[f"continuous_over_static_{r.model}_{r.weights}_b{r.batch}_r{r.rank}_n{r.prompts}_{r.workload}"] = ratio
+            if r.model == "qwen2.5-7b":
+                ratios_7b.append(ratio)
+    if ratios_7b:
+        checks.append(("continuous_over_static_7b", min(ratios_7b)))
+    out["paper_vllm_h100"] = PAPER_TOK_S
+    out["targets"] = {k: {"value": round(v, 3), "target": round(TARGETS[k], 3),
+                          "met": v <= TARGETS[k] if k.endswith("peak_gib_32b_b8") else v >= TARGETS[k]}
+                      for k, v in checks}
+    return out
+
+
+def merge_results(docs: list[dict]) -> dict:
+    """One results document from several runs (e.g. one GPU call per model size): rows concatenated,
+    every run's provenance and config kept, the summary recomputed over all rows."""
+    from qerl_lib.bench.rollout import Row
+    from qerl_lib.io import provenance
+
+    rows = [Row(**r) for d in docs for r in d["rows"]]
+    return {"merged_by": provenance(), "provenance": [d["provenance"] for d in docs],
+            "code": [d.get("code") for d in docs],
+            "config": [d["config"] for d in docs],
+            "rows": [asdict(r) for r in rows], "summary": summarize(rows)}
+
+
+# ---- output -------------------------------------------------------------------------------------
+TABLE_COLUMNS = (("model", "", 13), ("weights", "", 7), ("batch", "", 5), ("rank", "", 4), ("engine", "", 11),
+                 ("backend", "", 12), ("gen_len", "", 7), ("tok_s", ".0f", 9), ("decode_tok_s", ".0f", 12),
+                 ("ms_per_step", ".2f", 11), ("ttft_ms", ".0f", 8), ("peak_gib", ".2f", 8),
+                 ("weights_gib", ".2f", 11), ("slot_utilization", ".2f", 16), ("scheduling", "", 10),
+                 ("prompts", "", 7))
+
+
+def format_row(row) -> str:
+    """One row of the table (``TABLE_COLUMNS``), with its error appended if it failed."""
+    line = table_row(asdict(row), TABLE_COLUMNS)
+    return f"{line}  ERROR {row.error}" if row.error else line
+
+
+def render_rollout_report(result: dict) -> str:
+    """The fixed-width table of every row, the rows that failed with their errors, then each
+    acceptance target and whether it was met."""
+    rows = result["rows"]
+    lines = [format_table(rows, TABLE_COLUMNS)]
+    lines += [f"ERROR {r.get('model')} {r.get('weights')} batch {r.get('batch')} rank {r.get('rank')}: {r['error']}"
+              for r in rows if r.get("error")]
+    for key, t in result["summary"].get("targets", {}).items():
+        lines.append(f"{key:<28} {t['value']:>10} target {t['target']:>8}  {'met' if t['met'] else 'MISSED'}")
+    return "\n".join(lines)
