@@ -65,6 +65,29 @@ def test_bad_cases_fail_before_anything_runs(tiny_arch):
                                                                                         True, True)
 
 
+def test_preset_cases_run_the_preset_settings_with_synthetic_inputs():
+    """`TrainCase.from_preset` (`qerl bench train --preset-settings`): the config keeps every setting of the
+    preset that decides time and memory; only the weights, prompts and reward are synthetic."""
+    from qerl_lib.train.presets import make_config
+
+    for model, mode in (("qwen2.5-7b", "qerl"), ("qwen2.5-14b", "lora"), ("qwen2.5-7b", "qlora")):
+        preset = make_config(f"qwen2.5-{model.split('-')[1]}-gsm8k", mode=mode)
+        config = case_config(TrainCase.from_preset(model, mode, device="cpu"))
+        same = ("prompts_per_step", "num_generations", "micro_batch", "num_iterations", "max_prompt_tokens",
+                "max_completion_length", "rollout_batch", "lora_rank", "gradient_checkpointing", "base", "aqn")
+        assert {k: getattr(config, k) for k in same} == {k: getattr(preset, k) for k in same}
+        assert (config.model, config.data, config.steps) == (f"random:{model}", "random", 3)
+    assert case_config(TrainCase.from_preset("qwen2.5-7b", "qerl", num_iterations=1, device="cpu")).num_iterations == 1
+    assert case_config(TrainCase(model="qwen2.5-7b", device="cpu")).num_iterations == 1  # the bench's own cases
+
+
+def test_preset_settings_refuse_flags_that_would_change_them(capsys):
+    from qerl_lib.cli import main
+
+    assert main(["bench", "train", "--preset-settings", "--batches", "2", "--models", "qwen2.5-7b"]) != 0
+    assert "--preset-settings runs the preset's own settings: drop --batches" in capsys.readouterr().err
+
+
 def test_data_parallel_cases_carry_num_gpus_and_the_speedup_over_one(tiny_arch):
     """The same case on 1 and on 2 processes (accelerate, gloo on CPU): both run, the 2-process row carries
     num_gpus and speedup_vs_1gpu (a CPU says nothing about GPU scaling; the field is what is tested)."""

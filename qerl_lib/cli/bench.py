@@ -1,5 +1,5 @@
-"""`qerl bench gemm` (NVFP4 x BF16 GEMM vs BF16, qerl_lib.bench.gemm) and `qerl bench rollout`
-(rollout throughput, qerl_lib.bench.rollout, which defines its own arguments).
+"""`qerl bench gemm` (NVFP4 x BF16 GEMM vs BF16 in the forward and backward layouts, qerl_lib.bench.gemm)
+and `qerl bench rollout` (rollout throughput, qerl_lib.bench.rollout, which defines its own arguments).
 """
 
 from __future__ import annotations
@@ -36,6 +36,8 @@ def register(sub) -> None:
                    help="comma-separated batch sizes M (tokens per GEMM)")
     p.add_argument("--layouts", type=_str_list, default=list(gemm.LAYOUTS),
                    help="hf: one shape per HF projection module; fused: vLLM-style qkv and gate_up (default: both)")
+    p.add_argument("--directions", type=_str_list, default=list(gemm.DIRECTIONS),
+                   help="fwd: y = x @ W.T; bwd: the input gradient dy @ W (default: both)")
     p.add_argument("--eager", action="store_true", help="time Python launches instead of CUDA-graph replays")
     p.add_argument("--json", default=None, help="write the full results JSON here (atomic)")
     p.set_defaults(func=_gemm)
@@ -56,6 +58,11 @@ def register(sub) -> None:
                    help="comma-separated data-parallel process counts, e.g. 1,2 (rows get speedup_vs_1gpu)")
     p.add_argument("--no-gradient-checkpointing", action="store_true")
     p.add_argument("--mismatch-forward", action="store_true", help="also run the μ = 1 mismatch forward")
+    p.add_argument("--preset-settings", action="store_true",
+                   help="run each model's qwen2.5-SIZE-gsm8k preset as `qerl train` would (its batch, lengths, "
+                        "micro-batch, μ, rank, rollout rows; the flags that set those are then not accepted)")
+    p.add_argument("--num-iterations", type=int, default=None,
+                   help="μ, policy updates per rollout (default: 1, or the preset's with --preset-settings)")
     p.add_argument("--json", default=None, help="write the rows JSON here (atomic)")
     p.set_defaults(func=_train)
 
@@ -67,13 +74,24 @@ def register(sub) -> None:
 
 def _train(args) -> int:
     from qerl_lib.io import write_json_atomic
+    from qerl_lib.errors import UserError
     from qerl_lib.studies.train_bench import TrainCase, format_bench, run_bench
 
-    cases = [TrainCase(model=m, mode=mode, batch=b, prompt_len=args.prompt_len, gen_len=args.gen_len,
-                       steps=args.steps, lora_rank=args.lora_rank, micro_batch=args.micro_batch,
-                       gradient_checkpointing=not args.no_gradient_checkpointing,
-                       mismatch_forward=args.mismatch_forward, groups=args.groups, num_gpus=n)
-             for m in args.models for b in args.batches for mode in args.modes for n in args.num_gpus]
+    if args.preset_settings:
+        changed = [f"--{k.replace('_', '-')}" for k, default in (("batches", [8]), ("prompt_len", 256),
+                   ("gen_len", 2048), ("lora_rank", 32), ("micro_batch", None), ("groups", 1), ("num_gpus", [1]),
+                   ("no_gradient_checkpointing", False), ("mismatch_forward", False)) if getattr(args, k) != default]
+        if changed:
+            raise UserError(f"--preset-settings runs the preset's own settings: drop {', '.join(changed)}")
+        cases = [TrainCase.from_preset(m, mode, steps=args.steps, num_iterations=args.num_iterations)
+                 for m in args.models for mode in args.modes]
+    else:
+        cases = [TrainCase(model=m, mode=mode, batch=b, prompt_len=args.prompt_len, gen_len=args.gen_len,
+                           steps=args.steps, lora_rank=args.lora_rank, micro_batch=args.micro_batch,
+                           gradient_checkpointing=not args.no_gradient_checkpointing,
+                           mismatch_forward=args.mismatch_forward, groups=args.groups, num_gpus=n,
+                           num_iterations=args.num_iterations or 1)
+                 for m in args.models for b in args.batches for mode in args.modes for n in args.num_gpus]
     record = run_bench(cases)
     record["provenance"]["command"] = " ".join(["qerl", *sys.argv[1:]])
     print(format_bench(record))
@@ -84,16 +102,20 @@ def _train(args) -> int:
 
 
 def _gemm(args) -> int:
-    from qerl_lib.bench.gemm import LAYOUTS, render_gemm_report, run_gemm_benchmark
+    from qerl_lib.bench.gemm import DIRECTIONS, LAYOUTS, render_gemm_report, run_gemm_benchmark
     from qerl_lib.errors import UserError
     from qerl_lib.io import write_json_atomic
 
     bad = [x for x in args.layouts if x not in LAYOUTS]
     if bad:
         raise UserError(f"--layouts accepts {' and '.join(LAYOUTS)}, got {bad}")
+    bad = [x for x in args.directions if x not in DIRECTIONS]
+    if bad or not args.directions:
+        raise UserError(f"--directions accepts {' and '.join(DIRECTIONS)}, got {bad or args.directions}")
     # `qerl ...` and `python -m qerl_lib ...` both leave the sub-command in sys.argv[1:]
     command = " ".join(["qerl", *sys.argv[1:]])
-    doc = run_gemm_benchmark(args.models, args.ms, layouts=args.layouts, graph=not args.eager, command=command)
+    doc = run_gemm_benchmark(args.models, args.ms, layouts=args.layouts, directions=args.directions,
+                             graph=not args.eager, command=command)
     print(render_gemm_report(doc))
     if args.json:
         print(f"wrote {write_json_atomic(args.json, doc)}")

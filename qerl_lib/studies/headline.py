@@ -59,9 +59,11 @@ RESULT_FILES = {
                "`figures/07_*.png`",
     "train_step_h100.json": "one GRPO step through the real trainer (`qerl bench train`): random-weight Qwen2.5-7B "
                             "(lora, qlora, nvfp4, qerl; batch 8), 14B (lora, qlora, qerl; batch 8) and 32B (qerl; "
-                            "batch 2) shapes, 256 + 2048 tokens, LoRA r32, gradient checkpointing; rollout, training "
-                            "and step seconds, peak memory, the paper's number beside; merged by "
-                            "`dev/sweeps/merge_train_step.py` (the 32B row predates the engine's LoRA kernels)",
+                            "batch 2) shapes, 256 + 2048 tokens, LoRA r32, gradient checkpointing, and the 7B GSM8K "
+                            "preset's own settings (lora, qlora, qerl; batch 128, `--preset-settings`, μ = 1); "
+                            "rollout, training and step seconds, peak memory, the paper's number beside; merged by "
+                            "`dev/sweeps/merge_train_step.py` from two runs (the 32B row predates the engine's LoRA "
+                            "kernels)",
     "calibration.json": "the expression task's calibration for the claim sweeps: the untrained SmolLM2's pass@1 "
                         "and share of mixed-reward groups of 8 per (base, level, temperature), 128 training problems "
                         "each, and the setting the pre-registered rule chose (`qerl_lib/studies/calibration.py`, "
@@ -279,6 +281,7 @@ def _training_row(results_dir) -> tuple:
 
 TRAIN_STEP_KEYS = ("model", "mode", "batch", "gen_len", "completion_len", "rollout_s", "step_s", "peak_gib", "paper",
                    "error")
+PRESET_STEP_KEYS = ("groups", "rollout_batch", "micro_batch", "num_iterations", "steps")  # rows of --preset-settings
 
 
 def _train_step_rows(results_dir) -> list[tuple]:
@@ -296,6 +299,8 @@ def _train_step_rows(results_dir) -> list[tuple]:
     lora, qerl, qlora = row("qwen2.5-7b", "lora", 8), row("qwen2.5-7b", "qerl", 8), row("qwen2.5-7b", "qlora", 8)
     lora14, qerl14, qlora14 = row("qwen2.5-14b", "lora", 8), row("qwen2.5-14b", "qerl", 8), row("qwen2.5-14b", "qlora", 8)
     big = row("qwen2.5-32b", "qerl", 2)
+    pq, pl, pn = row("qwen2.5-7b", "qerl", 128), row("qwen2.5-7b", "lora", 128), row("qwen2.5-7b", "qlora", 128)
+    _rows({"rows": [pq, pl, pn]}, file, PRESET_STEP_KEYS)
     return [
         (f"GRPO step (rollout + scoring + forward/backward + AdamW), Qwen2.5-7B shapes, batch 8, 256 + "
          f"{qerl['gen_len']} tokens, LoRA r32: qerl / lora / qlora",
@@ -311,6 +316,12 @@ def _train_step_rows(results_dir) -> list[tuple]:
         (f"the same step for Qwen2.5-32B shapes, mode qerl, batch 2, on one GPU",
          f"{big['step_s']:.1f} s ({big['rollout_s']:.1f} s rollout of {big['completion_len']:.0f}-token completions), "
          f"peak {big['peak_gib']:.1f} GiB (paper, Tab. 8: {big['paper']}, shorter completions)", dev, file),
+        (f"the qwen2.5-7b-gsm8k preset's own step ({pq['groups']} x {pq['batch'] // pq['groups']} completions of "
+         f"<= {pq['gen_len']} tokens, {pq['rollout_batch']} rollout rows, micro-batch {pq['micro_batch']}, "
+         f"μ = {pq['num_iterations']} of the preset's 4), {pq['steps']} steps each: qerl / lora / qlora",
+         f"{pq['step_s']:.0f} / {pl['step_s']:.0f} / {pn['step_s']:.0f} s (rollout {pq['rollout_s']:.0f} / "
+         f"{pl['rollout_s']:.0f} / {pn['rollout_s']:.0f} s: at {pq['rollout_batch']} rows the FP4 GEMM is below "
+         f"bf16's); peak {pq['peak_gib']:.1f} / {pl['peak_gib']:.1f} / {pn['peak_gib']:.1f} GiB", dev, file),
     ]
 
 

@@ -63,14 +63,36 @@ class TrainCase:
     groups: int = 1  # prompts per step (the batch is groups x completions per prompt)
     num_gpus: int = 1  # data-parallel processes (`accelerate launch`), at most `groups`
     device: str = "cuda"
+    num_iterations: int = 1  # μ: policy updates per rollout (the bench's cases: 1; the GSM8K presets: 4)
+    rollout_batch: int | None = None  # rows the engine generates at once (None: the whole batch)
+    preset: str | None = None  # set by `from_preset`: the preset whose settings the case runs
+
+    @classmethod
+    def from_preset(cls, model: str, mode: str, steps: int = 3, num_iterations: int | None = None,
+                    device: str = "cuda") -> "TrainCase":
+        """The case that runs the GSM8K preset of ``model``'s size as `qerl train` would (its prompts x
+        completions per step, lengths, micro-batch, μ, LoRA rank and rollout rows); only the weights,
+        prompts and reward are synthetic. ``num_iterations`` overrides the preset's μ (the peak memory
+        does not depend on it, the step time grows with it)."""
+        from qerl_lib.train.presets import make_config
+
+        preset = _preset_name(model)
+        p = make_config(preset)
+        return cls(model=model, mode=mode, batch=p.completions_per_step, prompt_len=p.max_prompt_tokens,
+                   gen_len=p.max_completion_length, steps=steps, lora_rank=p.lora_rank,
+                   gradient_checkpointing=p.gradient_checkpointing, micro_batch=p.micro_batch,
+                   groups=p.prompts_per_step, device=device, num_iterations=num_iterations or p.num_iterations,
+                   rollout_batch=p.rollout_batch, preset=preset)
 
     def __post_init__(self):
         if self.mode not in MODES:
             raise UserError(f"mode {self.mode!r}: use one of {MODES}")
         if self.steps < 2:
             raise UserError(f"steps={self.steps}: the first step warms up, so at least 2 are needed")
-        if min(self.batch, self.prompt_len, self.gen_len, self.lora_rank, self.groups, self.num_gpus) < 1:
-            raise UserError("batch, prompt_len, gen_len, lora_rank, groups and num_gpus must be >= 1")
+        if min(self.batch, self.prompt_len, self.gen_len, self.lora_rank, self.groups, self.num_gpus,
+               self.num_iterations, self.rollout_batch or 1) < 1:
+            raise UserError("batch, prompt_len, gen_len, lora_rank, groups, num_gpus, num_iterations and "
+                            "rollout_batch must be >= 1")
         if self.batch % self.groups or self.num_gpus > self.groups or self.groups % self.num_gpus:
             raise UserError(f"batch {self.batch} over {self.groups} group(s) on {self.num_gpus} GPU(s): the groups "
                             "must divide the batch, and the GPUs the groups")
@@ -81,22 +103,27 @@ def synthetic_reward(prompts, completions, completion_ids, **kwargs) -> list[flo
     return [float(sum(ids) % 7) / 6.0 for ids in completion_ids]
 
 
+def _preset_name(model: str) -> str:
+    size = model.removeprefix("qwen2.5-") if model.startswith("qwen2.5-") else "7b"
+    return f"qwen2.5-{size}-gsm8k"  # another architecture (a config path) takes the 7B preset's settings
+
+
 def case_config(case: TrainCase):
     """The `TrainConfig` of one case: the Qwen2.5 preset of its size with synthetic inputs."""
     from qerl_lib.train.presets import make_config
 
-    size = case.model.removeprefix("qwen2.5-") if case.model.startswith("qwen2.5-") else "7b"
-    preset = f"qwen2.5-{size}-gsm8k"  # another architecture (a config path) takes the 7B preset's settings
+    preset = _preset_name(case.model)
     micro = case.micro_batch or case.batch // case.num_gpus
     cpu = {"optim": "adamw_torch"} if case.device == "cpu" else {}  # the presets' 8-bit AdamW needs a GPU
     return make_config(preset, mode=case.mode, steps=case.steps, seed=0, model=f"random:{case.model}", data="random",
                        n_train=case.steps * case.groups, prompts_per_step=case.groups,
                        num_generations=case.batch // case.groups, micro_batch=micro,
-                       num_iterations=1, max_prompt_tokens=case.prompt_len, max_completion_length=case.gen_len,
+                       num_iterations=case.num_iterations, max_prompt_tokens=case.prompt_len, max_completion_length=case.gen_len,
                        lora_rank=case.lora_rank, lora_alpha=2 * case.lora_rank,
                        gradient_checkpointing=case.gradient_checkpointing, mismatch_forward=case.mismatch_forward,
                        mask_truncated_completions=False, accuracy_weight=0.0, format_weight=0.0,
-                       save_steps=10 * case.steps, device=case.device, rollout_batch=max(case.batch, 1), **cpu)
+                       save_steps=10 * case.steps, device=case.device,
+                       rollout_batch=case.rollout_batch or case.batch, **cpu)
 
 
 def run_case_here(case: TrainCase, out_dir: str | Path) -> dict:
@@ -192,6 +219,7 @@ def add_speedups(rows: list[dict]) -> None:
 
 
 COLUMNS = (("model", "", 12), ("mode", "", 6), ("batch", "d", 5), ("num_gpus", "d", 8), ("gen_len", "d", 7),
+           ("num_iterations", "d", 14),
            ("completion_len", ".0f", 14),
            ("rollout_s", ".2f", 9), ("train_s", ".2f", 8), ("step_s", ".2f", 7), ("peak_gib", ".1f", 8),
            ("tokens_per_s", ".0f", 12), ("speedup_vs_lora", ".2f", 15), ("speedup_vs_1gpu", ".2f", 15),
