@@ -46,6 +46,8 @@ INTERP_CASES = [
     ("m17_n130_k256_fragment_split2", 17, 130, 256, dict(block_m=32, block_n=128, block_k=128, split_k=2, fragment=True), False),
     ("m3_n65_k400_fragment_split2", 3, 65, 400, dict(block_m=16, block_n=64, block_k=128, split_k=2, fragment=True), True),
     ("m64_n130_k208_fragment_bm64", 64, 130, 208, dict(block_m=64, block_n=128, block_k=128, fragment=True), True),
+    ("m150_n77_k256_fragment_3_row_tiles", 150, 77, 256, dict(block_m=64, block_n=64, block_k=128, split_k=2,
+                                                              fragment=True), True),  # the launch rule at 65 <= M < 193
     ("m5_n77_k80_dequant_cublas", 5, 77, 80, dict(block_m=128, block_n=128, block_k=64, cublas=True), True),
     ("m17_n77_k208_generic_large_tiles", 17, 77, 208, dict(block_m=32, block_n=64, block_k=32, swap_ab=False), True),
 ]
@@ -158,6 +160,18 @@ def test_small_m_launch_rule_follows_the_h100_sweep():
     assert pick_config(32, 3584, 3584, num_sms=132).block_n == 64
 
 
+def test_mid_m_launch_rule_follows_the_h100_sweep():
+    # H100 run 17 (dev/LOG.md): 65 <= M <= 192 runs the fragment path in 64-row tiles (as M = 1: 64 wide,
+    # ~4 programs per SM), from M = 193 dequantize + cuBLAS; without cuBLAS large M takes 128 x 128 fused tiles
+    for m in (65, 128, 192):
+        cfg = pick_config(m, 37888, 3584, num_sms=132)
+        assert (cfg.fragment, cfg.block_m, cfg.block_n, cfg.split_k, cfg.cublas) == (True, 64, 64, 1, False), m
+    down = pick_config(128, 3584, 18944, num_sms=132)
+    assert (down.block_m, down.split_k) == (64, 5)  # 56 x 2 tiles x 5 K-slices ~ 4 x 132 programs
+    assert pick_config(193, 37888, 3584, num_sms=132).cublas
+    assert not pick_config(300, 37888, 3584, num_sms=132, allow_cublas=False).fragment
+
+
 BAD_INPUTS = {
     "x_float32": (lambda q: (torch.randn(2, 96), q.weight_packed, q.weight_scale, q.weight_global_scale), "bfloat16"),
     "x_wrong_k": (lambda q: (torch.randn(2, 80).bfloat16(), q.weight_packed, q.weight_scale, q.weight_global_scale), "last dim"),
@@ -216,7 +230,7 @@ def _qwen7b_shapes():
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("m", [1, 3, 16, 17, 64, 300], ids=lambda m: f"m{m}")
+@pytest.mark.parametrize("m", [1, 3, 16, 17, 64, 128, 150, 300], ids=lambda m: f"m{m}")
 @pytest.mark.parametrize("shape", _qwen7b_shapes(), ids=lambda s: f"{s[0]}_{s[1]}x{s[2]}")
 def test_cuda_projection_shapes(shape, m):
     from qerl_lib.bench.gemm import mean_relative_error

@@ -50,7 +50,8 @@ class KernelConfig:
 
 
 # M from which the prepared path dequantizes once and calls cuBLAS (None: never); see pick_config.
-CUBLAS_MIN_M: int | None = 65
+CUBLAS_MIN_M: int | None = 193
+FRAGMENT_MAX_BLOCK_M = 64  # the fragment path's widest tile of x rows; larger M runs several tiles along M
 
 
 def pick_config(m: int, n: int, k: int, num_sms: int = 132, allow_cublas: bool = True) -> KernelConfig:
@@ -60,14 +61,18 @@ def pick_config(m: int, n: int, k: int, num_sms: int = 132, allow_cublas: bool =
     * M = 1: the fragment path, 64-wide tiles, K-splits for ~4 programs per SM;
     * 2 <= M <= 16: 128-wide tiles and ~2 programs per SM (on an H100 5-20% faster than the
       M = 1 rule), except the shapes in ``SMALL_M_TUNED``; 17 <= M <= 64: as M = 1;
+    * 65 <= M < ``CUBLAS_MIN_M``: as M = 1 with 64-row tiles of x, each of which decodes and streams
+      W again (H100 run 17, Qwen2.5-7B/32B shapes at M = 96, 128, 192: gate/up and down 1.14-1.90x
+      faster than dequantize + cuBLAS, whose cuBLAS is memory-bound there so the extra pass costs more
+      than the GEMM; the small q/k/v and o shapes 0.88-1.10x of it; all still 0.48-0.80x of bf16);
     * M >= ``CUBLAS_MIN_M``: dequantize once + cuBLAS (the fused large-tile kernel measured
       0.44-0.55x of cuBLAS, dequant + cuBLAS 0.80-0.95x at M >= 1024);
-    * in between (only when cuBLAS is not allowed): 128x128 fused tiles.
+    * M >= ``CUBLAS_MIN_M`` when cuBLAS is not allowed: 128x128 fused tiles.
     """
     if allow_cublas and CUBLAS_MIN_M is not None and m >= CUBLAS_MIN_M:
         return KernelConfig(128, 128, 64, cublas=True)
-    if m <= 64:
-        block_m = 16 if m <= 16 else 1 << (m - 1).bit_length()
+    if m < (CUBLAS_MIN_M or 65):
+        block_m = 16 if m <= 16 else min(FRAGMENT_MAX_BLOCK_M, 1 << (m - 1).bit_length())
         block_n, per_sm = SMALL_M_TUNED.get((n, k), (128, 2)) if 2 <= m <= 16 else (64, 4)
         tiles = math.ceil(n / block_n) * math.ceil(m / block_m)
         split = k_splits(tiles, math.ceil(k / 128), num_sms, per_sm)
