@@ -1,4 +1,4 @@
-"""`qerl bench rollout`: rollout throughput and peak memory, bf16 vs NVFP4 weights, with LoRA ranks.
+"""`qerl bench rollout`: rollout throughput and peak memory, bf16 vs NVFP4 (vs NF4) weights, with LoRA ranks.
 
 What is measured
 ----------------
@@ -57,7 +57,8 @@ from qerl_lib.kernels.fp4_gemm import SMALL_M_BACKENDS
 from qerl_lib.models.fused import PARENT, PROJECTIONS
 
 MODELS = ("smollm2", "smollm2-shape", "qwen2.5-3b", "qwen2.5-7b", "qwen2.5-14b", "qwen2.5-32b")
-WEIGHTS = ("bf16", "nvfp4")
+WEIGHTS = ("bf16", "nvfp4", "nf4")  # nf4: QLoRA's base (bitsandbytes, double quantization; models/nf4.py)
+DEFAULT_WEIGHTS = ("bf16", "nvfp4")
 # SmolLM2-135M-Instruct's architecture (its config.json), for random-weight runs without the model files.
 SMOLLM2_SHAPE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                      num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=8192,
@@ -74,7 +75,7 @@ class RolloutBenchConfig:
     prompt_len: int = 256
     gen_len: int = 2048
     lora_ranks: tuple[int, ...] = (0,)
-    weights: tuple[str, ...] = WEIGHTS
+    weights: tuple[str, ...] = DEFAULT_WEIGHTS
     backends: tuple[str, ...] = ("auto",)  # engine decode backends to compare
     repeats: int = 2
     hf_baseline: bool = True  # also time transformers' generate on smollm2
@@ -153,7 +154,7 @@ def load_bench_model(name: str, weights: str, device: torch.device, init: str = 
         from qerl_lib.models.embedded import resolve_model
 
         model = AutoModelForCausalLM.from_pretrained(resolve_model("smollm2"), dtype=torch.bfloat16).to(device).eval()
-        return replace_linear_with_nvfp4(model) if weights == "nvfp4" else model
+        return replace_linear_with_nvfp4(model) if weights == "nvfp4" else _nf4(model, weights, device)
     if name == "smollm2-shape":
         import json
         import tempfile
@@ -164,9 +165,25 @@ def load_bench_model(name: str, weights: str, device: torch.device, init: str = 
         folder = Path(tempfile.mkdtemp(prefix="smollm2-shape-"))
         cfg = LlamaConfig(**SMOLLM2_SHAPE)
         (folder / "config.json").write_text(json.dumps(cfg.to_dict()))
-        return build_random_model(folder / "config.json", torch.bfloat16, device, nvfp4=weights == "nvfp4",
-                                  init=init, seed=seed)
-    return build_random_model(name, torch.bfloat16, device, nvfp4=weights == "nvfp4", init=init, seed=seed)
+        return _nf4(build_random_model(folder / "config.json", torch.bfloat16, device, nvfp4=weights == "nvfp4",
+                                       init=init, seed=seed), weights, device)
+    return _nf4(build_random_model(name, torch.bfloat16, device, nvfp4=weights == "nvfp4", init=init, seed=seed),
+                weights, device)
+
+
+def _nf4(model, weights: str, device: torch.device):
+    """``model`` with its Linears (not lm_head) as bitsandbytes NF4 when ``weights`` is "nf4", as QLoRA loads it."""
+    if weights != "nf4":
+        return model
+    import importlib.util
+
+    if importlib.util.find_spec("bitsandbytes") is None:
+        from qerl_lib.errors import UserError
+
+        raise UserError("--weights nf4 needs bitsandbytes: pip install bitsandbytes (requirements.txt pins it)")
+    from qerl_lib.models.nf4 import to_nf4
+
+    return to_nf4(model, device, torch.bfloat16).eval()
 
 
 def random_lora(model, rank: int, seed: int = 0) -> dict:
@@ -423,7 +440,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--gen-len", type=int, default=2048)
     p.add_argument("--lora-rank", type=ints, default=(0,), dest="lora_ranks", help="e.g. 0,16,32,64 (0 = no adapter)")
-    p.add_argument("--weights", type=names, default=WEIGHTS)
+    p.add_argument("--weights", type=names, default=DEFAULT_WEIGHTS,
+                   help=f"comma list of {', '.join(WEIGHTS)} (nf4: the QLoRA baseline, needs bitsandbytes)")
     p.add_argument("--backends", type=names, default=("auto",),
                    help=f"engine decode backends to compare: {', '.join(DECODE_BACKENDS)}")
     p.add_argument("--repeats", type=int, default=2)

@@ -62,7 +62,7 @@ def pick_config(m: int, n: int, k: int, num_sms: int = 132, allow_cublas: bool =
     * 2 <= M <= 16: 128-wide tiles and ~2 programs per SM (on an H100 5-20% faster than the
       M = 1 rule), except the shapes in ``SMALL_M_TUNED``; 17 <= M <= 64: as M = 1;
     * 65 <= M < ``CUBLAS_MIN_M``: as M = 1 with 64-row tiles of x, each of which decodes and streams
-      W again (H100 run 17, Qwen2.5-7B/32B shapes at M = 96, 128, 192: gate/up and down 1.14-1.90x
+      W again (H100, Qwen2.5-7B/32B shapes at M = 96, 128, 192: gate/up and down 1.14-1.90x
       faster than dequantize + cuBLAS, whose cuBLAS is memory-bound there so the extra pass costs more
       than the GEMM; the small q/k/v and o shapes 0.88-1.10x of it; all still 0.48-0.80x of bf16);
     * M >= ``CUBLAS_MIN_M``: dequantize once + cuBLAS (the fused large-tile kernel measured

@@ -1,0 +1,54 @@
+"""`qerl bench rollout` pieces that run on a CPU: the NF4 (QLoRA) base it times, and the summary's
+NVFP4/NF4 ratio (speed targets live in the benchmark's JSON, not here)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from qerl_lib.bench.rollout import Row, RolloutBenchConfig, _nf4, random_lora, time_engine
+from qerl_lib.bench.rollout_report import summarize
+
+pytest.importorskip("bitsandbytes", reason="the NF4 base is bitsandbytes' (requirements.txt installs it)")
+
+
+def test_nf4_bench_model_is_qloras_base_and_the_engine_times_it_with_lora():
+    """Every Linear but lm_head becomes a bitsandbytes NF4 layer (as QLoRA loads a model); the engine rolls it
+    out with a rank-4 adapter and returns every row's tokens; its greedy tokens are the NF4 model's own."""
+    import bitsandbytes as bnb
+
+    from qerl_lib.engine.rollout import RolloutEngine
+    from tests.test_engine import hf_greedy, tiny_model
+
+    model = _nf4(tiny_model("llama", dtype=torch.bfloat16), "nf4", torch.device("cpu"))
+    kinds = {name: type(m) for name, m in model.named_modules() if isinstance(m, (torch.nn.Linear, bnb.nn.Linear4bit))}
+    assert kinds.pop("lm_head") is torch.nn.Linear
+    assert kinds and all(k is bnb.nn.Linear4bit for k in kinds.values()), kinds
+    assert _nf4(tiny_model("llama"), "bf16", torch.device("cpu")).model.layers[0].mlp.up_proj.__class__ is torch.nn.Linear
+
+    prompt = [5, 9, 17, 33]
+    out = RolloutEngine(model, decode_backend="eager").generate([prompt], 12, temperature=0.0, stop_token_ids=[])
+    assert out[0].token_ids == hf_greedy(model, prompt, 12)
+
+    row = time_engine(model, Row("tiny", "nf4", 3, 4, "eager", "qerl", prompt_len=8, gen_len=10), "eager",
+                      random_lora(model, 4), repeats=1, seed=3)
+    assert row.useful_tokens == 30 and row.tok_s > 0 and row.error is None
+
+
+def _row(weights, tok_s, rank=16, batch=8):
+    return Row("qwen2.5-7b", weights, batch, rank, "graphs+fused", "qerl", 256, 2048, tok_s=tok_s)
+
+
+def test_summary_reports_nvfp4_over_nf4_against_its_target():
+    summary = summarize([_row("nvfp4", 2400.0), _row("nf4", 1200.0), _row("bf16", 1500.0),
+                         _row("nf4", 900.0, batch=64), _row("nvfp4", 8000.0, rank=0)])
+    assert summary["nvfp4_over_nf4_7b_b8_r16_p256_g2048"] == pytest.approx(2.0)
+    assert summary["nvfp4_over_bf16_7b_b8_r16_p256_g2048"] == pytest.approx(1.6)
+    assert summary["targets"]["nvfp4_over_nf4_7b_b8_r16"] == {"value": 2.0, "target": 1.5, "met": True}
+    assert not any(k.startswith("nvfp4_over_nf4_7b_b64") or "_r0_" in k and "nf4" in k for k in summary)
+    assert "nvfp4_over_nf4_7b_b8_r16" not in summarize([_row("nvfp4", 2400.0)])["targets"]
+
+
+def test_bad_weights_name_the_choices():
+    with pytest.raises(ValueError, match="choose from bf16, nvfp4, nf4"):
+        RolloutBenchConfig(weights=("int4",))
