@@ -32,7 +32,9 @@ LoRA adapters of rank r on all seven projections are random too, applied unmerge
 Where this deviates from the paper's setup (Tables 5-9: vLLM on one H100, rollout batch 2/8,
 256-token prompts, up to 2048 generated, gpu_memory_utilization matched): here generation is
 fixed-length (the paper's completions stop at EOS, so its averages mix lengths), weights are
-random, and the engine is this kit's rather than vLLM + Marlin.
+random, and the engine is this kit's rather than vLLM + Marlin. ``--engines kit,vllm`` adds vLLM's
+rows on the very same checkpoint, adapters and prompts, in the same run (``bench/vllm_peer.py``);
+``--weights nf4`` adds QLoRA's bitsandbytes NF4 base (``models/nf4.py``) to the kit's rows.
 """
 
 from __future__ import annotations
@@ -91,8 +93,16 @@ class RolloutBenchConfig:
     lora_kernels: bool = True  # adapters through kernels/lora.py (False: one matmul per group + one addmm per member)
     scheduling: tuple[str, ...] = ("static",)  # "static": batches of `batch` prompts; "continuous": `batch` rows refilled
     prompts: int | None = None  # completions per rollout (None: one batch); more than the batch queue for its rows
+    engines: tuple[str, ...] = ("kit",)  # "vllm": vLLM on the same checkpoint in its own process (bench/vllm_peer.py)
+    vllm_pythonpath: str | None = None  # PYTHONPATH of the vLLM process (its packages); None: this process's
+    vllm_workdir: str | None = None  # where the checkpoint for vLLM is written (None: the system's temp folder)
+    vllm_gpu_memory_utilization: float = 0.85
 
     def __post_init__(self):
+        from qerl_lib.bench.vllm_peer import ENGINES
+
+        if not self.engines or set(self.engines) - set(ENGINES):
+            raise ValueError(f"engines {self.engines}: choose from {', '.join(ENGINES)}")
         for m in self.models:
             if m not in MODELS:
                 raise ValueError(f"unknown model {m!r}: choose from {', '.join(MODELS)}")
@@ -348,6 +358,10 @@ def run_rollout_bench(cfg: RolloutBenchConfig, log=print, checkpoint=None) -> di
                                 error=f"OOM building: {e}"[:200]))
                 log(f"{name} {weights}: OOM while building")
                 continue
+            if "vllm" in cfg.engines:  # before the kit's engine fuses projections in place
+                from qerl_lib.bench.vllm_peer import prepare_peer
+
+                peer = prepare_peer(model, name, weights, cfg, log)
             set_small_m_kernel(model, cfg.fp4_small_m)
             torch.cuda.synchronize()
             weights_gib = torch.cuda.memory_allocated() / 2**30
@@ -357,7 +371,7 @@ def run_rollout_bench(cfg: RolloutBenchConfig, log=print, checkpoint=None) -> di
                         + profile_decode(model, cfg.batches[0], cfg.prompt_len, cfg.backends[0]))
                 except Exception as e:  # a profiling failure must not stop the measurements
                     log(f"profile failed: {type(e).__name__}: {e}")
-            for batch in cfg.batches:
+            for batch in cfg.batches if "kit" in cfg.engines else ():
                 for rank in cfg.lora_ranks:
                     lora = random_lora(model, rank, cfg.seed) if rank else None
                     for backend in cfg.backends:
@@ -381,6 +395,12 @@ def run_rollout_bench(cfg: RolloutBenchConfig, log=print, checkpoint=None) -> di
                                              Row(name, weights, batch, 0, cfg.backends[0], "qerl", cfg.prompt_len, gen,
                                                  weights_gib=weights_gib), log))
             del model
+            if "vllm" in cfg.engines:  # the kit's model is gone: vLLM gets the GPU
+                from qerl_lib.bench.vllm_peer import run_peer
+
+                _free()
+                for row in run_peer(peer, cfg, log):
+                    rows.append(row)
     _free()
     return _document(cfg, rows, prov)
 
@@ -469,6 +489,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-lora-kernels", action="store_false", dest="lora_kernels",
                    help="apply adapters with torch matmuls (one per group + one addmm per member) instead of "
                         "kernels/lora.py's two launches per group")
+    p.add_argument("--engines", type=names, default=("kit",),
+                   help="kit and/or vllm: vLLM 0.24 on the same checkpoint, prompts and GPU, in its own process "
+                        "(bench/vllm_peer.py; bf16 and nvfp4 weights)")
+    p.add_argument("--vllm-pythonpath", default=None,
+                   help="PYTHONPATH of the vLLM process, e.g. /tmp/vsite:/tmp/site (default: this process's)")
+    p.add_argument("--vllm-workdir", default=None, help="folder for the checkpoint vLLM loads (default: temp)")
     p.add_argument("--json", default=None, dest="json_out", help="write the results JSON here (atomically)")
     p.add_argument("--merge", nargs="+", default=None, metavar="JSON",
                    help="instead of measuring: merge these results files into --json and print the table")
@@ -495,7 +521,8 @@ def run_cli(args) -> int:
                              profile=args.profile, fuse_projections=args.fuse_projections,
                              decode_attention=args.decode_attention, fp4_small_m=args.fp4_small_m,
                              workload=args.workload, lora_kernels=args.lora_kernels, scheduling=args.scheduling,
-                             prompts=args.prompts)
+                             prompts=args.prompts, engines=args.engines, vllm_pythonpath=args.vllm_pythonpath,
+                             vllm_workdir=args.vllm_workdir)
     print(table_header(TABLE_COLUMNS), flush=True)
     checkpoint = (lambda doc: write_json_atomic(args.json_out, doc)) if args.json_out else None
     result = run_rollout_bench(cfg, log=lambda line: print(line, flush=True), checkpoint=checkpoint)

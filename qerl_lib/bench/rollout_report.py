@@ -21,6 +21,7 @@ TARGETS = {
     "nvfp4_peak_gib_32b_b8": 80.0 * 1e9 / 2**30,  # must fit an 80 GB GPU
     "continuous_over_static_7b": 1.5,  # uneven lengths: continuous batching tok/s / static batches' (same outputs)
     "nvfp4_over_nf4_7b_b8_r16": 1.5,  # the paper's "vs QLoRA", measured: NVFP4 / bitsandbytes NF4, LoRA r16
+    "kit_over_vllm_7b_nvfp4_r16": 1.25,  # the kit's engine / vLLM, same checkpoint and run; worst batch of 8-128
 }
 
 
@@ -85,6 +86,21 @@ def summarize(rows: list) -> dict:
                 ratios_7b.append(ratio)
     if ratios_7b:
         checks.append(("continuous_over_static_7b", min(ratios_7b)))
+    # the kit's engine against vLLM on the same checkpoint, prompts and lengths (bench/vllm_peer.py)
+    peer_7b = []
+    for r in rows:
+        if r.engine != "vllm" or r.error is not None or not r.tok_s:
+            continue
+        kit = find(model=r.model, weights=r.weights, batch=r.batch, rank=r.rank, prompt_len=r.prompt_len,
+                   gen_len=r.gen_len, engine="qerl", scheduling="static", prompts=None, workload="fixed")
+        if kit is not None:
+            size = r.model.removeprefix("qwen2.5-")
+            out[f"kit_over_vllm_{size}_{r.weights}_b{r.batch}_r{r.rank}_p{r.prompt_len}_g{r.gen_len}"] = \
+                kit.tok_s / r.tok_s
+            if (r.model, r.weights, r.rank) == ("qwen2.5-7b", "nvfp4", 16) and r.batch in (8, 32, 64, 128):
+                peer_7b.append(kit.tok_s / r.tok_s)
+    if peer_7b:
+        checks.append(("kit_over_vllm_7b_nvfp4_r16", min(peer_7b)))
     out["paper_vllm_h100"] = PAPER_TOK_S
     out["targets"] = {k: {"value": round(v, 3), "target": round(TARGETS[k], 3),
                           "met": v <= TARGETS[k] if k.endswith("peak_gib_32b_b8") else v >= TARGETS[k]}
