@@ -201,6 +201,12 @@ def mean_relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out64 - ref64).abs().mean() / ref64.abs().mean().clamp_min(1e-300))
 
 
+def check_directions(directions: Sequence[str]) -> None:
+    """UserError unless ``directions`` is a non-empty subset of ``DIRECTIONS``."""
+    if not directions or any(d not in DIRECTIONS for d in directions):
+        raise UserError(f"--directions accepts {' and '.join(DIRECTIONS)}, got {list(directions)}")
+
+
 def row_direction(row: dict) -> str:
     """A result row's direction; rows written before the key existed are forward rows."""
     return row.get("direction", "fwd")
@@ -216,9 +222,7 @@ def bench_gemm_shape(shape: GemmShape, ms: Sequence[int], *, l2: int, copy_gbps:
     from qerl_lib.kernels.mma import pick_mma_config
     from qerl_lib.quant.nvfp4 import quantize, reference_grad_input, reference_matmul
 
-    bad = [d for d in directions if d not in DIRECTIONS]
-    if bad or not directions:
-        raise UserError(f"directions must be a non-empty subset of {DIRECTIONS}, got {list(directions)}")
+    check_directions(directions)
     n, k = shape.n, shape.k
     gen = torch.Generator(device="cuda").manual_seed(seed)
     dense = (torch.randn(n, k, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)
@@ -339,8 +343,7 @@ def run_gemm_benchmark(models: Sequence[str] = DEFAULT_MODELS, ms: Sequence[int]
     _require_cuda()
     if any(m < 1 for m in ms):
         raise UserError(f"--m values must be positive integers, got {list(ms)}")
-    if not directions or any(d not in DIRECTIONS for d in directions):
-        raise UserError(f"--directions accepts {' and '.join(DIRECTIONS)}, got {list(directions)}")
+    check_directions(directions)
     shapes = [s for model in models for s in projection_shapes(model, layouts)]
     torch.backends.cuda.matmul.allow_tf32 = False  # the oracle's fp32 matmul must really be fp32
     copy_gbps = copy_bandwidth_gbps()

@@ -78,7 +78,11 @@ def write_adapter(adapters: dict, folder: str | Path, base_dir: str | Path) -> P
 def run_runner(spec: dict, pythonpath: str | None, timeout_s: float = 3600, python: str = sys.executable) -> dict:
     """``bench/vllm_runner.py`` on ``spec`` in a fresh process with ``PYTHONPATH=pythonpath``; its result
     document, or one with every row's error when the process itself fails."""
-    pairs = [(b, r) for b in spec["batches"] for r in spec["ranks"]]
+
+    def failed(message: str) -> dict:
+        return {"vllm": None, "rows": [{"batch": b, "rank": r, "error": message[:300]}
+                                       for b in spec["batches"] for r in spec["ranks"]]}
+
     with tempfile.TemporaryDirectory(prefix="qerl-vllm-") as tmp:
         spec_path, out_path = Path(tmp) / "spec.json", Path(tmp) / "rows.json"
         spec_path.write_text(json.dumps(spec))
@@ -89,16 +93,12 @@ def run_runner(spec: dict, pythonpath: str | None, timeout_s: float = 3600, pyth
             proc = subprocess.run([python, "-P", str(RUNNER), str(spec_path), str(out_path)], env=env,
                                   capture_output=True, text=True, timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            return {"vllm": None, "rows": [{"batch": b, "rank": r, "error": f"vLLM timed out after {timeout_s:.0f} s"}
-                                           for b, r in pairs]}
+            return failed(f"vLLM timed out after {timeout_s:.0f} s")
         except OSError as exc:  # the interpreter itself could not start
-            return {"vllm": None, "rows": [{"batch": b, "rank": r, "error": f"vLLM process failed: {exc}"[:300]}
-                                           for b, r in pairs]}
+            return failed(f"vLLM process failed: {exc}")
         if proc.returncode != 0 or not out_path.is_file():
             lines = [ln for ln in (proc.stderr or "").strip().splitlines() if ln.strip()]
-            why = (lines[-1] if lines else f"exit {proc.returncode}")[:300]
-            return {"vllm": None, "rows": [{"batch": b, "rank": r, "error": f"vLLM process failed: {why}"}
-                                           for b, r in pairs]}
+            return failed(f"vLLM process failed: {lines[-1] if lines else f'exit {proc.returncode}'}")
         return json.loads(out_path.read_text())
 
 

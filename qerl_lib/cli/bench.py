@@ -102,16 +102,14 @@ def _train(args) -> int:
 
 
 def _gemm(args) -> int:
-    from qerl_lib.bench.gemm import DIRECTIONS, LAYOUTS, render_gemm_report, run_gemm_benchmark
+    from qerl_lib.bench.gemm import LAYOUTS, check_directions, render_gemm_report, run_gemm_benchmark
     from qerl_lib.errors import UserError
     from qerl_lib.io import write_json_atomic
 
     bad = [x for x in args.layouts if x not in LAYOUTS]
     if bad:
         raise UserError(f"--layouts accepts {' and '.join(LAYOUTS)}, got {bad}")
-    bad = [x for x in args.directions if x not in DIRECTIONS]
-    if bad or not args.directions:
-        raise UserError(f"--directions accepts {' and '.join(DIRECTIONS)}, got {bad or args.directions}")
+    check_directions(args.directions)  # before the CUDA check: a typo is reported on any machine
     # `qerl ...` and `python -m qerl_lib ...` both leave the sub-command in sys.argv[1:]
     command = " ".join(["qerl", *sys.argv[1:]])
     doc = run_gemm_benchmark(args.models, args.ms, layouts=args.layouts, directions=args.directions,

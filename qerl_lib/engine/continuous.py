@@ -20,11 +20,11 @@ and attends to ``pad[r] .. c``, at RoPE position ``column - pad[r]``. That is al
   their token budgets, which the host knows; one host sync), finished rows hand their tokens over, and
   once ``slots // 8`` rows (at least one; fewer if the queue is shorter) are free they take queued
   prompts. Refilling in groups matters: a prefill call costs a few decode steps however few prompts it
-  carries (eager launches, a host sync, the weights read once more), and grouping shares that cost. The new prompts (left-padded to the longest among them) are
-  prefilled into their rows at columns ``[c - L, c)`` (``ForwardPass.prefill(rows=, start=)``), so
-  ``pad[r] = c - L`` and the next decode step, which writes column ``c``, continues them. They attend
-  only to their own prompt: the row's older columns are masked by ``pad``. Their first token is
-  sampled from the prefill's logits.
+  carries (eager launches, a host sync, the weights read once more), and grouping shares that cost.
+  The new prompts (left-padded to the longest among them) are prefilled into their rows at columns
+  ``[c - L, c)`` (``ForwardPass.prefill(rows=, start=)``), so ``pad[r] = c - L`` and the next decode
+  step, which writes column ``c``, continues them. They attend only to their own prompt: the row's
+  older columns are masked by ``pad``. Their first token is sampled from the prefill's logits.
 * **Compaction.** ``c`` only grows, and the cache has ``P + max_new_tokens - 1 + headroom`` columns
   (``P`` the longest prompt of the call). When the next ``check_every`` steps would run past the end,
   every row's columns move left by the start of the oldest live sequence (in chunks no wider than
@@ -49,7 +49,6 @@ step (vLLM's chunked prefill); a row that ends at a stop token is noticed at the
 """
 
 from __future__ import annotations
-
 
 import torch
 

@@ -261,7 +261,7 @@ class RowStreams:
             if not picked:
                 return out
             block = 1024
-            positions = position.to(device=self.device, dtype=torch.int64) if per_row else keys
+            positions = position.to(device=self.device, dtype=torch.int64) if per_row else keys  # keys: unread
             word = 0 if per_row else (int(position) * _GOLDEN) & _M32
             _row_exponentials_kernel[(len(picked), triton.cdiv(vocab, block))](
                 keys, out, vocab, word, positions, PER_ROW=per_row, BLOCK=block, num_warps=4)

@@ -300,7 +300,9 @@ def _train_step_rows(results_dir) -> list[tuple]:
     lora14, qerl14, qlora14 = row("qwen2.5-14b", "lora", 8), row("qwen2.5-14b", "qerl", 8), row("qwen2.5-14b", "qlora", 8)
     big = row("qwen2.5-32b", "qerl", 2)
     pq, pl, pn = row("qwen2.5-7b", "qerl", 128), row("qwen2.5-7b", "lora", 128), row("qwen2.5-7b", "qlora", 128)
-    _rows({"rows": [pq, pl, pn]}, file, PRESET_STEP_KEYS)
+    missing = sorted({k for r in (pq, pl, pn) for k in PRESET_STEP_KEYS if k not in r})
+    if missing:
+        raise ResultsError(f"{file}: the qwen2.5-7b batch-128 (preset) rows miss {missing}")
     return [
         (f"GRPO step (rollout + scoring + forward/backward + AdamW), Qwen2.5-7B shapes, batch 8, 256 + "
          f"{qerl['gen_len']} tokens, LoRA r32: qerl / lora / qlora",

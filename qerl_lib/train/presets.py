@@ -343,7 +343,7 @@ def _qwen(size: str, data: str, **kw) -> TrainConfig:
     # Gradient checkpointing at every size: a micro-batch of 8 sequences of 256 + 4096 tokens keeps ~34 x hidden
     # bytes of activations per token and layer without it, ~120 GB at 7B and ~90 GB at 3B; with it, one hidden
     # state per token and layer. Measured (results/train_step_h100.json, H100, random weights): the 7B gsm8k preset's
-    # own step peaks at 45.4 (qerl), 54.2 (lora) and 44.0 GiB (qlora), 30 GiB of it the rollout's KV cache.
+    # own step peaks at 45.4 (qerl), 54.2 (lora) and 44.0 GiB (qlora); its rollout's KV cache is 29.75 GiB.
     gsm8k = data == "gsm8k"
     prompt_tokens, completion_tokens = (256, 4096) if gsm8k else (1024, 8192)
     return TrainConfig(
