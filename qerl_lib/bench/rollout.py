@@ -124,6 +124,9 @@ class RolloutBenchConfig:
             raise ValueError(f"scheduling must be one or more of {', '.join(SCHEDULING)}, got {list(self.scheduling)}")
         if self.prompts is not None and self.prompts < 1:
             raise ValueError(f"prompts must be >= 1 (completions per rollout), got {self.prompts}")
+        if "vllm" in self.engines and self.prompts is not None and len(self.batches) > 1:
+            raise ValueError("--prompts with --engines vllm takes one --batch (vLLM's running-sequence cap is "
+                             "fixed when its engine starts): run one batch size per call")
 
 
 @dataclass

@@ -91,13 +91,16 @@ def summarize(rows: list) -> dict:
     for r in rows:
         if r.engine != "vllm" or r.error is not None or not r.tok_s:
             continue
+        # the same rollout (workload, prompts); the kit's faster scheduling counts, as vLLM runs its own best
         kit = find(model=r.model, weights=r.weights, batch=r.batch, rank=r.rank, prompt_len=r.prompt_len,
-                   gen_len=r.gen_len, engine="qerl", scheduling="static", prompts=None, workload="fixed")
+                   gen_len=r.gen_len, engine="qerl", prompts=r.prompts, workload=r.workload)
         if kit is not None:
             size = r.model.removeprefix("qwen2.5-")
-            out[f"kit_over_vllm_{size}_{r.weights}_b{r.batch}_r{r.rank}_p{r.prompt_len}_g{r.gen_len}"] = \
+            fixed = r.workload == "fixed" and r.prompts is None
+            rollout = "" if fixed else f"_n{r.prompts or r.batch}_{r.workload}"
+            out[f"kit_over_vllm_{size}_{r.weights}_b{r.batch}_r{r.rank}_p{r.prompt_len}_g{r.gen_len}{rollout}"] = \
                 kit.tok_s / r.tok_s
-            if (r.model, r.weights, r.rank) == ("qwen2.5-7b", "nvfp4", 16) and r.batch in (8, 32, 64, 128):
+            if fixed and (r.model, r.weights, r.rank) == ("qwen2.5-7b", "nvfp4", 16) and r.batch in (8, 32, 64, 128):
                 peer_7b.append(kit.tok_s / r.tok_s)
     if peer_7b:
         checks.append(("kit_over_vllm_7b_nvfp4_r16", min(peer_7b)))

@@ -8,10 +8,13 @@ same seed). It then frees its own GPU memory and starts ``bench/vllm_runner.py``
 process under vLLM's packages, which returns one row per (batch, rank) with ``"engine": "vllm"``.
 
 Like for like, and where it is not: the prompts are the kit's token ids, every completion runs to
-``gen_len`` (``ignore_eos``), temperature 1, and ``tok_s`` counts generated tokens over the wall time
-of the whole call, prefill included, as the kit's rows do. vLLM pages its KV cache and schedules
-continuously (irrelevant here: one batch, equal lengths); its engine start (compilation, graph
-capture) is outside the timing, as the kit's warm-up is. Peak memory is not comparable (vLLM
+its length of the kit's workload (``ignore_eos``; all ``gen_len`` when fixed), temperature 1, and
+``tok_s`` counts generated tokens over the wall time of the whole call, prefill included, as the
+kit's rows do. vLLM pages its KV cache and always schedules continuously: with ``--prompts`` above
+the batch it keeps ``batch`` sequences running and admits queued prompts as others end, which is
+what the kit's ``continuous`` rows do (its engine's concurrency cap is fixed at start, so such a
+comparison takes one batch size). Its engine start (compilation, graph capture) is outside the
+timing, as the kit's warm-up is. Peak memory is not comparable (vLLM
 reserves ``gpu_memory_utilization`` of the GPU up front) and is left empty. NF4 (bitsandbytes)
 is not offered to vLLM: its rows would time vLLM's bitsandbytes path, not QLoRA's.
 """
@@ -108,6 +111,7 @@ def prepare_peer(model, name: str, weights: str, cfg, log=print) -> dict:
     runner's spec (the kit's prompts). Call it before the kit's engine touches the model (the engine fuses
     projections in place), and `run_peer` after the caller has freed the model, so vLLM gets the GPU."""
     from qerl_lib.bench.rollout import random_lora, random_prompts
+    from qerl_lib.bench.workloads import sample_lengths
 
     peer = {"name": name, "weights": weights, "folder": None, "spec": None}
     if weights not in PEER_WEIGHTS:
@@ -116,11 +120,13 @@ def prepare_peer(model, name: str, weights: str, cfg, log=print) -> dict:
     peer["folder"] = str(folder)
     log(f"{name} {weights}: writing the checkpoint for vLLM into {folder} ...")
     model_dir = write_checkpoint(model, weights, folder / "model")
+    n = cfg.prompts or max(cfg.batches)  # the kit's prompts and lengths for n rows begin with those for fewer
     adapters = {str(r): str(write_adapter(random_lora(model, r, cfg.seed), folder / f"lora_r{r}", model_dir))
                 for r in cfg.lora_ranks if r}
     peer["spec"] = {"model_dir": str(model_dir), "adapters": adapters, "batches": list(cfg.batches),
                     "ranks": list(cfg.lora_ranks), "prompt_len": cfg.prompt_len, "gen_len": cfg.gen_len,
-                    "prompts": random_prompts(max(cfg.batches), cfg.prompt_len, model.config.vocab_size, cfg.seed),
+                    "prompts": random_prompts(n, cfg.prompt_len, model.config.vocab_size, cfg.seed),
+                    "lengths": sample_lengths(cfg.workload, n, cfg.gen_len, cfg.seed), "rollout_prompts": cfg.prompts,
                     "repeats": cfg.repeats, "seed": cfg.seed,
                     "gpu_memory_utilization": cfg.vllm_gpu_memory_utilization}
     return peer
@@ -136,7 +142,9 @@ def run_peer(peer: dict, cfg, log=print) -> list:
     name, weights = peer["name"], peer["weights"]
 
     def row(b, r, **kw):
-        return Row(name, weights, b, r, "vllm", "vllm", cfg.prompt_len, cfg.gen_len, **kw)
+        queued = (cfg.prompts or b) > b  # vLLM refills finished rows from the queue, as the kit's "continuous"
+        return Row(name, weights, b, r, "vllm", "vllm", cfg.prompt_len, cfg.gen_len, workload=cfg.workload,
+                   prompts=cfg.prompts, scheduling="continuous" if queued else "static", **kw)
 
     if peer["spec"] is None:
         return [row(b, r, error=f"not run: vLLM peer rows take {' or '.join(PEER_WEIGHTS)}")

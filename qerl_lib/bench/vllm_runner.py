@@ -8,9 +8,12 @@ which must not meet the kit's), so it imports only the standard library and vLLM
 wrote, the prompts as token ids, batches, LoRA ranks with their adapter folders, lengths, repeats.
 One ``LLM`` serves every (batch, rank) of the checkpoint (engine start with compilation and CUDA
 graphs takes minutes, so it is paid once); each pair gets one untimed warm-up call, then
-``repeats`` timed ``generate`` calls of the batch's prompts at temperature 1 with ``ignore_eos``
-(every completion runs to ``gen_len``, as the kit's fixed workload does). ``tok_s`` = generated
-tokens / the median call's wall time, the same definition as the kit's rows (prefill included).
+``repeats`` timed ``generate`` calls at temperature 1 with ``ignore_eos``: the first
+``rollout_prompts`` prompts (default: the batch's), each completion to its own length from
+``lengths`` (the kit's workload: all ``gen_len`` when fixed, uneven for "gsm8k-like"). vLLM's
+scheduler keeps at most ``max_num_seqs`` = the largest batch running and admits queued prompts
+as others finish. ``tok_s`` = generated tokens / the median call's wall time, the same definition
+as the kit's rows (prefill included).
 A failure becomes the error of the rows it hits, so the kit's rows survive any vLLM problem.
 """
 
@@ -46,12 +49,14 @@ def run(spec: dict) -> dict:
         return {"vllm": None, "rows": [{"batch": b, "rank": r, "error": _error(exc)} for b, r in pairs]}
     rows = []
     for batch, rank in pairs:
-        prompts = [{"prompt_token_ids": ids} for ids in spec["prompts"][:batch]]
+        n = spec.get("rollout_prompts") or batch
+        prompts = [{"prompt_token_ids": ids} for ids in spec["prompts"][:n]]
+        lengths = spec.get("lengths") or [spec["gen_len"]] * n
         lora = LoRARequest(f"rank{rank}", rank, spec["adapters"][str(rank)]) if rank else None
         try:
             warm = SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True)
-            llm.generate(prompts, warm, lora_request=lora, use_tqdm=False)
-            params = SamplingParams(temperature=1.0, max_tokens=spec["gen_len"], ignore_eos=True)
+            llm.generate(prompts[:batch], warm, lora_request=lora, use_tqdm=False)
+            params = [SamplingParams(temperature=1.0, max_tokens=length, ignore_eos=True) for length in lengths[:n]]
             times, tokens = [], 0
             for _ in range(spec["repeats"]):
                 start = time.perf_counter()

@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# GPU run of `qerl bench rollout --engines kit,vllm` for #17: the kit's engine and vLLM 0.24 on the same random-weight
+# Qwen2.5-7B checkpoints, prompts, adapters and lengths, one after the other on one H100.
+# Set-up (../shared/gpu/vllm/README.md): `bash ../shared/gpu/vllm/prepare.sh` here fills .vl1 ... .vl7. On the device,
+# one call right after another while the machine is held:
+#   carry .vlN alone, run `bash dev/sweeps/vllm_peer_gpu.sh vl N`           (N = 1 ... 6)
+#   carry .vl7 and .whl, run `bash dev/sweeps/vllm_peer_gpu.sh install start`
+#   then `bash dev/sweeps/vllm_peer_gpu.sh poll 560` until it prints "done" (results come back under $OUT).
+# "start" runs the three benchmarks in the background (the whole run is longer than one 10-minute call):
+#   1. nvfp4, batch 8/32/64/128, LoRA rank 0/16, 256 + 1024, fixed lengths, kit then vLLM;
+#   2. nvfp4 + r16, the gsm8k-like workload (256 prompts, lengths up to 1024) on 64 rows: kit static and continuous,
+#      vLLM (which schedules continuously by itself);
+#   3. as 1 with bf16 weights;
+# then merges them into one results document.
+set -euo pipefail
+BG=/tmp/bg
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+while [ $# -gt 0 ]; do
+  case $1 in
+    vl)
+      mkdir -p /tmp/vl && cp ".vl$2"/* /tmp/vl/ && ls /tmp/vl | wc -l; shift ;;
+    install)
+      cp .vl7/* /tmp/vl/ && (cd /tmp/vl && cat vlpart.? > "$(cat vllm.name)" &&
+        echo "$(cat vllm.sha256)  $(cat vllm.name)" | sha256sum -c && rm vlpart.? &&
+        python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/vsite ./*.whl 2>&1 | tail -2)
+      python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>&1 | tail -2
+      mkdir -p /tmp/kit && cp -r qerl_lib data pyproject.toml /tmp/kit/ ;;
+    start)
+      mkdir -p "$BG" /tmp/vw
+      cat > "$BG/run.sh" <<'EOF'
+set -uo pipefail
+cd /tmp/kit
+export PYTHONPATH=/tmp/site:/tmp/kit PYTHONUNBUFFERED=1
+common=(--models qwen2.5-7b --prompt-len 256 --gen-len 1024 --repeats 2 --engines kit,vllm
+        --vllm-pythonpath /tmp/vsite:/tmp/site --vllm-workdir /tmp/vw)
+nvidia-smi --query-gpu=name,memory.total --format=csv > /tmp/bg/gpu.txt
+python3 -m qerl_lib bench rollout "${common[@]}" --weights nvfp4 --batch 8,32,64,128 --lora-rank 0,16 \
+  --json /tmp/bg/vllm_fixed_nvfp4.json > /tmp/bg/log_fixed_nvfp4.txt 2>&1
+python3 -m qerl_lib bench rollout "${common[@]}" --weights nvfp4 --batch 64 --lora-rank 16 --workload gsm8k-like \
+  --prompts 256 --scheduling static,continuous --json /tmp/bg/vllm_uneven_nvfp4.json > /tmp/bg/log_uneven.txt 2>&1
+python3 -m qerl_lib bench rollout "${common[@]}" --weights bf16 --batch 8,32,64,128 --lora-rank 0,16 \
+  --json /tmp/bg/vllm_fixed_bf16.json > /tmp/bg/log_fixed_bf16.txt 2>&1
+python3 -m qerl_lib bench rollout --merge /tmp/bg/vllm_*.json --json /tmp/bg/merged.json > /tmp/bg/table.txt 2>&1
+touch /tmp/bg/done
+EOF
+      (nohup setsid bash "$BG/run.sh" > "$BG/run_log.txt" 2>&1 &)
+      echo started ;;
+    poll)
+      end=$((SECONDS + $2)); shift
+      while [ ! -f "$BG/done" ] && [ $SECONDS -lt $end ]; do sleep 10; done
+      cp "$BG"/*.json "$BG"/*.txt "$OUT"/ 2>/dev/null || true
+      tail -n 5 "$BG"/log_*.txt || true
+      [ -f "$BG/done" ] && echo done || echo "still running" ;;
+    *) echo "unknown part $1"; exit 2 ;;
+  esac
+  shift
+done
