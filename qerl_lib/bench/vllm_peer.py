@@ -141,9 +141,9 @@ def run_peer(peer: dict, cfg, log=print) -> list:
 
     name, weights = peer["name"], peer["weights"]
 
-    def row(b, r, **kw):
+    def row(b, r, backend="vllm", **kw):
         queued = (cfg.prompts or b) > b  # vLLM refills finished rows from the queue, as the kit's "continuous"
-        return Row(name, weights, b, r, "vllm", "vllm", cfg.prompt_len, cfg.gen_len, workload=cfg.workload,
+        return Row(name, weights, b, r, backend, "vllm", cfg.prompt_len, cfg.gen_len, workload=cfg.workload,
                    prompts=cfg.prompts, scheduling="continuous" if queued else "static", **kw)
 
     if peer["spec"] is None:
@@ -156,7 +156,8 @@ def run_peer(peer: dict, cfg, log=print) -> list:
         shutil.rmtree(peer["folder"], ignore_errors=True)
     rows = []
     for r in result["rows"]:
-        rows.append(row(r["batch"], r["rank"], tok_s=r.get("tok_s"), repeats_s=r.get("repeats_s") or [],
+        rows.append(row(r["batch"], r["rank"], backend=f"vllm {result.get('vllm')}", tok_s=r.get("tok_s"),
+                        repeats_s=r.get("repeats_s") or [],
                         error=r.get("error"), useful_tokens=r.get("tokens")))
         log(f"{name} {weights} vllm {result.get('vllm')} batch {r['batch']} rank {r['rank']}: "
             + (f"{r['tok_s']:.0f} tok/s" if r.get("tok_s") else f"error: {r.get('error')}"))

@@ -42,6 +42,12 @@ RESULT_FILES = {
                          "256 + 512 tokens); bf16 vs NVFP4 on Qwen2.5-7B/32B shapes (batch 8, 256 + 2048 tokens); 7B at "
                          "LoRA rank 0/16/64 with the engine's LoRA kernels (`kernels/lora.py`, four runs merged). "
                          "Notebook 03; `figures/03_rollout.png`",
+    "rollout_vllm_h100.json": "the kit's engine and vLLM 0.24.0 (Marlin FP4, punica LoRA, CUDA graphs; version in the "
+                              "run's logs, `dev/runs/vllm_peer_h100_2026-11-24/`) one after the other on the same "
+                              "random-weight Qwen2.5-7B checkpoints, prompts and adapters (`--engines kit,vllm`): bf16 "
+                              "and NVFP4, LoRA rank 0/16, batch 8/32/64/128, 256 + 1024 tokens; and NVFP4 + r16 on 256 "
+                              "GSM8K-like completions of <= 1024 tokens over 64 rows (kit static and continuous, vLLM); "
+                              "three runs merged",
     "rollout_h200_final.json": "bf16 vs NVFP4 on Qwen2.5-7B/32B shapes, batch 8, 256 + 2048 tokens",
     "rollout_h200_smollm2_final.json": "engine vs `transformers.generate`, SmolLM2 bf16, batch 64, 256 + 512 tokens",
     "rollout_step_breakdown_h200.json": "where a 7B decode step's time goes (kernel time per category, idle time, "
@@ -234,6 +240,46 @@ def _rollout_extra_rows(results_dir) -> list[tuple]:
     ]
 
 
+def _vllm_rows(results_dir) -> list[tuple]:
+    """The kit's engine against vLLM in the same run: fixed lengths per batch, NVFP4/bf16 in each, uneven rollout."""
+    file = "rollout_vllm_h100.json"
+    doc = load_result(results_dir, file)
+    rows = [r for r in _rows(doc, file, ROLLOUT_KEYS + ("workload", "prompts", "scheduling"))
+            if r["workload"] == "fixed" and r["prompts"] is None]
+    dev = device_name(doc, file)
+    batches = sorted({r["batch"] for r in rows if r["engine"] == "vllm"})
+    gen = fastest(rows, file, engine="vllm")["gen_len"]
+    common = dict(model="qwen2.5-7b", rank=16, prompt_len=256, gen_len=gen)
+
+    def tok(engine, weights, batch):
+        return fastest(rows, file, engine=engine, weights=weights, batch=batch, **common)["tok_s"]
+
+    def ratios(pairs):
+        return " / ".join(_x(a / b) for a, b in pairs)
+
+    where = f"batch {' / '.join(map(str, batches))}, 256 + {gen} tokens"
+    label = {"nvfp4": "NVFP4", "bf16": "bf16"}
+    out = [(f"kit engine / vLLM 0.24, same run, same Qwen2.5-7B-shaped checkpoint, prompts and adapters, {label[weights]} + "
+            f"LoRA r16, {where}",
+            ratios((tok("qerl", weights, b), tok("vllm", weights, b)) for b in batches)
+            + f" (kit {' / '.join(_tok(tok('qerl', weights, b)) for b in batches)} tok/s)", dev, file)
+           for weights in ("nvfp4", "bf16")]
+    out.append((f"NVFP4 / bf16 with LoRA r16, {where}: kit engine; vLLM (Marlin FP4)",
+                f"{ratios((tok('qerl', 'nvfp4', b), tok('qerl', 'bf16', b)) for b in batches)}; "
+                f"{ratios((tok('vllm', 'nvfp4', b), tok('vllm', 'bf16', b)) for b in batches)}", dev, file))
+    uneven = [r for r in _rows(doc, file, ROLLOUT_KEYS + ("workload", "prompts", "scheduling"))
+              if r["workload"] != "fixed"]
+    cont = fastest(uneven, file, engine="qerl", scheduling="continuous")
+    static = fastest(uneven, file, engine="qerl", scheduling="static", batch=cont["batch"], rank=cont["rank"])
+    peer = fastest(uneven, file, engine="vllm", batch=cont["batch"], rank=cont["rank"])
+    out.append((f"uneven rollout, {cont['prompts']} {cont['workload']} completions of <= {cont['gen_len']} tokens on "
+                f"{cont['batch']} rows, {label[cont['weights']]} + LoRA r{cont['rank']}: kit continuous / kit static / vLLM",
+                f"{_tok(cont['tok_s'])} / {_tok(static['tok_s'])} / {_tok(peer['tok_s'])} tok/s: "
+                f"{_x(cont['tok_s'] / static['tok_s'])} over static, {_x(cont['tok_s'] / peer['tok_s'])} over vLLM",
+                dev, file))
+    return out
+
+
 def _engine_vs_generate(results_dir, file: str) -> tuple:
     doc = load_result(results_dir, file)
     rows = _rows(doc, file, ROLLOUT_KEYS)
@@ -344,6 +390,7 @@ def headline_rows(results_dir: str | Path = RESULTS_DIR,
         rows += [*_rollout_ratio_rows(results_dir, "rollout_h100.json", paper=True),
                  *_rollout_ratio_rows(results_dir, "rollout_h200_final.json", paper=False),
                  *_rollout_extra_rows(results_dir),
+                 *_vllm_rows(results_dir),
                  _engine_vs_generate(results_dir, "rollout_h100.json"),
                  _engine_vs_generate(results_dir, "rollout_h200_smollm2_final.json")]
     if "entropy" in topics:
