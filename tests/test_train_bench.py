@@ -31,6 +31,8 @@ def test_cases_run_the_real_trainer_and_rows_add_up(tiny_arch):
         assert row["completion_len"] == 12  # random weights: every completion runs to gen_len
         assert row["step_s"] == pytest.approx(row["rollout_s"] + row["train_s"], rel=1e-6)
         assert 0 < row["rollout_s"] < row["step_s"]
+        assert len(row["train_s_steps"]) == len(row["rollout_s_steps"]) == row["steps_measured"] == 1
+        assert row["train_s_steps"] == [pytest.approx(row["train_s"])]  # the median of one step is that step
         assert row["tokens_per_s"] == pytest.approx(12 * 4 / row["step_s"])
         assert row["peak_gib"] == pytest.approx(row["peak_gb"] * 1e9 / 2**30) and row["peak_gb"] > 0  # units
         parts = [row[k] for k in ("base_weights_gib", "lora_gib", "grads_gib", "optimizer_gib", "kv_cache_gib")]

@@ -2,6 +2,8 @@
 # GPU runs of `qerl bench train` for #18 (random-weight Qwen2.5-7B, H100).
 # Part "trainer": batch 8, 256 + 2048, LoRA r32, modes lora/nvfp4/qerl: the trainer phase with the NVFP4
 #   backward on the FP4 kernel path (kernels/fp4_gemm.fp4_grad_input), against bf16 LoRA, same run.
+# Parts "spread-start" / "spread-poll": the spread of the trainer phase (7B lora and nvfp4, batch 8, 6 steps, two
+#   processes each) that earlier runs saw as bimodal for lora (4.43 / 2.66 / 4.40 s), in the background.
 # Part "preset-MODE": the qwen2.5-7b-gsm8k preset's own settings (16 x 8 completions of <= 4096 tokens, micro-batch 8,
 #   128 rollout rows, rank 32) for 3 steps, μ = 1 (the preset's 4 repeats the same micro-batches: same peak, 4x the
 #   trainer phase, which would not fit one 10-minute device call).
@@ -32,6 +34,18 @@ for part in "$@"; do
     trainer)
       python3 -m qerl_lib bench train --models qwen2.5-7b --modes lora,nvfp4,qerl --batches 8 \
         --json "$OUT/train_7b_fp4_backward.json" ;;
+    spread-start)  # the trainer phase's spread: 7B lora and nvfp4, batch 8, 6 steps, two processes each, in the
+      # background (longer than one call); `spread-poll` waits for it and copies what it has to $OUT
+      mkdir -p /tmp/bg2 && cp -r qerl_lib data pyproject.toml /tmp/bg2/
+      (cd /tmp/bg2 && nohup setsid bash -c 'for run in a b; do python3 -m qerl_lib bench train --models qwen2.5-7b \
+        --modes lora,nvfp4 --batches 8 --steps 6 --json /tmp/bg2/train_7b_spread_$run.json; done > /tmp/bg2/log.txt 2>&1;
+        touch /tmp/bg2/done' > /dev/null 2>&1 &)
+      echo started ;;
+    spread-poll)
+      end=$((SECONDS + 540))
+      while [ ! -f /tmp/bg2/done ] && [ $SECONDS -lt $end ]; do sleep 10; done
+      cp /tmp/bg2/*.json /tmp/bg2/log.txt "$OUT"/ 2>/dev/null || true
+      tail -n 8 /tmp/bg2/log.txt; [ -f /tmp/bg2/done ] && echo done || echo "still running" ;;
     preset-*)
       python3 -m qerl_lib bench train --models qwen2.5-7b --modes "${part#preset-}" --preset-settings \
         --num-iterations 1 --steps 3 --json "$OUT/train_7b_preset_${part#preset-}.json" ;;

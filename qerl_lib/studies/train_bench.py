@@ -15,7 +15,7 @@ and leaves nothing behind for the next). The row reports the median over the ste
 (``metrics.jsonl``): ``rollout_s`` (engine), ``train_s`` (everything else in the step), ``step_s``,
 ``peak_gib`` (the step's peak allocated GPU memory) with what it is made of (``base_weights_gib``,
 ``lora_gib``, ``grads_gib``, ``optimizer_gib``, ``kv_cache_gib``), ``completion_len``, and completion tokens per
-second of the whole step.
+second of the whole step; ``rollout_s_steps`` and ``train_s_steps`` keep every measured step's value.
 
 Where this differs from the paper's Tables 3 and 5-8: the paper averages over the first 30 steps of
 a real run (completions of varying length, vLLM for rollouts); here every step generates the full
@@ -153,7 +153,9 @@ def run_case_here(case: TrainCase, out_dir: str | Path) -> dict:
                for key in ("base_weights_gb", "lora_gb", "grads_gb", "optimizer_gb", "kv_cache_gb")},
             "completion_len": completion_len,
             "tokens_per_s": (completion_len * case.batch / step_s) if step_s and completion_len else None,
-            "steps_measured": len(rows)}
+            "steps_measured": len(rows),
+            # every measured step, so the spread behind each median is on record
+            "rollout_s_steps": [r.get("rollout_seconds") for r in rows], "train_s_steps": [r.get("train_seconds") for r in rows]}
 
 
 def run_case(case: TrainCase, timeout_s: float = 1800) -> dict:
