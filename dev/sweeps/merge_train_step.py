@@ -1,6 +1,7 @@
 """Write results/train_step_h100.json from the `qerl bench train` records in dev/runs/train_step_h100_2026-11-24{b,c}/.
 
-Rows: Qwen2.5-7B lora / nvfp4 / qerl at batch 8 and the 7B GSM8K preset's own settings (lora / qlora / qerl,
+Rows: Qwen2.5-7B lora / nvfp4 at batch 8 from the first process of the spread run (6 steps, medians over 5;
+dev/LOG.md section 23); 7B qerl at batch 8 and the 7B GSM8K preset's own settings (lora / qlora / qerl,
 `--preset-settings --num-iterations 1`) from run c (the NVFP4 backward on the kernel path); 7B qlora at batch 8
 and 14B qerl / lora / qlora from run b (with kernels/lora.py, before that backward: qlora and lora do not use
 it, the 14B qerl row predates it); and the 32B qerl batch-2 row of the first record (torch LoRA path; its peak
@@ -19,7 +20,8 @@ from qerl_lib.studies.train_bench import add_speedups  # noqa: E402
 
 RUNS = Path("dev/runs/train_step_h100_2026-11-24b")
 RUN_C = Path("dev/runs/train_step_h100_2026-11-24c")
-SOURCES = [RUN_C / "train_7b_fp4_backward.json", RUN_C / "train_7b_preset_qerl.json", RUN_C / "train_7b_preset_lora.json",
+SPREAD = Path("dev/runs/train_spread_h100_2026-11-24")
+SOURCES = [SPREAD / "train_7b_spread_a.json", RUN_C / "train_7b_fp4_backward.json", RUN_C / "train_7b_preset_qerl.json", RUN_C / "train_7b_preset_lora.json",
            RUN_C / "train_7b_preset_qlora.json", RUNS / "train_7b_lora_kernels.json",
            RUNS / "train_14b_lora_kernels.json", RUNS / "train_14b_qlora.json"]
 
@@ -45,7 +47,10 @@ def main() -> None:
                "(kernels/lora.py); the 32B row predates them (torch LoRA path)",
                "2026-11-24 (run c): 7B lora / nvfp4 / qerl at batch 8 measured again with the NVFP4 backward on the "
                "kernel path, and the 7B preset rows added; the bf16 lora trainer phase of the batch-8 case has "
-               "measured 4.43, 2.66 and 4.40 s in three runs (dev/LOG.md section 18)"],
+               "measured 4.43, 2.66 and 4.40 s in three runs (dev/LOG.md section 18)",
+               "2026-11-24 (spread run): 7B lora / nvfp4 at batch 8 over 6 steps (medians over 5) in two processes; "
+               "the first process's rows replace run c's. The bf16 trainer phase has occasional slow steps (one of "
+               "ten at 5.2 s), which run c's median over two steps did not absorb (dev/LOG.md section 23)"],
            "sources": [str(p) for p in SOURCES] + [str(RUNS / "train_step_h100_previous.json")]}
     write_json_atomic("results/train_step_h100.json", doc)
     for r in rows:
