@@ -49,6 +49,27 @@ def test_summary_reports_nvfp4_over_nf4_against_its_target():
     assert "nvfp4_over_nf4_7b_b8_r16" not in summarize([_row("nvfp4", 2400.0)])["targets"]
 
 
+def test_summary_checks_the_lora_targets_of_issue_17():
+    rows = [_row("nvfp4", 2600.0, rank=0), _row("nvfp4", 2340.0, rank=16), _row("bf16", 1300.0, rank=0),
+            _row("bf16", 1261.0, rank=16), _row("nvfp4", 2300.0, rank=64), _row("bf16", 1200.0, rank=64),
+            _row("nvfp4", 6000.0, batch=32), _row("bf16", 4000.0, batch=32),
+            Row("qwen2.5-14b", "nvfp4", 8, 32, "graphs+fused", "qerl", 256, 2048, tok_s=1400.0)]
+    summary = summarize(rows)
+    targets = summary["targets"]
+    assert summary["lora_overhead_7b_nvfp4_b8_r16"] == pytest.approx(0.10)
+    assert summary["lora_overhead_7b_bf16_b8_r16"] == pytest.approx(0.03)
+    assert targets["lora_overhead_7b_b8_r16"] == {"value": 0.1, "target": 0.05, "met": False}  # the worse of the two
+    assert targets["lora_overhead_7b_b8_r64"]["met"] is False and targets["lora_overhead_7b_b8_r64"]["value"] == \
+        pytest.approx(1 - 2300 / 2600, abs=1e-3)
+    assert targets["nvfp4_tok_s_7b_b8_r16"] == {"value": 2340.0, "target": 2600.0, "met": False}
+    assert targets["nvfp4_tok_s_14b_b8_r32"]["met"] is True
+    assert targets["nvfp4_over_bf16_7b_b32_r16"] == {"value": 1.5, "target": 1.6, "met": False}
+    assert "nvfp4_over_bf16_7b_b64_r16" not in targets  # not measured: no verdict
+    assert targets["lora_overhead_7b_b8_r16"]["met"] is False
+    cheap = summarize([_row("nvfp4", 2600.0, rank=0), _row("nvfp4", 2550.0, rank=16)])["targets"]
+    assert cheap["lora_overhead_7b_b8_r16"]["met"] is True  # at most 5%: 1.9% passes
+
+
 def test_bad_weights_name_the_choices():
     with pytest.raises(ValueError, match="choose from bf16, nvfp4, nf4"):
         RolloutBenchConfig(weights=("int4",))

@@ -48,6 +48,8 @@ RESULT_FILES = {
                               "and NVFP4, LoRA rank 0/16, batch 8/32/64/128, 256 + 1024 tokens; and NVFP4 + r16 on 256 "
                               "GSM8K-like completions of <= 1024 tokens over 64 rows (kit static and continuous, vLLM); "
                               "three runs merged",
+    "rollout_14b_h100.json": "bf16 vs NVFP4 on Qwen2.5-14B shapes, LoRA rank 0 and 32, batch 8, 256 + 2048 tokens "
+                             "(`dev/sweeps/rollout_14b_gpu.sh`; summary recomputed by `--merge`)",
     "rollout_h200_final.json": "bf16 vs NVFP4 on Qwen2.5-7B/32B shapes, batch 8, 256 + 2048 tokens",
     "rollout_h200_smollm2_final.json": "engine vs `transformers.generate`, SmolLM2 bf16, batch 64, 256 + 512 tokens",
     "rollout_step_breakdown_h200.json": "where a 7B decode step's time goes (kernel time per category, idle time, "
@@ -240,6 +242,22 @@ def _rollout_extra_rows(results_dir) -> list[tuple]:
     ]
 
 
+def _rollout_14b_row(results_dir) -> tuple:
+    file = "rollout_14b_h100.json"
+    doc = load_result(results_dir, file)
+    rows = _rows(doc, file, ROLLOUT_KEYS)
+    ranks = sorted({r["rank"] for r in rows if r["error"] is None})
+    tok = {(w, k): fastest(rows, file, model="qwen2.5-14b", weights=w, rank=k, **BATCH8)["tok_s"]
+           for w in ("nvfp4", "bf16") for k in ranks}
+    ref = field(doc, "summary", "paper_vllm_h100", file=file)
+    p_fp, p_bf = field(ref, "14b_nvfp4_b8", file=file), field(ref, "14b_bf16_b8", file=file)
+    parts = [f"r{k}: {_tok(tok['nvfp4', k])} / {_tok(tok['bf16', k])} tok/s = {_x(tok['nvfp4', k] / tok['bf16', k])}"
+             for k in ranks]
+    return (f"rollout, Qwen2.5-14B shapes, batch 8, 256 + 2048 tokens, LoRA rank {' and '.join(map(str, ranks))}: "
+            f"NVFP4 / bf16", "; ".join(parts) + f" (paper, vLLM on H100: {_tok(p_fp)} / {_tok(p_bf)} = "
+            f"{_x(p_fp / p_bf)})", device_name(doc, file), file)
+
+
 def _vllm_rows(results_dir) -> list[tuple]:
     """The kit's engine against vLLM in the same run: fixed lengths per batch, NVFP4/bf16 in each, uneven rollout."""
     file = "rollout_vllm_h100.json"
@@ -390,6 +408,7 @@ def headline_rows(results_dir: str | Path = RESULTS_DIR,
         rows += [*_rollout_ratio_rows(results_dir, "rollout_h100.json", paper=True),
                  *_rollout_ratio_rows(results_dir, "rollout_h200_final.json", paper=False),
                  *_rollout_extra_rows(results_dir),
+                 _rollout_14b_row(results_dir),
                  *_vllm_rows(results_dir),
                  _engine_vs_generate(results_dir, "rollout_h100.json"),
                  _engine_vs_generate(results_dir, "rollout_h200_smollm2_final.json")]
