@@ -91,6 +91,7 @@ class RolloutBenchConfig:
     fp4_small_m: str = "auto"  # NVFP4 GEMM for M <= 8: "auto" (mma.sync CUDA kernel where it runs), "mma", "triton"
     workload: str = "fixed"  # "fixed" (every row gen_len tokens) or "gsm8k-like" (uneven lengths, bench/workloads.py)
     lora_kernels: bool = True  # adapters through kernels/lora.py (False: one matmul per group + one addmm per member)
+    lora_in_gemm: bool = True  # NVFP4 decode GEMMs on the mma.sync kernel add their group's adapters themselves
     scheduling: tuple[str, ...] = ("static",)  # "static": batches of `batch` prompts; "continuous": `batch` rows refilled
     prompts: int | None = None  # completions per rollout (None: one batch); more than the batch queue for its rows
     engines: tuple[str, ...] = ("kit",)  # "vllm": vLLM on the same checkpoint in its own process (bench/vllm_peer.py)
@@ -225,7 +226,8 @@ def random_prompts(batch: int, prompt_len: int, vocab: int, seed: int) -> list[l
 
 def time_engine(model, row: Row, backend: str, lora, repeats: int, seed: int, fuse_projections: bool = True,
                 decode_attention: str | None = None, glue_kernels: bool = True,
-                attention_launch: AttentionLaunch | None = None, lora_kernels: bool | None = None) -> Row:
+                attention_launch: AttentionLaunch | None = None, lora_kernels: bool | None = None,
+                lora_in_gemm: bool = True) -> Row:
     """Fill ``row``'s timings: a fresh ``RolloutEngine`` (the keyword arguments are its own) warmed up,
     then ``repeats`` rollouts of ``row.prompts`` random prompts (default ``row.batch``), each row to its
     length of ``row.workload`` (all ``gen_len`` when "fixed"); medians. ``row.scheduling`` "static" runs
@@ -240,7 +242,8 @@ def time_engine(model, row: Row, backend: str, lora, repeats: int, seed: int, fu
     continuous = row.scheduling == "continuous" and n > row.batch
     engine = RolloutEngine(model, decode_backend=backend, max_seq_len=row.prompt_len + row.gen_len,
                            fuse_projections=fuse_projections, decode_attention=decode_attention,
-                           glue_kernels=glue_kernels, attention_launch=attention_launch, lora_kernels=lora_kernels)
+                           glue_kernels=glue_kernels, attention_launch=attention_launch, lora_kernels=lora_kernels,
+                           lora_in_gemm=lora_in_gemm)
     row.backend = engine.decode_backend
     prompts = random_prompts(n, row.prompt_len, model.config.vocab_size, seed)
     lengths = sample_lengths(row.workload, n, row.gen_len, seed)
@@ -382,7 +385,7 @@ def run_rollout_bench(cfg: RolloutBenchConfig, log=print, checkpoint=None) -> di
                             rows.append(_measure(
                                 lambda row: time_engine(model, row, backend, lora, cfg.repeats, cfg.seed,
                                                         cfg.fuse_projections, cfg.decode_attention,
-                                                        lora_kernels=cfg.lora_kernels),
+                                                        lora_kernels=cfg.lora_kernels, lora_in_gemm=cfg.lora_in_gemm),
                                 Row(name, weights, batch, rank, backend, "qerl", cfg.prompt_len, cfg.gen_len,
                                     weights_gib=weights_gib, workload=cfg.workload, scheduling=scheduling,
                                     prompts=cfg.prompts), log))
@@ -416,7 +419,7 @@ def _document(cfg: RolloutBenchConfig, rows: list[Row], prov: dict) -> dict:
 # The modules whose code sets the rollout numbers, relative to qerl_lib/.
 CODE_FILES = ("engine/rollout.py", "engine/forward.py", "engine/cache.py", "engine/adapters.py", "engine/attention.py",
               "engine/glue.py", "engine/sampling.py", "kernels/pdl.py", "kernels/fp4_gemm.py", "kernels/launch_rule.py",
-              "kernels/mma.py", "kernels/mma.cu", "models/nvfp4_linear.py", "models/fused.py", "models/loader.py",
+              "kernels/mma.py", "kernels/mma.cu", "kernels/lora.py", "models/nvfp4_linear.py", "models/fused.py", "models/loader.py",
               "bench/rollout.py")
 
 
@@ -489,6 +492,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "continuous: --batch rows, each refilled from the queue as its sequence ends (comma list)")
     p.add_argument("--prompts", type=int, default=None,
                    help="completions per rollout (default: one batch); with more, static runs several batches")
+    p.add_argument("--no-lora-in-gemm", action="store_false", dest="lora_in_gemm",
+                   help="NVFP4 decode: add the adapters with kernels/lora.py after the GEMM instead of in the "
+                        "mma.sync GEMM itself")
     p.add_argument("--no-lora-kernels", action="store_false", dest="lora_kernels",
                    help="apply adapters with torch matmuls (one per group + one addmm per member) instead of "
                         "kernels/lora.py's two launches per group")
@@ -523,7 +529,8 @@ def run_cli(args) -> int:
                              hf_gen_len=args.hf_gen_len, hf_batches=args.hf_batches, init=args.init,
                              profile=args.profile, fuse_projections=args.fuse_projections,
                              decode_attention=args.decode_attention, fp4_small_m=args.fp4_small_m,
-                             workload=args.workload, lora_kernels=args.lora_kernels, scheduling=args.scheduling,
+                             workload=args.workload, lora_kernels=args.lora_kernels, lora_in_gemm=args.lora_in_gemm,
+                             scheduling=args.scheduling,
                              prompts=args.prompts, engines=args.engines, vllm_pythonpath=args.vllm_pythonpath,
                              vllm_workdir=args.vllm_workdir)
     print(table_header(TABLE_COLUMNS), flush=True)

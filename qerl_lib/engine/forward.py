@@ -226,7 +226,8 @@ class ForwardPass:
 
     def __init__(self, view: ModelView, decode_attention: str = "sdpa", fuse_elementwise: bool = False,
                  bypass_peft: bool = False, fuse_projections: bool = False, glue_kernels: bool = False,
-                 attention_launch: AttentionLaunch | None = None, lora_kernels: bool = False):
+                 attention_launch: AttentionLaunch | None = None, lora_kernels: bool = False,
+                 lora_in_gemm: bool = True):
         if decode_attention not in DECODE_ATTENTION:
             raise ValueError(f"decode_attention must be one of {DECODE_ATTENTION}, got {decode_attention!r}")
         self.view = view
@@ -238,6 +239,8 @@ class ForwardPass:
         # lora_kernels: adapters through kernels/lora.py's two launches per group (CUDA, <= 256 rows)
         self.lora_kernels = bool(lora_kernels) and lora_kernels_mod.triton is not None and (
             view.device.type == "cuda" or lora_kernels_mod.interpreting())
+        # lora_in_gemm: with lora_kernels, an NVFP4 group on the mma.sync path adds its adapters in its own GEMM
+        self.lora_in_gemm = bool(lora_in_gemm)
         # bypass_peft: call peft's base layers, because the engine applies the adapters itself (lora=...)
         self._groups = [{g: [view.projection(i, p, base=bypass_peft) for p in members]
                          for g, members in PROJECTION_GROUPS.items()} for i in range(view.n_layers)]
@@ -315,14 +318,19 @@ class ForwardPass:
 
     def _project(self, layer: int, group: str, x: torch.Tensor) -> list[torch.Tensor]:
         fused = self._fused[layer][group]
+        entry = self.lora.layout.get((layer, group)) if self.lora is not None else None
+        plan = self.lora.plans.get((layer, group)) if entry is not None and self.lora_kernels else None
         if fused is not None:
-            full = fused.full(x)
+            epilogue = plan.epilogue() if plan is not None and self.lora_in_gemm else None
+            if epilogue is not None and not fused.adds_lora(x, epilogue):
+                epilogue = None
+            full = fused.full(x, lora=epilogue)
             outs = list(full.split(fused.splits, dim=-1))
+            if epilogue is not None:  # the GEMM has added the adapters
+                return outs
         else:
             outs = [module(x) for module in self._groups[layer][group]]
             full = outs[0] if len(outs) == 1 else None
-        entry = self.lora.layout.get((layer, group)) if self.lora is not None else None
-        plan = self.lora.plans.get((layer, group)) if entry is not None and self.lora_kernels else None
         if plan is not None and full is not None:
             full2, x2 = full.reshape(-1, full.shape[-1]), x.reshape(-1, x.shape[-1])
             if full2.data_ptr() == full.data_ptr() and lora_kernels_mod.supported(full2, x2):

@@ -124,14 +124,16 @@ class RolloutEngine:
     ``lora_kernels``: adapters passed as ``lora=`` run through ``kernels/lora.py`` (two Triton
     launches per projection group, the first overlapping the base GEMM) at up to 256 rows per call;
     default: on CUDA except with "compile" (whose traced step keeps torch ops). Off: one matmul per
-    group plus one ``addmm`` per member.
+    group plus one ``addmm`` per member. ``lora_in_gemm``: with those kernels, an NVFP4 group whose GEMM
+    runs on the mma.sync kernel (decode, M <= 8) has that kernel add its adapters in the same launch.
     """
 
     def __init__(self, model, max_seq_len: int | None = None, decode_backend: str = "auto",
                  decode_attention: str | None = None, length_step: int = 256,
                  batch_buckets: tuple[int, ...] = BATCH_BUCKETS, check_every: int = 16, keep_alive: bool = True,
                  fuse_projections: bool | None = None, glue_kernels: bool = True,
-                 attention_launch: AttentionLaunch | None = None, lora_kernels: bool | None = None):
+                 attention_launch: AttentionLaunch | None = None, lora_kernels: bool | None = None,
+                 lora_in_gemm: bool = True):
         if decode_backend not in DECODE_BACKENDS:
             raise ValueError(f"decode_backend must be one of {DECODE_BACKENDS}, got {decode_backend!r}")
         view = ModelView(model)  # validates the architecture now, not at the first call
@@ -152,6 +154,7 @@ class RolloutEngine:
         self.glue_kernels = bool(glue_kernels)
         self.attention_launch = attention_launch
         self.lora_kernels = (on_cuda and decode_backend != "compile") if lora_kernels is None else bool(lora_kernels)
+        self.lora_in_gemm = bool(lora_in_gemm)
         self.max_seq_len = int(max_seq_len or view.max_positions or 4096)
         self.length_step = int(length_step)
         self.batch_buckets = tuple(batch_buckets)
@@ -262,7 +265,8 @@ class RolloutEngine:
             fuse = self.decode_backend == "graphs+fused"
             self._forward = ForwardPass(view, self.decode_attention, fuse_elementwise=fuse, bypass_peft=bypass,
                                         glue_kernels=self.glue_kernels, fuse_projections=self.fuse_projections,
-                                        attention_launch=self.attention_launch, lora_kernels=self.lora_kernels)
+                                        attention_launch=self.attention_launch, lora_kernels=self.lora_kernels,
+                                        lora_in_gemm=self.lora_in_gemm)
             self._signature, self._view = signature, view
         return self._forward
 

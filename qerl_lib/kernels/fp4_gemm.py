@@ -60,12 +60,12 @@ global scale (the *encode* factor ``gs``, ``w = fp4 * s / gs``) is read on devic
 Dispatch: CUDA calls with M <= 8 and K % 128 == 0 (the decode step) run the ``mma.sync`` kernel of
 ``kernels/mma.py`` where it can run (sm_90+ and NVRTC): it streams the weights faster than this
 Triton kernel (H100 and H200, dev/LOG.md). ``fp4_linear``'s ``small_m_backend`` ("auto", "mma",
-"triton") chooses, else the environment variable ``QERL_FP4_SMALL_M`` read at each call (default
-"auto"). Other CUDA calls run the Triton kernel (or dequantize + cuBLAS for large M); CPU tensors
-run the plain-torch oracles (``nvfp4.reference_matmul``: dequantize-then-matmul in fp32) unless
-``impl="triton"`` forces the kernels, which then need ``TRITON_INTERPRET=1`` set before Triton is
-imported; the interpreter cannot run PTX and mishandles bf16 (``_interpreted``), so the kernels
-multiply in fp32 there: the same exact products, bit-identical results.
+"triton") chooses, else ``QERL_FP4_SMALL_M`` read at each call (default "auto"); that kernel can also
+add a projection group's LoRA adapters in the same launch (``lora=``). Other CUDA calls run the Triton
+kernel (or dequantize + cuBLAS for large M); CPU tensors run the plain-torch oracles
+(``nvfp4.reference_matmul``) unless ``impl="triton"`` forces the kernels, which then need
+``TRITON_INTERPRET=1`` set before Triton is imported; the interpreter cannot run PTX and mishandles
+bf16 (``_interpreted``), so the kernels multiply in fp32 there: the same products, identical bits.
 """
 
 from __future__ import annotations
@@ -185,26 +185,27 @@ def fp4_matmul(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch
 
 def fp4_linear(x: torch.Tensor, weight: PreparedFP4Weight, bias: torch.Tensor | None = None, *,
                impl: str = "auto", out: torch.Tensor | None = None, config: KernelConfig | None = None,
-               small_m_backend: str | None = None,
-               mma_rule: Callable[[int, int, int], mma.MmaConfig] | None = None) -> torch.Tensor:
+               small_m_backend: str | None = None, mma_rule: Callable[[int, int, int], mma.MmaConfig] | None = None,
+               lora: mma.LoraEpilogue | None = None) -> torch.Tensor:
     """``x @ W.T (+ bias)`` for a ``prepare_fp4_weights`` result; the path ``NVFP4Linear`` uses.
-
-    ``out``: optional bf16 ``[..., N]`` contiguous tensor to write into. ``config`` forces one
-    Triton launch (benchmarks and tests). ``small_m_backend``: which kernel runs M <= 8
-    ("auto", "mma", "triton"; None: ``QERL_FP4_SMALL_M``, default "auto"). ``mma_rule``: the
-    launch shape of the mma.sync kernel as a function of ``(m, n, k)`` (None: ``pick_mma_config``).
-    """
+    ``out``: optional bf16 ``[..., N]`` contiguous tensor to write into. ``config`` forces one Triton launch
+    (benchmarks and tests). ``small_m_backend``: which kernel runs M <= 8 ("auto", "mma", "triton"; None:
+    ``QERL_FP4_SMALL_M``, default "auto"). ``mma_rule``: the mma.sync kernel's launch shape as a function
+    of ``(m, n, k)`` (None: ``pick_mma_config``). ``lora``: adapters the mma.sync kernel adds itself;
+    only where ``uses_mma`` (else a ValueError)."""
     impl = _resolve_impl(impl, x)
     if not isinstance(weight, PreparedFP4Weight):
         raise ValueError(f"fp4_linear: weight must be a PreparedFP4Weight (use prepare_fp4_weights), got {type(weight).__name__}")
     n, k = weight.shape
     _check_x_bias(x, bias, n, k, weight.device)
     out = _check_out(out, x, n)
+    if lora is not None and (impl == "reference" or config is not None or not uses_mma(x.numel() // k, k, x.device, small_m_backend)):
+        raise ValueError("fp4_linear: a LoRA epilogue runs only on the mma.sync path (check uses_mma first)")
     if impl == "reference":
         res = reference_matmul(x, weight.to_compressed_tensors(), bias)
         return res if out is None else out.copy_(res)
     return _triton_linear(x, weight, bias, out, allow_cublas=True, config=config, small_m_backend=small_m_backend,
-                          mma_rule=mma_rule)
+                          mma_rule=mma_rule, lora=lora)
 
 
 def fp4_grad_input(grad_out: torch.Tensor, weight: PreparedFP4Weight, *, impl: str = "auto",
@@ -322,7 +323,7 @@ def _num_sms(device: torch.device) -> int:
 
 def _triton_linear(x: torch.Tensor, weight: PreparedFP4Weight, bias: torch.Tensor | None,
                    out: torch.Tensor | None, allow_cublas: bool, config: KernelConfig | None = None,
-                   small_m_backend: str | None = None, mma_rule=None) -> torch.Tensor:
+                   small_m_backend: str | None = None, mma_rule=None, lora=None) -> torch.Tensor:
     n, k = weight.shape
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)
@@ -335,7 +336,7 @@ def _triton_linear(x: torch.Tensor, weight: PreparedFP4Weight, bias: torch.Tenso
     if config is None and uses_mma(m, k, x2.device, small_m_backend):  # x2 already meets its alignment needs
         bias_c = bias.contiguous() if bias is not None else None
         mma.mma_linear(x2, weight.words, weight.scales, weight.global_scale, bias_c, out,
-                       mma_rule(m, n, k) if mma_rule is not None else None)
+                       mma_rule(m, n, k) if mma_rule is not None else None, lora=lora)
         return out.reshape(*lead, n)
     cfg = config or pick_config(m, n, k, _num_sms(x.device), allow_cublas and not math.isnan(weight.inv_global_scale))
     if cfg.cublas:

@@ -46,6 +46,10 @@ kernel just before the shrink is the group's GEMM, which is how ``engine/forward
 ``apply_`` is not a general-purpose op (``use_pdl=False`` gives the conservative order for any
 other use). A CUDA test checks that rollouts are bit-identical with PDL on and off.
 
+A third way, for NVFP4 groups whose GEMM runs on the mma.sync kernel (decode, M <= 8): that kernel
+adds the adapters itself in the same launch (``GroupPlan.epilogue``, ``kernels/mma.cu`` "LoRA"), so
+neither kernel here runs; the engine takes it where ``FusedProjection.adds_lora`` says it applies.
+
 Where we deviate from vLLM (the paper's engine): vLLM's punica kernels (SGMV/BGMV shrink and
 expand) serve many adapters per batch through an index per token; here one adapter serves the
 whole batch (an RL rollout samples from one policy), so no per-token indirection, and each
@@ -103,6 +107,14 @@ class GroupPlan:
     scale: torch.Tensor  # float32 [members]
     members: tuple[tuple[int, int, int, int, float], ...]
     counters: torch.Tensor  # int32, one per (row block, rank block) of the shrink; zero between calls
+    bounds: torch.Tensor  # int32 [members, 4]: (n_start, n_end, r_start, rank), for the GEMM's LoRA epilogue
+    sync: torch.Tensor  # int32 [3]: that epilogue's counters, zero between calls
+
+    def epilogue(self):
+        """These adapters as the mma.sync GEMM's ``LoraEpilogue`` (added by the group's base GEMM itself)."""
+        from qerl_lib.kernels.mma import LoraEpilogue
+
+        return LoraEpilogue(self.a_cat, self.b_cat, self.bounds, self.scale, self.sync)
 
     @property
     def n_total(self) -> int:
@@ -137,7 +149,9 @@ def build_plan(a_cat: torch.Tensor, n_total: int, members, block_n: int = BLOCK_
                      torch.tensor([m[3] for m in members], dtype=torch.int32, device=device),
                      torch.tensor([m[4] for m in members], dtype=torch.float32, device=device), members,
                      torch.zeros(_cdiv(MAX_M, RANK_BLOCK) * _cdiv(a_cat.shape[0], RANK_BLOCK),
-                                 dtype=torch.int32, device=device))
+                                 dtype=torch.int32, device=device),
+                     torch.tensor([m[:4] for m in members], dtype=torch.int32, device=device),
+                     torch.zeros(3, dtype=torch.int32, device=device))
 
 
 def _cdiv(a: int, b: int) -> int:

@@ -33,6 +33,18 @@
 // Launch order (qerl_lib/kernels/pdl.py): the kernel may start while the previous one in the stream runs
 // (programmatic dependent launch). Until griddepcontrol.wait it reads only weights, scales and
 // constants; after it, it lets the next kernel launch (griddepcontrol.launch_dependents).
+//
+// LoRA (LORA_R > 0: the group's stacked adapter ranks, R). The launch is 1-D: LoRA's K-slices
+// (l_slices CTAs) and the GEMM's row blocks x K-slices. Each CTA first draws a ticket (atomic
+// counter): the first l_slices tickets compute xa's fp32 partials x[:, slice] @ A[:, slice]^T, then
+// count themselves done; the others are GEMM CTAs (tile = ticket - l_slices). A GEMM CTA's epilogue
+// waits until every LoRA slice is done -- they drew their tickets first, so they are running and
+// wait on nothing: no deadlock whatever the scheduling order -- sums the partials in slice order,
+// rounds xa to bf16 (as the torch path's xa tensor) and adds scale * xa @ B^T to each of its
+// outputs, rounding once (as addmm). The last CTA to finish resets the three counters.
+#ifndef LORA_R
+#define LORA_R 0
+#endif
 #ifndef PREFETCH
 #define PREFETCH 0  // chunks (of this warp's own, after the register ring's) prefetched into L2 before griddepcontrol.wait
 #endif
@@ -131,14 +143,127 @@ __device__ __forceinline__ u16 epilogue(float acc, float factor, const u16* bias
   return y;
 }
 
+#if LORA_R > 0
+// A LoRA CTA: fp32 partials of xa = x @ A^T over its K-slice [slice * kps, +kps), all M rows and R ranks,
+// into lxa[slice][tok][r]. Warp w takes ranks w, w + NWARPS, ...; lane l the 8 columns 8l + 256i of the
+// slice (16-byte loads of A and x), then the warp adds its lanes' sums (a fixed butterfly: deterministic).
+__device__ void lora_shrink(const u16* __restrict__ x, const u16* __restrict__ la, float* __restrict__ lxa,
+                            int M, int K, int ldx, int slice, int kps) {
+  asm volatile("griddepcontrol.wait;" ::: "memory");  // x comes from the previous kernel
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int k_lo = slice * kps, k_hi = min(K, k_lo + kps);
+  for (int r = warp; r < LORA_R; r += NWARPS) {
+    float acc[MAXTOK];
+#pragma unroll
+    for (int tk = 0; tk < MAXTOK; ++tk) acc[tk] = 0.f;
+    for (int k = k_lo + 8 * lane; k < k_hi; k += 256) {
+      const U4 av = *reinterpret_cast<const U4*>(la + (long)r * K + k);
+      const u32 aw[4] = {av.x, av.y, av.z, av.w};
+#pragma unroll
+      for (int tk = 0; tk < MAXTOK; ++tk) {
+        if (tk < M) {
+          const U4 xv = load_shared_x(reinterpret_cast<const U4*>(x + (long)tk * ldx + k));
+          const u32 xw[4] = {xv.x, xv.y, xv.z, xv.w};
+#pragma unroll
+          for (int q = 0; q < 4; ++q) {
+            acc[tk] = fmaf(__uint_as_float(aw[q] << 16), __uint_as_float(xw[q] << 16), acc[tk]);
+            acc[tk] = fmaf(__uint_as_float(aw[q] & 0xFFFF0000u), __uint_as_float(xw[q] & 0xFFFF0000u), acc[tk]);
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (int tk = 0; tk < MAXTOK; ++tk) {
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) acc[tk] += __shfl_xor_sync(0xFFFFFFFFu, acc[tk], o);
+      if (lane == 0 && tk < M) lxa[((long)slice * M + tk) * LORA_R + r] = acc[tk];
+    }
+  }
+}
+
+// Every CTA counts itself at its end; a LoRA CTA also marks its slice done (lsync[1]) first. The last CTA
+// of the launch (lsync[2]) resets the counters for the next launch and for graph replay.
+__device__ void lora_finish(int* lsync, int total_ctas, bool slice_done) {
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    if (slice_done) atomicAdd(&lsync[1], 1);
+    if (atomicAdd(&lsync[2], 1) == total_ctas - 1) {
+      lsync[0] = 0;
+      lsync[1] = 0;
+      lsync[2] = 0;
+      __threadfence();
+    }
+  }
+}
+
+// Wait for every LoRA slice, then xa_sh[tok][r] = bf16(sum over slices in order), as a float.
+__device__ void lora_stage_xa(int* lsync, const float* lxa, float* xa_sh, int m_rows, int M, int l_slices) {
+  if (threadIdx.x == 0) {
+    while (atomicAdd(&lsync[1], 0) < l_slices) __nanosleep(64);
+    __threadfence();
+  }
+  __syncthreads();
+  for (int e = threadIdx.x; e < m_rows * LORA_R; e += NWARPS * 32) {
+    const int tk = e / LORA_R, r = e % LORA_R;
+    float s = 0.f;
+    for (int sl = 0; sl < l_slices; ++sl) s += __ldcg(&lxa[((long)sl * M + tk) * LORA_R + r]);
+    xa_sh[tk * LORA_R + r] = from_bf16(to_bf16(s));
+  }
+  __syncthreads();
+}
+
+// y + scale * xa[member's ranks] . B[row] in fp32, one rounding (addmm's); rows of no member unchanged.
+// lmem: per member (n0, n1, r0, rank); B rows are l_rp wide, zero-padded past the member's rank.
+__device__ __forceinline__ u16 lora_add(u16 y, const float* xa_tok, const u16* __restrict__ lb,
+                                        const int* __restrict__ lmem, const float* __restrict__ lscale,
+                                        int l_members, int l_rp, int row) {
+  for (int j = 0; j < l_members; ++j) {
+    if (row < __ldg(&lmem[4 * j]) || row >= __ldg(&lmem[4 * j + 1])) continue;
+    const int r0 = __ldg(&lmem[4 * j + 2]), rank = __ldg(&lmem[4 * j + 3]);
+    const U4* bp = reinterpret_cast<const U4*>(lb + (long)row * l_rp);
+    float d = 0.f;
+    for (int q = 0; q * 8 < rank; ++q) {
+      const U4 bv = load_shared_x(bp + q);
+      const u32 bw[4] = {bv.x, bv.y, bv.z, bv.w};
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        const int r = 8 * q + i;
+        if (r < rank) d = fmaf(xa_tok[r0 + r], __uint_as_float(i & 1 ? bw[i >> 1] & 0xFFFF0000u : bw[i >> 1] << 16), d);
+      }
+    }
+    return to_bf16(from_bf16(y) + __ldg(&lscale[j]) * d);
+  }
+  return y;
+}
+#endif
+
 extern "C" __global__ void __launch_bounds__(NWARPS * 32, MIN_CTAS)
 KERNEL_NAME(const u16* __restrict__ x, const u32* __restrict__ wq, const u8* __restrict__ sc,
             const float* __restrict__ gs, const u16* __restrict__ bias, u16* __restrict__ out,
             float* __restrict__ ws, int* __restrict__ counters,
-            int M, int N, int K, int ldx, int ldo, int chunks_per_split) {
+            int M, int N, int K, int ldx, int ldo, int chunks_per_split, int n_row_blocks, int n_split,
+            const u16* __restrict__ la, const u16* __restrict__ lb, float* __restrict__ lxa,
+            int* __restrict__ lsync, const int* __restrict__ lmem, const float* __restrict__ lscale,
+            int l_members, int l_slices, int l_k_per_slice, int l_rp) {
   __shared__ float red[WARPS_K][MAXTOK][RED_STRIDE];
   __shared__ u32 scale_lut[256];  // E4M3 byte -> bf16x2 (s * 2^118, twice)
   __shared__ int is_last;
+#if LORA_R > 0
+  __shared__ int ticket_sh;
+  if (threadIdx.x == 0) ticket_sh = atomicAdd(&lsync[0], 1);
+  __syncthreads();
+  const int ticket = ticket_sh;
+  if (ticket < l_slices) {
+    lora_shrink(x, la, lxa, M, K, ldx, ticket, l_k_per_slice);
+    lora_finish(lsync, l_slices + n_row_blocks * n_split, true);
+    return;
+  }
+  const int bx = (ticket - l_slices) % n_row_blocks, by = (ticket - l_slices) / n_row_blocks;
+#else
+  const int bx = blockIdx.x, by = blockIdx.y;
+#endif
   for (int b = threadIdx.x; b < 256; b += NWARPS * 32) {
     const u32 s = scale_bits(b);
     scale_lut[b] = s | (s << 16);
@@ -146,11 +271,11 @@ KERNEL_NAME(const u16* __restrict__ x, const u32* __restrict__ wq, const u8* __r
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int wr = warp % WARPS_R, wk = warp / WARPS_R;
   const int g = lane >> 2, t = lane & 3;
-  const int row_cta = blockIdx.x * ROWS_PER_CTA;
+  const int row_cta = bx * ROWS_PER_CTA;
   const int row_warp = row_cta + wr * ROWS_PER_WARP;
   const long words_per_row = K >> 3, scales_per_row = K >> 4;
   const int n_chunks = K >> 7;
-  const int c_begin = blockIdx.y * chunks_per_split;
+  const int c_begin = by * chunks_per_split;
   const int c_end = min(c_begin + chunks_per_split, n_chunks);
   const int n_mine = c_end - c_begin > wk ? (c_end - c_begin - wk + WARPS_K - 1) / WARPS_K : 0;
   const int c0 = c_begin + wk;  // this warp's chunks: c0, c0 + WARPS_K, ...
@@ -297,31 +422,73 @@ KERNEL_NAME(const u16* __restrict__ x, const u32* __restrict__ wq, const u8* __r
 
   const float factor = __fdiv_rn(256.0f, gs[0]);
   const int m_rows = min(M, MAXTOK);
+#if LORA_R > 0
+  const bool split = n_split > 1;
+  const int total_ctas = l_slices + n_row_blocks * n_split;
+  __shared__ float xa_sh[MAXTOK][LORA_R];
+#else
   const bool split = gridDim.y > 1;
+#endif
+  if (!split) {
+#if LORA_R > 0
+    lora_stage_xa(lsync, lxa, &xa_sh[0][0], m_rows, M, l_slices);
+#endif
+  }
   for (int e = threadIdx.x; e < m_rows * ROWS_PER_CTA; e += NWARPS * 32) {
     const int tok = e / ROWS_PER_CTA, rl = e % ROWS_PER_CTA, row = row_cta + rl;
     if (row >= N) continue;
     float s = 0.f;
 #pragma unroll
     for (int w = 0; w < WARPS_K; ++w) s += red[w][tok][rl];
-    if (split) ws[((long)blockIdx.y * M + tok) * N + row] = s;
-    else out[(long)tok * ldo + row] = epilogue(s, factor, bias, row);
+    if (split) { ws[((long)by * M + tok) * N + row] = s; continue; }
+    u16 y = epilogue(s, factor, bias, row);
+#if LORA_R > 0
+    y = lora_add(y, &xa_sh[tok][0], lb, lmem, lscale, l_members, l_rp, row);
+#endif
+    out[(long)tok * ldo + row] = y;
   }
-  if (!split) return;
+  if (!split) {
+#if LORA_R > 0
+    lora_finish(lsync, total_ctas, false);
+#endif
+    return;
+  }
 
   // K-slices: the last CTA of this row block adds the partials in slice order
   __threadfence();
   __syncthreads();
-  if (threadIdx.x == 0) is_last = atomicAdd(&counters[blockIdx.x], 1) == (int)gridDim.y - 1;
+#if LORA_R > 0
+  if (threadIdx.x == 0) is_last = atomicAdd(&counters[bx], 1) == n_split - 1;
+#else
+  if (threadIdx.x == 0) is_last = atomicAdd(&counters[bx], 1) == (int)gridDim.y - 1;
+#endif
   __syncthreads();
-  if (!is_last) return;
+  if (!is_last) {
+#if LORA_R > 0
+    lora_finish(lsync, total_ctas, false);
+#endif
+    return;
+  }
   __threadfence();
+#if LORA_R > 0
+  lora_stage_xa(lsync, lxa, &xa_sh[0][0], m_rows, M, l_slices);
+  const int slices = n_split;
+#else
+  const int slices = gridDim.y;
+#endif
   for (int e = threadIdx.x; e < m_rows * ROWS_PER_CTA; e += NWARPS * 32) {
     const int tok = e / ROWS_PER_CTA, row = row_cta + e % ROWS_PER_CTA;
     if (row >= N) continue;
     float s = 0.f;
-    for (int sl = 0; sl < (int)gridDim.y; ++sl) s += __ldcg(&ws[((long)sl * M + tok) * N + row]);
-    out[(long)tok * ldo + row] = epilogue(s, factor, bias, row);
+    for (int sl = 0; sl < slices; ++sl) s += __ldcg(&ws[((long)sl * M + tok) * N + row]);
+    u16 y = epilogue(s, factor, bias, row);
+#if LORA_R > 0
+    y = lora_add(y, &xa_sh[tok][0], lb, lmem, lscale, l_members, l_rp, row);
+#endif
+    out[(long)tok * ldo + row] = y;
   }
-  if (threadIdx.x == 0) counters[blockIdx.x] = 0;  // ready for the next launch (and graph replay)
+  if (threadIdx.x == 0) counters[bx] = 0;  // ready for the next launch (and graph replay)
+#if LORA_R > 0
+  lora_finish(lsync, total_ctas, false);
+#endif
 }

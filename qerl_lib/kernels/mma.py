@@ -100,8 +100,8 @@ class MmaConfig:
             raise ValueError(f"MmaConfig: warps_r * warps_k = {self.warps_r * self.warps_k} > 16 warps per CTA")
         self.check_shared(1)
 
-    def check_shared(self, nb: int) -> None:
-        need = self.shared_bytes(nb)
+    def check_shared(self, nb: int, lora_r: int = 0) -> None:
+        need = self.shared_bytes(nb, lora_r)
         if need > SMEM_LIMIT:
             raise ValueError(f"MmaConfig: {need} B of shared memory per CTA for M <= {8 * nb} > {SMEM_LIMIT}; "
                              "lower depth, tiles or warps")
@@ -114,9 +114,10 @@ class MmaConfig:
     def threads(self) -> int:
         return 32 * self.warps_r * self.warps_k
 
-    def shared_bytes(self, nb: int) -> int:
-        """Static shared memory of one CTA: the per-warp partial sums and the scale table."""
-        return self.warps_k * 8 * nb * (self.rows_per_cta + 4) * 4 + 256 * 4 + 16
+    def shared_bytes(self, nb: int, lora_r: int = 0) -> int:
+        """Static shared memory of one CTA: the per-warp partial sums, the scale table, and a LoRA
+        epilogue's ``xa`` rows."""
+        return self.warps_k * 8 * nb * (self.rows_per_cta + 4) * 4 + 256 * 4 + 16 + 8 * nb * lora_r * 4 + 4
 
 
 # Gate/up-shaped launch shapes, in order of preference, each with the CTAs per SM it runs at
@@ -249,18 +250,44 @@ def _driver() -> ctypes.CDLL:
         raise OSError(f"CUDA driver library libcuda.so.1 not loadable: {err}") from err
 
 
-def kernel_name(cfg: MmaConfig, nb: int) -> str:
+def kernel_name(cfg: MmaConfig, nb: int, lora_r: int = 0) -> str:
     extra = (f"_p{cfg.prefetch}" if cfg.prefetch else "") + (f"_h{cfg.l2_hint}" if cfg.l2_hint else "")
+    extra += f"_l{lora_r}" if lora_r else ""
     return f"qerl_fp4_mma_t{cfg.tiles}_r{cfg.warps_r}_k{cfg.warps_k}_n{nb}_d{cfg.depth}_o{cfg.min_ctas}{extra}"
 
 
-def kernel_source(cfg: MmaConfig, nb: int) -> str:
-    """The CUDA source for one launch shape (``nb`` n8 blocks: 1 for M <= 8, 2 for M <= 16)."""
+def kernel_source(cfg: MmaConfig, nb: int, lora_r: int = 0) -> str:
+    """The CUDA source for one launch shape (``nb`` n8 blocks: 1 for M <= 8, 2 for M <= 16; ``lora_r``:
+    the stacked rank of a LoRA epilogue, 0 for none)."""
     defines = (f"#define T_TILES {cfg.tiles}\n#define WARPS_R {cfg.warps_r}\n#define WARPS_K {cfg.warps_k}\n"
                f"#define NB {nb}\n#define DEPTH {cfg.depth}\n#define MIN_CTAS {cfg.min_ctas}\n"
-               f"#define PREFETCH {cfg.prefetch}\n#define L2_HINT {cfg.l2_hint}\n"
-               f"#define KERNEL_NAME {kernel_name(cfg, nb)}\n")
+               f"#define PREFETCH {cfg.prefetch}\n#define L2_HINT {cfg.l2_hint}\n#define LORA_R {lora_r}\n"
+               f"#define KERNEL_NAME {kernel_name(cfg, nb, lora_r)}\n")
     return defines + SOURCE_PATH.read_text()
+
+
+LORA_MAX_R = 384  # stacked ranks of a LoRA epilogue: three members of rank 128
+LORA_SLICES = 16  # about this many LoRA CTAs per launch (K-slices of 256-column multiples)
+
+
+@dataclass(frozen=True)
+class LoraEpilogue:
+    """A projection group's adapters, added by the GEMM itself (``mma.cu``, "LoRA"): ``out[:, n0:n1] +=
+    scale * bf16(x @ A^T)[:, r0:r0 + rank] @ B[n0:n1]^T`` per member. ``a_cat``: bf16 ``[R, K]``
+    contiguous; ``b_cat``: bf16 ``[N, RP]`` contiguous, zero past each member's rank; ``bounds``: int32
+    ``[members, 4]`` = (n0, n1, r0, rank); ``scale``: float32 ``[members]``; ``sync``: int32 ``[3]``,
+    zero between launches (the kernel resets it). ``kernels.lora.GroupPlan.epilogue()`` builds one."""
+
+    a_cat: torch.Tensor
+    b_cat: torch.Tensor
+    bounds: torch.Tensor
+    scale: torch.Tensor
+    sync: torch.Tensor
+
+    def supported(self, m: int, k: int) -> bool:
+        a, b = self.a_cat, self.b_cat
+        return (m <= 8 and a.dtype == b.dtype == torch.bfloat16 and a.is_contiguous() and b.is_contiguous()
+                and a.shape[1] == k and 1 <= a.shape[0] <= LORA_MAX_R and b.shape[1] % 8 == 0)
 
 
 def compile_cubin(source: str, name: str, arch: str, lib: ctypes.CDLL | None = None) -> bytes:
@@ -354,9 +381,9 @@ _COUNTERS: dict[int, torch.Tensor] = {}
 _LOCK = threading.Lock()
 
 
-def _get_kernel(cfg: MmaConfig, nb: int, device: torch.device) -> _Kernel:
+def _get_kernel(cfg: MmaConfig, nb: int, device: torch.device, lora_r: int = 0) -> _Kernel:
     index = device.index if device.index is not None else torch.cuda.current_device()
-    key = (index, cfg.tiles, cfg.warps_r, cfg.warps_k, cfg.depth, cfg.min_ctas, cfg.prefetch, cfg.l2_hint, nb)
+    key = (index, cfg.tiles, cfg.warps_r, cfg.warps_k, cfg.depth, cfg.min_ctas, cfg.prefetch, cfg.l2_hint, nb, lora_r)
     kern = _KERNELS.get(key)
     if kern is None:
         with _LOCK, torch.cuda.device(index):
@@ -364,8 +391,8 @@ def _get_kernel(cfg: MmaConfig, nb: int, device: torch.device) -> _Kernel:
                 raise RuntimeError("mma_linear: first use of a launch shape inside CUDA-graph capture; "
                                    "run the call once before capturing (warm-up)")
             major, minor = torch.cuda.get_device_capability(index)
-            name = kernel_name(cfg, nb)
-            cubin = compile_cubin(kernel_source(cfg, nb), name, f"sm_{major}{minor}")
+            name = kernel_name(cfg, nb, lora_r)
+            cubin = compile_cubin(kernel_source(cfg, nb, lora_r), name, f"sm_{major}{minor}")
             torch.cuda.synchronize(index)  # makes PyTorch's primary context current on this thread
             kern = _KERNELS[key] = _Kernel(cubin, name)
     return kern
@@ -393,13 +420,15 @@ def _counters(device: torch.device, blocks: int) -> torch.Tensor:
 
 def mma_linear(x2: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor,
                bias: torch.Tensor | None, out: torch.Tensor, config: MmaConfig | None = None,
-               pdl: bool | None = None) -> torch.Tensor:
+               pdl: bool | None = None, lora: LoraEpilogue | None = None) -> torch.Tensor:
     """``out[m, n] = bf16(x2 @ W.T * 2^8/gs ...)`` (+ bias) for bf16 ``x2 [m, k]`` (unit column stride), ``m <= 16``.
 
     ``words``: int32 ``[N, K/8]``, ``scales``: uint8 ``[N, K/16]`` (the compressed-tensors bytes),
     ``out``: bf16 ``[m, N]`` contiguous. Validation of dtypes/shapes is ``fp4_gemm``'s job; this
     checks only what the kernel itself assumes. K-sliced launches share one arrival-counter buffer
-    per device: run them on one stream at a time (the engine and the benchmarks do).
+    per device: run them on one stream at a time (the engine and the benchmarks do). ``lora``: the
+    group's adapters added in the same launch (``LoraEpilogue``; M <= 8); its ``sync`` counters must
+    not be shared by two launches in flight at once.
     """
     m, k = x2.shape
     n = words.shape[0]
@@ -409,16 +438,30 @@ def mma_linear(x2: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, glob
             or scales.data_ptr() % 2:
         raise ValueError("mma_linear needs 16-byte aligned x rows (stride % 8 == 0) and weights, 2-byte aligned scales")
     nb = 1 if m <= 8 else 2
+    if lora is not None and (not lora.supported(m, k) or lora.b_cat.shape[0] != n):
+        raise ValueError(f"mma_linear: this LoRA epilogue needs M <= 8, bf16 contiguous A [R <= {LORA_MAX_R}, K = {k}] "
+                         f"and B [N = {n}, RP % 8 == 0]; take kernels/lora.py's path instead")
+    lora_r = lora.a_cat.shape[0] if lora is not None else 0
     cfg = config or pick_mma_config(m, n, k, _device_sms(x2.device.index))
-    cfg.check_shared(nb)
-    kern = _get_kernel(cfg, nb, x2.device)
+    cfg.check_shared(nb, lora_r)
+    kern = _get_kernel(cfg, nb, x2.device, lora_r)
     blocks = math.ceil(n / cfg.rows_per_cta)
     chunks = k // CHUNK
     per_split = math.ceil(chunks / cfg.split_k)
     split = math.ceil(chunks / per_split)
     ws = torch.empty(split, m, n, dtype=torch.float32, device=x2.device) if split > 1 else out
     counters = _counters(x2.device, blocks)
-    kern((blocks, split), cfg.threads,
-         [x2, words, scales, global_scale, bias, out, ws, counters, m, n, k, x2.stride(0), out.stride(0), per_split],
+    lora_args: list = [None, None, None, None, None, None, 0, 0, 0, 0]
+    grid = (blocks, split)
+    if lora is not None:
+        k_per_slice = 256 * math.ceil(k / (256 * LORA_SLICES))
+        slices = math.ceil(k / k_per_slice)
+        partials = torch.empty(slices, m, lora_r, dtype=torch.float32, device=x2.device)
+        lora_args = [lora.a_cat, lora.b_cat, partials, lora.sync, lora.bounds, lora.scale, lora.bounds.shape[0], slices,
+                     k_per_slice, lora.b_cat.shape[1]]
+        grid = (slices + blocks * split, 1)  # 1-D: the kernel hands out roles by ticket
+    kern(grid, cfg.threads,
+         [x2, words, scales, global_scale, bias, out, ws, counters, m, n, k, x2.stride(0), out.stride(0), per_split,
+          blocks, split, *lora_args],
          pdl=pdl_switch.use_for(x2.device) if pdl is None else pdl)
     return out

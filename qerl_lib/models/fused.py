@@ -84,17 +84,27 @@ class FusedProjection:
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
         return list(self.full(x).split(self.splits, dim=-1))
 
-    def full(self, x: torch.Tensor) -> torch.Tensor:
-        """The members' outputs side by side, ``[..., sum of N]`` (what ``__call__`` splits)."""
+    def full(self, x: torch.Tensor, lora=None) -> torch.Tensor:
+        """The members' outputs side by side, ``[..., sum of N]`` (what ``__call__`` splits); ``lora``: a
+        ``kernels.mma.LoraEpilogue`` the GEMM adds itself (only where ``adds_lora`` says so)."""
         if self.kind == "nvfp4":
             from qerl_lib.kernels.fp4_gemm import fp4_linear
 
             first = self.members[0]  # the small-M kernel choice of the group's first member
             out = fp4_linear(x, self.prepared, self.tensors.get("bias"), small_m_backend=first.small_m_backend,
-                             mma_rule=first.mma_rule)
+                             mma_rule=first.mma_rule, lora=lora)
         else:
             out = F.linear(x, self.tensors["weight"], self.tensors.get("bias"))
         return out
+
+    def adds_lora(self, x: torch.Tensor, lora) -> bool:
+        """Whether ``full(x, lora=lora)`` runs the mma.sync kernel, which then adds the adapters in the same launch."""
+        if self.kind != "nvfp4":
+            return False
+        from qerl_lib.kernels.fp4_gemm import uses_mma
+
+        m, k = x.numel() // x.shape[-1], x.shape[-1]
+        return uses_mma(m, k, x.device, self.members[0].small_m_backend) and lora.supported(m, k)
 
     def is_current(self) -> bool:
         """True while every member still reads its rows of the fused buffers (cheap: pointer checks)."""

@@ -1,0 +1,156 @@
+"""LoRA added by the NVFP4 decode GEMM itself (``kernels/mma.cu``, "LoRA"; ``mma_linear(lora=)``).
+
+* CPU: the plan's epilogue tables, what the epilogue accepts, the errors of a call that cannot take it,
+  and that the CUDA source compiles (NVRTC, sm_90) for the launch shapes the rule picks with stacked
+  ranks 16-384 without costing the wide shapes registers (their residency is the rule's premise).
+* CUDA (Hopper): for the Qwen2.5-7B groups (q/k/v with three members, o, gate/up, and down, which runs
+  K-slices), ranks 8-128 and 1-8 rows, the fused launch against the base GEMM followed by the
+  plain-torch adapters (``kernels.lora.reference_apply``), within one rounding of ``xa`` and one of the
+  output, as the two-kernel path is held to; a member without adapter keeps the base output bit for bit;
+  a second call gives the same bits (the kernel resets its counters). The engine end to end (a small
+  NVFP4 model whose widths take the mma.sync path, CUDA graphs): programmatic dependent launch on and off
+  give identical rollouts, and against the two-kernel path the logprobs agree within bf16 noise.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from qerl_lib.kernels import lora as lk
+from qerl_lib.kernels import mma
+from tests.test_lora_kernels import make_group
+
+HAS_MMA = mma.available() if torch.cuda.is_available() else False
+cuda_mma = pytest.mark.skipif(not HAS_MMA, reason="needs a CUDA GPU with compute capability >= 9.0 and NVRTC")
+
+# group -> (K, member widths), Qwen2.5-7B
+GROUPS_7B = {"qkv": (3584, [3584, 512, 512]), "o": (3584, [3584]), "gate_up": (3584, [18944, 18944]),
+             "down": (18944, [3584])}
+
+
+def _nvrtc_or_none():
+    try:
+        return mma._nvrtc()
+    except OSError:
+        return None
+
+
+def _random_fp4(n, k, seed, device="cuda"):
+    from qerl_lib.kernels.fp4_gemm import prepare_fp4_weights
+    from qerl_lib.quant.nvfp4 import quantize
+
+    g = torch.Generator().manual_seed(seed)
+    q = quantize((torch.randn(n, k, generator=g) * 0.02).bfloat16().to(device))
+    return prepare_fp4_weights(q.weight_packed, q.weight_scale, q.weight_global_scale)
+
+
+def test_plan_epilogue_tables():
+    plan, _, _ = make_group(4, 256, [(64, 5, 0.5), (32, 0, 1.0), (96, 16, 2.0)], torch.bfloat16, "cpu")
+    epi = plan.epilogue()
+    assert epi.bounds.tolist() == [[0, 64, 0, 5], [96, 192, 5, 16]]  # the absent member has no row
+    assert epi.scale.tolist() == [0.5, 2.0] and epi.sync.tolist() == [0, 0, 0]
+    assert epi.a_cat is plan.a_cat and epi.b_cat is plan.b_cat  # the engine's refreshed buffers, no copies
+    assert epi.supported(8, 256) and not epi.supported(9, 256) and not epi.supported(8, 128)
+    f32, _, _ = make_group(4, 256, [(64, 5, 0.5)], torch.float32, "cpu")
+    assert not f32.epilogue().supported(8, 256)  # the kernel reads bf16
+
+
+def test_a_call_that_cannot_add_the_adapters_says_so():
+    from qerl_lib.kernels.fp4_gemm import fp4_linear
+
+    w = _random_fp4(192, 256, seed=0, device="cpu")
+    plan, x, _ = make_group(4, 256, [(192, 8, 1.0)], torch.bfloat16, "cpu")
+    with pytest.raises(ValueError, match="only on the mma.sync path"):
+        fp4_linear(x, w, lora=plan.epilogue())
+    assert fp4_linear(x, w).shape == (4, 192)
+
+
+@pytest.mark.skipif(_nvrtc_or_none() is None, reason="no libnvrtc here (CUDA builds of PyTorch ship it; or set QERL_NVRTC)")
+def test_lora_source_compiles_and_keeps_the_wide_shapes_registers():
+    from tests.test_fp4_kernel_mma import _cubin_registers
+
+    shapes = [(4608, 3584), (37888, 3584), (3584, 18944), (3584, 3584), (55296, 5120), (5120, 27648)]
+    for cfg in {mma.pick_mma_config(8, n, k, 132) for n, k in shapes}:
+        for r in (16, 48, 384):
+            cubin = mma.compile_cubin(mma.kernel_source(cfg, 1, r), mma.kernel_name(cfg, 1, r), "sm_90")
+            assert mma.kernel_name(cfg, 1, r).encode() in cubin
+            cfg.check_shared(1, r)
+    for cfg, per_sm in mma.WIDE_SHAPES:
+        plain = _cubin_registers(mma.compile_cubin(mma.kernel_source(cfg, 1), mma.kernel_name(cfg, 1), "sm_90"))
+        fused = _cubin_registers(mma.compile_cubin(mma.kernel_source(cfg, 1, 48), mma.kernel_name(cfg, 1, 48), "sm_90"))
+        granule = lambda regs: math.ceil(regs * 32 / 256) * 256  # noqa: E731
+        assert granule(fused) <= granule(plain), (cfg, plain, fused)
+
+
+@pytest.mark.cuda
+@cuda_mma
+@pytest.mark.parametrize("rank", [8, 16, 64, 128])
+@pytest.mark.parametrize("rows", [1, 5, 8])
+def test_fused_launch_matches_gemm_then_reference_adapters(rank, rows):
+    from qerl_lib.kernels.fp4_gemm import fp4_linear
+
+    for name, (k, widths) in GROUPS_7B.items():
+        members = [(w, rank if i != 1 else 0, 2.0) for i, w in enumerate(widths)] if name == "qkv" else \
+            [(w, rank, 2.0) for w in widths]
+        plan, x, _ = make_group(rows, k, members, torch.bfloat16, "cuda", seed=rank + rows)
+        weight = _random_fp4(sum(widths), k, seed=rank)
+        base = fp4_linear(x, weight, small_m_backend="mma")
+        ref = lk.reference_apply(base.clone(), x, plan)
+        got = fp4_linear(x, weight, small_m_backend="mma", lora=plan.epilogue())
+        delta = (ref.float() - base.float()).abs().max()
+        err = (got.float() - ref.float()).abs().max()
+        assert delta > 1.0, name
+        assert err <= 2 ** -7 * delta + 2 ** -7 * ref.float().abs().max(), (name, float(err), float(delta))
+        if name == "qkv":  # k_proj has no adapter: its columns are the base GEMM's
+            assert torch.equal(got[:, 3584:4096], base[:, 3584:4096])
+        again = fp4_linear(x, weight, small_m_backend="mma", lora=plan.epilogue())
+        assert torch.equal(again, got) and plan.sync.tolist() == [0, 0, 0], name
+
+
+def _small_nvfp4_model_with_adapters(rank=16):
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    from qerl_lib.engine.rollout import LoraAdapter
+    from qerl_lib.models.loader import replace_linear_with_nvfp4
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, eos_token_id=2,
+                      bos_token_id=1, pad_token_id=0, initializer_range=0.2, tie_word_embeddings=False)
+    model = replace_linear_with_nvfp4(AutoModelForCausalLM.from_config(cfg).bfloat16().eval()).cuda()
+    g = torch.Generator().manual_seed(3)
+    adapters = {}
+    for name, mod in model.named_modules():
+        if name.endswith(("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")):
+            adapters[name] = LoraAdapter((torch.randn(rank, mod.in_features, generator=g) * 0.1).bfloat16().cuda(),
+                                         (torch.randn(mod.out_features, rank, generator=g) * 0.1).bfloat16().cuda(), 2.0)
+    return model, adapters
+
+
+@pytest.mark.cuda
+@cuda_mma
+def test_engine_rollouts_with_lora_in_the_gemm(monkeypatch):
+    from qerl_lib.engine.rollout import RolloutEngine
+    from tests.test_engine import PROMPTS
+
+    model, adapters = _small_nvfp4_model_with_adapters()
+    runs = {}
+    for name, in_gemm, early in (("gemm", True, "1"), ("gemm-plain", True, "0"), ("two-kernels", False, "1")):
+        monkeypatch.setenv("QERL_PDL", early)
+        engine = RolloutEngine(model, lora_in_gemm=in_gemm)  # graphs+fused, LoRA kernels on CUDA
+        runs[name] = engine.generate(PROMPTS, 24, temperature=0, stop_token_ids=[], lora=adapters)
+    for c, e in zip(runs["gemm"], runs["gemm-plain"]):
+        assert c.token_ids == e.token_ids and c.logprobs == e.logprobs
+    base = RolloutEngine(model).generate(PROMPTS, 24, temperature=0, stop_token_ids=[])
+    assert [c.token_ids for c in runs["gemm"]] != [c.token_ids for c in base], "the adapters must matter"
+    diffs = []
+    for c, e in zip(runs["gemm"], runs["two-kernels"]):
+        for a, b, ta, tb in zip(c.logprobs, e.logprobs, c.token_ids, e.token_ids):
+            diffs.append(abs(a - b))
+            if ta != tb:
+                break
+    assert len(diffs) >= 24, f"the rollouts share only {len(diffs)} of {24 * len(PROMPTS)} tokens"
+    assert sorted(diffs)[len(diffs) // 2] < 0.05 and max(diffs) < 0.5, (sorted(diffs)[len(diffs) // 2], max(diffs))
