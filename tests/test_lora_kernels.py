@@ -271,13 +271,20 @@ def test_cuda_engine_with_lora_kernels_equals_torch_path(weights, monkeypatch):
         engine = RolloutEngine(model, lora_kernels=use)  # graphs+fused on CUDA
         assert engine.lora_kernels is use
         runs[name] = engine.generate(PROMPTS, 24, temperature=0, stop_token_ids=[], lora=adapters)
-    for c, e in zip(runs["kernels"], runs["kernels-plain"]):
+    assert_rollouts_agree(runs["kernels"], runs["kernels-plain"], runs["torch"], 24)
+
+
+def assert_rollouts_agree(fast, fast_plain, reference, new_tokens: int) -> None:
+    """``fast`` equals ``fast_plain`` (the same kernels without programmatic dependent launch) bit for bit;
+    against ``reference``, up to the first differing token of each row (bf16 rounding may break a near tie):
+    at least ``new_tokens`` shared positions, logprob differences with median < 0.05 and max < 0.5."""
+    for c, e in zip(fast, fast_plain):
         assert c.token_ids == e.token_ids and c.logprobs == e.logprobs
     diffs = []
-    for c, e in zip(runs["kernels"], runs["torch"]):
+    for c, e in zip(fast, reference):
         for a, b, ta, tb in zip(c.logprobs, e.logprobs, c.token_ids, e.token_ids):
             diffs.append(abs(a - b))
             if ta != tb:
                 break
-    assert len(diffs) >= 24, f"the rollouts share only {len(diffs)} of {24 * len(PROMPTS)} tokens"
+    assert len(diffs) >= new_tokens, f"the rollouts share only {len(diffs)} tokens"
     assert sorted(diffs)[len(diffs) // 2] < 0.05 and max(diffs) < 0.5, (sorted(diffs)[len(diffs) // 2], max(diffs))
