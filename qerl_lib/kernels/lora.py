@@ -108,7 +108,7 @@ class GroupPlan:
     members: tuple[tuple[int, int, int, int, float], ...]
     counters: torch.Tensor  # int32, one per (row block, rank block) of the shrink; zero between calls
     bounds: torch.Tensor  # int32 [members, 4]: (n_start, n_end, r_start, rank), for the GEMM's LoRA epilogue
-    sync: torch.Tensor  # int32 [3]: that epilogue's counters, zero between calls
+    sync: torch.Tensor  # int32 [4 + rank blocks of 16]: that epilogue's counters, zero between calls
 
     def epilogue(self):
         """These adapters as the mma.sync GEMM's ``LoraEpilogue`` (added by the group's base GEMM itself)."""
@@ -151,7 +151,7 @@ def build_plan(a_cat: torch.Tensor, n_total: int, members, block_n: int = BLOCK_
                      torch.zeros(_cdiv(MAX_M, RANK_BLOCK) * _cdiv(a_cat.shape[0], RANK_BLOCK),
                                  dtype=torch.int32, device=device),
                      torch.tensor([m[:4] for m in members], dtype=torch.int32, device=device),
-                     torch.zeros(3, dtype=torch.int32, device=device))
+                     torch.zeros(4 + _cdiv(a_cat.shape[0], RANK_BLOCK), dtype=torch.int32, device=device))
 
 
 def _cdiv(a: int, b: int) -> int:

@@ -34,14 +34,13 @@
 // (programmatic dependent launch). Until griddepcontrol.wait it reads only weights, scales and
 // constants; after it, it lets the next kernel launch (griddepcontrol.launch_dependents).
 //
-// LoRA (LORA_R > 0: the group's stacked adapter ranks, R). The launch is 1-D: LoRA's K-slices
-// (l_slices CTAs) and the GEMM's row blocks x K-slices. Each CTA first draws a ticket (atomic
-// counter): the first l_slices tickets compute xa's fp32 partials x[:, slice] @ A[:, slice]^T, then
-// count themselves done; the others are GEMM CTAs (tile = ticket - l_slices). A GEMM CTA's epilogue
-// waits until every LoRA slice is done -- they drew their tickets first, so they are running and
-// wait on nothing: no deadlock whatever the scheduling order -- sums the partials in slice order,
-// rounds xa to bf16 (as the torch path's xa tensor) and adds scale * xa @ B^T to each of its
-// outputs, rounding once (as addmm). The last CTA to finish resets the three counters.
+// LoRA (LORA_R > 0: the group's stacked adapter ranks, R). The launch is 1-D: LoRA CTAs (K-slices x
+// blocks of 16 ranks) and the GEMM's row blocks x K-slices. Each CTA first draws a ticket (atomic
+// counter): the first tickets go to LoRA CTAs, which compute xa = bf16(x @ A^T) (lora_shrink); the
+// others are GEMM CTAs (tile = ticket - LoRA CTAs). A GEMM CTA's epilogue waits until every rank
+// block of xa is written -- the LoRA CTAs drew their tickets first, so they are running and wait on
+// nothing: no deadlock whatever the scheduling order -- and adds scale * xa @ B^T to each of its
+// outputs, rounding once (as addmm). The last CTA to finish resets the counters.
 #ifndef LORA_R
 #define LORA_R 0
 #endif
@@ -144,16 +143,23 @@ __device__ __forceinline__ u16 epilogue(float acc, float factor, const u16* bias
 }
 
 #if LORA_R > 0
-// A LoRA CTA: fp32 partials of xa = x @ A^T over its K-slice [slice * kps, +kps), all M rows and R ranks,
-// into lxa[slice][tok][r]. Warp w takes ranks w, w + NWARPS, ...; lane l the 8 columns 8l + 256i of the
-// slice (16-byte loads of A and x), then the warp adds its lanes' sums (a fixed butterfly: deterministic).
+#define LORA_RB 16          // ranks per LoRA CTA
+#define LORA_MAX_SLICES 8   // K-slices of the LoRA CTAs (mma.py's LORA_SLICES)
+// A LoRA CTA (K-slice `slice`, ranks 16 rb ...): fp32 partials of xa = x @ A^T over its slice, all M
+// rows, into lxa[slice][tok][r]. Warp w takes the block's ranks w, w + NWARPS, ...; lane l the 8
+// columns 8l + 256i of the slice (16-byte loads of A and x), then the warp adds its lanes' sums (a
+// fixed butterfly: deterministic). The last slice of a rank block to finish (lsync[4 + rb]) adds the
+// block's partials in slice order, rounds to bf16 (as the torch path's xa tensor) and writes them as
+// floats after the partials (xa[tok][r] at lxa + slices * M * R), then counts the block ready (lsync[1]).
 __device__ void lora_shrink(const u16* __restrict__ x, const u16* __restrict__ la, float* __restrict__ lxa,
-                            int M, int K, int ldx, int slice, int kps) {
+                            int* lsync, int M, int K, int ldx, int slice, int slices, int rb, int kps) {
+  __shared__ int last_sh;
   asm volatile("griddepcontrol.wait;" ::: "memory");  // x comes from the previous kernel
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int k_lo = slice * kps, k_hi = min(K, k_lo + kps);
-  for (int r = warp; r < LORA_R; r += NWARPS) {
+  const int r_end = min(LORA_R, (rb + 1) * LORA_RB);
+  for (int r = rb * LORA_RB + warp; r < r_end; r += NWARPS) {
     float acc[MAXTOK];
 #pragma unroll
     for (int tk = 0; tk < MAXTOK; ++tk) acc[tk] = 0.f;
@@ -180,37 +186,54 @@ __device__ void lora_shrink(const u16* __restrict__ x, const u16* __restrict__ l
       if (lane == 0 && tk < M) lxa[((long)slice * M + tk) * LORA_R + r] = acc[tk];
     }
   }
-}
-
-// Every CTA counts itself at its end; a LoRA CTA also marks its slice done (lsync[1]) first. The last CTA
-// of the launch (lsync[2]) resets the counters for the next launch and for graph replay.
-__device__ void lora_finish(int* lsync, int total_ctas, bool slice_done) {
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) last_sh = atomicAdd(&lsync[4 + rb], 1) == slices - 1;
+  __syncthreads();
+  if (!last_sh) return;
+  __threadfence();
+  float* xa = lxa + (long)slices * M * LORA_R;
+  const int width = r_end - rb * LORA_RB;
+  for (int e = threadIdx.x; e < M * width; e += NWARPS * 32) {
+    const int tk = e / width, r = rb * LORA_RB + e % width;
+    float v[LORA_MAX_SLICES];
+#pragma unroll
+    for (int sl = 0; sl < LORA_MAX_SLICES; ++sl)  // all loads in flight at once, then the ordered sum
+      v[sl] = sl < slices ? __ldcg(&lxa[((long)sl * M + tk) * LORA_R + r]) : 0.f;
+    float s = 0.f;
+#pragma unroll
+    for (int sl = 0; sl < LORA_MAX_SLICES; ++sl) s += v[sl];
+    xa[tk * LORA_R + r] = from_bf16(to_bf16(s));
+  }
   __threadfence();
   __syncthreads();
   if (threadIdx.x == 0) {
-    if (slice_done) atomicAdd(&lsync[1], 1);
-    if (atomicAdd(&lsync[2], 1) == total_ctas - 1) {
-      lsync[0] = 0;
-      lsync[1] = 0;
-      lsync[2] = 0;
-      __threadfence();
-    }
+    lsync[4 + rb] = 0;
+    atomicAdd(&lsync[1], 1);
   }
 }
 
-// Wait for every LoRA slice, then xa_sh[tok][r] = bf16(sum over slices in order), as a float.
-__device__ void lora_stage_xa(int* lsync, const float* lxa, float* xa_sh, int m_rows, int M, int l_slices) {
+// Every CTA counts itself at its end; the last CTA of the launch (lsync[2]) resets the counters for
+// the next launch and for graph replay.
+__device__ void lora_finish(int* lsync, int total_ctas) {
+  __syncthreads();
+  if (threadIdx.x == 0 && atomicAdd(&lsync[2], 1) == total_ctas - 1) {
+    lsync[0] = 0;
+    lsync[1] = 0;
+    lsync[2] = 0;
+    __threadfence();
+  }
+}
+
+// Wait until every rank block's xa is written, then copy xa[:m_rows] into shared memory.
+__device__ void lora_stage_xa(int* lsync, const float* lxa, float* xa_sh, int m_rows, int M, int blocks, int slices) {
   if (threadIdx.x == 0) {
-    while (atomicAdd(&lsync[1], 0) < l_slices) __nanosleep(64);
+    while (*reinterpret_cast<volatile int*>(&lsync[1]) < blocks) __nanosleep(32);
     __threadfence();
   }
   __syncthreads();
-  for (int e = threadIdx.x; e < m_rows * LORA_R; e += NWARPS * 32) {
-    const int tk = e / LORA_R, r = e % LORA_R;
-    float s = 0.f;
-    for (int sl = 0; sl < l_slices; ++sl) s += __ldcg(&lxa[((long)sl * M + tk) * LORA_R + r]);
-    xa_sh[tk * LORA_R + r] = from_bf16(to_bf16(s));
-  }
+  const float* xa = lxa + (long)slices * M * LORA_R;
+  for (int e = threadIdx.x; e < m_rows * LORA_R; e += NWARPS * 32) xa_sh[e] = __ldcg(&xa[e]);
   __syncthreads();
 }
 
@@ -255,12 +278,14 @@ KERNEL_NAME(const u16* __restrict__ x, const u32* __restrict__ wq, const u8* __r
   if (threadIdx.x == 0) ticket_sh = atomicAdd(&lsync[0], 1);
   __syncthreads();
   const int ticket = ticket_sh;
-  if (ticket < l_slices) {
-    lora_shrink(x, la, lxa, M, K, ldx, ticket, l_k_per_slice);
-    lora_finish(lsync, l_slices + n_row_blocks * n_split, true);
+  const int l_blocks = (LORA_R + LORA_RB - 1) / LORA_RB, l_ctas = l_slices * l_blocks;
+  const int total_ctas = l_ctas + n_row_blocks * n_split;
+  if (ticket < l_ctas) {
+    lora_shrink(x, la, lxa, lsync, M, K, ldx, ticket % l_slices, l_slices, ticket / l_slices, l_k_per_slice);
+    lora_finish(lsync, total_ctas);
     return;
   }
-  const int bx = (ticket - l_slices) % n_row_blocks, by = (ticket - l_slices) / n_row_blocks;
+  const int bx = (ticket - l_ctas) % n_row_blocks, by = (ticket - l_ctas) / n_row_blocks;
 #else
   const int bx = blockIdx.x, by = blockIdx.y;
 #endif
@@ -424,14 +449,13 @@ KERNEL_NAME(const u16* __restrict__ x, const u32* __restrict__ wq, const u8* __r
   const int m_rows = min(M, MAXTOK);
 #if LORA_R > 0
   const bool split = n_split > 1;
-  const int total_ctas = l_slices + n_row_blocks * n_split;
   __shared__ float xa_sh[MAXTOK][LORA_R];
 #else
   const bool split = gridDim.y > 1;
 #endif
   if (!split) {
 #if LORA_R > 0
-    lora_stage_xa(lsync, lxa, &xa_sh[0][0], m_rows, M, l_slices);
+    lora_stage_xa(lsync, lxa, &xa_sh[0][0], m_rows, M, l_blocks, l_slices);
 #endif
   }
   for (int e = threadIdx.x; e < m_rows * ROWS_PER_CTA; e += NWARPS * 32) {
@@ -449,7 +473,7 @@ KERNEL_NAME(const u16* __restrict__ x, const u32* __restrict__ wq, const u8* __r
   }
   if (!split) {
 #if LORA_R > 0
-    lora_finish(lsync, total_ctas, false);
+    lora_finish(lsync, total_ctas);
 #endif
     return;
   }
@@ -465,13 +489,13 @@ KERNEL_NAME(const u16* __restrict__ x, const u32* __restrict__ wq, const u8* __r
   __syncthreads();
   if (!is_last) {
 #if LORA_R > 0
-    lora_finish(lsync, total_ctas, false);
+    lora_finish(lsync, total_ctas);
 #endif
     return;
   }
   __threadfence();
 #if LORA_R > 0
-  lora_stage_xa(lsync, lxa, &xa_sh[0][0], m_rows, M, l_slices);
+  lora_stage_xa(lsync, lxa, &xa_sh[0][0], m_rows, M, l_blocks, l_slices);
   const int slices = n_split;
 #else
   const int slices = gridDim.y;
@@ -489,6 +513,6 @@ KERNEL_NAME(const u16* __restrict__ x, const u32* __restrict__ wq, const u8* __r
   }
   if (threadIdx.x == 0) counters[bx] = 0;  // ready for the next launch (and graph replay)
 #if LORA_R > 0
-  lora_finish(lsync, total_ctas, false);
+  lora_finish(lsync, total_ctas);
 #endif
 }

@@ -267,7 +267,7 @@ def kernel_source(cfg: MmaConfig, nb: int, lora_r: int = 0) -> str:
 
 
 LORA_MAX_R = 384  # stacked ranks of a LoRA epilogue: three members of rank 128
-LORA_SLICES = 16  # about this many LoRA CTAs per launch (K-slices of 256-column multiples)
+LORA_SLICES = 8  # K-slices (of 256-column multiples) of the LoRA CTAs, each with 16 ranks (mma.cu's LORA_MAX_SLICES)
 
 
 @dataclass(frozen=True)
@@ -275,8 +275,8 @@ class LoraEpilogue:
     """A projection group's adapters, added by the GEMM itself (``mma.cu``, "LoRA"): ``out[:, n0:n1] +=
     scale * bf16(x @ A^T)[:, r0:r0 + rank] @ B[n0:n1]^T`` per member. ``a_cat``: bf16 ``[R, K]``
     contiguous; ``b_cat``: bf16 ``[N, RP]`` contiguous, zero past each member's rank; ``bounds``: int32
-    ``[members, 4]`` = (n0, n1, r0, rank); ``scale``: float32 ``[members]``; ``sync``: int32 ``[3]``,
-    zero between launches (the kernel resets it). ``kernels.lora.GroupPlan.epilogue()`` builds one."""
+    ``[members, 4]`` = (n0, n1, r0, rank); ``scale``: float32 ``[members]``; ``sync``: int32 ``[4 + R / 16]``
+    or more, zero between launches (the kernel resets it). ``kernels.lora.GroupPlan.epilogue()`` builds one."""
 
     a_cat: torch.Tensor
     b_cat: torch.Tensor
@@ -287,7 +287,8 @@ class LoraEpilogue:
     def supported(self, m: int, k: int) -> bool:
         a, b = self.a_cat, self.b_cat
         return (m <= 8 and a.dtype == b.dtype == torch.bfloat16 and a.is_contiguous() and b.is_contiguous()
-                and a.shape[1] == k and 1 <= a.shape[0] <= LORA_MAX_R and b.shape[1] % 8 == 0)
+                and a.shape[1] == k and 1 <= a.shape[0] <= LORA_MAX_R and b.shape[1] % 8 == 0
+                and self.sync.numel() >= 4 + math.ceil(a.shape[0] / 16))
 
 
 def compile_cubin(source: str, name: str, arch: str, lib: ctypes.CDLL | None = None) -> bytes:
@@ -456,7 +457,7 @@ def mma_linear(x2: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, glob
     if lora is not None:
         k_per_slice = 256 * math.ceil(k / (256 * LORA_SLICES))
         slices = math.ceil(k / k_per_slice)
-        partials = torch.empty(slices, m, lora_r, dtype=torch.float32, device=x2.device)
+        partials = torch.empty(slices + 1, m, lora_r, dtype=torch.float32, device=x2.device)  # + the summed xa
         lora_args = [lora.a_cat, lora.b_cat, partials, lora.sync, lora.bounds, lora.scale, lora.bounds.shape[0], slices,
                      k_per_slice, lora.b_cat.shape[1]]
         grid = (slices + blocks * split, 1)  # 1-D: the kernel hands out roles by ticket
