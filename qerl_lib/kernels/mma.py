@@ -460,7 +460,8 @@ def mma_linear(x2: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, glob
         partials = torch.empty(slices + 1, m, lora_r, dtype=torch.float32, device=x2.device)  # + the summed xa
         lora_args = [lora.a_cat, lora.b_cat, partials, lora.sync, lora.bounds, lora.scale, lora.bounds.shape[0], slices,
                      k_per_slice, lora.b_cat.shape[1]]
-        grid = (slices + blocks * split, 1)  # 1-D: the kernel hands out roles by ticket
+        # 1-D: the kernel hands out roles by ticket, first to the LoRA CTAs (K-slices x blocks of 16 ranks)
+        grid = (slices * math.ceil(lora_r / 16) + blocks * split, 1)
     kern(grid, cfg.threads,
          [x2, words, scales, global_scale, bias, out, ws, counters, m, n, k, x2.stride(0), out.stride(0), per_split,
           blocks, split, *lora_args],
