@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # #17: LoRA added by the NVFP4 decode GEMM itself (kernels/mma.cu "LoRA") against the two-kernel path
 # (kernels/lora.py after the GEMM), random-weight Qwen2.5 shapes, batch 8, 256 + 2048 tokens, one H100.
+# (Runs v1/v2 used the flag's earlier form, --no-lora-in-gemm on the second call, when in-GEMM was the default.)
 # Device machine, repository root, carrying .whl: bash dev/sweeps/lora_in_gemm_gpu.sh PART...
 #   tests : the CUDA tests of the LoRA paths and of the mma kernel
 #   7b    : Qwen2.5-7B NVFP4, LoRA rank 0/16/64 with the adapters in the GEMM, then rank 16/64 without (two processes)
@@ -19,11 +20,11 @@ for part in "$@"; do
       python3 -m pytest -q -m cuda tests/test_lora_in_gemm.py tests/test_lora_kernels.py tests/test_fp4_kernel_mma.py \
         2>&1 | tee "$OUT/cuda_tests_lora_in_gemm.log" | tail -15 ;;
     7b)
-      bench qwen2.5-7b 0,16,64 7b_in_gemm
-      bench qwen2.5-7b 16,64 7b_two_kernels --no-lora-in-gemm ;;
+      bench qwen2.5-7b 0,16,64 7b_in_gemm --lora-in-gemm
+      bench qwen2.5-7b 16,64 7b_two_kernels ;;
     14b)
-      bench qwen2.5-14b 0,32 14b_in_gemm
-      bench qwen2.5-14b 32 14b_two_kernels --no-lora-in-gemm ;;
+      bench qwen2.5-14b 0,32 14b_in_gemm --lora-in-gemm
+      bench qwen2.5-14b 32 14b_two_kernels ;;
     *) echo "unknown part $part"; exit 2 ;;
   esac
 done

@@ -91,7 +91,7 @@ class RolloutBenchConfig:
     fp4_small_m: str = "auto"  # NVFP4 GEMM for M <= 8: "auto" (mma.sync CUDA kernel where it runs), "mma", "triton"
     workload: str = "fixed"  # "fixed" (every row gen_len tokens) or "gsm8k-like" (uneven lengths, bench/workloads.py)
     lora_kernels: bool = True  # adapters through kernels/lora.py (False: one matmul per group + one addmm per member)
-    lora_in_gemm: bool = True  # NVFP4 decode GEMMs on the mma.sync kernel add their group's adapters themselves
+    lora_in_gemm: bool = False  # NVFP4 decode GEMMs on the mma.sync kernel add their group's adapters themselves
     scheduling: tuple[str, ...] = ("static",)  # "static": batches of `batch` prompts; "continuous": `batch` rows refilled
     prompts: int | None = None  # completions per rollout (None: one batch); more than the batch queue for its rows
     engines: tuple[str, ...] = ("kit",)  # "vllm": vLLM on the same checkpoint in its own process (bench/vllm_peer.py)
@@ -227,7 +227,7 @@ def random_prompts(batch: int, prompt_len: int, vocab: int, seed: int) -> list[l
 def time_engine(model, row: Row, backend: str, lora, repeats: int, seed: int, fuse_projections: bool = True,
                 decode_attention: str | None = None, glue_kernels: bool = True,
                 attention_launch: AttentionLaunch | None = None, lora_kernels: bool | None = None,
-                lora_in_gemm: bool = True) -> Row:
+                lora_in_gemm: bool = False) -> Row:
     """Fill ``row``'s timings: a fresh ``RolloutEngine`` (the keyword arguments are its own) warmed up,
     then ``repeats`` rollouts of ``row.prompts`` random prompts (default ``row.batch``), each row to its
     length of ``row.workload`` (all ``gen_len`` when "fixed"); medians. ``row.scheduling`` "static" runs
@@ -492,9 +492,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "continuous: --batch rows, each refilled from the queue as its sequence ends (comma list)")
     p.add_argument("--prompts", type=int, default=None,
                    help="completions per rollout (default: one batch); with more, static runs several batches")
-    p.add_argument("--no-lora-in-gemm", action="store_false", dest="lora_in_gemm",
-                   help="NVFP4 decode: add the adapters with kernels/lora.py after the GEMM instead of in the "
-                        "mma.sync GEMM itself")
+    p.add_argument("--lora-in-gemm", action="store_true",
+                   help="NVFP4 decode: the mma.sync GEMM adds its group's adapters itself instead of kernels/lora.py's "
+                        "two launches after it (measured slower on an H100; dev/LOG.md section 25)")
     p.add_argument("--no-lora-kernels", action="store_false", dest="lora_kernels",
                    help="apply adapters with torch matmuls (one per group + one addmm per member) instead of "
                         "kernels/lora.py's two launches per group")

@@ -227,7 +227,7 @@ class ForwardPass:
     def __init__(self, view: ModelView, decode_attention: str = "sdpa", fuse_elementwise: bool = False,
                  bypass_peft: bool = False, fuse_projections: bool = False, glue_kernels: bool = False,
                  attention_launch: AttentionLaunch | None = None, lora_kernels: bool = False,
-                 lora_in_gemm: bool = True):
+                 lora_in_gemm: bool = False):
         if decode_attention not in DECODE_ATTENTION:
             raise ValueError(f"decode_attention must be one of {DECODE_ATTENTION}, got {decode_attention!r}")
         self.view = view
@@ -240,6 +240,7 @@ class ForwardPass:
         self.lora_kernels = bool(lora_kernels) and lora_kernels_mod.triton is not None and (
             view.device.type == "cuda" or lora_kernels_mod.interpreting())
         # lora_in_gemm: with lora_kernels, an NVFP4 group on the mma.sync path adds its adapters in its own GEMM
+        # (off by default: slower than the two launches of kernels/lora.py on an H100, dev/LOG.md section 25)
         self.lora_in_gemm = bool(lora_in_gemm)
         # bypass_peft: call peft's base layers, because the engine applies the adapters itself (lora=...)
         self._groups = [{g: [view.projection(i, p, base=bypass_peft) for p in members]

@@ -125,7 +125,8 @@ class RolloutEngine:
     launches per projection group, the first overlapping the base GEMM) at up to 256 rows per call;
     default: on CUDA except with "compile" (whose traced step keeps torch ops). Off: one matmul per
     group plus one ``addmm`` per member. ``lora_in_gemm``: with those kernels, an NVFP4 group whose GEMM
-    runs on the mma.sync kernel (decode, M <= 8) has that kernel add its adapters in the same launch.
+    runs on the mma.sync kernel (decode, M <= 8) has that kernel add its adapters in the same launch
+    (default off: it measured slower than the two-launch path on an H100, dev/LOG.md section 25).
     """
 
     def __init__(self, model, max_seq_len: int | None = None, decode_backend: str = "auto",
@@ -133,7 +134,7 @@ class RolloutEngine:
                  batch_buckets: tuple[int, ...] = BATCH_BUCKETS, check_every: int = 16, keep_alive: bool = True,
                  fuse_projections: bool | None = None, glue_kernels: bool = True,
                  attention_launch: AttentionLaunch | None = None, lora_kernels: bool | None = None,
-                 lora_in_gemm: bool = True):
+                 lora_in_gemm: bool = False):
         if decode_backend not in DECODE_BACKENDS:
             raise ValueError(f"decode_backend must be one of {DECODE_BACKENDS}, got {decode_backend!r}")
         view = ModelView(model)  # validates the architecture now, not at the first call

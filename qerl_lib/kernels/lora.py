@@ -48,7 +48,8 @@ other use). A CUDA test checks that rollouts are bit-identical with PDL on and o
 
 A third way, for NVFP4 groups whose GEMM runs on the mma.sync kernel (decode, M <= 8): that kernel
 adds the adapters itself in the same launch (``GroupPlan.epilogue``, ``kernels/mma.cu`` "LoRA"), so
-neither kernel here runs; the engine takes it where ``FusedProjection.adds_lora`` says it applies.
+neither kernel here runs; the engine takes it where ``FusedProjection.adds_lora`` says it applies and
+``lora_in_gemm`` is on (off by default: on an H100 it measured slower than these two launches).
 
 Where we deviate from vLLM (the paper's engine): vLLM's punica kernels (SGMV/BGMV shrink and
 expand) serve many adapters per batch through an index per token; here one adapter serves the
