@@ -27,6 +27,10 @@ CUDA (``mma.cu``, read it next to this docstring):
   (``l2_hint``). Both raise decode throughput (7B on an H200: the hint ~2% tokens/s, PDL on every
   decode kernel ~3%; dev/LOG.md).
 
+Optionally (``mma_linear(lora=)``, off in the engine by default) the same launch also adds a projection
+group's LoRA adapters: its first CTAs compute ``x @ A^T`` and the GEMM CTAs add ``xa @ B^T`` in their
+epilogue (``mma.cu``, "LoRA"); on an H100 this measured slower than ``kernels/lora.py``'s two launches.
+
 Where we deviate from Marlin (and the paper's vLLM): only M <= 8 comes here (at 9-16 the Triton
 kernel is as fast); no offline repack (Marlin permutes weights into its fragment order at load
 time; we relabel K instead, keeping the checkpoint layout and memory); E4M3-subnormal scales are
@@ -117,7 +121,8 @@ class MmaConfig:
     def shared_bytes(self, nb: int, lora_r: int = 0) -> int:
         """Static shared memory of one CTA: the per-warp partial sums, the scale table, and a LoRA
         epilogue's ``xa`` rows."""
-        return self.warps_k * 8 * nb * (self.rows_per_cta + 4) * 4 + 256 * 4 + 16 + 8 * nb * lora_r * 4 + 4
+        lora = 8 * nb * lora_r * 4 + 8 if lora_r else 0  # xa rows, the ticket and the last-slice flag
+        return self.warps_k * 8 * nb * (self.rows_per_cta + 4) * 4 + 256 * 4 + 16 + lora
 
 
 # Gate/up-shaped launch shapes, in order of preference, each with the CTAs per SM it runs at
