@@ -21,7 +21,7 @@ import torch
 
 from qerl_lib.kernels import lora as lk
 from qerl_lib.kernels import mma
-from tests.test_lora_kernels import assert_rollouts_agree, make_group
+from tests.test_lora_kernels import assert_rollouts_agree, cuda_adapters, make_group
 
 HAS_MMA = mma.available() if torch.cuda.is_available() else False
 cuda_mma = pytest.mark.skipif(not HAS_MMA, reason="needs a CUDA GPU with compute capability >= 9.0 and NVRTC")
@@ -113,7 +113,6 @@ def test_fused_launch_matches_gemm_then_reference_adapters(rank, rows):
 def _small_nvfp4_model_with_adapters(rank=16):
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    from qerl_lib.engine.rollout import LoraAdapter
     from qerl_lib.models.loader import replace_linear_with_nvfp4
 
     torch.manual_seed(0)
@@ -121,13 +120,7 @@ def _small_nvfp4_model_with_adapters(rank=16):
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, eos_token_id=2,
                       bos_token_id=1, pad_token_id=0, initializer_range=0.2, tie_word_embeddings=False)
     model = replace_linear_with_nvfp4(AutoModelForCausalLM.from_config(cfg).bfloat16().eval()).cuda()
-    g = torch.Generator().manual_seed(3)
-    adapters = {}
-    for name, mod in model.named_modules():
-        if name.endswith(("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")):
-            adapters[name] = LoraAdapter((torch.randn(rank, mod.in_features, generator=g) * 0.1).bfloat16().cuda(),
-                                         (torch.randn(mod.out_features, rank, generator=g) * 0.1).bfloat16().cuda(), 2.0)
-    return model, adapters
+    return model, cuda_adapters(model, rank)
 
 
 @pytest.mark.cuda

@@ -198,8 +198,21 @@ def test_cuda_kernels_match_the_reference_bf16(rank, rows, pdl_on):
         assert err <= 2 ** -7 * delta + 2 ** -7 * ref.float().abs().max(), (group, float(err), float(delta))
 
 
-def _tiny_cuda_with_adapters(weights: str, rank: int = 16):
+def cuda_adapters(model, rank: int) -> dict:
+    """Rank-``rank`` bf16 adapters (A and B ~ N(0, 0.1^2), scale 2) on all seven projections of every layer,
+    on the GPU, from a fixed seed."""
     from qerl_lib.engine.rollout import LoraAdapter
+
+    g = torch.Generator().manual_seed(3)
+    adapters = {}
+    for name, mod in model.named_modules():
+        if name.endswith(("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")):
+            adapters[name] = LoraAdapter((torch.randn(rank, mod.in_features, generator=g) * 0.1).bfloat16().cuda(),
+                                         (torch.randn(mod.out_features, rank, generator=g) * 0.1).bfloat16().cuda(), 2.0)
+    return adapters
+
+
+def _tiny_cuda_with_adapters(weights: str, rank: int = 16):
     from tests.test_engine import tiny_model
 
     model = tiny_model("qwen2", dtype=torch.bfloat16)
@@ -208,13 +221,7 @@ def _tiny_cuda_with_adapters(weights: str, rank: int = 16):
 
         replace_linear_with_nvfp4(model)
     model = model.cuda()
-    g = torch.Generator().manual_seed(3)
-    adapters = {}
-    for name, mod in model.named_modules():
-        if name.endswith(("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")):
-            adapters[name] = LoraAdapter((torch.randn(rank, mod.in_features, generator=g) * 0.1).bfloat16().cuda(),
-                                         (torch.randn(mod.out_features, rank, generator=g) * 0.1).bfloat16().cuda(), 2.0)
-    return model, adapters
+    return model, cuda_adapters(model, rank)
 
 
 def _prefill_and_step(model, adapters, use_kernels: bool):

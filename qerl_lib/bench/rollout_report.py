@@ -85,8 +85,8 @@ def summarize(rows: list) -> dict:
         for weights in ("nvfp4", "bf16"):
             base, lora = (find(model="qwen2.5-7b", **{**headline, "weights": weights, "rank": r}) for r in (0, rank))
             if base is not None and lora is not None:
-                out[f"lora_overhead_7b_{weights}_b8_r{rank}"] = 1.0 - lora.tok_s / base.tok_s
-                costs.append(out[f"lora_overhead_7b_{weights}_b8_r{rank}"])
+                costs.append(1.0 - lora.tok_s / base.tok_s)
+                out[f"lora_overhead_7b_{weights}_b8_r{rank}"] = costs[-1]
         if costs:
             checks.append((f"lora_overhead_7b_b8_r{rank}", max(costs)))
     for batch in (32, 64):

@@ -15,9 +15,9 @@
 // pipe as much as by DRAM (Nsight Compute on an H200; dev/LOG.md), so every op counts.
 //
 // Work split. A CTA owns ROWS_PER_CTA = 16 * T_TILES * WARPS_R output rows and a K-slice of
-// `chunks_per_split` chunks of 128 (blockIdx.y picks the slice). Warp (wr, wk) owns T_TILES
-// m16-tiles of rows and every WARPS_K-th chunk of the slice; the WARPS_K partial sums meet in
-// shared memory and are added in a fixed order. Slices (gridDim.y > 1) write fp32 partials;
+// `chunks_per_split` chunks of 128 (blockIdx.y picks the slice; the grid is n_row_blocks x n_split).
+// Warp (wr, wk) owns T_TILES m16-tiles of rows and every WARPS_K-th chunk of the slice; the WARPS_K
+// partial sums meet in shared memory and are added in a fixed order. Slices (n_split > 1) write fp32 partials;
 // the last CTA of a row block to finish (atomic counter, reset afterwards) adds them in slice
 // order and writes bf16. Every sum has a fixed order, so results are deterministic.
 //
@@ -447,17 +447,11 @@ KERNEL_NAME(const u16* __restrict__ x, const u32* __restrict__ wq, const u8* __r
 
   const float factor = __fdiv_rn(256.0f, gs[0]);
   const int m_rows = min(M, MAXTOK);
-#if LORA_R > 0
   const bool split = n_split > 1;
-  __shared__ float xa_sh[MAXTOK][LORA_R];
-#else
-  const bool split = gridDim.y > 1;
-#endif
-  if (!split) {
 #if LORA_R > 0
-    lora_stage_xa(lsync, lxa, &xa_sh[0][0], m_rows, M, l_blocks, l_slices);
+  __shared__ float xa_sh[MAXTOK][LORA_R];
+  if (!split) lora_stage_xa(lsync, lxa, &xa_sh[0][0], m_rows, M, l_blocks, l_slices);
 #endif
-  }
   for (int e = threadIdx.x; e < m_rows * ROWS_PER_CTA; e += NWARPS * 32) {
     const int tok = e / ROWS_PER_CTA, rl = e % ROWS_PER_CTA, row = row_cta + rl;
     if (row >= N) continue;
@@ -481,11 +475,7 @@ KERNEL_NAME(const u16* __restrict__ x, const u32* __restrict__ wq, const u8* __r
   // K-slices: the last CTA of this row block adds the partials in slice order
   __threadfence();
   __syncthreads();
-#if LORA_R > 0
   if (threadIdx.x == 0) is_last = atomicAdd(&counters[bx], 1) == n_split - 1;
-#else
-  if (threadIdx.x == 0) is_last = atomicAdd(&counters[bx], 1) == (int)gridDim.y - 1;
-#endif
   __syncthreads();
   if (!is_last) {
 #if LORA_R > 0
@@ -496,15 +486,12 @@ KERNEL_NAME(const u16* __restrict__ x, const u32* __restrict__ wq, const u8* __r
   __threadfence();
 #if LORA_R > 0
   lora_stage_xa(lsync, lxa, &xa_sh[0][0], m_rows, M, l_blocks, l_slices);
-  const int slices = n_split;
-#else
-  const int slices = gridDim.y;
 #endif
   for (int e = threadIdx.x; e < m_rows * ROWS_PER_CTA; e += NWARPS * 32) {
     const int tok = e / ROWS_PER_CTA, row = row_cta + e % ROWS_PER_CTA;
     if (row >= N) continue;
     float s = 0.f;
-    for (int sl = 0; sl < slices; ++sl) s += __ldcg(&ws[((long)sl * M + tok) * N + row]);
+    for (int sl = 0; sl < n_split; ++sl) s += __ldcg(&ws[((long)sl * M + tok) * N + row]);
     u16 y = epilogue(s, factor, bias, row);
 #if LORA_R > 0
     y = lora_add(y, &xa_sh[tok][0], lb, lmem, lscale, l_members, l_rp, row);

@@ -262,8 +262,8 @@ def _vllm_rows(results_dir) -> list[tuple]:
     """The kit's engine against vLLM in the same run: fixed lengths per batch, NVFP4/bf16 in each, uneven rollout."""
     file = "rollout_vllm_h100.json"
     doc = load_result(results_dir, file)
-    rows = [r for r in _rows(doc, file, ROLLOUT_KEYS + ("workload", "prompts", "scheduling"))
-            if r["workload"] == "fixed" and r["prompts"] is None]
+    every = _rows(doc, file, ROLLOUT_KEYS + ("workload", "prompts", "scheduling"))
+    rows = [r for r in every if r["workload"] == "fixed" and r["prompts"] is None]
     dev = device_name(doc, file)
     batches = sorted({r["batch"] for r in rows if r["engine"] == "vllm"})
     gen = fastest(rows, file, engine="vllm")["gen_len"]
@@ -285,8 +285,7 @@ def _vllm_rows(results_dir) -> list[tuple]:
     out.append((f"NVFP4 / bf16 with LoRA r16, {where}: kit engine; vLLM (Marlin FP4)",
                 f"{ratios((tok('qerl', 'nvfp4', b), tok('qerl', 'bf16', b)) for b in batches)}; "
                 f"{ratios((tok('vllm', 'nvfp4', b), tok('vllm', 'bf16', b)) for b in batches)}", dev, file))
-    uneven = [r for r in _rows(doc, file, ROLLOUT_KEYS + ("workload", "prompts", "scheduling"))
-              if r["workload"] != "fixed"]
+    uneven = [r for r in every if r["workload"] != "fixed"]
     cont = fastest(uneven, file, engine="qerl", scheduling="continuous")
     static = fastest(uneven, file, engine="qerl", scheduling="static", batch=cont["batch"], rank=cont["rank"])
     peer = fastest(uneven, file, engine="vllm", batch=cont["batch"], rank=cont["rank"])
