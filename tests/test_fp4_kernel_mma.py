@@ -111,21 +111,20 @@ def emulate(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, gs: torc
     words = packed.contiguous().view(torch.int32).numpy().view(np.uint32)
     sc = scale.contiguous().view(torch.uint8).numpy().astype(np.uint32)
     xb = x.contiguous().view(torch.int16).numpy().view(np.uint16).astype(np.uint32)
-    nb_count = mma.n8_blocks(m)
-    width = 8 * nb_count  # the kernel's MAXTOK
-    xb = np.concatenate([xb, np.zeros((width - m, k), np.uint32)])  # tokens >= M read as zero
+    xb = np.concatenate([xb, np.zeros((16 - m, k), np.uint32)])  # tokens >= M read as zero
     xw = xb[:, 0::2] | (xb[:, 1::2] << 16)  # u32 words: 2 bf16 each
     g, t = np.arange(32) // 4, np.arange(32) % 4
+    nb_count = 1 if m <= 8 else 2
     chunks = k // mma.CHUNK
     per_split = math.ceil(chunks / cfg.split_k)
     split = math.ceil(chunks / per_split)
     rows_cta = cfg.rows_per_cta
     result = np.zeros((m, n), np.float64)
     for bx in range(math.ceil(n / rows_cta)):
-        total = np.zeros((rows_cta, width))
+        total = np.zeros((rows_cta, 16))
         for by in range(split):
             c_begin, c_end = by * per_split, min(by * per_split + per_split, chunks)
-            part = np.zeros((rows_cta, width))
+            part = np.zeros((rows_cta, 16))
             for wr in range(cfg.warps_r):
                 for wk in range(cfg.warps_k):
                     n_mine = (c_end - c_begin - wk + cfg.warps_k - 1) // cfg.warps_k if c_end - c_begin > wk else 0
@@ -196,8 +195,6 @@ def test_code_pair_decodes_both_codes_of_every_word_position():
     (64, 512, 13, mma.MmaConfig(tiles=2, warps_r=1, warps_k=2, split_k=3)),  # two n8 blocks, uneven slices
     (16, 128, 1, mma.MmaConfig(tiles=1, warps_r=1, warps_k=1)),
     (100, 512, 8, mma.MmaConfig(tiles=3, warps_r=1, warps_k=4, min_ctas=3)),  # the wide rule's 48-row CTAs
-    (40, 256, 37, mma.MmaConfig(tiles=1, warps_r=2, warps_k=1, depth=3, split_k=2, min_ctas=1)),  # five n8 blocks
-    (24, 256, 64, mma.MmaConfig(tiles=1, warps_r=1, warps_k=2, depth=3, min_ctas=1)),  # eight n8 blocks
 ])
 def test_emulated_kernel_matches_the_oracle(n, k, m, cfg):
     gen = torch.Generator().manual_seed(n * 7 + m)
@@ -224,8 +221,7 @@ def test_configs_validate_and_the_rule_never_leaves_an_empty_slice():
         chunks = k // mma.CHUNK
         per = math.ceil(chunks / cfg.split_k)
         assert (cfg.split_k - 1) * per < chunks, (n, k, cfg)
-    assert mma.supported_problem(64, 256) and not mma.supported_problem(65, 256) and not mma.supported_problem(8, 200)
-    assert [mma.n8_blocks(m) for m in (1, 8, 9, 16, 17, 64)] == [1, 1, 2, 2, 3, 8]
+    assert mma.supported_problem(16, 256) and not mma.supported_problem(17, 256) and not mma.supported_problem(8, 200)
 
 
 def _nvrtc_or_none():

@@ -1,8 +1,9 @@
 """Where one decode step's time goes: kernel time per category and the GPU's idle time between
-kernels, for the engine's CUDA-graph decode at Qwen2.5 shapes (random weights), batch 8.
+kernels, for the engine's CUDA-graph decode at Qwen2.5 shapes (random weights), at each batch size and
+LoRA rank asked for (default batch 8, no adapter).
 
     python3 dev/sweeps/rollout_step_breakdown.py --models qwen2.5-7b --weights nvfp4,bf16 \
-        --contexts 256,1280,2240 --json dev/runs/NAME.json
+        --contexts 256,1280,2240 [--batch 8,32,64 --lora-rank 16] --json dev/runs/NAME.json
 
 The JSON goes where ``--json`` says: records are kept in dev/runs/ (the one the README quotes is
 results/rollout_step_breakdown_h200.json).
@@ -24,12 +25,13 @@ import time
 
 import torch
 
-from qerl_lib.bench.rollout import load_bench_model, random_prompts
+from qerl_lib.bench.rollout import load_bench_model, random_lora, random_prompts
 from qerl_lib.bench.table import format_table
 from qerl_lib.engine.rollout import RolloutEngine
 from qerl_lib.io import provenance
 
 CATEGORIES = (  # first match wins
+    ("lora (shrink, expand)", ("_shrink_kernel", "_expand_kernel")),
     ("fp4 gemm (mma)", ("qerl_fp4",)),
     ("fp4 gemm (triton)", ("_fp4_gemm", "_splitk_reduce")),
     ("attention", ("_decode_attention", "_merge_splits")),
@@ -83,19 +85,43 @@ def summarize(ks: list[tuple[str, float, float]]) -> dict:
     return {"per_cat_us": dict(per_cat), "counts": dict(counts), "busy_us": busy, "span_us": span, "n": len(ks)}
 
 
-def wall_ms(engine, prompts, new_tokens) -> float:
+def wall_ms(engine, prompts, new_tokens, lora=None) -> float:
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    engine.generate(prompts, new_tokens, temperature=1.0, seed=0, stop_token_ids=[])
+    engine.generate(prompts, new_tokens, temperature=1.0, seed=0, stop_token_ids=[], lora=lora)
     torch.cuda.synchronize()
     return (time.perf_counter() - t0) * 1e3
+
+
+def profile_case(model, name: str, weights: str, batch: int, ctx: int, steps: int, lora, rank: int) -> dict:
+    engine = RolloutEngine(model, max_seq_len=ctx + steps + 8)
+    prompts = random_prompts(batch, ctx, model.config.vocab_size, 0)
+    engine.warmup(batch, ctx, steps + 1, lora=lora)
+    walls = [(wall_ms(engine, prompts, 1, lora), wall_ms(engine, prompts, steps + 1, lora)) for _ in range(3)]
+    ms_step = min(b - a for a, b in walls) / steps
+    pre = summarize(kernels(lambda: engine.generate(prompts, 1, stop_token_ids=[], lora=lora)))
+    full_k = kernels(lambda: engine.generate(prompts, steps + 1, stop_token_ids=[], lora=lora))
+    # decode region: the kernels after the prefill's (same count, same order)
+    dec = summarize(full_k[pre["n"]:])
+    per_step = {c: round(v / steps, 2) for c, v in sorted(dec["per_cat_us"].items(), key=lambda kv: -kv[1])}
+    row = {"model": name, "weights": weights, "batch": batch, "lora_rank": rank, "context": ctx, "steps": steps,
+           "wall_ms_per_step": round(ms_step, 4), "busy_us_per_step": round(dec["busy_us"] / steps, 2),
+           "span_us_per_step": round(dec["span_us"] / steps, 2),
+           "idle_us_per_step": round((dec["span_us"] - dec["busy_us"]) / steps, 2),
+           "kernels_per_step": round(dec["n"] / steps, 2), "us_per_step": per_step,
+           "counts_per_step": {c: round(v / steps, 2) for c, v in dec["counts"].items()},
+           "top_other": collections.Counter(n for n, _, _ in full_k[pre["n"]:] if category(n) == "other").most_common(12)}
+    print(json.dumps(row), flush=True)
+    engine.release()
+    return row
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--models", default="qwen2.5-7b")
     p.add_argument("--weights", default="nvfp4")
-    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--batch", default="8", help="comma list of batch sizes")
+    p.add_argument("--lora-rank", type=int, default=0, help="random adapters of this rank on every projection (0: none)")
     p.add_argument("--contexts", default="256,1280,2240")
     p.add_argument("--steps", type=int, default=48)
     p.add_argument("--json", required=True)
@@ -105,37 +131,19 @@ def main() -> None:
     for name in args.models.split(","):
         for weights in args.weights.split(","):
             model = load_bench_model(name, weights, device)
-            for ctx in map(int, args.contexts.split(",")):
-                engine = RolloutEngine(model, max_seq_len=ctx + args.steps + 8)
-                prompts = random_prompts(args.batch, ctx, model.config.vocab_size, 0)
-                engine.warmup(args.batch, ctx, args.steps + 1)
-                walls = [(wall_ms(engine, prompts, 1), wall_ms(engine, prompts, args.steps + 1)) for _ in range(3)]
-                ms_step = min(b - a for a, b in walls) / args.steps
-                pre = summarize(kernels(lambda: engine.generate(prompts, 1, stop_token_ids=[])))
-                full_k = kernels(lambda: engine.generate(prompts, args.steps + 1, stop_token_ids=[]))
-                full = summarize(full_k)
-                # decode region: the kernels after the prefill's (same count, same order)
-                dec = summarize(full_k[pre["n"]:])
-                per_step = {c: round(v / args.steps, 2) for c, v in sorted(dec["per_cat_us"].items(), key=lambda kv: -kv[1])}
-                row = {"model": name, "weights": weights, "batch": args.batch, "context": ctx, "steps": args.steps,
-                       "wall_ms_per_step": round(ms_step, 4), "busy_us_per_step": round(dec["busy_us"] / args.steps, 2),
-                       "span_us_per_step": round(dec["span_us"] / args.steps, 2),
-                       "idle_us_per_step": round((dec["span_us"] - dec["busy_us"]) / args.steps, 2),
-                       "kernels_per_step": round(dec["n"] / args.steps, 2), "us_per_step": per_step,
-                       "counts_per_step": {c: round(v / args.steps, 2) for c, v in dec["counts"].items()},
-                       "top_other": collections.Counter(n for n, _, _ in full_k[pre["n"]:]
-                                                        if category(n) == "other").most_common(12)}
-                doc["rows"].append(row)
-                print(json.dumps(row), flush=True)
-                engine.release()
-                with open(args.json + ".tmp", "w") as f:
-                    json.dump(doc, f, indent=1)
-                os.replace(args.json + ".tmp", args.json)
-            del model
+            lora = random_lora(model, args.lora_rank) if args.lora_rank else None
+            for batch in map(int, args.batch.split(",")):
+                for ctx in map(int, args.contexts.split(",")):
+                    doc["rows"].append(profile_case(model, name, weights, batch, ctx, args.steps, lora, args.lora_rank))
+                    with open(args.json + ".tmp", "w") as f:
+                        json.dump(doc, f, indent=1)
+                    os.replace(args.json + ".tmp", args.json)
+            del model, lora
             torch.cuda.empty_cache()
     table = [{**r, "top categories (us/step)": ", ".join(f"{c} {v:.0f}" for c, v in list(r["us_per_step"].items())[:6])}
              for r in doc["rows"]]
-    print(format_table(table, (("model", "", 11), ("weights", "", 7), ("context", "", 7), ("wall_ms_per_step", ".3f", 16),
+    print(format_table(table, (("model", "", 11), ("weights", "", 7), ("batch", "", 5), ("lora_rank", "", 9),
+                               ("context", "", 7), ("wall_ms_per_step", ".3f", 16),
                                ("busy_us_per_step", ".0f", 16), ("idle_us_per_step", ".0f", 16),
                                ("kernels_per_step", ".0f", 16), ("top categories (us/step)", "", 0))))
 

@@ -1,4 +1,4 @@
-// NVFP4 x BF16 GEMM for few rows of x (M <= 64): out[M, N] = x[M, K] @ W[N, K]^T.
+// NVFP4 x BF16 GEMM for few rows of x (M <= 16): out[M, N] = x[M, K] @ W[N, K]^T.
 // Compiled at run time by NVRTC (qerl_lib/kernels/mma.py), once per launch shape; the shape
 // comes in as the macros T_TILES, WARPS_R, WARPS_K, NB, DEPTH, MIN_CTAS, PREFETCH, L2_HINT, LORA_R and
 // KERNEL_NAME.
@@ -59,7 +59,6 @@ struct __align__(16) U4 { u32 x, y, z, w; };
 #define ROWS_PER_CTA (ROWS_PER_WARP * WARPS_R)
 #define NWARPS (WARPS_R * WARPS_K)
 #define MAXTOK (8 * NB)
-#define X_WHOLE_CHUNK (NB <= 2)  // x of a whole chunk in registers at once (M <= 16)
 #define RED_STRIDE (ROWS_PER_CTA + 4)
 
 #if L2_HINT == 2
@@ -376,16 +375,13 @@ KERNEL_NAME(const u16* __restrict__ x, const u32* __restrict__ wq, const u8* __r
       if (j < n_mine) {
         LOAD_CHUNK((d + DEPTH - 1) % DEPTH, j + DEPTH - 1, d + DEPTH - 1)
         // x of this chunk (L1/L2 hits: every warp on these K columns reads it), loaded here
-        // rather than in the ring so that it costs no registers while in flight; from 3 n8 blocks
-        // on, one word at a time (all four would hold 16 * NB registers)
-#if X_WHOLE_CHUNK
+        // rather than in the ring so that it costs no registers while in flight
         U4 xv[NB][4];
 #pragma unroll
         for (int nb = 0; nb < NB; ++nb)
 #pragma unroll
           for (int w = 0; w < 4; ++w)
             xv[nb][w] = x_valid[nb] ? load_shared_x(xp[nb] + d * 16 * WARPS_K + w) : U4{0u, 0u, 0u, 0u};
-#endif
         // block scales of this chunk: groups 2t (words 0, 1) and 2t+1 (words 2, 3) per row
         u32 s2[T_TILES][2][2];
 #pragma unroll
@@ -401,15 +397,10 @@ KERNEL_NAME(const u16* __restrict__ x, const u32* __restrict__ wq, const u8* __r
           u32 b[NB][2][2];  // [n8 block][step P/2][b0, b1]
 #pragma unroll
           for (int nb = 0; nb < NB; ++nb) {
-#if X_WHOLE_CHUNK
-            const U4 xw = xv[nb][w];
-#else
-            const U4 xw = x_valid[nb] ? load_shared_x(xp[nb] + d * 16 * WARPS_K + w) : U4{0u, 0u, 0u, 0u};
-#endif
-            b[nb][0][0] = prmt(xw.x, xw.z, 0x5410u);  // x codes (0, 4)
-            b[nb][0][1] = prmt(xw.x, xw.z, 0x7632u);  // (1, 5)
-            b[nb][1][0] = prmt(xw.y, xw.w, 0x5410u);  // (2, 6)
-            b[nb][1][1] = prmt(xw.y, xw.w, 0x7632u);  // (3, 7)
+            b[nb][0][0] = prmt(xv[nb][w].x, xv[nb][w].z, 0x5410u);  // x codes (0, 4)
+            b[nb][0][1] = prmt(xv[nb][w].x, xv[nb][w].z, 0x7632u);  // (1, 5)
+            b[nb][1][0] = prmt(xv[nb][w].y, xv[nb][w].w, 0x5410u);  // (2, 6)
+            b[nb][1][1] = prmt(xv[nb][w].y, xv[nb][w].w, 0x7632u);  // (3, 7)
           }
 #pragma unroll
           for (int i = 0; i < T_TILES; ++i) {

@@ -64,7 +64,7 @@ from qerl_lib.kernels import pdl as pdl_switch
 SOURCE_PATH = Path(__file__).with_name("mma.cu")
 MIN_CAPABILITY = (9, 0)
 CHUNK = 128  # codes per row per load step; K must be a multiple
-MAX_M = 64  # n8 blocks of x rows: ceil(M / 8), up to 8
+MAX_M = 16
 AUTO_MAX_M = 8  # fp4_gemm sends M <= 8 here; at 9-16 the Triton kernel measured as fast or faster
 SMEM_LIMIT = 48 * 1024  # static shared memory per CTA
 
@@ -186,13 +186,8 @@ def pick_mma_config(m: int, n: int, k: int, sms: int | None = None) -> MmaConfig
 
 
 # ============================================================================ availability
-def n8_blocks(m: int) -> int:
-    """The kernel's n8 blocks of x rows (its ``NB``) for M rows: one per 8 rows."""
-    return math.ceil(m / 8)
-
-
 def supported_problem(m: int, k: int) -> bool:
-    """Shapes this kernel takes: 1 <= M <= 64 and K a multiple of 128."""
+    """Shapes this kernel takes: 1 <= M <= 16 and K a multiple of 128."""
     return 1 <= m <= MAX_M and k % CHUNK == 0
 
 
@@ -448,7 +443,7 @@ def mma_linear(x2: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, glob
     if x2.stride(1) != 1 or (m > 1 and x2.stride(0) % 8) or x2.data_ptr() % 16 or words.data_ptr() % 16 \
             or scales.data_ptr() % 2:
         raise ValueError("mma_linear needs 16-byte aligned x rows (stride % 8 == 0) and weights, 2-byte aligned scales")
-    nb = n8_blocks(m)
+    nb = 1 if m <= 8 else 2
     if lora is not None and (not lora.supported(m, k) or lora.b_cat.shape[0] != n):
         raise ValueError(f"mma_linear: this LoRA epilogue needs M <= 8, bf16 contiguous A [R <= {LORA_MAX_R}, K = {k}] "
                          f"and B [N = {n}, RP % 8 == 0]; take kernels/lora.py's path instead")
