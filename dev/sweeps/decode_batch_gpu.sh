@@ -14,12 +14,12 @@ case "${1:-start}" in
     rm -rf $JOB && mkdir -p $JOB/out && cp -r . $JOB/tree
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>&1 | tail -2
     cd $JOB/tree
-    nohup bash -c "export PYTHONPATH=/tmp/site:$JOB/tree PYTHONUNBUFFERED=1
+    (nohup setsid bash -c "export PYTHONPATH=/tmp/site:$JOB/tree PYTHONUNBUFFERED=1
       nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > $JOB/out/device.txt
       python3 dev/sweeps/rollout_step_breakdown.py --models qwen2.5-7b --weights nvfp4,bf16 --batch 8,32,64 \
         --lora-rank 16 --contexts 768 --json $JOB/out/breakdown_7b_r16.json > $JOB/out/breakdown.log 2>&1
       python3 -m qerl_lib bench gemm --models qwen2.5-7b,qwen2.5-32b --json $JOB/out/gemm.json > $JOB/out/gemm.log 2>&1
-      echo done > $JOB/out/DONE" > $JOB/nohup.log 2>&1 &
+      echo done > $JOB/out/DONE" > $JOB/nohup.log 2>&1 &)  # setsid: outlives this call's process group
     echo started ;;
   poll)
     end=$((SECONDS + ${2:-560}))
