@@ -3,17 +3,26 @@
 #   1. rollout_step_breakdown.py: random Qwen2.5-7B + LoRA r16, NVFP4 and bf16, batch 8 / 32 / 64, context 768
 #      (the middle of a 256 + 1024 rollout), 48 decode steps profiled per case;
 #   2. qerl bench gemm --models qwen2.5-7b,qwen2.5-32b (forward and backward layouts) with today's kernels.
+# Part "lora" instead: lora_kernel_sweep.py by batch (8 / 32 / 64) and rank (16 / 64): who sums the shrink's
+# K-slice partials x K columns per shrink program, 256 + 256 tokens.
 # On the device machine, from the repository root, carrying .whl:
-#   bash dev/sweeps/decode_batch_gpu.sh start     # copies the tree to /tmp/job, runs both in the background
-#   bash dev/sweeps/decode_batch_gpu.sh poll 560  # waits up to 560 s; copies what is done to $OUT
+#   bash dev/sweeps/decode_batch_gpu.sh start [lora]  # copies the tree to /tmp/job, runs in the background
+#   bash dev/sweeps/decode_batch_gpu.sh poll 560      # waits up to 560 s; copies what is done to $OUT
 set -euo pipefail
 OUT=${OUT:-/tmp/out}
 JOB=/tmp/job
 case "${1:-start}" in
-  start)
+  start)  # $2: "lora" for the LoRA sweep
     rm -rf $JOB && mkdir -p $JOB/out && cp -r . $JOB/tree
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>&1 | tail -2
     cd $JOB/tree
+    if [ "${2:-}" = lora ]; then
+      (nohup setsid bash -c "export PYTHONPATH=/tmp/site:$JOB/tree PYTHONUNBUFFERED=1
+        nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > $JOB/out/device.txt
+        OUT=$JOB/out BATCHES=8,32,64 RANKS=16,64 GEN=256 python3 dev/sweeps/lora_kernel_sweep.py > $JOB/out/lora.log 2>&1
+        echo done > $JOB/out/DONE" > $JOB/nohup.log 2>&1 &)
+      echo started lora; exit 0
+    fi
     (nohup setsid bash -c "export PYTHONPATH=/tmp/site:$JOB/tree PYTHONUNBUFFERED=1
       nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > $JOB/out/device.txt
       python3 dev/sweeps/rollout_step_breakdown.py --models qwen2.5-7b --weights nvfp4,bf16 --batch 8,32,64 \
@@ -25,7 +34,7 @@ case "${1:-start}" in
     end=$((SECONDS + ${2:-560}))
     while [ ! -f $JOB/out/DONE ] && [ $SECONDS -lt $end ]; do sleep 10; done
     mkdir -p "$OUT" && cp $JOB/out/* "$OUT"/ 2>/dev/null || true
-    tail -5 $JOB/out/breakdown.log $JOB/out/gemm.log 2>/dev/null
+    tail -5 $JOB/out/*.log 2>/dev/null
     [ -f $JOB/out/DONE ] && echo FINISHED || echo RUNNING ;;
   *) echo "usage: $0 start|poll [seconds]" >&2; exit 2 ;;
 esac

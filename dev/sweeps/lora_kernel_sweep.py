@@ -3,6 +3,10 @@ batch 8, 256 + 512 tokens, for K columns per shrink program x K-slice cap x expa
 (environment: RANK, GRID, TAG); plus the same
 without adapters and with the torch path, and a kernel-time table (torch.profiler over graph replays) of the
 default shape. Writes lora_kernel_sweep.json to $OUT. Run: python dev/sweeps/lora_kernel_sweep.py
+
+With BATCHES (e.g. "8,32,64"; section 27 of dev/LOG.md) it instead times, per batch size and per rank of RANKS
+(default "16,64"), who adds the shrink's K-slice partials (the expand kernel or the shrink's last slice) x K
+columns per shrink program, against no adapter at the same batch (GEN new tokens, default 512).
 """
 
 import itertools
@@ -18,14 +22,15 @@ from qerl_lib.engine.rollout import RolloutEngine  # noqa: E402
 from qerl_lib.io import provenance  # noqa: E402
 from qerl_lib.kernels import lora as lk  # noqa: E402
 
-BATCH, PROMPT, GEN, RANK = 8, 256, 512, int(os.environ.get("RANK", "16"))
+BATCH, PROMPT, GEN, RANK = 8, 256, int(os.environ.get("GEN", "512")), int(os.environ.get("RANK", "16"))
 OUT = os.environ.get("OUT", ".")
 
 
-def ms_per_step(model, lora, use_kernels=True, profile=False):
+def ms_per_step(model, lora, use_kernels=True, profile=False, batch=None):
+    batch = batch or BATCH
     engine = RolloutEngine(model, max_seq_len=PROMPT + GEN, lora_kernels=use_kernels)
-    prompts = random_prompts(BATCH, PROMPT, model.config.vocab_size, 0)
-    engine.warmup(BATCH, PROMPT, GEN, lora=lora)
+    prompts = random_prompts(batch, PROMPT, model.config.vocab_size, 0)
+    engine.warmup(batch, PROMPT, GEN, lora=lora)
     best = None
     for r in range(2):
         engine.generate(prompts, GEN, temperature=1.0, seed=r, stop_token_ids=[], lora=lora, timing=True)
@@ -44,8 +49,46 @@ def ms_per_step(model, lora, use_kernels=True, profile=False):
     return best, table
 
 
+SUM_MODES = {"expand sums": 1 << 20, "shrink sums": 0}  # EXPAND_SUMS_UP_TO_RANK: every rank / none
+
+
+def by_batch(model, batches: list[int], ranks: list[int]) -> None:
+    rows = []
+    default = (lk.K_PER_SPLIT, lk.EXPAND_SUMS_UP_TO_RANK)
+    variants = [(kps, mode) for kps in (256, 512, 1024) for mode in SUM_MODES]
+    for batch in batches:
+        base, _ = ms_per_step(model, None, batch=batch)
+        rows.append({"variant": "no adapter", "batch": batch, "ms": base})
+        print(f"batch {batch}: no adapter {base:.3f} ms", flush=True)
+        for rank in ranks:
+            lora = random_lora(model, rank, 0)
+            for kps, mode in variants:
+                lk.K_PER_SPLIT, lk.EXPAND_SUMS_UP_TO_RANK = kps, SUM_MODES[mode]
+                ms, _ = ms_per_step(model, lora, batch=batch)
+                rows.append({"variant": "kernels", "batch": batch, "rank": rank, "k_per_split": kps, "sums": mode,
+                             "ms": ms, "overhead_pct": 100 * (ms / base - 1)})
+                print(f"batch {batch:3d} rank {rank:3d} k/split {kps:5d} {mode}: {ms:.3f} ms (+{100 * (ms / base - 1):.1f}%)",
+                      flush=True)
+                lk.K_PER_SPLIT, lk.EXPAND_SUMS_UP_TO_RANK = default
+                _write(rows, {"batches": batches, "ranks": ranks}, "lora_kernel_sweep_by_batch.json")
+            del lora
+
+
+def _write(rows, settings: dict, name: str) -> None:
+    doc = {"benchmark": "lora_kernel_sweep", "provenance": provenance(),
+           "settings": {"model": "qwen2.5-7b", "weights": "nvfp4", "prompt_len": PROMPT, "gen_len": GEN, **settings},
+           "rows": rows}
+    with open(os.path.join(OUT, name + ".tmp"), "w") as f:
+        json.dump(doc, f, indent=1)
+    os.replace(os.path.join(OUT, name + ".tmp"), os.path.join(OUT, name))
+
+
 def main():
     model = load_bench_model("qwen2.5-7b", "nvfp4", torch.device("cuda"))
+    if os.environ.get("BATCHES"):
+        by_batch(model, [int(b) for b in os.environ["BATCHES"].split(",")],
+                 [int(r) for r in os.environ.get("RANKS", "16,64").split(",")])
+        return
     lora = random_lora(model, RANK, 0)
     rows = []
     base, _ = ms_per_step(model, None)
@@ -67,11 +110,7 @@ def main():
         if table:
             print(table, flush=True)
             rows[-1]["profile"] = table
-    doc = {"benchmark": "lora_kernel_sweep", "provenance": provenance(),
-           "settings": {"model": "qwen2.5-7b", "weights": "nvfp4", "batch": BATCH, "prompt_len": PROMPT,
-                        "gen_len": GEN, "rank": RANK}, "rows": rows}
-    with open(os.path.join(OUT, f"lora_kernel_sweep_r{RANK}{os.environ.get('TAG', '')}.json"), "w") as f:
-        json.dump(doc, f, indent=1)
+    _write(rows, {"batch": BATCH, "rank": RANK}, f"lora_kernel_sweep_r{RANK}{os.environ.get('TAG', '')}.json")
 
 
 if __name__ == "__main__":
