@@ -4,7 +4,9 @@
 #      (the middle of a 256 + 1024 rollout), 48 decode steps profiled per case;
 #   2. qerl bench gemm --models qwen2.5-7b,qwen2.5-32b (forward and backward layouts) with today's kernels.
 # Part "lora" instead: lora_kernel_sweep.py by batch (8 / 32 / 64) and rank (16 / 64): who sums the shrink's
-# K-slice partials x K columns per shrink program, 256 + 256 tokens.
+# K-slice partials x K columns per shrink program, 256 + 256 tokens. The device machine goes back 30 s after a
+# call, so run it in the foreground, a few batch sizes per call:
+#   BATCHES=8,32 bash dev/sweeps/decode_batch_gpu.sh lora   (then BATCHES=64)
 # On the device machine, from the repository root, carrying .whl:
 #   bash dev/sweeps/decode_batch_gpu.sh start [lora]  # copies the tree to /tmp/job, runs in the background
 #   bash dev/sweeps/decode_batch_gpu.sh poll 560      # waits up to 560 s; copies what is done to $OUT
@@ -30,6 +32,12 @@ case "${1:-start}" in
       python3 -m qerl_lib bench gemm --models qwen2.5-7b,qwen2.5-32b --json $JOB/out/gemm.json > $JOB/out/gemm.log 2>&1
       echo done > $JOB/out/DONE" > $JOB/nohup.log 2>&1 &)  # setsid: outlives this call's process group
     echo started ;;
+  lora)
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>&1 | tail -2
+    mkdir -p "$OUT"
+    nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > "$OUT/device.txt"
+    OUT=$OUT BATCHES=${BATCHES:-8,32,64} RANKS=${RANKS:-16,64} GEN=256 VARIANTS=${VARIANTS:-256e,512e,1024e,256s,512s} \
+      PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 python3 dev/sweeps/lora_kernel_sweep.py 2>&1 | grep -v -i warn ;;
   poll)
     end=$((SECONDS + ${2:-560}))
     while [ ! -f $JOB/out/DONE ] && [ $SECONDS -lt $end ]; do sleep 10; done

@@ -55,7 +55,9 @@ SUM_MODES = {"expand sums": 1 << 20, "shrink sums": 0}  # EXPAND_SUMS_UP_TO_RANK
 def by_batch(model, batches: list[int], ranks: list[int]) -> None:
     rows = []
     default = (lk.K_PER_SPLIT, lk.EXPAND_SUMS_UP_TO_RANK)
-    variants = [(kps, mode) for kps in (256, 512, 1024) for mode in SUM_MODES]
+    # VARIANTS: e.g. "256e,512s" (K columns per shrink program, e = the expand sums, s = the shrink sums)
+    names = {"e": "expand sums", "s": "shrink sums"}
+    variants = [(int(v[:-1]), names[v[-1]]) for v in os.environ.get("VARIANTS", "256e,256s,512e,512s,1024e,1024s").split(",")]
     for batch in batches:
         base, _ = ms_per_step(model, None, batch=batch)
         rows.append({"variant": "no adapter", "batch": batch, "ms": base})
