@@ -226,20 +226,24 @@ def test_summarize_keeps_the_forward_meaning_and_adds_the_backward_minimum():
     assert not s["all_ok"] and s["max_rel_err"] == 0.5  # correctness covers the bwd rows too
 
 
-def test_summarize_of_the_committed_forward_only_results_is_unchanged():
+@pytest.mark.parametrize("path, has_bwd", [("dev/runs/gemm_h100_v3.json", False), ("results/gemm_h100_v4.json", True)])
+def test_summarize_of_the_committed_results_is_unchanged(path, has_bwd):
+    """A forward-only record (rows without ``direction``) and one with both layouts re-summarize to
+    what ``bench gemm`` stored when it ran."""
     import json
 
     from qerl_lib.bench.gemm import summarize
-    from qerl_lib.paths import RESULTS_DIR
+    from qerl_lib.paths import REPO_ROOT
 
-    doc = json.loads((RESULTS_DIR / "gemm_h100_v3.json").read_text())
-    assert not any("direction" in r for r in doc["rows"])
+    doc = json.loads((REPO_ROOT / path).read_text())
+    assert any(r.get("direction") == "bwd" for r in doc["rows"]) == has_bwd
     s = summarize(doc["rows"])
     for model, stored in doc["summary"].items():
         for key, value in stored.items():
             assert s[model][key] == pytest.approx(value), (model, key)
-        assert s[model]["min_speedup_m_ge_1024_fwd"] == s[model]["min_speedup_m_ge_1024"]
-        assert s[model]["min_speedup_m_ge_1024_bwd"] is None
+        assert (s[model]["min_speedup_m_ge_1024_bwd"] is not None) == has_bwd
+        if not has_bwd:
+            assert s[model]["min_speedup_m_ge_1024_fwd"] == s[model]["min_speedup_m_ge_1024"]
 
 
 def test_render_gemm_report_shows_the_direction_and_both_minima():

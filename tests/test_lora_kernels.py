@@ -30,7 +30,8 @@ CASES = [
     (8, 256, [(192, 16, 2.0), (64, 16, 2.0), (64, 16, 2.0)]),          # q/k/v-like, equal ranks
     (1, 200, [(130, 5, 0.5)]),                                          # one member, odd width, odd K, rank 5
     (17, 2500, [(300, 8, 1.0), (300, 0, 1.0)]),                        # 3 K slices; second member has no adapter
-    (70, 384, [(64, 3, 1.5), (32, 0, 0.0), (257, 33, 0.25)]),           # two row blocks; rank 33 pads to 64
+    (70, 1100, [(64, 3, 1.5), (32, 0, 0.0), (257, 33, 0.25)]),          # two row blocks; rank 33 pads to 64; the expand sums
+    (5, 1300, [(100, 40, 1.0)]),                                        # rank 40 pads to 64 at M <= 8: the shrink sums
 ]
 
 INTERP_SCRIPT = textwrap.dedent("""
@@ -114,6 +115,24 @@ def test_interpreted_engine_with_kernels_equals_torch_path(interpreted):
     assert interpreted["engine_adapter_matters"]
     assert interpreted["engine_tokens_equal"]
     assert interpreted["engine_logprob_diff"] <= 1e-4
+
+
+def test_split_rule_by_rows_and_rank():
+    # batch 8: ~256 columns per slice; the expand kernel sums up to padded rank 32, the shrink above
+    assert lk.split_rule(8, 3584, 16) == (14, 256, False)
+    assert lk.split_rule(8, 3584, 64) == (14, 256, True)
+    # more rows: ~512 columns per slice, the expand kernel sums at every rank
+    assert lk.split_rule(32, 3584, 64) == (7, 512, False)
+    assert lk.split_rule(64, 18944, 16) == (30, 640, False)  # capped at MAX_SPLITS, rounded to BLOCK_K
+    assert lk.split_rule(1, 200, 16) == (1, 256, False)
+    for m in (1, 8, 9, 64, 256):
+        for k in (128, 200, 2500, 3584, 18944, 27648):
+            splits, k_per, _ = lk.split_rule(m, k, 16)
+            assert k_per % lk.BLOCK_K == 0 and (splits - 1) * k_per < k <= splits * k_per and splits <= lk.MAX_SPLITS
+    # the interpreter cases cover both ways of adding the slices' partials
+    sliced = [lk.split_rule(m, k, max(16, 1 << (max(r for _, r, _ in members) - 1).bit_length()))
+              for m, k, members in CASES]
+    assert {shrink_sums for splits, _, shrink_sums in sliced if splits > 1} == {True, False}
 
 
 def test_plan_layout_and_padding():

@@ -7,6 +7,10 @@
 # K-slice partials x K columns per shrink program, 256 + 256 tokens. The device machine goes back 30 s after a
 # call, so run it in the foreground, a few batch sizes per call:
 #   BATCHES=8,32 bash dev/sweeps/decode_batch_gpu.sh lora   (then BATCHES=64)
+# After kernels/lora.split_rule took the sweep's result:
+#   bash dev/sweeps/decode_batch_gpu.sh check   # the LoRA kernels' CUDA tests, and qerl bench gemm again
+#   bash dev/sweeps/decode_batch_gpu.sh rule    # 7B NVFP4 rollouts at batch 32 / 64, r0 / r16 / r64, the rule
+#                                               # before (FEW_ROWS = MAX_M: batch 8's shape everywhere) and after
 # On the device machine, from the repository root, carrying .whl:
 #   bash dev/sweeps/decode_batch_gpu.sh start [lora]  # copies the tree to /tmp/job, runs in the background
 #   bash dev/sweeps/decode_batch_gpu.sh poll 560      # waits up to 560 s; copies what is done to $OUT
@@ -38,6 +42,21 @@ case "${1:-start}" in
     nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > "$OUT/device.txt"
     OUT=$OUT BATCHES=${BATCHES:-8,32,64} RANKS=${RANKS:-16,64} GEN=256 VARIANTS=${VARIANTS:-256e,512e,1024e,256s,512s} \
       PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 python3 dev/sweeps/lora_kernel_sweep.py 2>&1 | grep -v -i warn ;;
+  check|rule)
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>&1 | tail -2
+    export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+    mkdir -p "$OUT"
+    nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > "$OUT/device.txt"
+    if [ "$1" = check ]; then
+      python3 -m pytest -q -m cuda tests/test_lora_kernels.py > "$OUT/cuda_tests_lora_kernels.log" 2>&1 || echo "CUDA TESTS FAILED"
+      tail -2 "$OUT/cuda_tests_lora_kernels.log"
+      python3 -m qerl_lib bench gemm --models qwen2.5-7b,qwen2.5-32b --json "$OUT/gemm.json" | tail -4
+    else
+      args="bench rollout --models qwen2.5-7b --no-hf-baseline --repeats 1 --batch 32,64 --gen-len 1024 --weights nvfp4"
+      python3 -c "import sys, qerl_lib.kernels.lora as lk; lk.FEW_ROWS = lk.MAX_M; from qerl_lib.cli import main
+sys.exit(main(sys.argv[1:]))" $args --lora-rank 16,64 --json "$OUT/rollout_rule_before.json" | tail -5
+      python3 -m qerl_lib $args --lora-rank 0,16,64 --json "$OUT/rollout_rule_after.json" | tail -7
+    fi ;;
   poll)
     end=$((SECONDS + ${2:-560}))
     while [ ! -f $JOB/out/DONE ] && [ $SECONDS -lt $end ]; do sleep 10; done

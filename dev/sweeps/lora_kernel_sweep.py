@@ -49,12 +49,13 @@ def ms_per_step(model, lora, use_kernels=True, profile=False, batch=None):
     return best, table
 
 
-SUM_MODES = {"expand sums": 1 << 20, "shrink sums": 0}  # EXPAND_SUMS_UP_TO_RANK: every rank / none
+# (EXPAND_SUMS_UP_TO_RANK, FEW_ROWS): the expand kernel sums at every rank / the shrink at every rank and batch
+SUM_MODES = {"expand sums": (1 << 20, lk.FEW_ROWS), "shrink sums": (0, lk.MAX_M)}
 
 
 def by_batch(model, batches: list[int], ranks: list[int]) -> None:
     rows = []
-    default = (lk.K_PER_SPLIT, lk.EXPAND_SUMS_UP_TO_RANK)
+    default = (lk.K_PER_SPLIT, lk.K_PER_SPLIT_MANY_ROWS, lk.EXPAND_SUMS_UP_TO_RANK, lk.FEW_ROWS)
     # VARIANTS: e.g. "256e,512s" (K columns per shrink program, e = the expand sums, s = the shrink sums)
     names = {"e": "expand sums", "s": "shrink sums"}
     variants = [(int(v[:-1]), names[v[-1]]) for v in os.environ.get("VARIANTS", "256e,256s,512e,512s,1024e,1024s").split(",")]
@@ -65,13 +66,14 @@ def by_batch(model, batches: list[int], ranks: list[int]) -> None:
         for rank in ranks:
             lora = random_lora(model, rank, 0)
             for kps, mode in variants:
-                lk.K_PER_SPLIT, lk.EXPAND_SUMS_UP_TO_RANK = kps, SUM_MODES[mode]
+                lk.K_PER_SPLIT = lk.K_PER_SPLIT_MANY_ROWS = kps
+                lk.EXPAND_SUMS_UP_TO_RANK, lk.FEW_ROWS = SUM_MODES[mode]
                 ms, _ = ms_per_step(model, lora, batch=batch)
                 rows.append({"variant": "kernels", "batch": batch, "rank": rank, "k_per_split": kps, "sums": mode,
                              "ms": ms, "overhead_pct": 100 * (ms / base - 1)})
                 print(f"batch {batch:3d} rank {rank:3d} k/split {kps:5d} {mode}: {ms:.3f} ms (+{100 * (ms / base - 1):.1f}%)",
                       flush=True)
-                lk.K_PER_SPLIT, lk.EXPAND_SUMS_UP_TO_RANK = default
+                lk.K_PER_SPLIT, lk.K_PER_SPLIT_MANY_ROWS, lk.EXPAND_SUMS_UP_TO_RANK, lk.FEW_ROWS = default
                 _write(rows, {"batches": batches, "ranks": ranks}, "lora_kernel_sweep_by_batch.json")
             del lora
 

@@ -15,11 +15,11 @@ bytes are < 1% of the weights'. With these kernels it costs 11% (dev/LOG.md, sec
 How (``apply_``)
 ----------------
 * ``_shrink_kernel``: ``xa = x @ A_cat^T``. Programs tile (16 ranks) x (a slice of K) x (rows),
-  ~256 columns of K each (128 and 256 measured equal and best; 512 and 1024 slower, dev/LOG.md
-  section 17); each writes its fp32 partial. Who adds the partials
-  depends on the rank (``EXPAND_SUMS_UP_TO_RANK``): at small ranks every expand program sums the few
-  bytes it needs itself; at larger ones the last slice of a block to arrive (an atomic counter,
-  reset by that program) adds them once and writes ``xa``. Either way in slice order (deterministic
+  ~256 columns of K each at batch 8 (128 and 256 measured equal and best; 512 and 1024 slower, dev/LOG.md
+  section 17), ~512 above (``split_rule``; section 27); each writes its fp32 partial. Who adds the partials
+  depends on the rank and the rows (``EXPAND_SUMS_UP_TO_RANK``): at small ranks, and at any rank above
+  8 rows, every expand program sums the bytes it needs itself; at larger ranks at batch 8 the last slice
+  of a block to arrive (an atomic counter, reset by that program) adds them once and writes ``xa``. Either way in slice order (deterministic
   bits) and rounded to the activation dtype, as the torch path's ``xa`` tensor is.
 * ``_expand_kernel``: programs tile the output columns, one member per tile (the member's rank
   offset, rank and scale come from small per-tile tables); each multiplies ``xa`` by its ``B``
@@ -78,13 +78,17 @@ from qerl_lib.kernels import pdl
 MAX_M = 256  # rows above this (prefill) take the torch path: compute-bound matmuls, launches do not matter
 RANK_BLOCK = 16  # ranks per shrink program, and the minimum padded rank (tensor-core tile)
 BLOCK_K = 128
-K_PER_SPLIT = 256  # ~ columns of K per shrink program
+FEW_ROWS = 8  # up to this many rows of x (the batch-8 decode step) the launch shape below differs
+K_PER_SPLIT = 256  # ~ columns of K per shrink program, at M <= FEW_ROWS
+K_PER_SPLIT_MANY_ROWS = 512  # the same above FEW_ROWS (fewer partials for each expand program to add)
 MAX_SPLITS = 32
 BLOCK_N = 128  # output columns per expand program
 SHRINK_WARPS = 1
 # Who adds the K slices' partials: the expand kernel (each of its programs, for its member's ranks)
-# up to this padded rank, the shrink kernel's last slice above it. Measured on an H100, 7B NVFP4,
-# batch 8 (dev/LOG.md): rank 16 +13% per step vs +23%, rank 64 +36% vs +27%.
+# up to this padded rank, the shrink kernel's last slice above it -- at M <= FEW_ROWS; above, always the
+# expand kernel. Measured on an H100, 7B NVFP4 (dev/LOG.md sections 17 and 27): batch 8, rank 16 +13% per
+# step vs +23%, rank 64 +36% vs +27%; batch 32 and 64, the expand kernel's sums won at ranks 16 and 64
+# (K_PER_SPLIT_MANY_ROWS: rank 16 +16.7% / +18.9% vs +21.7% / +23.3%; rank 64 +22.9% / +24.9% vs +25.9% / +27.1%).
 EXPAND_SUMS_UP_TO_RANK = 32
 EXPAND_WARPS = 4
 
@@ -180,6 +184,16 @@ def supported(out: torch.Tensor, x: torch.Tensor) -> bool:
     return interpreting() and x.dtype == torch.float32 and out.dtype == x.dtype
 
 
+def split_rule(m: int, k: int, padded_rank: int) -> tuple[int, int, bool]:
+    """The shrink's K-slices for ``m`` rows of ``x [m, k]``: ``(slices, columns per slice (a multiple of
+    BLOCK_K), whether the shrink's last slice adds the partials)`` -- else each expand program does."""
+    target = K_PER_SPLIT if m <= FEW_ROWS else K_PER_SPLIT_MANY_ROWS
+    splits = max(1, min(MAX_SPLITS, _cdiv(k, target)))
+    k_per = _cdiv(_cdiv(k, splits), BLOCK_K) * BLOCK_K
+    splits = _cdiv(k, k_per)
+    return splits, k_per, splits > 1 and m <= FEW_ROWS and padded_rank > EXPAND_SUMS_UP_TO_RANK
+
+
 def apply_(out: torch.Tensor, x: torch.Tensor, plan: GroupPlan, use_pdl: bool | None = None) -> torch.Tensor:
     """In place: ``out [M, N] += each member's scale * (x [M, K] @ A^T) @ B^T`` (two launches).
 
@@ -190,13 +204,10 @@ def apply_(out: torch.Tensor, x: torch.Tensor, plan: GroupPlan, use_pdl: bool | 
         raise ValueError(f"lora.apply_: out {list(out.shape)} / x {list(x.shape)} do not match the plan "
                          f"(N = {plan.n_total}, K = {plan.a_cat.shape[1]})")
     r_total = plan.a_cat.shape[0]
-    splits = max(1, min(MAX_SPLITS, triton.cdiv(k, K_PER_SPLIT)))
-    k_per = triton.cdiv(triton.cdiv(k, splits), BLOCK_K) * BLOCK_K
-    splits = triton.cdiv(k, k_per)
+    splits, k_per, reduce_in_shrink = split_rule(m, k, plan.padded_rank)
     block_m = min(64, max(16, triton.next_power_of_2(m)))
     xa = torch.empty(m, r_total, dtype=x.dtype, device=x.device)
     partial = torch.empty(splits, m, r_total, dtype=torch.float32, device=x.device) if splits > 1 else xa
-    reduce_in_shrink = splits > 1 and plan.padded_rank > EXPAND_SUMS_UP_TO_RANK
     early = pdl.use_for(x.device) if use_pdl is None else (bool(use_pdl) and pdl.use_for(x.device))
     precision = "ieee" if x.dtype == torch.float32 else "tf32"  # tf32 is ignored for 16-bit inputs
     m_tiles = triton.cdiv(m, block_m)

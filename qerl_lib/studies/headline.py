@@ -32,11 +32,10 @@ from qerl_lib.studies.kernel import gemm_headline
 
 # What each entry of results/ holds (results/README.md's "what" column; a test keeps this list and the folder equal).
 RESULT_FILES = {
-    "gemm_h100_v3.json": "NVFP4 x BF16 GEMM vs cuBLAS bf16 on every Qwen2.5-7B/32B projection shape, M = 1...4096 "
-                         "(CUDA mma.sync kernel at M <= 8, Triton up to 64, dequantize + cuBLAS above); every output "
-                         "checked against the oracle. Rows at M <= 8 name the Triton launch config in `path`/`config` although "
-                         "the mma kernel ran (a labelling bug of `bench gemm` then, fixed since; the timings are the "
-                         "mma kernel's). Notebook 03; `figures/03_gemm_speedup.png`, "
+    "gemm_h100_v4.json": "NVFP4 x BF16 GEMM vs cuBLAS bf16 on every Qwen2.5-7B/32B projection shape, M = 1...4096, "
+                         "forward (x @ W^T) and backward (dy @ W) layouts (`path`: the CUDA mma.sync kernel at M <= 8, "
+                         "Triton's fragment kernel up to 192, dequantize + cuBLAS above and for the backward layout); "
+                         "every output checked against the oracle. Notebook 03; `figures/03_gemm_speedup.png`, "
                          "`figures/03_gemm_bandwidth.png`",
     "rollout_h100.json": "rollout engine: engine vs `transformers.generate` (SmolLM2 bf16, batch 64, "
                          "256 + 512 tokens); bf16 vs NVFP4 on Qwen2.5-7B/32B shapes (batch 8, 256 + 2048 tokens); 7B at "
@@ -186,7 +185,7 @@ BATCH8 = dict(batch=8, prompt_len=256, gen_len=2048, engine="qerl")
 
 
 def _gemm_rows(results_dir) -> list[tuple]:
-    file = "gemm_h100_v3.json"
+    file = "gemm_h100_v4.json"
     doc = load_result(results_dir, file)
     _rows(doc, file, ("model", "proj", "m", "speedup", "fp4_pct_copy", "bf16_pct_copy", "rel_err", "ok"))
     ceiling = field(doc, "ceiling", file=file)
@@ -196,13 +195,15 @@ def _gemm_rows(results_dir) -> list[tuple]:
     geo = ", ".join(f"{_x(h['geomean_speedup_m_le_16'])} ({short[m]})" for m, h in per.items())
     best_model = max(per, key=lambda m: per[m]["best_m_le_16"]["speedup"])
     best = per[best_model]["best_m_le_16"]
-    worst = ", ".join(f"{_x(h['min_speedup_m_ge_1024'])} ({short[m]})" for m, h in per.items())
+    worst = ", ".join(f"{_x(h['min_speedup_m_ge_1024'])} / "
+                      f"{_x(h['min_speedup_m_ge_1024_bwd']) if h['min_speedup_m_ge_1024_bwd'] else '-'} ({short[m]})"
+                      for m, h in per.items())
     return [
         ("FP4 GEMM vs cuBLAS bf16, decode sizes (M ≤ 16), geometric mean over the Qwen2.5 projection shapes",
          geo, dev, file),
         (f"FP4 GEMM, best single shape at M ≤ 16 (byte ceiling {ceiling:.2f}×)",
          f"{_x(best['speedup'])} ({short[best_model]} {best['proj']}, M = {best['m']})", dev, file),
-        ("FP4 GEMM, prefill sizes (M ≥ 1024), worst shape: dequantize + cuBLAS", worst, dev, file),
+        ("FP4 GEMM, training sizes (M ≥ 1024), worst shape, forward / backward: dequantize + cuBLAS", worst, dev, file),
     ]
 
 
