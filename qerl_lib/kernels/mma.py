@@ -32,7 +32,8 @@ group's LoRA adapters: its first CTAs compute ``x @ A^T`` and the GEMM CTAs add 
 epilogue (``mma.cu``, "LoRA"); on an H100 this measured slower than ``kernels/lora.py``'s two launches.
 
 Where we deviate from Marlin (and the paper's vLLM): only M <= 8 comes here (at 9-16 the Triton
-kernel is as fast); no offline repack (Marlin permutes weights into its fragment order at load
+kernel is as fast; a build for up to 64 rows ran 1.5-2x slower than it at 32-64, x waiting on L1 in
+the inner loop; dev/LOG.md section 26); no offline repack (Marlin permutes weights into its fragment order at load
 time; we relabel K instead, keeping the checkpoint layout and memory); E4M3-subnormal scales are
 kept (Marlin flushes them); register prefetch instead of a ``cp.async`` ring (measured slower: the
 shared-memory round trip costs more issue slots than it saves).
