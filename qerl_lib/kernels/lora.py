@@ -16,11 +16,12 @@ How (``apply_``)
 ----------------
 * ``_shrink_kernel``: ``xa = x @ A_cat^T``. Programs tile (16 ranks) x (a slice of K) x (rows),
   ~256 columns of K each at batch 8 (128 and 256 measured equal and best; 512 and 1024 slower, dev/LOG.md
-  section 17), ~512 above (``split_rule``; section 27); each writes its fp32 partial. Who adds the partials
-  depends on the rank and the rows (``EXPAND_SUMS_UP_TO_RANK``): at small ranks, and at any rank above
-  8 rows, every expand program sums the bytes it needs itself; at larger ranks at batch 8 the last slice
-  of a block to arrive (an atomic counter, reset by that program) adds them once and writes ``xa``. Either way in slice order (deterministic
-  bits) and rounded to the activation dtype, as the torch path's ``xa`` tensor is.
+  section 17), ~512 above (``split_rule``; section 27); each writes its fp32 partial. Who adds the
+  partials depends on the rank and the rows (``EXPAND_SUMS_UP_TO_RANK``): at small ranks, and at any
+  rank above 8 rows, every expand program sums the bytes it needs itself; at larger ranks at batch 8
+  the last slice of a block to arrive (an atomic counter, reset by that program) adds them once and
+  writes ``xa``. Either way in slice order (deterministic bits) and rounded to the activation dtype,
+  as the torch path's ``xa`` tensor is.
 * ``_expand_kernel``: programs tile the output columns, one member per tile (the member's rank
   offset, rank and scale come from small per-tile tables); each multiplies ``xa`` by its ``B``
   tile and adds ``scale *`` that to ``out`` in fp32, rounding once (as ``addmm`` does). All members

@@ -33,8 +33,8 @@ epilogue (``mma.cu``, "LoRA"); on an H100 this measured slower than ``kernels/lo
 
 Where we deviate from Marlin (and the paper's vLLM): only M <= 8 comes here (at 9-16 the Triton
 kernel is as fast; a build for up to 64 rows ran 1.5-2x slower than it at 32-64, x waiting on L1 in
-the inner loop; dev/LOG.md section 26); no offline repack (Marlin permutes weights into its fragment order at load
-time; we relabel K instead, keeping the checkpoint layout and memory); E4M3-subnormal scales are
+the inner loop; dev/LOG.md section 26); no offline repack (Marlin permutes weights into its fragment
+order at load time; we relabel K instead, keeping the checkpoint layout and memory); E4M3-subnormal scales are
 kept (Marlin flushes them); register prefetch instead of a ``cp.async`` ring (measured slower: the
 shared-memory round trip costs more issue slots than it saves).
 

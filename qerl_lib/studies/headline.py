@@ -196,7 +196,7 @@ def _gemm_rows(results_dir) -> list[tuple]:
     best_model = max(per, key=lambda m: per[m]["best_m_le_16"]["speedup"])
     best = per[best_model]["best_m_le_16"]
     worst = ", ".join(f"{_x(h['min_speedup_m_ge_1024'])} / "
-                      f"{_x(h['min_speedup_m_ge_1024_bwd']) if h['min_speedup_m_ge_1024_bwd'] else '-'} ({short[m]})"
+                      f"{_x(h['min_speedup_m_ge_1024_bwd']) if h['min_speedup_m_ge_1024_bwd'] is not None else '-'} ({short[m]})"
                       for m, h in per.items())
     return [
         ("FP4 GEMM vs cuBLAS bf16, decode sizes (M ≤ 16), geometric mean over the Qwen2.5 projection shapes",
