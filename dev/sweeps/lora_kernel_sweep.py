@@ -7,6 +7,10 @@ default shape. Writes lora_kernel_sweep.json to $OUT. Run: python dev/sweeps/lor
 With BATCHES (e.g. "8,32,64"; section 27 of dev/LOG.md) it instead times, per batch size and per rank of RANKS
 (default "16,64"), who adds the shrink's K-slice partials (the expand kernel or the shrink's last slice) x K
 columns per shrink program, against no adapter at the same batch (GEN new tokens, default 512).
+
+With ABLATE=1 (and BATCHES) it times, per batch and rank, the step with both LoRA kernels, with the expand kernel
+not launched, with the shrink not launched, and with neither (wrong outputs; timing only): how much of the adapter's
+cost a design that removes one of the two launches per group could save at most (dev/LOG.md section 28).
 """
 
 import itertools
@@ -78,6 +82,37 @@ def by_batch(model, batches: list[int], ranks: list[int]) -> None:
             del lora
 
 
+class _NoLaunch:
+    """Stands in for a Triton kernel: ``kernel[grid](...)`` launches nothing."""
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: None
+
+
+def ablate(model, batches: list[int], ranks: list[int]) -> None:
+    rows = []
+    kernels = {"shrink": lk._shrink_kernel, "expand": lk._expand_kernel}
+    variants = {"both kernels": (), "no expand": ("expand",), "no shrink": ("shrink",), "neither": ("shrink", "expand")}
+    for batch in batches:
+        base, _ = ms_per_step(model, None, batch=batch)
+        rows.append({"variant": "no adapter", "batch": batch, "ms": base})
+        print(f"batch {batch}: no adapter {base:.3f} ms", flush=True)
+        for rank in ranks:
+            lora = random_lora(model, rank, 0)
+            for name, skipped in variants.items():
+                for kernel in skipped:
+                    setattr(lk, f"_{kernel}_kernel", _NoLaunch())
+                try:
+                    ms, _ = ms_per_step(model, lora, batch=batch)
+                finally:
+                    for kernel, fn in kernels.items():
+                        setattr(lk, f"_{kernel}_kernel", fn)
+                rows.append({"variant": name, "batch": batch, "rank": rank, "ms": ms, "overhead_pct": 100 * (ms / base - 1)})
+                print(f"batch {batch:3d} rank {rank:3d} {name:13s}: {ms:.3f} ms (+{100 * (ms / base - 1):.1f}%)", flush=True)
+                _write(rows, {"batches": batches, "ranks": ranks}, "lora_ablation.json")
+            del lora
+
+
 def _write(rows, settings: dict, name: str) -> None:
     doc = {"benchmark": "lora_kernel_sweep", "provenance": provenance(),
            "settings": {"model": "qwen2.5-7b", "weights": "nvfp4", "prompt_len": PROMPT, "gen_len": GEN, **settings},
@@ -90,6 +125,10 @@ def _write(rows, settings: dict, name: str) -> None:
 def main():
     model = load_bench_model("qwen2.5-7b", "nvfp4", torch.device("cuda"))
     if os.environ.get("BATCHES"):
+        if os.environ.get("ABLATE") == "1":
+            ablate(model, [int(b) for b in os.environ["BATCHES"].split(",")],
+                   [int(r) for r in os.environ.get("RANKS", "16,64").split(",")])
+            return
         by_batch(model, [int(b) for b in os.environ["BATCHES"].split(",")],
                  [int(r) for r in os.environ.get("RANKS", "16,64").split(",")])
         return
