@@ -8,6 +8,8 @@
 # call, so run it in the foreground, a few batch sizes per call:
 #   BATCHES=8,32 bash dev/sweeps/decode_batch_gpu.sh lora   (then BATCHES=64)
 #   ABLATE=1 BATCHES=8,32,64 bash dev/sweeps/decode_batch_gpu.sh lora   # each LoRA kernel left out (section 28)
+#   git show <commit>:qerl_lib/kernels/lora.py > dev/runs/<run>/lora_before.py
+#   BEFORE_KERNELS=dev/runs/<run>/lora_before.py BATCHES=8,32,64 bash dev/sweeps/decode_batch_gpu.sh lora
 # After kernels/lora.split_rule took the sweep's result:
 #   bash dev/sweeps/decode_batch_gpu.sh check   # the LoRA kernels' CUDA tests, and qerl bench gemm again
 #   bash dev/sweeps/decode_batch_gpu.sh rule    # 7B NVFP4 rollouts at batch 32 / 64, r0 / r16 / r64, the rule
@@ -41,7 +43,7 @@ case "${1:-start}" in
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>&1 | tail -2
     mkdir -p "$OUT"
     nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > "$OUT/device.txt"
-    OUT=$OUT ABLATE=${ABLATE:-0} BATCHES=${BATCHES:-8,32,64} RANKS=${RANKS:-16,64} GEN=256 VARIANTS=${VARIANTS:-256e,512e,1024e,256s,512s} \
+    OUT=$OUT ABLATE=${ABLATE:-0} BEFORE_KERNELS=${BEFORE_KERNELS:-} BATCHES=${BATCHES:-8,32,64} RANKS=${RANKS:-16,64} GEN=256 VARIANTS=${VARIANTS:-256e,512e,1024e,256s,512s} \
       PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 python3 dev/sweeps/lora_kernel_sweep.py 2>&1 | grep -v -i warn ;;
   check|rule)
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>&1 | tail -2

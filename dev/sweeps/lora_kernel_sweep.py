@@ -11,6 +11,9 @@ columns per shrink program, against no adapter at the same batch (GEN new tokens
 With ABLATE=1 (and BATCHES) it times, per batch and rank, the step with both LoRA kernels, with the expand kernel
 not launched, with the shrink not launched, and with neither (wrong outputs; timing only): how much of the adapter's
 cost a design that removes one of the two launches per group could save at most (dev/LOG.md section 28).
+
+With BEFORE_KERNELS=<path to an older kernels/lora.py> (and BATCHES) it times, per batch and rank, the step with
+that file's two kernels (same signatures, patched in) against today's, in one process (section 28).
 """
 
 import itertools
@@ -89,6 +92,24 @@ class _NoLaunch:
         return lambda *args, **kwargs: None
 
 
+class _ZeroedTorch:
+    """``lk.torch`` while the shrink is left out: ``torch.empty`` hands out one zeroed buffer per shape, so the
+    never-written ``xa`` and partials read as zeros, not as NaN garbage that would make the sampler emit
+    out-of-range token ids; the buffers are made once (warm-up), so graph replays launch nothing extra."""
+
+    def __init__(self):
+        self._buffers = {}
+
+    def empty(self, *shape, dtype=None, device=None):
+        key = (shape, dtype, str(device))
+        if key not in self._buffers:
+            self._buffers[key] = torch.zeros(*shape, dtype=dtype, device=device)
+        return self._buffers[key]
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+
 def ablate(model, batches: list[int], ranks: list[int]) -> None:
     rows = []
     kernels = {"shrink": lk._shrink_kernel, "expand": lk._expand_kernel}
@@ -102,14 +123,46 @@ def ablate(model, batches: list[int], ranks: list[int]) -> None:
             for name, skipped in variants.items():
                 for kernel in skipped:
                     setattr(lk, f"_{kernel}_kernel", _NoLaunch())
+                if "shrink" in skipped:
+                    lk.torch = _ZeroedTorch()
                 try:
                     ms, _ = ms_per_step(model, lora, batch=batch)
                 finally:
                     for kernel, fn in kernels.items():
                         setattr(lk, f"_{kernel}_kernel", fn)
+                    lk.torch = torch
                 rows.append({"variant": name, "batch": batch, "rank": rank, "ms": ms, "overhead_pct": 100 * (ms / base - 1)})
                 print(f"batch {batch:3d} rank {rank:3d} {name:13s}: {ms:.3f} ms (+{100 * (ms / base - 1):.1f}%)", flush=True)
                 _write(rows, {"batches": batches, "ranks": ranks}, "lora_ablation.json")
+            del lora
+
+
+def compare(model, batches: list[int], ranks: list[int], path: str) -> None:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("lora_before", path)
+    before = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(before)
+    today = {"shrink": lk._shrink_kernel, "expand": lk._expand_kernel}
+    rows = []
+    for batch in batches:
+        base, _ = ms_per_step(model, None, batch=batch)
+        rows.append({"variant": "no adapter", "batch": batch, "ms": base})
+        print(f"batch {batch}: no adapter {base:.3f} ms", flush=True)
+        for rank in ranks:
+            lora = random_lora(model, rank, 0)
+            for name in ("before", "today"):
+                source = before if name == "before" else None
+                for kernel, fn in today.items():
+                    setattr(lk, f"_{kernel}_kernel", getattr(source, f"_{kernel}_kernel") if source else fn)
+                try:
+                    ms, _ = ms_per_step(model, lora, batch=batch)
+                finally:
+                    for kernel, fn in today.items():
+                        setattr(lk, f"_{kernel}_kernel", fn)
+                rows.append({"variant": name, "batch": batch, "rank": rank, "ms": ms, "overhead_pct": 100 * (ms / base - 1)})
+                print(f"batch {batch:3d} rank {rank:3d} {name:7s}: {ms:.3f} ms (+{100 * (ms / base - 1):.1f}%)", flush=True)
+                _write(rows, {"batches": batches, "ranks": ranks, "before": path}, "lora_compare.json")
             del lora
 
 
@@ -125,6 +178,10 @@ def _write(rows, settings: dict, name: str) -> None:
 def main():
     model = load_bench_model("qwen2.5-7b", "nvfp4", torch.device("cuda"))
     if os.environ.get("BATCHES"):
+        if os.environ.get("BEFORE_KERNELS"):
+            compare(model, [int(b) for b in os.environ["BATCHES"].split(",")],
+                    [int(r) for r in os.environ.get("RANKS", "16,64").split(",")], os.environ["BEFORE_KERNELS"])
+            return
         if os.environ.get("ABLATE") == "1":
             ablate(model, [int(b) for b in os.environ["BATCHES"].split(",")],
                    [int(r) for r in os.environ.get("RANKS", "16,64").split(",")])
