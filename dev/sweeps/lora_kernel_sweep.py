@@ -142,6 +142,7 @@ def compare(model, batches: list[int], ranks: list[int], path: str) -> None:
 
     spec = importlib.util.spec_from_file_location("lora_before", path)
     before = importlib.util.module_from_spec(spec)
+    sys.modules["lora_before"] = before  # dataclasses look their module up while the file runs
     spec.loader.exec_module(before)
     today = {"shrink": lk._shrink_kernel, "expand": lk._expand_kernel}
     rows = []

@@ -269,7 +269,7 @@ if triton is not None:
             counter = cnt_ptr + pid_m * tl.num_programs(0) + pid_r
             if tl.atomic_add(counter, 1, sem="acq_rel") == SPLITS - 1:  # the last slice of this block
                 total = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-                for s in tl.static_range(SPLITS):  # fixed order: deterministic bits; unrolled, so all loads issue at once
+                for s in range(SPLITS):  # fixed order: deterministic bits
                     total += tl.load(p_ptr + (s * M + rows[:, None]) * R + ranks[None, :], mask=ok, other=0.0,
                                      cache_modifier=".cg")
                 tl.store(xa_ptrs, total.to(xa_ptr.dtype.element_ty), mask=ok)
@@ -299,7 +299,7 @@ if triton is not None:
         ok_m = rows < M
         ok_xa = ok_m[:, None] & (rr < rank)[None, :]
         xa = tl.zeros((BLOCK_M, RP), dtype=tl.float32)
-        for s in tl.static_range(SPLITS):  # fixed order: deterministic bits; unrolled, so all loads issue at once
+        for s in range(SPLITS):  # fixed order: deterministic bits
             xa += tl.load(xa_ptr + (s * M + rows[:, None]) * R + r0 + rr[None, :], mask=ok_xa, other=0.0).to(tl.float32)
         xa = xa.to(out_ptr.dtype.element_ty)  # the torch path's xa is a tensor of the activation dtype
         delta = tl.dot(xa, tl.trans(b), input_precision=PRECISION)
