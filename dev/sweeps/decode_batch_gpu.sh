@@ -43,7 +43,7 @@ case "${1:-start}" in
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>&1 | tail -2
     mkdir -p "$OUT"
     nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > "$OUT/device.txt"
-    OUT=$OUT ABLATE=${ABLATE:-0} BEFORE_KERNELS=${BEFORE_KERNELS:-} BATCHES=${BATCHES:-8,32,64} RANKS=${RANKS:-16,64} GEN=256 VARIANTS=${VARIANTS:-256e,512e,1024e,256s,512s} \
+    OUT=$OUT ABLATE=${ABLATE:-0} BEFORE_KERNELS=${BEFORE_KERNELS:-} COMPARE_VARIANTS=${COMPARE_VARIANTS:-} BATCHES=${BATCHES:-8,32,64} RANKS=${RANKS:-16,64} GEN=256 VARIANTS=${VARIANTS:-256e,512e,1024e,256s,512s} \
       PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 python3 dev/sweeps/lora_kernel_sweep.py 2>&1 | grep -v -i warn ;;
   check|rule)
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>&1 | tail -2

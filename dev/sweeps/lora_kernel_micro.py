@@ -8,7 +8,9 @@ expand then reads zeroed partials), at M = 8 / 32 / 64 rows and ranks 16 / 64, w
 kernels back to back). Then a few launch-shape variants of the pair (expand tile width, expand warps, K columns
 per shrink slice). Writes lora_kernel_micro.json to $OUT.
 
-Run on a GPU: python dev/sweeps/lora_kernel_micro.py   (environment: ROWS, RANKS, VARIANTS=0 to skip them)
+Run on a GPU: python dev/sweeps/lora_kernel_micro.py   (environment: ROWS, RANKS; VARIANTS=0 skips the variants,
+VARIANTS='{"name": {"CONSTANT": value, ...}, ...}' replaces them and times the pair per group; PARTS=0 skips the
+first table; TAG names the JSON)
 """
 
 import json
@@ -30,6 +32,7 @@ GROUPS = {  # name -> (K, member widths)
 }
 CALLS, REPLAYS = 20, 15
 OUT = os.environ.get("OUT", ".")
+TAG = os.environ.get("TAG", "")
 
 
 class _NoLaunch:
@@ -125,11 +128,11 @@ def main():
         doc = {"benchmark": "lora_kernel_micro", "provenance": provenance(),
                "settings": {"model": "qwen2.5-7b shapes", "calls_per_graph": CALLS, "replays": REPLAYS, "pdl": False},
                "rows": results}
-        with open(os.path.join(OUT, "lora_kernel_micro.json.tmp"), "w") as f:
+        with open(os.path.join(OUT, f"lora_kernel_micro{TAG}.json.tmp"), "w") as f:
             json.dump(doc, f, indent=1)
-        os.replace(os.path.join(OUT, "lora_kernel_micro.json.tmp"), os.path.join(OUT, "lora_kernel_micro.json"))
+        os.replace(os.path.join(OUT, f"lora_kernel_micro{TAG}.json.tmp"), os.path.join(OUT, f"lora_kernel_micro{TAG}.json"))
 
-    for m in rows_list:
+    for m in rows_list if os.environ.get("PARTS", "1") == "1" else []:
         for rank in ranks:
             for group in GROUPS:
                 out, x, plan = make_case(group, m, rank, gen)
@@ -137,22 +140,24 @@ def main():
                 us = {skip or "pair": measure(out, x, plan, skip) for skip in (None, "expand", "shrink")}
                 record(m=m, rank=rank, group=group, splits=splits, shrink_sums=shrink_sums, pair_us=us["pair"],
                        shrink_us=us["expand"], expand_us=us["shrink"])
-    if os.environ.get("VARIANTS", "1") == "1":
-        defaults = {name: getattr(lk, name) for v in VARIANTS.values() for name in v}
+    variants = VARIANTS if os.environ.get("VARIANTS", "1") in ("0", "1") else json.loads(os.environ["VARIANTS"])
+    if os.environ.get("VARIANTS", "1") != "0":
+        defaults = {name: getattr(lk, name) for v in variants.values() for name in v}
         for m in rows_list:
             for rank in ranks:
-                for vname, consts in VARIANTS.items():
+                for vname, consts in variants.items():
                     for name, value in consts.items():
                         setattr(lk, name, value)
                     try:
-                        total = 0.0
+                        per_group = {}
                         for group in GROUPS:
                             out, x, plan = make_case(group, m, rank, gen)
-                            total += measure(out, x, plan, None)
+                            per_group[group] = measure(out, x, plan, None)
                     finally:
                         for name, value in defaults.items():
                             setattr(lk, name, value)
-                    record(m=m, rank=rank, group="all four", variant=vname, pair_us=total)
+                    record(m=m, rank=rank, group="all four", variant=vname, pair_us=sum(per_group.values()),
+                           **{f"{g}_us": v for g, v in per_group.items()})
 
 
 if __name__ == "__main__":

@@ -13,7 +13,8 @@ not launched, with the shrink not launched, and with neither (wrong outputs; tim
 cost a design that removes one of the two launches per group could save at most (dev/LOG.md section 28).
 
 With BEFORE_KERNELS=<path to an older kernels/lora.py> (and BATCHES) it times, per batch and rank, the step with
-that file's two kernels (same signatures, patched in) against today's, in one process (section 28).
+that file's ``apply_`` (its kernels and launch constants, patched in) against today's, in one process, plus today's
+with the module constants of COMPARE_VARIANTS (JSON: name -> {constant: value}) (section 28).
 """
 
 import itertools
@@ -144,7 +145,9 @@ def compare(model, batches: list[int], ranks: list[int], path: str) -> None:
     before = importlib.util.module_from_spec(spec)
     sys.modules["lora_before"] = before  # dataclasses look their module up while the file runs
     spec.loader.exec_module(before)
-    today = {"shrink": lk._shrink_kernel, "expand": lk._expand_kernel}
+    today_apply = lk.apply_
+    # COMPARE_VARIANTS: '{"name": {"CONSTANT": value}}', today's file with module constants changed
+    extra = json.loads(os.environ.get("COMPARE_VARIANTS") or "{}")
     rows = []
     for batch in batches:
         base, _ = ms_per_step(model, None, batch=batch)
@@ -152,17 +155,20 @@ def compare(model, batches: list[int], ranks: list[int], path: str) -> None:
         print(f"batch {batch}: no adapter {base:.3f} ms", flush=True)
         for rank in ranks:
             lora = random_lora(model, rank, 0)
-            for name in ("before", "today"):
-                source = before if name == "before" else None
-                for kernel, fn in today.items():
-                    setattr(lk, f"_{kernel}_kernel", getattr(source, f"_{kernel}_kernel") if source else fn)
+            for name in ("before", "today", *extra):
+                saved = {c: getattr(lk, c) for c in extra.get(name, {})}
+                if name == "before":  # the old file's apply_ (its kernels and launch constants)
+                    lk.apply_ = before.apply_
+                for c, value in extra.get(name, {}).items():
+                    setattr(lk, c, value)
                 try:
                     ms, _ = ms_per_step(model, lora, batch=batch)
                 finally:
-                    for kernel, fn in today.items():
-                        setattr(lk, f"_{kernel}_kernel", fn)
+                    lk.apply_ = today_apply
+                    for c, value in saved.items():
+                        setattr(lk, c, value)
                 rows.append({"variant": name, "batch": batch, "rank": rank, "ms": ms, "overhead_pct": 100 * (ms / base - 1)})
-                print(f"batch {batch:3d} rank {rank:3d} {name:7s}: {ms:.3f} ms (+{100 * (ms / base - 1):.1f}%)", flush=True)
+                print(f"batch {batch:3d} rank {rank:3d} {name:12s}: {ms:.3f} ms (+{100 * (ms / base - 1):.1f}%)", flush=True)
                 _write(rows, {"batches": batches, "ranks": ranks, "before": path}, "lora_compare.json")
             del lora
 

@@ -84,14 +84,14 @@ K_PER_SPLIT = 256  # ~ columns of K per shrink program, at M <= FEW_ROWS
 K_PER_SPLIT_MANY_ROWS = 512  # the same above FEW_ROWS (fewer partials for each expand program to add)
 MAX_SPLITS = 32
 BLOCK_N = 128  # output columns per expand program
-SHRINK_WARPS = 1
+SHRINK_WARPS = 4
 # Who adds the K slices' partials: the expand kernel (each of its programs, for its member's ranks)
 # up to this padded rank, the shrink kernel's last slice above it -- at M <= FEW_ROWS; above, always the
 # expand kernel. Measured on an H100, 7B NVFP4 (dev/LOG.md sections 17 and 27): batch 8, rank 16 +13% per
 # step vs +23%, rank 64 +36% vs +27%; batch 32 and 64, the expand kernel's sums won at ranks 16 and 64
 # (K_PER_SPLIT_MANY_ROWS: rank 16 +16.7% / +18.9% vs +21.7% / +23.3%; rank 64 +22.9% / +24.9% vs +25.9% / +27.1%).
 EXPAND_SUMS_UP_TO_RANK = 32
-EXPAND_WARPS = 4
+EXPAND_WARPS = 8
 
 
 @dataclass
