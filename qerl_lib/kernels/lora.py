@@ -84,7 +84,12 @@ K_PER_SPLIT = 256  # ~ columns of K per shrink program, at M <= FEW_ROWS
 K_PER_SPLIT_MANY_ROWS = 512  # the same above FEW_ROWS (fewer partials for each expand program to add)
 MAX_SPLITS = 32
 BLOCK_N = 128  # output columns per expand program
-SHRINK_WARPS = 4
+# Warps per program (H100, 7B NVFP4, dev/LOG.md section 28). Alone, 4 shrink and 8 expand warps ran the pair 8-23%
+# faster per layer than 1 and 4 (M = 32 at rank 64: ~1%); in the engine the 4-warp shrink cost batch 8 (r16 +20.3%
+# per step against +13.4% with 1 warp: there it runs beside the mma.sync GEMM) and helped batch 32 / 64 (r16 +12.5% /
+# +13.7% against +16.7% / +18.7% with 1 shrink and 4 expand warps).
+SHRINK_WARPS = 4  # above FEW_ROWS rows
+SHRINK_WARPS_FEW_ROWS = 1  # at most FEW_ROWS rows
 # Who adds the K slices' partials: the expand kernel (each of its programs, for its member's ranks)
 # up to this padded rank, the shrink kernel's last slice above it -- at M <= FEW_ROWS; above, always the
 # expand kernel. Measured on an H100, 7B NVFP4 (dev/LOG.md sections 17 and 27): batch 8, rank 16 +13% per
@@ -215,7 +220,7 @@ def apply_(out: torch.Tensor, x: torch.Tensor, plan: GroupPlan, use_pdl: bool | 
     _shrink_kernel[(triton.cdiv(r_total, RANK_BLOCK), splits, m_tiles)](
         x, plan.a_cat, partial, xa, plan.counters, m, k, r_total, k_per, x.stride(0), plan.a_cat.stride(0),
         SPLITS=splits, REDUCE=reduce_in_shrink, BLOCK_M=block_m, BLOCK_R=RANK_BLOCK, BLOCK_K=BLOCK_K,
-        PRECISION=precision, PDL=early, launch_pdl=early, num_warps=SHRINK_WARPS)
+        PRECISION=precision, PDL=early, launch_pdl=early, num_warps=SHRINK_WARPS_FEW_ROWS if m <= FEW_ROWS else SHRINK_WARPS)
     summed = splits == 1 or reduce_in_shrink
     _expand_kernel[(plan.tiles.shape[0], m_tiles)](
         xa if summed else partial, plan.b_cat, out, plan.tiles, plan.r_start, plan.rank, plan.scale, m, r_total,
