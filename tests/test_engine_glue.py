@@ -6,6 +6,11 @@ and programmatic dependent launch of the NVFP4 mma kernel after them.
   in another order than torch, so results agree within one rounding step of the dtype (1e-6
   relative for float32; 2^-10 for float16, on <1% of elements); the residual sum is exact.
   The interpreter rounds bf16 conversions wrongly, so bf16 is a GPU test.
+* SiLU x up adding the gate/up group's LoRA expand (``lora=``): in the interpreter (float32) against the
+  reference (``kernels/lora.reference_apply``, then SiLU x up) within 1e-5 of the output's scale, for
+  both members adapted, one absent, ranks that pad, two row blocks, partials summed by either kernel;
+  the group's output is left unwritten. On CUDA, bf16 on Qwen2.5-7B's gate/up shape against the
+  two-kernel path (expand kernel, then SiLU x up): within one bf16 step, nearly always equal.
 * CUDA: bf16 against torch within one bf16 rounding step; a CUDA graph of glue kernel -> mma
   matmul launched with PDL gives the same bits as the plain launch, over replays whose inputs change
   (the matmul must wait for the glue kernel's output).
@@ -67,6 +72,66 @@ def test_glue_kernels_match_torch_in_the_interpreter(interpreted, dtype, width):
         assert r["differ"] < 0.01, r
 
 
+# (rows, K, [(width, rank or 0, scale)] for gate and up)
+FOLD_CASES = [
+    (8, 256, [(192, 16, 2.0), (192, 16, 2.0)]),
+    (17, 2500, [(300, 8, 1.0), (300, 0, 1.0)]),      # up without an adapter; 5 K slices summed by the reader
+    (70, 1100, [(130, 0, 0.0), (130, 33, 0.25)]),    # gate without one; rank 33 pads to 64; two row blocks
+    (5, 1300, [(100, 40, 1.0), (100, 40, 0.5)]),     # rank 40 at M <= 8: the shrink sums the partials
+]
+
+FOLD_SCRIPT = textwrap.dedent("""
+    import json, os, sys
+    os.environ["TRITON_INTERPRET"] = "1"
+    import torch
+    from qerl_lib.engine import glue
+    from qerl_lib.engine.forward import gated_act
+    from qerl_lib.kernels import lora as lk
+    from tests.test_lora_kernels import make_group
+    out = {}
+    for i, (m, k, members) in enumerate(json.loads(sys.argv[1])):
+        plan, x, base = make_group(m, k, members, torch.float32, "cpu", seed=10 + i)
+        width = members[0][0]
+        kept = base.clone()
+        got = glue.silu_mul(torch.nn.SiLU(), base[:, :width], base[:, width:], lora=lk.shrink_(x, plan))
+        full = lk.reference_apply(base.clone(), x, plan)
+        ref = gated_act(torch.nn.SiLU(), full[:, :width], full[:, width:])
+        plain = gated_act(torch.nn.SiLU(), base[:, :width], base[:, width:])
+        out[i] = {"err": float((got - ref).abs().max() / ref.abs().max()),
+                  "effect": float((ref - plain).abs().max() / ref.abs().max()),
+                  "output_untouched": bool(torch.equal(base, kept))}
+    print("RESULTS " + json.dumps(out))
+""")
+
+
+@pytest.fixture(scope="module")
+def interpreted_fold():
+    return run_triton_interpreter(FOLD_SCRIPT, FOLD_CASES, timeout=600)
+
+
+@pytest.mark.parametrize("i", range(len(FOLD_CASES)))
+def test_silu_mul_with_lora_matches_the_reference_in_the_interpreter(interpreted_fold, i):
+    r = interpreted_fold[str(i)]
+    assert r["effect"] > 0.05, "the adapters must change the activation for the test to mean anything"
+    assert r["err"] <= 1e-5, r
+    assert r["output_untouched"]
+
+
+def test_silu_mul_with_lora_refuses_a_split_it_does_not_cover():
+    from qerl_lib.engine import glue as engine_glue
+    from qerl_lib.kernels import lora as lk
+    from tests.test_lora_kernels import make_group
+
+    if engine_glue.triton is None:
+        pytest.skip("triton not installed")
+    plan, _, base = make_group(2, 64, [(32, 4, 1.0), (32, 4, 1.0)], torch.float32, "cpu")
+    shrunk = lk.Shrunk(torch.zeros(2, 8), 1, 2, plan, 16, "ieee", False)
+    with pytest.raises(ValueError, match="silu_mul: with lora="):  # halves of another width than the plan's
+        engine_glue.silu_mul(None, base[:, :16], base[:, 16:32], lora=shrunk)
+    with pytest.raises(ValueError, match="silu_mul: with lora="):  # not adjacent halves of one output
+        engine_glue.silu_mul(None, base[:, :32].clone(), base[:, 32:].clone(), lora=shrunk)
+
+
 def test_silu_mul_refuses_mismatched_shapes():
     from qerl_lib.engine import glue as engine_glue
 
@@ -94,6 +159,27 @@ def test_cuda_bf16_glue_within_one_rounding():
     gate, up = fused[..., :18944], fused[..., 18944:]
     a, a0 = glue.silu_mul(torch.nn.SiLU(), gate, up), gated_act(torch.nn.SiLU(), gate, up)
     torch.testing.assert_close(a.float(), a0.float(), rtol=2.0**-7, atol=1e-6)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU (CUDA not available)")
+@pytest.mark.parametrize("rank", [16, 64])
+@pytest.mark.parametrize("rows", [1, 8, 32, 64, 200])
+@pytest.mark.parametrize("pdl_on", [True, False], ids=["pdl", "plain"])
+def test_cuda_silu_mul_with_lora_equals_the_expand_kernel_path(rank, rows, pdl_on):
+    from qerl_lib.engine import glue
+    from qerl_lib.kernels import lora as lk
+    from tests.test_lora_kernels import make_group
+
+    for members in ([(18944, rank, 2.0), (18944, rank, 2.0)], [(18944, 0, 0.0), (18944, rank, 2.0)]):
+        plan, x, base = make_group(rows, 3584, members, torch.bfloat16, "cuda", seed=rank + rows)
+        got = glue.silu_mul(torch.nn.SiLU(), base[:, :18944], base[:, 18944:], lora=lk.shrink_(x, plan, use_pdl=pdl_on))
+        full = lk.apply_(base.clone(), x, plan, use_pdl=pdl_on)
+        ref = glue.silu_mul(torch.nn.SiLU(), full[:, :18944], full[:, 18944:])
+        plain = glue.silu_mul(torch.nn.SiLU(), base[:, :18944], base[:, 18944:])
+        assert (ref.float() - plain.float()).abs().max() > 0.1, "the adapters must change the activation"
+        torch.testing.assert_close(got.float(), ref.float(), rtol=2.0**-7, atol=1e-6)  # at most one bf16 step
+        assert (got != ref).float().mean() < 0.01
 
 
 @pytest.mark.cuda

@@ -11,8 +11,8 @@
 * CUDA: bf16 inputs of Qwen2.5-7B group shapes, ranks 8-128, 1-256 rows, with and without
   programmatic dependent launch, against the reference within bf16 rounding; prefill and decode-step
   logits with the kernels against the torch path (bf16 and NVFP4 bases), within 5% of the adapters'
-  effect; greedy rollouts through CUDA graphs: bit-identical with PDL on and off, and within bf16
-  noise of the torch path.
+  effect; greedy rollouts through CUDA graphs (the gate/up expand as its own kernel or folded into
+  SiLU x up): bit-identical with PDL on and off, and within bf16 noise of the torch path.
 """
 
 from __future__ import annotations
@@ -279,9 +279,11 @@ def test_cuda_prefill_and_decode_step_logits_with_kernels(weights):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("fold", [False, True], ids=["expand-kernel", "fold"])
 @pytest.mark.parametrize("weights", ["bf16", "nvfp4"])
-def test_cuda_engine_with_lora_kernels_equals_torch_path(weights, monkeypatch):
-    """Greedy rollouts through CUDA graphs. With the kernels, programmatic dependent launch on and
+def test_cuda_engine_with_lora_kernels_equals_torch_path(weights, fold, monkeypatch):
+    """Greedy rollouts through CUDA graphs, with the gate/up expand as its own kernel or folded into
+    SiLU x up (``lora_fold``). With the kernels, programmatic dependent launch on and
     off give the same bits (the early start reads nothing too soon). Against the torch path: the
     same tokens until bf16 rounding breaks a near tie, and logprobs within bf16 noise up to there.
     This tiny random model's adapters move the logits by ~1 (the decode-step test above asserts
@@ -294,7 +296,7 @@ def test_cuda_engine_with_lora_kernels_equals_torch_path(weights, monkeypatch):
     runs = {}
     for name, use, early in (("kernels", True, "1"), ("kernels-plain", True, "0"), ("torch", False, "1")):
         monkeypatch.setenv("QERL_PDL", early)
-        engine = RolloutEngine(model, lora_kernels=use)  # graphs+fused on CUDA
+        engine = RolloutEngine(model, lora_kernels=use, lora_fold=fold)  # graphs+fused on CUDA
         assert engine.lora_kernels is use
         runs[name] = engine.generate(PROMPTS, 24, temperature=0, stop_token_ids=[], lora=adapters)
     assert_rollouts_agree(runs["kernels"], runs["kernels-plain"], runs["torch"], 24)

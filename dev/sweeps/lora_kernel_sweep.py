@@ -34,9 +34,9 @@ BATCH, PROMPT, GEN, RANK = 8, 256, int(os.environ.get("GEN", "512")), int(os.env
 OUT = os.environ.get("OUT", ".")
 
 
-def ms_per_step(model, lora, use_kernels=True, profile=False, batch=None):
+def ms_per_step(model, lora, use_kernels=True, profile=False, batch=None, **engine_kwargs):
     batch = batch or BATCH
-    engine = RolloutEngine(model, max_seq_len=PROMPT + GEN, lora_kernels=use_kernels)
+    engine = RolloutEngine(model, max_seq_len=PROMPT + GEN, lora_kernels=use_kernels, **engine_kwargs)
     prompts = random_prompts(batch, PROMPT, model.config.vocab_size, 0)
     engine.warmup(batch, PROMPT, GEN, lora=lora)
     best = None
@@ -146,7 +146,8 @@ def compare(model, batches: list[int], ranks: list[int], path: str) -> None:
     sys.modules["lora_before"] = before  # dataclasses look their module up while the file runs
     spec.loader.exec_module(before)
     today_apply = lk.apply_
-    # COMPARE_VARIANTS: '{"name": {"CONSTANT": value}}', today's file with module constants changed
+    # COMPARE_VARIANTS: '{"name": {"CONSTANT": value}}', today's file with module constants changed; the key
+    # "engine" holds RolloutEngine keyword arguments instead (e.g. {"fold": {"engine": {"lora_fold": true}}})
     extra = json.loads(os.environ.get("COMPARE_VARIANTS") or "{}")
     rows = []
     for batch in batches:
@@ -156,13 +157,15 @@ def compare(model, batches: list[int], ranks: list[int], path: str) -> None:
         for rank in ranks:
             lora = random_lora(model, rank, 0)
             for name in ("before", "today", *extra):
-                saved = {c: getattr(lk, c) for c in extra.get(name, {})}
+                consts = dict(extra.get(name, {}))
+                engine_kwargs = consts.pop("engine", {})
+                saved = {c: getattr(lk, c) for c in consts}
                 if name == "before":  # the old file's apply_ (its kernels and launch constants)
                     lk.apply_ = before.apply_
-                for c, value in extra.get(name, {}).items():
+                for c, value in consts.items():
                     setattr(lk, c, value)
                 try:
-                    ms, _ = ms_per_step(model, lora, batch=batch)
+                    ms, _ = ms_per_step(model, lora, batch=batch, **engine_kwargs)
                 finally:
                     lk.apply_ = today_apply
                     for c, value in saved.items():

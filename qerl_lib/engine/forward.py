@@ -227,7 +227,7 @@ class ForwardPass:
     def __init__(self, view: ModelView, decode_attention: str = "sdpa", fuse_elementwise: bool = False,
                  bypass_peft: bool = False, fuse_projections: bool = False, glue_kernels: bool = False,
                  attention_launch: AttentionLaunch | None = None, lora_kernels: bool = False,
-                 lora_in_gemm: bool = False):
+                 lora_in_gemm: bool = False, lora_fold: bool = False):
         if decode_attention not in DECODE_ATTENTION:
             raise ValueError(f"decode_attention must be one of {DECODE_ATTENTION}, got {decode_attention!r}")
         self.view = view
@@ -242,6 +242,8 @@ class ForwardPass:
         # lora_in_gemm: with lora_kernels, an NVFP4 group on the mma.sync path adds its adapters in its own GEMM
         # (off by default: slower than the two launches of kernels/lora.py on an H100, dev/LOG.md section 25)
         self.lora_in_gemm = bool(lora_in_gemm)
+        # lora_fold: with lora_kernels and the glue kernels, the gate/up group's expand is added by SiLU x up
+        self.lora_fold = bool(lora_fold)
         # bypass_peft: call peft's base layers, because the engine applies the adapters itself (lora=...)
         self._groups = [{g: [view.projection(i, p, base=bypass_peft) for p in members]
                          for g, members in PROJECTION_GROUPS.items()} for i in range(view.n_layers)]
@@ -318,6 +320,12 @@ class ForwardPass:
         return any(f is not None and not f.is_current() for groups in self._fused for f in groups.values())
 
     def _project(self, layer: int, group: str, x: torch.Tensor) -> list[torch.Tensor]:
+        return self._project_parts(layer, group, x)[0]
+
+    def _project_parts(self, layer: int, group: str, x: torch.Tensor, defer: bool = False):
+        """``(outputs of the group's members, None)``; with ``defer``, where the LoRA kernels take the group,
+        only their shrink runs and the second item is its ``kernels/lora.Shrunk``: the outputs then lack the
+        adapters, and the caller's consumer kernel must add the expand (``glue.silu_mul(..., lora=)``)."""
         fused = self._fused[layer][group]
         entry = self.lora.layout.get((layer, group)) if self.lora is not None else None
         plan = self.lora.plans.get((layer, group)) if entry is not None and self.lora_kernels else None
@@ -328,15 +336,18 @@ class ForwardPass:
             full = fused.full(x, lora=epilogue)
             outs = list(full.split(fused.splits, dim=-1))
             if epilogue is not None:  # the GEMM has added the adapters
-                return outs
+                return outs, None
         else:
             outs = [module(x) for module in self._groups[layer][group]]
             full = outs[0] if len(outs) == 1 else None
         if plan is not None and full is not None:
             full2, x2 = full.reshape(-1, full.shape[-1]), x.reshape(-1, x.shape[-1])
             if full2.data_ptr() == full.data_ptr() and lora_kernels_mod.supported(full2, x2):
+                if defer:
+                    lora_kernels_mod.check_shapes(full2, x2, plan)
+                    return outs, lora_kernels_mod.shrink_(x2, plan)
                 lora_kernels_mod.apply_(full2, x2, plan)  # in place: the members' outputs are views of it
-                return outs
+                return outs, None
         if entry is not None:
             a_cat, slots = entry
             xa = x.reshape(-1, x.shape[-1]) @ a_cat.t()  # all members' A at once: [tokens, sum of ranks]
@@ -346,7 +357,7 @@ class ForwardPass:
                     o = outs[j]
                     o2 = o.reshape(-1, o.shape[-1])
                     outs[j] = torch.addmm(o2, xa[:, start:end], b.t(), alpha=scale).view(o.shape)
-        return outs
+        return outs, None
 
     def _decoder(self, x: torch.Tensor, cos, sin, attend, ops: "Glue") -> torch.Tensor:
         """All layers, then the final norm: ``x [B, T, hidden]`` -> normed hidden states.
@@ -366,8 +377,11 @@ class ForwardPass:
             attn = attend(i, q, k, v, ops).transpose(1, 2).reshape(bsz, seq, -1)
             (o,) = self._project(i, "o", attn)
             x, h = ops.residual_norm(x, o, w[2 * i + 1], view.eps[i][1])
-            gate, up = self._project(i, "gate_up", h)
-            (down,) = self._project(i, "down", ops.gated(self._act, gate, up))
+            # lora_fold: the gate/up group's expand runs inside the SiLU x up kernel (glue.silu_mul's lora=)
+            fold = self.lora_fold and ops.gated is engine_glue.silu_mul and self._fused[i]["gate_up"] is not None
+            (gate, up), shrunk = self._project_parts(i, "gate_up", h, defer=fold)
+            act_in = engine_glue.silu_mul(self._act, gate, up, lora=shrunk) if shrunk is not None else ops.gated(self._act, gate, up)
+            (down,) = self._project(i, "down", act_in)
             last = i == view.n_layers - 1
             x, h = ops.residual_norm(x, down, w[-1] if last else w[2 * i + 2],
                                      view.final_eps if last else view.eps[i + 1][0])

@@ -13,6 +13,12 @@ allow the next kernel to launch (``gdc_launch_dependents``), so the NVFP4 matmul
 (``kernels/mma.py``, PDL too) loads its first weights meanwhile.
 Without PDL (``QERL_PDL=0``, older GPUs) they are plain kernels.
 
+SiLU x up can also add the gate/up group's LoRA adapters (``silu_mul(..., lora=)``): the group's
+shrink (``kernels/lora.shrink_``) has run after the GEMM, and this kernel, which reads gate and up
+anyway, adds ``scale * xa @ B^T`` to its tile of each before the activation -- the expand kernel's
+arithmetic (one fp32 sum, rounded to the activation dtype) without its launch and without writing
+the group's output back. (The engine turns this on with ``lora_fold``; dev/LOG.md section 29.)
+
 Numerics follow ``engine/forward.py``'s functions (transformers' order): ``x + delta`` rounded to the
 activation dtype; RMSNorm in float32 on that, rounded, *then* times the weight (one more rounding);
 SiLU in float32 rounded to the activation dtype, times ``up`` rounded. Sums run in a different
@@ -33,9 +39,11 @@ except ImportError:  # pragma: no cover
     tl = None
     gdc_launch_dependents = gdc_wait = None
 
+from qerl_lib.kernels import lora as lora_kernels
 from qerl_lib.kernels import pdl
 
 SILU_BLOCK = 2048
+LORA_BLOCK_N = 128  # columns of gate (and of up) per program of the SiLU x up kernel that adds the LoRA
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -52,8 +60,10 @@ def residual_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor
     return summed, h
 
 
-def silu_mul(act, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """``forward.gated_act`` for SiLU as one kernel (``act`` is the model's SiLU module)."""
+def silu_mul(act, gate: torch.Tensor, up: torch.Tensor, lora: "lora_kernels.Shrunk | None" = None) -> torch.Tensor:
+    """``forward.gated_act`` for SiLU as one kernel (``act`` is the model's SiLU module). ``lora``: the
+    gate/up group's ``kernels/lora.shrink_`` result, whose expand this kernel adds to gate and up first;
+    gate and up must then be the two halves of the group's fused output (columns ``[0, I)`` and ``[I, 2I)``)."""
     if gate.shape != up.shape:
         raise ValueError(f"silu_mul: gate {list(gate.shape)} and up {list(up.shape)} differ")
     width = gate.shape[-1]
@@ -61,11 +71,29 @@ def silu_mul(act, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     if g2.stride(-1) != 1 or u2.stride(-1) != 1:
         raise ValueError("silu_mul: gate and up need a unit stride in their last dimension")
     out = torch.empty(g2.shape, dtype=gate.dtype, device=gate.device)
+    if lora is not None:
+        _silu_mul_lora(g2, u2, out, lora)
+        return out.view(gate.shape)
     grid = (g2.shape[0], triton.cdiv(width, SILU_BLOCK))
     early = pdl.use_for(gate.device)
     _silu_mul_kernel[grid](g2, u2, out, width, g2.stride(0), u2.stride(0), out.stride(0), BLOCK=SILU_BLOCK,
                            PDL=early, launch_pdl=early, num_warps=4)
     return out.view(gate.shape)
+
+
+def _silu_mul_lora(g2: torch.Tensor, u2: torch.Tensor, out: torch.Tensor, lora: "lora_kernels.Shrunk") -> None:
+    plan, (m, width) = lora.plan, g2.shape
+    if plan.n_total != 2 * width or lora.m != m or u2.data_ptr() - g2.data_ptr() != width * g2.element_size():
+        raise ValueError(f"silu_mul: with lora=, gate and up must be the halves of one [{m}, {plan.n_total}] group "
+                         f"output its plan covers; got gate/up [{m}, {width}] of a {lora.m}-row shrink")
+    r_gate, rank_gate, scale_gate = lora.member(0)
+    r_up, rank_up, scale_up = lora.member(width)
+    grid = (triton.cdiv(width, LORA_BLOCK_N), triton.cdiv(m, lora.block_m))
+    _silu_mul_lora_kernel[grid](
+        g2, u2, out, lora.src, plan.b_cat, width, m, plan.a_cat.shape[0], g2.stride(0), u2.stride(0), out.stride(0),
+        plan.b_cat.stride(0), r_gate, rank_gate, scale_gate, r_up, rank_up, scale_up, SPLITS=lora.splits,
+        BLOCK_M=lora.block_m, BLOCK_N=LORA_BLOCK_N, RP=plan.padded_rank, PRECISION=lora.precision, PDL=lora.early,
+        launch_pdl=lora.early, num_warps=lora_kernels.EXPAND_WARPS)
 
 
 def _launch_norm(x, delta, weight, eps, summed, h) -> None:
@@ -119,3 +147,34 @@ if triton is not None:
         u = tl.load(u_ptr + row * su + cols, mask=ok, other=0.0)
         a = (g / (1.0 + tl.exp(-g))).to(o_ptr.dtype.element_ty)
         tl.store(o_ptr + row * so + cols, (a.to(tl.float32) * u.to(tl.float32)).to(o_ptr.dtype.element_ty), mask=ok)
+
+    @triton.jit
+    def _silu_mul_lora_kernel(g_ptr, u_ptr, o_ptr, xa_ptr, b_ptr, width, M, R, sg, su, so, sb,
+                              r_gate, rank_gate, scale_gate, r_up, rank_up, scale_up, SPLITS: tl.constexpr,
+                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, RP: tl.constexpr, PRECISION: tl.constexpr,
+                              PDL: tl.constexpr):
+        """Program (block of columns, block of rows): gate and up each plus its adapter's
+        ``scale * xa @ B^T`` (rounded once, as the expand kernel does), then silu(gate) rounded, times up, rounded.
+        A member without an adapter has rank 0 and zero ``B`` rows: it adds exactly nothing."""
+        pid_n, pid_m = tl.program_id(0), tl.program_id(1)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        ok_n = cols < width
+        rr = tl.arange(0, RP)
+        # B is constant during a rollout: loaded before the wait, while the shrink kernel still runs
+        b_gate = tl.load(b_ptr + cols[:, None] * sb + rr[None, :], mask=ok_n[:, None], other=0.0)
+        b_up = tl.load(b_ptr + (width + cols)[:, None] * sb + rr[None, :], mask=ok_n[:, None], other=0.0)
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        ok_m = rows < M
+        dtype = o_ptr.dtype.element_ty
+        xa_gate = lora_kernels.member_xa(xa_ptr, rows, ok_m, r_gate, rank_gate, M, R, SPLITS, BLOCK_M, RP).to(dtype)
+        xa_up = lora_kernels.member_xa(xa_ptr, rows, ok_m, r_up, rank_up, M, R, SPLITS, BLOCK_M, RP).to(dtype)
+        ok = ok_m[:, None] & ok_n[None, :]
+        g = tl.load(g_ptr + rows[:, None] * sg + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+        u = tl.load(u_ptr + rows[:, None] * su + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+        g = (g + scale_gate * tl.dot(xa_gate, tl.trans(b_gate), input_precision=PRECISION)).to(dtype).to(tl.float32)
+        u = (u + scale_up * tl.dot(xa_up, tl.trans(b_up), input_precision=PRECISION)).to(dtype)
+        a = (g / (1.0 + tl.exp(-g))).to(dtype)
+        tl.store(o_ptr + rows[:, None] * so + cols[None, :], (a.to(tl.float32) * u.to(tl.float32)).to(dtype), mask=ok)

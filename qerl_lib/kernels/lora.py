@@ -200,15 +200,39 @@ def split_rule(m: int, k: int, padded_rank: int) -> tuple[int, int, bool]:
     return splits, k_per, splits > 1 and m <= FEW_ROWS and padded_rank > EXPAND_SUMS_UP_TO_RANK
 
 
-def apply_(out: torch.Tensor, x: torch.Tensor, plan: GroupPlan, use_pdl: bool | None = None) -> torch.Tensor:
-    """In place: ``out [M, N] += each member's scale * (x [M, K] @ A^T) @ B^T`` (two launches).
+@dataclass
+class Shrunk:
+    """What ``shrink_`` leaves for the expand step: ``xa = x @ A_cat^T`` of ``m`` rows, either summed
+    (``src [m, R]`` in the activation dtype, ``splits == 1``) or as ``splits`` fp32 K-slice partials
+    ``src [splits, m, R]`` for the reader to add in slice order. ``early``: the kernels after it use PDL."""
 
-    Call it right after the GEMM that wrote ``out`` (see the module docstring); ``use_pdl=False``
-    launches both kernels plainly, for any other order. Check ``supported`` first."""
-    m, k = x.shape
-    if out.shape[1] != plan.n_total or k != plan.a_cat.shape[1]:
+    src: torch.Tensor
+    splits: int
+    m: int
+    plan: GroupPlan
+    block_m: int
+    precision: str
+    early: bool
+
+    def member(self, n_start: int) -> tuple[int, int, float]:
+        """``(r_start, rank, scale)`` of the member whose columns start at ``n_start``; ``(0, 0, 0.0)`` if
+        that member has no adapter (its rows of ``b_cat`` are zero and rank 0 masks its ``xa``)."""
+        for n0, _, r0, r, scale in self.plan.members:
+            if n0 == n_start:
+                return r0, r, scale
+        return 0, 0, 0.0
+
+
+def check_shapes(out: torch.Tensor, x: torch.Tensor, plan: GroupPlan) -> None:
+    """Raise if ``out [M, N]`` and ``x [M, K]`` do not fit ``plan``."""
+    if out.shape[1] != plan.n_total or x.shape[1] != plan.a_cat.shape[1]:
         raise ValueError(f"lora.apply_: out {list(out.shape)} / x {list(x.shape)} do not match the plan "
                          f"(N = {plan.n_total}, K = {plan.a_cat.shape[1]})")
+
+
+def shrink_(x: torch.Tensor, plan: GroupPlan, use_pdl: bool | None = None) -> Shrunk:
+    """The first launch of ``apply_``: ``x [M, K] @ A_cat^T`` (see ``apply_`` for when to call it)."""
+    m, k = x.shape
     r_total = plan.a_cat.shape[0]
     splits, k_per, reduce_in_shrink = split_rule(m, k, plan.padded_rank)
     block_m = min(64, max(16, triton.next_power_of_2(m)))
@@ -216,18 +240,34 @@ def apply_(out: torch.Tensor, x: torch.Tensor, plan: GroupPlan, use_pdl: bool | 
     partial = torch.empty(splits, m, r_total, dtype=torch.float32, device=x.device) if splits > 1 else xa
     early = pdl.use_for(x.device) if use_pdl is None else (bool(use_pdl) and pdl.use_for(x.device))
     precision = "ieee" if x.dtype == torch.float32 else "tf32"  # tf32 is ignored for 16-bit inputs
-    m_tiles = triton.cdiv(m, block_m)
-    _shrink_kernel[(triton.cdiv(r_total, RANK_BLOCK), splits, m_tiles)](
+    _shrink_kernel[(triton.cdiv(r_total, RANK_BLOCK), splits, triton.cdiv(m, block_m))](
         x, plan.a_cat, partial, xa, plan.counters, m, k, r_total, k_per, x.stride(0), plan.a_cat.stride(0),
         SPLITS=splits, REDUCE=reduce_in_shrink, BLOCK_M=block_m, BLOCK_R=RANK_BLOCK, BLOCK_K=BLOCK_K,
         PRECISION=precision, PDL=early, launch_pdl=early, num_warps=SHRINK_WARPS_FEW_ROWS if m <= FEW_ROWS else SHRINK_WARPS)
     summed = splits == 1 or reduce_in_shrink
-    _expand_kernel[(plan.tiles.shape[0], m_tiles)](
-        xa if summed else partial, plan.b_cat, out, plan.tiles, plan.r_start, plan.rank, plan.scale, m, r_total,
-        out.stride(0), plan.b_cat.stride(0), SPLITS=1 if summed else splits, BLOCK_M=block_m, BLOCK_N=BLOCK_N,
-        RP=plan.padded_rank,
-        PRECISION=precision, PDL=early, launch_pdl=early, num_warps=EXPAND_WARPS)
+    return Shrunk(xa if summed else partial, 1 if summed else splits, m, plan, block_m, precision, early)
+
+
+def expand_(out: torch.Tensor, shrunk: Shrunk) -> torch.Tensor:
+    """The second launch of ``apply_``: ``out += each member's scale * xa @ B^T``, in place."""
+    plan, m = shrunk.plan, shrunk.m
+    _expand_kernel[(plan.tiles.shape[0], triton.cdiv(m, shrunk.block_m))](
+        shrunk.src, plan.b_cat, out, plan.tiles, plan.r_start, plan.rank, plan.scale, m, plan.a_cat.shape[0],
+        out.stride(0), plan.b_cat.stride(0), SPLITS=shrunk.splits, BLOCK_M=shrunk.block_m, BLOCK_N=BLOCK_N,
+        RP=plan.padded_rank, PRECISION=shrunk.precision, PDL=shrunk.early, launch_pdl=shrunk.early,
+        num_warps=EXPAND_WARPS)
     return out
+
+
+def apply_(out: torch.Tensor, x: torch.Tensor, plan: GroupPlan, use_pdl: bool | None = None) -> torch.Tensor:
+    """In place: ``out [M, N] += each member's scale * (x [M, K] @ A^T) @ B^T`` (two launches:
+    ``shrink_``, then ``expand_``; or ``shrink_`` and a kernel that reads ``out`` and adds the expand
+    itself, as ``engine/glue.py``'s SiLU x up does).
+
+    Call it right after the GEMM that wrote ``out`` (see the module docstring); ``use_pdl=False``
+    launches both kernels plainly, for any other order. Check ``supported`` first."""
+    check_shapes(out, x, plan)
+    return expand_(out, shrink_(x, plan, use_pdl))
 
 
 def interpreting() -> bool:
@@ -281,6 +321,18 @@ if triton is not None:
                 tl.atomic_xchg(counter, 0)  # ready for the next call (and for a replayed graph)
 
     @triton.jit
+    def member_xa(xa_ptr, rows, ok_m, r0, rank, M, R, SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, RP: tl.constexpr):
+        """fp32 ``xa [rows, RP]`` of one member (ranks ``r0 .. r0 + rank``, zero above): ``SPLITS`` = 1 reads the
+        summed ``xa``, else adds that many fp32 K-slice partials in slice order (deterministic bits). Round it to
+        the activation dtype before use, as the torch path's ``xa`` tensor is."""
+        rr = tl.arange(0, RP)
+        ok_xa = ok_m[:, None] & (rr < rank)[None, :]
+        xa = tl.zeros((BLOCK_M, RP), dtype=tl.float32)
+        for s in range(SPLITS):
+            xa += tl.load(xa_ptr + (s * M + rows[:, None]) * R + r0 + rr[None, :], mask=ok_xa, other=0.0).to(tl.float32)
+        return xa
+
+    @triton.jit
     def _expand_kernel(xa_ptr, b_ptr, out_ptr, tiles_ptr, r_start_ptr, rank_ptr, scale_ptr, M, R, so, sb,
                        SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, RP: tl.constexpr, PRECISION: tl.constexpr,
                        PDL: tl.constexpr):
@@ -302,11 +354,7 @@ if triton is not None:
             gdc_launch_dependents()
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         ok_m = rows < M
-        ok_xa = ok_m[:, None] & (rr < rank)[None, :]
-        xa = tl.zeros((BLOCK_M, RP), dtype=tl.float32)
-        for s in range(SPLITS):  # fixed order: deterministic bits
-            xa += tl.load(xa_ptr + (s * M + rows[:, None]) * R + r0 + rr[None, :], mask=ok_xa, other=0.0).to(tl.float32)
-        xa = xa.to(out_ptr.dtype.element_ty)  # the torch path's xa is a tensor of the activation dtype
+        xa = member_xa(xa_ptr, rows, ok_m, r0, rank, M, R, SPLITS, BLOCK_M, RP).to(out_ptr.dtype.element_ty)
         delta = tl.dot(xa, tl.trans(b), input_precision=PRECISION)
         ptrs = out_ptr + rows[:, None] * so + cols[None, :]
         ok = ok_m[:, None] & ok_n[None, :]
