@@ -187,6 +187,17 @@ def test_engine_buffers_refresh_reaches_the_plan():
     assert slots[1] is None
 
 
+def test_gate_up_fold_by_default_only_above_few_rows():
+    from qerl_lib.engine.forward import ForwardPass, ModelView
+    from tests.test_engine import tiny_model
+
+    view = ModelView(tiny_model("qwen2"))
+    auto = ForwardPass(view)
+    assert not auto.folds_gate_up(lk.FEW_ROWS) and auto.folds_gate_up(lk.FEW_ROWS + 1)
+    assert ForwardPass(view, lora_fold=True).folds_gate_up(1)
+    assert not ForwardPass(view, lora_fold=False).folds_gate_up(256)
+
+
 def test_unsupported_inputs_take_the_torch_path():
     x = torch.randn(4, 8)
     assert not lk.supported(torch.randn(4, 10), x)  # CPU without the interpreter (and float32)

@@ -227,7 +227,7 @@ class ForwardPass:
     def __init__(self, view: ModelView, decode_attention: str = "sdpa", fuse_elementwise: bool = False,
                  bypass_peft: bool = False, fuse_projections: bool = False, glue_kernels: bool = False,
                  attention_launch: AttentionLaunch | None = None, lora_kernels: bool = False,
-                 lora_in_gemm: bool = False, lora_fold: bool = False):
+                 lora_in_gemm: bool = False, lora_fold: bool | None = None):
         if decode_attention not in DECODE_ATTENTION:
             raise ValueError(f"decode_attention must be one of {DECODE_ATTENTION}, got {decode_attention!r}")
         self.view = view
@@ -242,8 +242,10 @@ class ForwardPass:
         # lora_in_gemm: with lora_kernels, an NVFP4 group on the mma.sync path adds its adapters in its own GEMM
         # (off by default: slower than the two launches of kernels/lora.py on an H100, dev/LOG.md section 25)
         self.lora_in_gemm = bool(lora_in_gemm)
-        # lora_fold: with lora_kernels and the glue kernels, the gate/up group's expand is added by SiLU x up
-        self.lora_fold = bool(lora_fold)
+        # lora_fold: with lora_kernels and the glue kernels, the gate/up group's expand is added by SiLU x up;
+        # None: above kernels/lora.FEW_ROWS rows only (H100: -0.7 to -1.3 points of step time at batch 32 / 64,
+        # +6 points at batch 8 r16; dev/LOG.md section 29)
+        self.lora_fold = None if lora_fold is None else bool(lora_fold)
         # bypass_peft: call peft's base layers, because the engine applies the adapters itself (lora=...)
         self._groups = [{g: [view.projection(i, p, base=bypass_peft) for p in members]
                          for g, members in PROJECTION_GROUPS.items()} for i in range(view.n_layers)]
@@ -319,6 +321,11 @@ class ForwardPass:
         """True when a fused group's members no longer read the shared buffers (tensors replaced)."""
         return any(f is not None and not f.is_current() for groups in self._fused for f in groups.values())
 
+    def folds_gate_up(self, rows: int) -> bool:
+        """Whether a step of ``rows`` tokens adds the gate/up adapters inside SiLU x up (``lora_fold``; where
+        the LoRA kernels, the glue kernels and fused gate/up all apply)."""
+        return self.lora_fold if self.lora_fold is not None else rows > lora_kernels_mod.FEW_ROWS
+
     def _project(self, layer: int, group: str, x: torch.Tensor) -> list[torch.Tensor]:
         return self._project_parts(layer, group, x)[0]
 
@@ -378,7 +385,7 @@ class ForwardPass:
             (o,) = self._project(i, "o", attn)
             x, h = ops.residual_norm(x, o, w[2 * i + 1], view.eps[i][1])
             # lora_fold: the gate/up group's expand runs inside the SiLU x up kernel (glue.silu_mul's lora=)
-            fold = self.lora_fold and ops.gated is engine_glue.silu_mul and self._fused[i]["gate_up"] is not None
+            fold = self.folds_gate_up(bsz * seq) and ops.gated is engine_glue.silu_mul and self._fused[i]["gate_up"] is not None
             (gate, up), shrunk = self._project_parts(i, "gate_up", h, defer=fold)
             act_in = engine_glue.silu_mul(self._act, gate, up, lora=shrunk) if shrunk is not None else ops.gated(self._act, gate, up)
             (down,) = self._project(i, "down", act_in)

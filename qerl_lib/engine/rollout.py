@@ -128,7 +128,8 @@ class RolloutEngine:
     runs on the mma.sync kernel (decode, M <= 8) has that kernel add its adapters in the same launch
     (default off: it measured slower than the two-launch path on an H100, dev/LOG.md section 25).
     ``lora_fold``: with those kernels and the glue kernels, the gate/up group's expand is added by the
-    SiLU x up kernel instead of a launch of its own (``engine/glue.silu_mul``; dev/LOG.md section 29).
+    SiLU x up kernel instead of a launch of its own (``engine/glue.silu_mul``); default (None): above 8
+    rows, where it measured faster on an H100 (slower at batch 8; dev/LOG.md section 29).
     """
 
     def __init__(self, model, max_seq_len: int | None = None, decode_backend: str = "auto",
@@ -136,7 +137,7 @@ class RolloutEngine:
                  batch_buckets: tuple[int, ...] = BATCH_BUCKETS, check_every: int = 16, keep_alive: bool = True,
                  fuse_projections: bool | None = None, glue_kernels: bool = True,
                  attention_launch: AttentionLaunch | None = None, lora_kernels: bool | None = None,
-                 lora_in_gemm: bool = False, lora_fold: bool = False):
+                 lora_in_gemm: bool = False, lora_fold: bool | None = None):
         if decode_backend not in DECODE_BACKENDS:
             raise ValueError(f"decode_backend must be one of {DECODE_BACKENDS}, got {decode_backend!r}")
         view = ModelView(model)  # validates the architecture now, not at the first call
@@ -158,7 +159,7 @@ class RolloutEngine:
         self.attention_launch = attention_launch
         self.lora_kernels = (on_cuda and decode_backend != "compile") if lora_kernels is None else bool(lora_kernels)
         self.lora_in_gemm = bool(lora_in_gemm)
-        self.lora_fold = bool(lora_fold)
+        self.lora_fold = None if lora_fold is None else bool(lora_fold)
         self.max_seq_len = int(max_seq_len or view.max_positions or 4096)
         self.length_step = int(length_step)
         self.batch_buckets = tuple(batch_buckets)
