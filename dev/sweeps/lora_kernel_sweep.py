@@ -26,6 +26,7 @@ import torch
 
 sys.path.insert(0, os.getcwd())
 from qerl_lib.bench.rollout import load_bench_model, random_lora, random_prompts  # noqa: E402
+from qerl_lib.engine import forward as forward_mod  # noqa: E402
 from qerl_lib.engine.rollout import RolloutEngine  # noqa: E402
 from qerl_lib.io import provenance  # noqa: E402
 from qerl_lib.kernels import lora as lk  # noqa: E402
@@ -147,7 +148,8 @@ def compare(model, batches: list[int], ranks: list[int], path: str) -> None:
     spec.loader.exec_module(before)
     today_apply = lk.apply_
     # COMPARE_VARIANTS: '{"name": {"CONSTANT": value}}', today's file with module constants changed; the key
-    # "engine" holds RolloutEngine keyword arguments instead (e.g. {"fold": {"engine": {"lora_fold": true}}})
+    # "engine" holds RolloutEngine keyword arguments instead (e.g. {"fold": {"engine": {"lora_fold": true}}}), and
+    # "forward" constants of qerl_lib.engine.forward (e.g. {"norms": {"forward": {"FOLD_GROUPS": ["gate_up", "o"]}}})
     extra = json.loads(os.environ.get("COMPARE_VARIANTS") or "{}")
     rows = []
     for batch in batches:
@@ -159,6 +161,10 @@ def compare(model, batches: list[int], ranks: list[int], path: str) -> None:
             for name in ("before", "today", *extra):
                 consts = dict(extra.get(name, {}))
                 engine_kwargs = consts.pop("engine", {})
+                forward_consts = {c: tuple(v) if isinstance(v, list) else v for c, v in consts.pop("forward", {}).items()}
+                saved_forward = {c: getattr(forward_mod, c) for c in forward_consts}
+                for c, value in forward_consts.items():
+                    setattr(forward_mod, c, value)
                 saved = {c: getattr(lk, c) for c in consts}
                 if name == "before":  # the old file's apply_ (its kernels and launch constants)
                     lk.apply_ = before.apply_
@@ -170,6 +176,8 @@ def compare(model, batches: list[int], ranks: list[int], path: str) -> None:
                     lk.apply_ = today_apply
                     for c, value in saved.items():
                         setattr(lk, c, value)
+                    for c, value in saved_forward.items():
+                        setattr(forward_mod, c, value)
                 rows.append({"variant": name, "batch": batch, "rank": rank, "ms": ms, "overhead_pct": 100 * (ms / base - 1)})
                 print(f"batch {batch:3d} rank {rank:3d} {name:12s}: {ms:.3f} ms (+{100 * (ms / base - 1):.1f}%)", flush=True)
                 _write(rows, {"batches": batches, "ranks": ranks, "before": path}, "lora_compare.json")
