@@ -6,9 +6,6 @@ and programmatic dependent launch of the NVFP4 mma kernel after them.
   in another order than torch, so results agree within one rounding step of the dtype (1e-6
   relative for float32; 2^-10 for float16, on <1% of elements); the residual sum is exact.
   The interpreter rounds bf16 conversions wrongly, so bf16 is a GPU test.
-* Residual + RMSNorm adding a one-member group's (o, down) LoRA expand to ``delta`` (``lora=``): in the
-  interpreter (float32) against the reference within 1e-5, widths below, at and above one column chunk, a
-  rank that pads, partials summed by either kernel. Its CUDA form is exercised by the engine tests.
 * SiLU x up adding the gate/up group's LoRA expand (``lora=``): in the interpreter (float32) against the
   reference (``kernels/lora.reference_apply``, then SiLU x up) within 1e-5 of the output's scale, for
   both members adapted, one absent, ranks that pad, two row blocks, partials summed by either kernel;
@@ -103,19 +100,6 @@ FOLD_SCRIPT = textwrap.dedent("""
         out[i] = {"err": float((got - ref).abs().max() / ref.abs().max()),
                   "effect": float((ref - plain).abs().max() / ref.abs().max()),
                   "output_untouched": bool(torch.equal(base, kept))}
-    from qerl_lib.engine.forward import residual_rms_norm
-    for i, (m, k, width, rank) in enumerate([(9, 700, 1000, 16), (20, 2500, 3584, 40), (3, 300, 96, 5)]):
-        plan, x_in, delta = make_group(m, k, [(width, rank, 1.5)], torch.float32, "cpu", seed=20 + i)
-        g = torch.Generator().manual_seed(i)
-        x, w = torch.randn(m, width, generator=g), 1 + 0.1 * torch.randn(width, generator=g)
-        kept = delta.clone()
-        s, h = glue.residual_rms_norm(x, delta, w, 1e-6, lora=lk.shrink_(x_in, plan))
-        s0, h0 = residual_rms_norm(x, lk.reference_apply(delta.clone(), x_in, plan), w, 1e-6)
-        _, h_plain = residual_rms_norm(x, delta, w, 1e-6)
-        out[f"norm{i}"] = {"sum_err": float((s - s0).abs().max() / s0.abs().max()),
-                           "err": float((h - h0).abs().max() / h0.abs().max()),
-                           "effect": float((h0 - h_plain).abs().max() / h0.abs().max()),
-                           "output_untouched": bool(torch.equal(delta, kept))}
     print("RESULTS " + json.dumps(out))
 """)
 
@@ -130,14 +114,6 @@ def test_silu_mul_with_lora_matches_the_reference_in_the_interpreter(interpreted
     r = interpreted_fold[str(i)]
     assert r["effect"] > 0.05, "the adapters must change the activation for the test to mean anything"
     assert r["err"] <= 1e-5, r
-    assert r["output_untouched"]
-
-
-@pytest.mark.parametrize("i", range(3))
-def test_residual_norm_with_lora_matches_the_reference_in_the_interpreter(interpreted_fold, i):
-    r = interpreted_fold[f"norm{i}"]
-    assert r["effect"] > 0.05, "the adapter must change the normed output for the test to mean anything"
-    assert r["sum_err"] <= 1e-5 and r["err"] <= 1e-5, r
     assert r["output_untouched"]
 
 

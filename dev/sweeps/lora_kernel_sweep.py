@@ -149,7 +149,8 @@ def compare(model, batches: list[int], ranks: list[int], path: str) -> None:
     today_apply = lk.apply_
     # COMPARE_VARIANTS: '{"name": {"CONSTANT": value}}', today's file with module constants changed; the key
     # "engine" holds RolloutEngine keyword arguments instead (e.g. {"fold": {"engine": {"lora_fold": true}}}), and
-    # "forward" constants of qerl_lib.engine.forward (e.g. {"norms": {"forward": {"FOLD_GROUPS": ["gate_up", "o"]}}})
+    # "forward" constants of qerl_lib.engine.forward (section 29's {"norms too": {"forward": {"FOLD_GROUPS": ["gate_up",
+    # "o"]}}} needs commit e62f1b9, where that switch existed)
     extra = json.loads(os.environ.get("COMPARE_VARIANTS") or "{}")
     rows = []
     for batch in batches:

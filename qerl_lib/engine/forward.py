@@ -137,9 +137,6 @@ class ModelView:
         return tuple(sig)
 
 
-FOLD_GROUPS = ("gate_up",)  # experiment switch (section 29): with "o", o's and down's expands go into the norms
-
-
 def _eos_ids(generation_config, config) -> tuple[int, ...]:
     """Stop tokens: the generation config's eos_token_id (int or list), else the model config's."""
     eos = getattr(generation_config, "eos_token_id", None) if generation_config is not None else None
@@ -385,20 +382,16 @@ class ForwardPass:
             v = v.view(bsz, seq, -1, view.head_dim).transpose(1, 2)
             q, k = ops.rope(q, k, cos, sin)
             attn = attend(i, q, k, v, ops).transpose(1, 2).reshape(bsz, seq, -1)
-            fold_norms = "o" in FOLD_GROUPS and self.folds_gate_up(bsz * seq) and ops.residual_norm is engine_glue.residual_rms_norm
-            (o,), shrunk = self._project_parts(i, "o", attn, defer=fold_norms)
-            x, h = (engine_glue.residual_rms_norm(x, o, w[2 * i + 1], view.eps[i][1], lora=shrunk) if shrunk is not None
-                    else ops.residual_norm(x, o, w[2 * i + 1], view.eps[i][1]))
+            (o,) = self._project(i, "o", attn)
+            x, h = ops.residual_norm(x, o, w[2 * i + 1], view.eps[i][1])
             # lora_fold: the gate/up group's expand runs inside the SiLU x up kernel (glue.silu_mul's lora=)
-            fold = ("gate_up" in FOLD_GROUPS and self.folds_gate_up(bsz * seq) and ops.gated is engine_glue.silu_mul
-                    and self._fused[i]["gate_up"] is not None)
+            fold = self.folds_gate_up(bsz * seq) and ops.gated is engine_glue.silu_mul and self._fused[i]["gate_up"] is not None
             (gate, up), shrunk = self._project_parts(i, "gate_up", h, defer=fold)
             act_in = engine_glue.silu_mul(self._act, gate, up, lora=shrunk) if shrunk is not None else ops.gated(self._act, gate, up)
-            (down,), shrunk = self._project_parts(i, "down", act_in, defer=fold_norms)
+            (down,) = self._project(i, "down", act_in)
             last = i == view.n_layers - 1
-            w_next, eps_next = (w[-1], view.final_eps) if last else (w[2 * i + 2], view.eps[i + 1][0])
-            x, h = (engine_glue.residual_rms_norm(x, down, w_next, eps_next, lora=shrunk) if shrunk is not None
-                    else ops.residual_norm(x, down, w_next, eps_next))
+            x, h = ops.residual_norm(x, down, w[-1] if last else w[2 * i + 2],
+                                     view.final_eps if last else view.eps[i + 1][0])
         return h
 
     def prefill(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None, cache,

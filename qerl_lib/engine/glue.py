@@ -54,14 +54,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return h
 
 
-def residual_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float,
-                      lora: "lora_kernels.Shrunk | None" = None):
-    """``forward.residual_rms_norm`` as one kernel: returns ``(x + delta, rms_norm(x + delta))``. ``lora``: the
-    shrink of the one-member group (o or down) whose output ``delta`` is; its expand is added to ``delta`` first."""
+def residual_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float):
+    """``forward.residual_rms_norm`` as one kernel: returns ``(x + delta, rms_norm(x + delta))``."""
     summed, h = torch.empty_like(x), torch.empty_like(x)
-    if lora is not None:
-        _launch_norm_lora(x, delta, weight, eps, summed, h, lora)
-        return summed, h
     _launch_norm(x, delta, weight, eps, summed, h)
     return summed, h
 
@@ -100,26 +95,6 @@ def _silu_mul_lora(g2: torch.Tensor, u2: torch.Tensor, out: torch.Tensor, lora: 
         plan.b_cat.stride(0), r_gate, rank_gate, scale_gate, r_up, rank_up, scale_up, SPLITS=lora.splits,
         BLOCK_M=lora.block_m, BLOCK_N=LORA_BLOCK_N, RP=plan.padded_rank, PRECISION=lora.precision, PDL=lora.early,
         launch_pdl=lora.early, num_warps=lora_kernels.EXPAND_WARPS)
-
-
-NORM_LORA_CHUNK = 512  # columns per step of the residual + RMSNorm kernel that adds a LoRA expand
-
-
-def _launch_norm_lora(x, delta, weight, eps, summed, h, lora: "lora_kernels.Shrunk") -> None:
-    width = x.shape[-1]
-    x2, d2, s2, h2 = x.reshape(-1, width), delta.reshape(-1, width), summed.view(-1, width), h.view(-1, width)
-    plan, m = lora.plan, x2.shape[0]
-    if plan.n_total != width or len(plan.members) != 1 or lora.m != m:
-        raise ValueError(f"residual_rms_norm: lora= must be the shrink of a one-member group of width {width} "
-                         f"over {m} rows; got {len(plan.members)} members, width {plan.n_total}, {lora.m} rows")
-    if x2.stride(-1) != 1 or d2.stride(-1) != 1 or weight.stride(-1) != 1:
-        raise ValueError("rms_norm: inputs need a unit stride in their last dimension")
-    r0, rank, scale = lora.member(0)
-    _rms_norm_lora_kernel[(m,)](
-        x2, d2, weight, s2, h2, lora.src, plan.b_cat, float(eps), width, x2.stride(0), d2.stride(0), s2.stride(0),
-        h2.stride(0), m, plan.a_cat.shape[0], r0, rank, scale, plan.b_cat.stride(0), SPLITS=lora.splits,
-        RP=plan.padded_rank, CHUNK=NORM_LORA_CHUNK, NCHUNK=triton.cdiv(width, NORM_LORA_CHUNK), PDL=lora.early,
-        launch_pdl=lora.early, num_warps=8)
 
 
 def _launch_norm(x, delta, weight, eps, summed, h) -> None:
@@ -204,42 +179,3 @@ if triton is not None:
         u = (u + scale_up * tl.dot(xa_up, tl.trans(b_up), input_precision=PRECISION)).to(dtype)
         a = (g / (1.0 + tl.exp(-g))).to(dtype)
         tl.store(o_ptr + rows[:, None] * so + cols[None, :], (a.to(tl.float32) * u.to(tl.float32)).to(dtype), mask=ok)
-
-    @triton.jit
-    def _rms_norm_lora_kernel(x_ptr, d_ptr, w_ptr, s_ptr, h_ptr, xa_ptr, b_ptr, eps, width, sx, sd, ss, sh, M, R,
-                              r0, rank, scale, sb, SPLITS: tl.constexpr, RP: tl.constexpr, CHUNK: tl.constexpr,
-                              NCHUNK: tl.constexpr, PDL: tl.constexpr):
-        """One program per row: delta plus its adapter's ``scale * xa @ B^T`` (rounded once), then x + that and
-        its RMSNorm times the weight. Two passes over the row in CHUNK columns: the sum and its squares, then
-        the normalization from the sum this program has just written."""
-        if PDL:
-            gdc_wait()
-            gdc_launch_dependents()
-        row = tl.program_id(0)
-        dtype = x_ptr.dtype.element_ty
-        rr = tl.arange(0, RP)
-        ok_r = rr < rank
-        xa = tl.zeros([RP], dtype=tl.float32)
-        for s in range(SPLITS):  # slice order, as the expand kernel
-            xa += tl.load(xa_ptr + (s * M + row) * R + r0 + rr, mask=ok_r, other=0.0).to(tl.float32)
-        xa = xa.to(dtype).to(tl.float32)
-        squares = tl.zeros([CHUNK], dtype=tl.float32)
-        for c in tl.static_range(NCHUNK):
-            cols = c * CHUNK + tl.arange(0, CHUNK)
-            ok = cols < width
-            b = tl.load(b_ptr + cols[:, None] * sb + rr[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
-            d = tl.load(d_ptr + row * sd + cols, mask=ok, other=0.0).to(tl.float32)
-            d = (d + scale * tl.sum(b * xa[None, :], axis=1)).to(dtype)
-            x = tl.load(x_ptr + row * sx + cols, mask=ok, other=0.0)
-            x = (x.to(tl.float32) + d.to(tl.float32)).to(dtype)
-            tl.store(s_ptr + row * ss + cols, x, mask=ok)
-            squares += tl.where(ok, x.to(tl.float32) * x.to(tl.float32), 0.0)
-        inv = 1.0 / tl.sqrt_rn(tl.sum(squares, axis=0) / width + eps)
-        tl.debug_barrier()  # this program's stores of the sum are visible to all its threads
-        for c in tl.static_range(NCHUNK):
-            cols = c * CHUNK + tl.arange(0, CHUNK)
-            ok = cols < width
-            x = tl.load(s_ptr + row * ss + cols, mask=ok, other=0.0)
-            normed = (x.to(tl.float32) * inv).to(dtype)
-            w = tl.load(w_ptr + cols, mask=ok, other=0.0)
-            tl.store(h_ptr + row * sh + cols, (w.to(tl.float32) * normed.to(tl.float32)).to(dtype), mask=ok)
