@@ -153,6 +153,11 @@ def test_plan_errors_name_the_problem():
         lk.build_plan(torch.zeros(4, 8), 10, [(0, 12, 0, 4, 1.0)])
     with pytest.raises(ValueError, match="out of range"):
         lk.build_plan(torch.zeros(4, 8), 10, [(0, 10, 2, 4, 1.0)])
+    plan = lk.build_plan(torch.zeros(4, 8), 10, [(0, 10, 0, 4, 1.0)])
+    with pytest.raises(ValueError, match="do not match the plan"):  # checked before any launch
+        lk.apply_(torch.zeros(2, 12), torch.zeros(2, 8), plan)
+    with pytest.raises(ValueError, match="do not match the plan"):
+        lk.apply_(torch.zeros(2, 10), torch.zeros(2, 9), plan)
 
 
 def test_engine_buffers_refresh_reaches_the_plan():

@@ -385,9 +385,13 @@ class ForwardPass:
             (o,) = self._project(i, "o", attn)
             x, h = ops.residual_norm(x, o, w[2 * i + 1], view.eps[i][1])
             # lora_fold: the gate/up group's expand runs inside the SiLU x up kernel (glue.silu_mul's lora=)
-            fold = self.folds_gate_up(bsz * seq) and ops.gated is engine_glue.silu_mul and self._fused[i]["gate_up"] is not None
+            fold = (self.folds_gate_up(bsz * seq) and ops.gated is engine_glue.silu_mul
+                    and self._fused[i]["gate_up"] is not None)
             (gate, up), shrunk = self._project_parts(i, "gate_up", h, defer=fold)
-            act_in = engine_glue.silu_mul(self._act, gate, up, lora=shrunk) if shrunk is not None else ops.gated(self._act, gate, up)
+            if shrunk is not None:
+                act_in = engine_glue.silu_mul(self._act, gate, up, lora=shrunk)
+            else:
+                act_in = ops.gated(self._act, gate, up)
             (down,) = self._project(i, "down", act_in)
             last = i == view.n_layers - 1
             x, h = ops.residual_norm(x, down, w[-1] if last else w[2 * i + 2],

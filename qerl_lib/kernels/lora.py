@@ -26,6 +26,10 @@ How (``apply_``)
   offset, rank and scale come from small per-tile tables); each multiplies ``xa`` by its ``B``
   tile and adds ``scale *`` that to ``out`` in fp32, rounding once (as ``addmm`` does). All members
   of a group share one launch: 2 launches per group instead of 1 + members.
+* ``apply_`` is ``shrink_`` then ``expand_``. A kernel that reads the group's output anyway may take
+  ``shrink_``'s result (``Shrunk``) and add the expand itself with ``member_xa``: the engine's SiLU x up
+  does so for gate/up above ``FEW_ROWS`` rows (``engine/glue.py``). Folding o's and down's expands into
+  the residual + RMSNorm kernel (one program per row) measured slower (dev/LOG.md section 29).
 * ``B`` lives in one zero-padded buffer per group, ``[N, RP]`` with ``RP`` the largest rank
   rounded up to a power of two (>= 16, the tensor-core minimum); the engine's per-member ``B``
   buffers are views into it, so refreshing the adapters each call updates both paths.
@@ -226,7 +230,7 @@ class Shrunk:
 def check_shapes(out: torch.Tensor, x: torch.Tensor, plan: GroupPlan) -> None:
     """Raise if ``out [M, N]`` and ``x [M, K]`` do not fit ``plan``."""
     if out.shape[1] != plan.n_total or x.shape[1] != plan.a_cat.shape[1]:
-        raise ValueError(f"lora.apply_: out {list(out.shape)} / x {list(x.shape)} do not match the plan "
+        raise ValueError(f"kernels/lora: out {list(out.shape)} / x {list(x.shape)} do not match the plan "
                          f"(N = {plan.n_total}, K = {plan.a_cat.shape[1]})")
 
 
@@ -243,7 +247,8 @@ def shrink_(x: torch.Tensor, plan: GroupPlan, use_pdl: bool | None = None) -> Sh
     _shrink_kernel[(triton.cdiv(r_total, RANK_BLOCK), splits, triton.cdiv(m, block_m))](
         x, plan.a_cat, partial, xa, plan.counters, m, k, r_total, k_per, x.stride(0), plan.a_cat.stride(0),
         SPLITS=splits, REDUCE=reduce_in_shrink, BLOCK_M=block_m, BLOCK_R=RANK_BLOCK, BLOCK_K=BLOCK_K,
-        PRECISION=precision, PDL=early, launch_pdl=early, num_warps=SHRINK_WARPS_FEW_ROWS if m <= FEW_ROWS else SHRINK_WARPS)
+        PRECISION=precision, PDL=early, launch_pdl=early,
+        num_warps=SHRINK_WARPS_FEW_ROWS if m <= FEW_ROWS else SHRINK_WARPS)
     summed = splits == 1 or reduce_in_shrink
     return Shrunk(xa if summed else partial, 1 if summed else splits, m, plan, block_m, precision, early)
 
