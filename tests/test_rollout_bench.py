@@ -73,3 +73,12 @@ def test_summary_checks_the_lora_targets_of_issue_17():
 def test_bad_weights_name_the_choices():
     with pytest.raises(ValueError, match="choose from bf16, nvfp4, nf4"):
         RolloutBenchConfig(weights=("int4",))
+
+
+def test_lora_fold_choice_is_checked_and_maps_to_the_engine_argument():
+    from qerl_lib.bench.rollout import LORA_FOLD
+
+    with pytest.raises(ValueError, match="lora_fold must be one of auto, on, off"):
+        RolloutBenchConfig(lora_fold="yes")
+    assert RolloutBenchConfig().lora_fold == "auto" and LORA_FOLD["auto"] is None  # the engine's own rule
+    assert LORA_FOLD["on"] is True and LORA_FOLD["off"] is False

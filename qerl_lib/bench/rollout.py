@@ -92,6 +92,7 @@ class RolloutBenchConfig:
     workload: str = "fixed"  # "fixed" (every row gen_len tokens) or "gsm8k-like" (uneven lengths, bench/workloads.py)
     lora_kernels: bool = True  # adapters through kernels/lora.py (False: one matmul per group + one addmm per member)
     lora_in_gemm: bool = False  # NVFP4 decode GEMMs on the mma.sync kernel add their group's adapters themselves
+    lora_fold: str = "auto"  # gate/up's LoRA expand inside SiLU x up: "auto" (above 8 rows), "on", "off"
     scheduling: tuple[str, ...] = ("static",)  # "static": batches of `batch` prompts; "continuous": `batch` rows refilled
     prompts: int | None = None  # completions per rollout (None: one batch); more than the batch queue for its rows
     engines: tuple[str, ...] = ("kit",)  # "vllm": vLLM on the same checkpoint in its own process (bench/vllm_peer.py)
@@ -123,11 +124,16 @@ class RolloutBenchConfig:
         bad = [x for x in self.scheduling if x not in SCHEDULING]
         if bad or not self.scheduling:
             raise ValueError(f"scheduling must be one or more of {', '.join(SCHEDULING)}, got {list(self.scheduling)}")
+        if self.lora_fold not in LORA_FOLD:
+            raise ValueError(f"lora_fold must be one of {', '.join(LORA_FOLD)}, got {self.lora_fold!r}")
         if self.prompts is not None and self.prompts < 1:
             raise ValueError(f"prompts must be >= 1 (completions per rollout), got {self.prompts}")
         if "vllm" in self.engines and self.prompts is not None and len(self.batches) > 1:
             raise ValueError("--prompts with --engines vllm takes one --batch (vLLM's running-sequence cap is "
                              "fixed when its engine starts): run one batch size per call")
+
+
+LORA_FOLD = {"auto": None, "on": True, "off": False}  # RolloutBenchConfig.lora_fold -> RolloutEngine(lora_fold=)
 
 
 @dataclass
@@ -227,7 +233,7 @@ def random_prompts(batch: int, prompt_len: int, vocab: int, seed: int) -> list[l
 def time_engine(model, row: Row, backend: str, lora, repeats: int, seed: int, fuse_projections: bool = True,
                 decode_attention: str | None = None, glue_kernels: bool = True,
                 attention_launch: AttentionLaunch | None = None, lora_kernels: bool | None = None,
-                lora_in_gemm: bool = False) -> Row:
+                lora_in_gemm: bool = False, lora_fold: bool | None = None) -> Row:
     """Fill ``row``'s timings: a fresh ``RolloutEngine`` (the keyword arguments are its own) warmed up,
     then ``repeats`` rollouts of ``row.prompts`` random prompts (default ``row.batch``), each row to its
     length of ``row.workload`` (all ``gen_len`` when "fixed"); medians. ``row.scheduling`` "static" runs
@@ -243,7 +249,7 @@ def time_engine(model, row: Row, backend: str, lora, repeats: int, seed: int, fu
     engine = RolloutEngine(model, decode_backend=backend, max_seq_len=row.prompt_len + row.gen_len,
                            fuse_projections=fuse_projections, decode_attention=decode_attention,
                            glue_kernels=glue_kernels, attention_launch=attention_launch, lora_kernels=lora_kernels,
-                           lora_in_gemm=lora_in_gemm)
+                           lora_in_gemm=lora_in_gemm, lora_fold=lora_fold)
     row.backend = engine.decode_backend
     prompts = random_prompts(n, row.prompt_len, model.config.vocab_size, seed)
     lengths = sample_lengths(row.workload, n, row.gen_len, seed)
@@ -385,7 +391,8 @@ def run_rollout_bench(cfg: RolloutBenchConfig, log=print, checkpoint=None) -> di
                             rows.append(_measure(
                                 lambda row: time_engine(model, row, backend, lora, cfg.repeats, cfg.seed,
                                                         cfg.fuse_projections, cfg.decode_attention,
-                                                        lora_kernels=cfg.lora_kernels, lora_in_gemm=cfg.lora_in_gemm),
+                                                        lora_kernels=cfg.lora_kernels, lora_in_gemm=cfg.lora_in_gemm,
+                                                        lora_fold=LORA_FOLD[cfg.lora_fold]),
                                 Row(name, weights, batch, rank, backend, "qerl", cfg.prompt_len, cfg.gen_len,
                                     weights_gib=weights_gib, workload=cfg.workload, scheduling=scheduling,
                                     prompts=cfg.prompts), log))
@@ -495,6 +502,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lora-in-gemm", action="store_true",
                    help="NVFP4 decode: the mma.sync GEMM adds its group's adapters itself instead of kernels/lora.py's "
                         "two launches after it (measured slower on an H100; dev/LOG.md section 25)")
+    p.add_argument("--lora-fold", choices=tuple(LORA_FOLD), default="auto",
+                   help="the gate/up group's LoRA expand inside the SiLU x up kernel: auto (above 8 rows, where it "
+                        "measured faster on an H100; dev/LOG.md section 29), on, off")
     p.add_argument("--no-lora-kernels", action="store_false", dest="lora_kernels",
                    help="apply adapters with torch matmuls (one per group + one addmm per member) instead of "
                         "kernels/lora.py's two launches per group")
@@ -530,6 +540,7 @@ def run_cli(args) -> int:
                              profile=args.profile, fuse_projections=args.fuse_projections,
                              decode_attention=args.decode_attention, fp4_small_m=args.fp4_small_m,
                              workload=args.workload, lora_kernels=args.lora_kernels, lora_in_gemm=args.lora_in_gemm,
+                             lora_fold=args.lora_fold,
                              scheduling=args.scheduling,
                              prompts=args.prompts, engines=args.engines, vllm_pythonpath=args.vllm_pythonpath,
                              vllm_workdir=args.vllm_workdir)
