@@ -35,7 +35,9 @@ Every RMSNorm weight is *copied into an engine-owned buffer* at the start of eac
 call, from the model or from ``norm_overrides`` (AQN's noisy weights). A CUDA graph replays fixed
 addresses, so a new noisy weight each call takes effect without re-capturing, and the model's
 parameters are never written. LoRA adapters passed as ``lora=`` get the same treatment
-(``engine/adapters.py``).
+(``engine/adapters.py``). On CUDA each projection group's adapters run as ``kernels/lora.py``'s
+shrink and expand launches after the group's GEMM; above 8 rows the gate/up group's expand is
+instead added by the SiLU * up kernel that reads its output (``lora_fold``, ``engine/glue.py``).
 
 Fused projections
 -----------------
