@@ -8,7 +8,8 @@
 # call, so run it in the foreground, a few batch sizes per call:
 #   BATCHES=8,32 bash dev/sweeps/decode_batch_gpu.sh lora   (then BATCHES=64)
 #   ABLATE=1 BATCHES=8,32,64 bash dev/sweeps/decode_batch_gpu.sh lora   # each LoRA kernel left out (section 28)
-#   git show <commit>:qerl_lib/kernels/lora.py > dev/runs/<run>/lora_before.py
+#   git show <commit>:qerl_lib/kernels/lora.py > dev/runs/<run>/lora_before.py   # travels with the tree; not committed
+#     (section 28-29's "before" files: commit 377636c for lora_unroll_* and lora_warps_*, 33a53eb for lora_fold_*)
 #   BEFORE_KERNELS=dev/runs/<run>/lora_before.py BATCHES=8,32,64 bash dev/sweeps/decode_batch_gpu.sh lora
 # After kernels/lora.split_rule took the sweep's result:
 #   bash dev/sweeps/decode_batch_gpu.sh check   # the LoRA kernels' CUDA tests, and qerl bench gemm again

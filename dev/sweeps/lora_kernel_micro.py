@@ -20,6 +20,8 @@ import sys
 import torch
 
 sys.path.insert(0, os.getcwd())
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from lora_kernel_sweep import _NoLaunch, _ZeroedTorch  # noqa: E402  (the kernel stand-ins of section 28's ablation)
 from qerl_lib.io import provenance  # noqa: E402
 from qerl_lib.kernels import lora as lk  # noqa: E402
 
@@ -33,27 +35,6 @@ GROUPS = {  # name -> (K, member widths)
 CALLS, REPLAYS = 20, 15
 OUT = os.environ.get("OUT", ".")
 TAG = os.environ.get("TAG", "")
-
-
-class _NoLaunch:
-    def __getitem__(self, grid):
-        return lambda *args, **kwargs: None
-
-
-class _ZeroedTorch:
-    """``lk.torch`` while the shrink is left out: ``empty`` returns one zeroed buffer per shape."""
-
-    def __init__(self):
-        self._buffers = {}
-
-    def empty(self, *shape, dtype=None, device=None):
-        key = (shape, dtype, str(device))
-        if key not in self._buffers:
-            self._buffers[key] = torch.zeros(*shape, dtype=dtype, device=device)
-        return self._buffers[key]
-
-    def __getattr__(self, name):
-        return getattr(torch, name)
 
 
 def make_case(group: str, m: int, rank: int, gen: torch.Generator):

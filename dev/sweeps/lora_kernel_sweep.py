@@ -58,6 +58,14 @@ def ms_per_step(model, lora, use_kernels=True, profile=False, batch=None, **engi
     return best, table
 
 
+def no_adapter_row(model, batch: int, rows: list) -> float:
+    """ms per decode step without an adapter at ``batch``: appended to ``rows``, printed, returned."""
+    base, _ = ms_per_step(model, None, batch=batch)
+    rows.append({"variant": "no adapter", "batch": batch, "ms": base})
+    print(f"batch {batch}: no adapter {base:.3f} ms", flush=True)
+    return base
+
+
 # (EXPAND_SUMS_UP_TO_RANK, FEW_ROWS): the expand kernel sums at every rank / the shrink at every rank and batch
 SUM_MODES = {"expand sums": (1 << 20, lk.FEW_ROWS), "shrink sums": (0, lk.MAX_M)}
 
@@ -69,9 +77,7 @@ def by_batch(model, batches: list[int], ranks: list[int]) -> None:
     names = {"e": "expand sums", "s": "shrink sums"}
     variants = [(int(v[:-1]), names[v[-1]]) for v in os.environ.get("VARIANTS", "256e,256s,512e,512s,1024e,1024s").split(",")]
     for batch in batches:
-        base, _ = ms_per_step(model, None, batch=batch)
-        rows.append({"variant": "no adapter", "batch": batch, "ms": base})
-        print(f"batch {batch}: no adapter {base:.3f} ms", flush=True)
+        base = no_adapter_row(model, batch, rows)
         for rank in ranks:
             lora = random_lora(model, rank, 0)
             for kps, mode in variants:
@@ -117,9 +123,7 @@ def ablate(model, batches: list[int], ranks: list[int]) -> None:
     kernels = {"shrink": lk._shrink_kernel, "expand": lk._expand_kernel}
     variants = {"both kernels": (), "no expand": ("expand",), "no shrink": ("shrink",), "neither": ("shrink", "expand")}
     for batch in batches:
-        base, _ = ms_per_step(model, None, batch=batch)
-        rows.append({"variant": "no adapter", "batch": batch, "ms": base})
-        print(f"batch {batch}: no adapter {base:.3f} ms", flush=True)
+        base = no_adapter_row(model, batch, rows)
         for rank in ranks:
             lora = random_lora(model, rank, 0)
             for name, skipped in variants.items():
@@ -154,9 +158,7 @@ def compare(model, batches: list[int], ranks: list[int], path: str) -> None:
     extra = json.loads(os.environ.get("COMPARE_VARIANTS") or "{}")
     rows = []
     for batch in batches:
-        base, _ = ms_per_step(model, None, batch=batch)
-        rows.append({"variant": "no adapter", "batch": batch, "ms": base})
-        print(f"batch {batch}: no adapter {base:.3f} ms", flush=True)
+        base = no_adapter_row(model, batch, rows)
         for rank in ranks:
             lora = random_lora(model, rank, 0)
             for name in ("before", "today", *extra):

@@ -377,6 +377,8 @@ class ForwardPass:
         view, w = self.view, self.norm_weights
         bsz, seq, _ = x.shape
         h = ops.norm(x, w[0], view.eps[0][0])
+        # lora_fold: the gate/up group's expand runs inside the SiLU x up kernel (glue.silu_mul's lora=)
+        fold = self.folds_gate_up(bsz * seq) and ops.gated is engine_glue.silu_mul
         for i in range(view.n_layers):
             q, k, v = self._project(i, "qkv", h)
             q = q.view(bsz, seq, -1, view.head_dim).transpose(1, 2)
@@ -386,10 +388,8 @@ class ForwardPass:
             attn = attend(i, q, k, v, ops).transpose(1, 2).reshape(bsz, seq, -1)
             (o,) = self._project(i, "o", attn)
             x, h = ops.residual_norm(x, o, w[2 * i + 1], view.eps[i][1])
-            # lora_fold: the gate/up group's expand runs inside the SiLU x up kernel (glue.silu_mul's lora=)
-            fold = (self.folds_gate_up(bsz * seq) and ops.gated is engine_glue.silu_mul
-                    and self._fused[i]["gate_up"] is not None)
-            (gate, up), shrunk = self._project_parts(i, "gate_up", h, defer=fold)
+            defer = fold and self._fused[i]["gate_up"] is not None
+            (gate, up), shrunk = self._project_parts(i, "gate_up", h, defer=defer)
             if shrunk is not None:
                 act_in = engine_glue.silu_mul(self._act, gate, up, lora=shrunk)
             else:
