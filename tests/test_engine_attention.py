@@ -3,7 +3,8 @@
 * CPU, Triton interpreter (a subprocess, since TRITON_INTERPRET=1 must be set before triton is
   imported): awkward shapes -- odd group sizes (7 and 5 query heads per KV head, as Qwen2.5-7B and
   -32B; 3 as SmolLM2), cache lengths not a multiple of the 64-column block, left padding that
-  empties whole slices, the current column at the first and last cache position, 1 to 9 slices.
+  empties whole slices, a column early in a long cache view, the current column at the first and
+  last cache position, 1 to 9 slices.
   Float32 inputs (the interpreter mishandles bf16 dots), tolerance 1e-5 absolute on outputs of
   magnitude ~1: only the summation order differs from the oracle.
   ``rope_and_cache`` against the engine's torch RoPE and ``index_copy_``. Also the engine end to end
@@ -31,6 +32,7 @@ CASES = [
     (4, 9, 3, 64, 64, 0, 0, 1),         # first column only
     (2, 10, 2, 200, 16, 199, 5, 9),     # 5 heads per KV head, more slices than needed
     (1, 4, 4, 70, 128, 69, 1, 2),       # no grouping, head_dim 128
+    (2, 7, 1, 512, 16, 130, 70, 4),     # a column early in a long bucket: slices cut from [pad, column]
 ]
 
 INTERP_SCRIPT = textwrap.dedent("""

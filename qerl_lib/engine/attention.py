@@ -113,9 +113,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pad: tor
     if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
         raise ValueError("decode_attention: q, k and v need a unit stride in their last (head_dim) dimension")
     groups = h // kv
-    splits = splits or num_splits(b, kv, length, launch.block, launch.programs)
-    per_split = triton.cdiv(triton.cdiv(length, splits), launch.block) * launch.block
-    splits = triton.cdiv(length, per_split)
+    splits = min(splits or num_splits(b, kv, length, launch.block, launch.programs), triton.cdiv(length, launch.block))
     out = torch.empty(b, h, d, dtype=q.dtype, device=q.device) if out is None else out
     interpreted = not q.is_cuda
     early = pdl.use_for(q.device)  # programmatic dependent launch (qerl_lib.kernels.pdl)
@@ -126,7 +124,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pad: tor
         part_ml = torch.empty(b, h, splits, 2, dtype=torch.float32, device=q.device)
     k_new, v_new, cos, sin = _rope if _rope is not None else (k, v, q, q)  # (unused without ROPE)
     _decode_attention_kernel[(b, kv, splits)](
-        q, k, v, pad, column, out, part_acc, part_ml, scaling, length, per_split,
+        q, k, v, pad, column, out, part_acc, part_ml, scaling, length,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         out.stride(0), out.stride(1), k_new, v_new, cos, sin, k_new.stride(0), k_new.stride(1), v_new.stride(0),
         v_new.stride(1), cos.stride(0), sin.stride(0),
@@ -219,23 +217,27 @@ if triton is not None:
             tl.store(vc_ptr + b * svcb + j * svch + col * svcl + d, tl.load(v_ptr + b * svb + j * svh + d))
 
     @triton.jit
-    def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, pad_ptr, col_ptr, out_ptr, acc_ptr, ml_ptr, scaling, L, per_split,
+    def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, pad_ptr, col_ptr, out_ptr, acc_ptr, ml_ptr, scaling, L,
                                  sqb, sqh, skb, skh, skl, svb, svh, svl, sob, soh,
                                  kn_ptr, vn_ptr, cos_ptr, sin_ptr, sknb, sknh, svnb, svnh, scb, ssb,
                                  GROUPS: tl.constexpr, GROUPS_P: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
                                  SPLIT: tl.constexpr, ROPE: tl.constexpr, INTERPRETED: tl.constexpr, PDL: tl.constexpr):
-        """Program (row b, KV head j, slice s): the GROUPS query heads of KV head j over columns
-        [s * per_split, (s + 1) * per_split) intersected with [pad[b], column]. With ROPE, q is
-        rotated here, and the slice holding the column writes the rotated new key and the new value
-        into the cache and uses them for that column (the rope_cache kernel's arithmetic)."""
+        """Program (row b, KV head j, slice s): the GROUPS query heads of KV head j over slice s of
+        row b's columns [pad[b], column], cut into equal runs of whole BLOCKs from the block holding
+        pad[b] (so every slice of the row has work until the row runs out of blocks, whatever the
+        cache length the graph was captured for). With ROPE, q is rotated here, and the slice holding
+        the column writes the rotated new key and the new value into the cache and uses them for that
+        column (the rope_cache kernel's arithmetic)."""
         if PDL:  # launched early: wait for the previous kernel, then let the next one launch
             gdc_wait()
             gdc_launch_dependents()
         b, j, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         first = tl.load(pad_ptr + b).to(tl.int32)
         last = tl.load(col_ptr).to(tl.int32)  # inclusive
-        lo = tl.maximum(s * per_split, (first // BLOCK) * BLOCK)
-        hi = tl.minimum((s + 1) * per_split, tl.minimum(last + 1, L))
+        start0 = (first // BLOCK) * BLOCK
+        per_split = tl.cdiv(tl.cdiv(last + 1 - start0, BLOCK), tl.num_programs(2)) * BLOCK
+        lo = start0 + s * per_split
+        hi = tl.minimum(lo + per_split, tl.minimum(last + 1, L))
         g = tl.arange(0, GROUPS_P)
         dd = tl.arange(0, D)
         heads = j * GROUPS + g
@@ -252,7 +254,7 @@ if triton is not None:
             kxp = tl.load(kn_ptr + b * sknb + j * sknh + partner).to(tl.float32)
             k_new = (kx * cos + sign * kxp * sin).to(k_ptr.dtype.element_ty)
             v_new = tl.load(vn_ptr + b * svnb + j * svnh + dd)
-            if (last >= s * per_split) & (last < (s + 1) * per_split):  # this slice holds the new column
+            if (last >= lo) & (last < hi):  # this slice holds the new column
                 tl.store(k_ptr + b * skb + j * skh + last * skl + dd, k_new)
                 tl.store(v_ptr + b * svb + j * svh + last * svl + dd, v_new)
         m_i = tl.full([GROUPS_P], float("-inf"), tl.float32)
