@@ -20,7 +20,8 @@ import textwrap
 import pytest
 import torch
 
-from qerl_lib.engine.attention import decode_attention, num_splits, reference_decode_attention
+from qerl_lib.engine.attention import (DEFAULT_LAUNCH, MANY_PAIRS_LAUNCH, AttentionLaunch, decode_attention, num_splits,
+                                       pick_launch, reference_decode_attention)
 from tests.conftest import run_triton_interpreter
 
 INTERP_TOL = 1e-5
@@ -154,6 +155,22 @@ def test_slice_rule():
     assert num_splits(512, 8, 4096) == 1
 
 
+def test_launch_rule_by_row_kv_pairs():
+    assert pick_launch(8, 4) is DEFAULT_LAUNCH  # Qwen2.5-7B at batch 8: 32 pairs
+    assert pick_launch(31, 4) is DEFAULT_LAUNCH
+    assert pick_launch(32, 4) is MANY_PAIRS_LAUNCH  # 128 pairs
+    assert pick_launch(16, 8) is MANY_PAIRS_LAUNCH  # 8 KV heads (14B, 32B)
+    assert MANY_PAIRS_LAUNCH != DEFAULT_LAUNCH
+    assert num_splits(64, 4, 2048, MANY_PAIRS_LAUNCH.block, MANY_PAIRS_LAUNCH.programs) == 1
+    assert num_splits(32, 4, 2048, MANY_PAIRS_LAUNCH.block, MANY_PAIRS_LAUNCH.programs) == 2
+
+
+@pytest.mark.parametrize("bad", [dict(block=48), dict(block=8), dict(warps=3), dict(stages=0), dict(programs=0)])
+def test_bad_launch_shapes_are_refused(bad):
+    with pytest.raises(ValueError, match="AttentionLaunch"):
+        AttentionLaunch(**bad)
+
+
 @pytest.mark.parametrize("shapes", [((2, 7, 16), (2, 2, 10, 16)), ((2, 8, 24), (2, 2, 10, 24)), ((2, 8, 16), (3, 2, 10, 16))],
                          ids=["heads_not_multiple", "head_dim_not_pow2", "batch_mismatch"])
 def test_bad_shapes_are_refused(shapes):
@@ -195,7 +212,8 @@ def test_cuda_rope_and_cache_matches_torch():
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU (CUDA not available)")
 @pytest.mark.parametrize("b,h,kv,length,d,col", [(8, 28, 4, 2304, 128, 1500), (8, 40, 8, 512, 128, 300),
-                                                 (64, 9, 3, 768, 64, 700), (3, 7, 1, 100, 128, 0)])
+                                                 (64, 9, 3, 768, 64, 700), (3, 7, 1, 100, 128, 0),
+                                                 (32, 28, 4, 1280, 128, 1100)])  # many pairs: 2 slices
 def test_cuda_bf16_matches_the_oracle(b, h, kv, length, d, col):
     g = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn(*s, generator=g, device="cuda").to(torch.bfloat16)
@@ -210,11 +228,12 @@ def test_cuda_bf16_matches_the_oracle(b, h, kv, length, d, col):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU (CUDA not available)")
-def test_cuda_rope_cache_attention_equals_the_two_calls():
+@pytest.mark.parametrize("b", [8, 32])  # the few-rows and the many-pairs launch shape
+def test_cuda_rope_cache_attention_equals_the_two_calls(b):
     from qerl_lib.engine.attention import rope_and_cache, rope_cache_attention
 
     g = torch.Generator(device="cuda").manual_seed(3)
-    b, h, kv, d, length, col = 8, 28, 4, 128, 1536, 1300
+    h, kv, d, length, col = 28, 4, 128, 1536, 1300
     q, k, v, cos, sin = _cuda_new_token(g, b, h, kv, d)
     kc1 = torch.randn(b, kv, length, d, generator=g, device="cuda").to(torch.bfloat16)
     vc1 = torch.randn_like(kc1)

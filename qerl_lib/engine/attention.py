@@ -53,9 +53,10 @@ class AttentionLaunch:
     softmax, ``warps`` per program, ``stages`` (Triton's software pipelining depth of the K/V block
     loads) and ``programs``, how many programs the split-KV slices aim for in all.
 
-    The defaults were within 1% of the fastest of 108 shapes swept on an H200 (Qwen2.5-7B heads,
-    batch 8, 1,280 and 2,240 cached tokens; ``dev/sweeps/rollout_attention_depth_sweep.py``,
-    dev/LOG.md) and ~3% faster than 3 stages with ~2 programs per SM.
+    The defaults are the few-rows shape (``pick_launch``): within 1% of the fastest of 108 shapes
+    swept on an H200 (Qwen2.5-7B heads, batch 8, 1,280 and 2,240 cached tokens;
+    ``dev/sweeps/rollout_attention_depth_sweep.py``, dev/LOG.md) and ~3% faster than 3 stages with
+    ~2 programs per SM.
     """
 
     block: int = 64
@@ -63,8 +64,27 @@ class AttentionLaunch:
     stages: int = 2
     programs: int = 528  # ~4 per SM on an H100/H200; more slices than this only add merge work
 
+    def __post_init__(self):
+        if self.block < 16 or self.block & (self.block - 1) or self.warps not in (1, 2, 4, 8, 16) \
+                or self.stages < 1 or self.programs < 1:
+            raise ValueError(f"AttentionLaunch{(self.block, self.warps, self.stages, self.programs)}: block must "
+                             "be a power of two >= 16, warps 1/2/4/8/16, stages and programs >= 1")
+
 
 DEFAULT_LAUNCH = AttentionLaunch()
+# From MANY_PAIRS (row, KV head) pairs on, each program is one pair's whole row or half of it: the
+# slices' merge and the short runs per program cost more than the parallelism they buy. On an H100
+# (dev/LOG.md section 30; 7B heads, 640-2,000 cached tokens) this shape was the fastest of 60 at
+# batch 32 and 64 and within 0.2% at 128, 8-15% below the few-rows shape in isolation and 2-3% of
+# the engine's decode step; at batch 8 (32 pairs) it was 4% slower than the few-rows shape.
+MANY_PAIRS = 128
+MANY_PAIRS_LAUNCH = AttentionLaunch(block=64, warps=8, stages=3, programs=132)
+
+
+def pick_launch(batch: int, kv_heads: int) -> AttentionLaunch:
+    """The launch shape ``decode_attention`` uses when none is given: ``MANY_PAIRS_LAUNCH`` from
+    ``MANY_PAIRS`` (row, KV head) pairs on, else ``DEFAULT_LAUNCH``."""
+    return MANY_PAIRS_LAUNCH if batch * kv_heads >= MANY_PAIRS else DEFAULT_LAUNCH
 
 
 def reference_decode_attention(q, k, v, pad, column, scaling):
@@ -100,20 +120,22 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pad: tor
     step wrote), ``scaling`` the softmax scale. Returns ``[B, H, D]`` in q's dtype (``out`` if given).
     ``H`` must be a multiple of ``KV`` and ``D`` a power of two (16 to 256). ``splits``: cache slices
     per (row, KV head) (default: ``num_splits``); ``launch``: the kernel's launch shape (default:
-    ``DEFAULT_LAUNCH``).
+    ``pick_launch``'s for this batch).
     """
     if triton is None:
         raise ValueError("decode_attention needs the triton package; use the engine's 'matmul' attention instead")
-    launch = launch or DEFAULT_LAUNCH
     b, h, d = q.shape
     kv, length = k.shape[1], k.shape[2]
+    launch = launch or pick_launch(b, kv)
     if h % kv or d & (d - 1) or not 16 <= d <= 256 or k.shape != v.shape or k.shape[0] != b or k.shape[3] != d:
         raise ValueError(f"decode_attention: q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)} do not fit "
                          "[B, H, D] / [B, KV, L, D] with H a multiple of KV and D a power of two in [16, 256]")
     if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
         raise ValueError("decode_attention: q, k and v need a unit stride in their last (head_dim) dimension")
     groups = h // kv
-    splits = min(splits or num_splits(b, kv, length, launch.block, launch.programs), triton.cdiv(length, launch.block))
+    splits = splits or num_splits(b, kv, length, launch.block, launch.programs)
+    per_split = triton.cdiv(triton.cdiv(length, splits), launch.block) * launch.block
+    splits = triton.cdiv(length, per_split)
     out = torch.empty(b, h, d, dtype=q.dtype, device=q.device) if out is None else out
     interpreted = not q.is_cuda
     early = pdl.use_for(q.device)  # programmatic dependent launch (qerl_lib.kernels.pdl)
@@ -124,7 +146,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pad: tor
         part_ml = torch.empty(b, h, splits, 2, dtype=torch.float32, device=q.device)
     k_new, v_new, cos, sin = _rope if _rope is not None else (k, v, q, q)  # (unused without ROPE)
     _decode_attention_kernel[(b, kv, splits)](
-        q, k, v, pad, column, out, part_acc, part_ml, scaling, length,
+        q, k, v, pad, column, out, part_acc, part_ml, scaling, length, per_split,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         out.stride(0), out.stride(1), k_new, v_new, cos, sin, k_new.stride(0), k_new.stride(1), v_new.stride(0),
         v_new.stride(1), cos.stride(0), sin.stride(0),
@@ -217,27 +239,23 @@ if triton is not None:
             tl.store(vc_ptr + b * svcb + j * svch + col * svcl + d, tl.load(v_ptr + b * svb + j * svh + d))
 
     @triton.jit
-    def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, pad_ptr, col_ptr, out_ptr, acc_ptr, ml_ptr, scaling, L,
+    def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, pad_ptr, col_ptr, out_ptr, acc_ptr, ml_ptr, scaling, L, per_split,
                                  sqb, sqh, skb, skh, skl, svb, svh, svl, sob, soh,
                                  kn_ptr, vn_ptr, cos_ptr, sin_ptr, sknb, sknh, svnb, svnh, scb, ssb,
                                  GROUPS: tl.constexpr, GROUPS_P: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
                                  SPLIT: tl.constexpr, ROPE: tl.constexpr, INTERPRETED: tl.constexpr, PDL: tl.constexpr):
-        """Program (row b, KV head j, slice s): the GROUPS query heads of KV head j over slice s of
-        row b's columns [pad[b], column], cut into equal runs of whole BLOCKs from the block holding
-        pad[b] (so every slice of the row has work until the row runs out of blocks, whatever the
-        cache length the graph was captured for). With ROPE, q is rotated here, and the slice holding
-        the column writes the rotated new key and the new value into the cache and uses them for that
-        column (the rope_cache kernel's arithmetic)."""
+        """Program (row b, KV head j, slice s): the GROUPS query heads of KV head j over columns
+        [s * per_split, (s + 1) * per_split) intersected with [pad[b], column]. With ROPE, q is
+        rotated here, and the slice holding the column writes the rotated new key and the new value
+        into the cache and uses them for that column (the rope_cache kernel's arithmetic)."""
         if PDL:  # launched early: wait for the previous kernel, then let the next one launch
             gdc_wait()
             gdc_launch_dependents()
         b, j, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         first = tl.load(pad_ptr + b).to(tl.int32)
         last = tl.load(col_ptr).to(tl.int32)  # inclusive
-        start0 = (first // BLOCK) * BLOCK
-        per_split = tl.cdiv(tl.cdiv(last + 1 - start0, BLOCK), tl.num_programs(2)) * BLOCK
-        lo = start0 + s * per_split
-        hi = tl.minimum(lo + per_split, tl.minimum(last + 1, L))
+        lo = tl.maximum(s * per_split, (first // BLOCK) * BLOCK)
+        hi = tl.minimum((s + 1) * per_split, tl.minimum(last + 1, L))
         g = tl.arange(0, GROUPS_P)
         dd = tl.arange(0, D)
         heads = j * GROUPS + g
@@ -254,7 +272,7 @@ if triton is not None:
             kxp = tl.load(kn_ptr + b * sknb + j * sknh + partner).to(tl.float32)
             k_new = (kx * cos + sign * kxp * sin).to(k_ptr.dtype.element_ty)
             v_new = tl.load(vn_ptr + b * svnb + j * svnh + dd)
-            if (last >= lo) & (last < hi):  # this slice holds the new column
+            if (last >= s * per_split) & (last < (s + 1) * per_split):  # this slice holds the new column
                 tl.store(k_ptr + b * skb + j * skh + last * skl + dd, k_new)
                 tl.store(v_ptr + b * svb + j * svh + last * svl + dd, v_new)
         m_i = tl.full([GROUPS_P], float("-inf"), tl.float32)

@@ -223,7 +223,8 @@ class ForwardPass:
     where launches, not Python, are the cost. Prefill always runs the eager functions.
     ``glue_kernels`` (with ``fuse_elementwise``, on CUDA): the norms and SiLU * up through
     ``engine/glue.py``'s Triton kernels rather than ``torch.compile``. ``attention_launch``: the
-    decode-attention kernel's launch shape (``engine.attention.AttentionLaunch``; None: its default).
+    decode-attention kernel's launch shape (``engine.attention.AttentionLaunch``; None:
+    ``attention.pick_launch``'s by batch).
     """
 
     def __init__(self, view: ModelView, decode_attention: str = "sdpa", fuse_elementwise: bool = False,
