@@ -1,7 +1,7 @@
 """Decode attention at RL batch sizes (dev/LOG.md section 30): launch shape x batch x cached tokens in
 isolation, the slices cut from each row's own columns (today's kernel) against slices cut from the
-captured cache length (BEFORE: an earlier engine/attention.py, ``git show df35b38:qerl_lib/engine/attention.py``), and the
-engine's decode step with the best shape per batch. (Section 30's "today" was commit 3b60c33's kernel, whose
+captured cache length (BEFORE: an earlier engine/attention.py,
+``git show df35b38:qerl_lib/engine/attention.py``), and the engine's decode step with the best shape per batch. (Section 30's "today" was commit 3b60c33's kernel, whose
 slices were cut from each row's columns; that change was reverted, so today's kernel now equals BEFORE's.)
 
 Phase 1, isolation: for each batch of BATCHES and cached-token count of CONTEXTS, the cache view is the
