@@ -132,6 +132,7 @@ def time_variants(name, n, k, m, variants, l2, copy_gbps, with_bf16=True, eager_
         + f"  => best {best['variant']} x{(bf or 0) / best['us']:.2f} [{time.time() - T0:.0f}s]", flush=True)
     del dense, q, x0
     torch.cuda.empty_cache()
+    return rows
 
 
 def split_for(tiles, k_iters, ctas_per_sm, sms):
