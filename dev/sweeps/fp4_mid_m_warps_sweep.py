@@ -13,6 +13,10 @@ permute), then the 7B NVFP4 + r16 engine's ms per decode step at batch 32 / 64 /
 the family that won at that M (geomean over the shapes), patched in as fp4_gemm.pick_config.
 
     OUT=/tmp/out PYTHONPATH=$PWD python dev/sweeps/fp4_mid_m_warps_sweep.py
+
+Both knobs lost and were reverted: run it on commit 93f410d's qerl_lib/kernels (fp4_gemm.py, launch_rule.py).
+With FAMILY_SET=regs it times instead the rule's launch under ptxas register caps (``KernelConfig.max_registers``:
+168 / 160 / 128 per thread), after Nsight Compute showed 2 programs per SM at M = 64 (183 registers) and 2.24 waves.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ from qerl_lib.quant.nvfp4 import reference_matmul  # noqa: E402
 
 SHAPES = [("7b.gate_up", 37888, 3584), ("7b.down", 3584, 18944), ("7b.qkv", 4608, 3584), ("7b.o", 3584, 3584),
           ("32b.gate_up", 55296, 5120), ("32b.down", 5120, 27648)]
-MS = [int(m) for m in os.environ.get("MS", "16,32,64,128").split(",")]
+MS = [int(m) for m in os.environ.get("MS", "16,32,64,128").split(",")]  # regs run: 16,32,64,128,192
 ENGINE_BATCHES = [int(b) for b in os.environ.get("ENGINE_BATCHES", "32,64,128").split(",") if b]
 GEN = int(os.environ.get("GEN", "512"))
 
@@ -60,10 +64,20 @@ def w8(per_sm):
     return f
 
 
-FAMILIES = {"base": base, "px": with_px(base)}
-for p in (1, 2, 4):
-    FAMILIES[f"w8p{p}"] = w8(p)
-    FAMILIES[f"w8p{p}-px"] = with_px(w8(p))
+def capped(regs):
+    def f(m, n, k, sms):
+        cfg = pick_config(m, n, k, sms)
+        return dataclasses.replace(cfg, max_registers=regs) if cfg.fragment else cfg
+    return f
+
+
+if os.environ.get("FAMILY_SET", "warps") == "warps":  # section 31's first run (commit 93f410d's kernels)
+    FAMILIES = {"base": base, "px": with_px(base)}
+    for p in (1, 2, 4):
+        FAMILIES[f"w8p{p}"] = w8(p)
+        FAMILIES[f"w8p{p}-px"] = with_px(w8(p))
+else:  # "regs": ptxas register caps, so that 3-4 programs fit on an SM (section 31's second run)
+    FAMILIES = {"base": base, **{f"r{r}": capped(r) for r in (168, 160, 128)}}
 
 
 def check(sms) -> bool:

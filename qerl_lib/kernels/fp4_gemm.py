@@ -40,11 +40,11 @@ Parallelism. Small M gives only ``N / BLOCK_N`` programs (28 for a 3584-wide out
 a fixed order (deterministic, no atomics) and runs the epilogue. ``pick_config`` (``launch_rule.py``)
 picks tile width and slices (about 2 programs per SM for 2 <= M <= 16, measured best on an H100).
 
-Large M (prefill, training forward) is compute-bound. Measured fastest: expand the weights once per
-call with ``_fp4_dequant_kernel`` (an exact bf16 copy of ``fp4 * s * 2^-8``, ~97% of copy bandwidth),
-then cuBLAS with ``alpha = 2^8/gs`` in its fp32 epilogue (``torch.addmm``): the oracle's single output
-rounding. The fused large-tile kernel (``swap_ab=False``, 0.44-0.55x of cuBLAS) serves calls without a
-host copy of ``gs``.
+Large M (prefill, training forward) is compute-bound. Measured fastest: expand the weights once
+per call with ``_fp4_dequant_kernel`` (an exact bf16 copy of ``fp4 * s * 2^-8``, at ~97% of copy
+bandwidth) and let cuBLAS multiply with ``alpha = 2^8/gs`` applied in its fp32 epilogue
+(``torch.addmm``), keeping the oracle's single output rounding. The fused kernel with large tiles
+(``swap_ab=False``) remains for calls without a host copy of ``gs``; it reached 0.44-0.55x of cuBLAS.
 
 Backward layout (``fp4_grad_input``, oracle ``nvfp4.reference_grad_input``): ``dL/dx = dy @ W``
 (``dy [M, N]`` -> ``[M, K]``) of a frozen layer, by the large-M forward's single-rounding arithmetic
@@ -58,13 +58,14 @@ block scales (bytes 0x01-0x07) are kept, as compressed-tensors does, where Marli
 global scale (the *encode* factor ``gs``, ``w = fp4 * s / gs``) is read on device, not inverted on the host.
 
 Dispatch: CUDA calls with M <= 8 and K % 128 == 0 (the decode step) run the ``mma.sync`` kernel of
-``kernels/mma.py`` where it can (sm_90+, NVRTC): it streams the weights faster (H100, H200; dev/LOG.md).
-``fp4_linear``'s ``small_m_backend`` ("auto", "mma", "triton"; else ``QERL_FP4_SMALL_M`` read per call,
-default "auto") chooses; that kernel can also add a group's LoRA adapters (``lora=``). Other CUDA calls
-run the Triton kernel (or dequantize + cuBLAS for large M); CPU tensors the plain-torch oracles
-(``nvfp4.reference_matmul``) unless ``impl="triton"`` forces the kernels under ``TRITON_INTERPRET=1``
-(set before Triton is imported), whose interpreter cannot run PTX and mishandles bf16 (``_interpreted``):
-there the kernels multiply in fp32, the same products, identical bits.
+``kernels/mma.py`` where it can run (sm_90+ and NVRTC): it streams the weights faster than this
+Triton kernel (H100 and H200, dev/LOG.md). ``fp4_linear``'s ``small_m_backend`` ("auto", "mma",
+"triton") chooses, else ``QERL_FP4_SMALL_M`` read at each call (default "auto"); that kernel can also
+add a projection group's LoRA adapters in the same launch (``lora=``). Other CUDA calls run the Triton
+kernel (or dequantize + cuBLAS for large M); CPU tensors run the plain-torch oracles
+(``nvfp4.reference_matmul``) unless ``impl="triton"`` forces the kernels, which then need
+``TRITON_INTERPRET=1`` set before Triton is imported; the interpreter cannot run PTX and mishandles
+bf16 (``_interpreted``), so the kernels multiply in fp32 there: the same products, identical bits.
 """
 
 from __future__ import annotations
@@ -209,8 +210,9 @@ def fp4_linear(x: torch.Tensor, weight: PreparedFP4Weight, bias: torch.Tensor | 
 
 def fp4_grad_input(grad_out: torch.Tensor, weight: PreparedFP4Weight, *, impl: str = "auto",
                    out: torch.Tensor | None = None) -> torch.Tensor:
-    """``grad_out @ W`` (the input gradient of ``y = x @ W.T``; module docstring, "Backward layout"): bf16
-    ``[..., N]`` -> ``[..., K]``. ``impl`` as in ``fp4_matmul``; ``out``: optional contiguous ``[..., K]``."""
+    """``grad_out @ W``, the input gradient of ``y = x @ W.T``, for a ``prepare_fp4_weights`` result
+    (module docstring, "Backward layout"): bf16 ``[..., N]`` -> bf16 ``[..., K]``. ``impl`` as in
+    ``fp4_matmul``. ``out``: optional bf16 ``[..., K]`` contiguous tensor to write into."""
     impl = _resolve_impl(impl, grad_out)
     if not isinstance(weight, PreparedFP4Weight):
         raise ValueError(f"fp4_grad_input: weight must be a PreparedFP4Weight (use prepare_fp4_weights), got {type(weight).__name__}")
@@ -345,9 +347,6 @@ def _triton_linear(x: torch.Tensor, weight: PreparedFP4Weight, bias: torch.Tenso
         if bias is not None:
             out += bias
         return out.reshape(*lead, n)
-    x_permuted = cfg.permute_x and k % 128 == 0  # x in the fragment's K order (_frag_x), by torch
-    if x_permuted:
-        x2 = x2.reshape(m, k // 128, 4, 4, 2, 2, 2).permute(0, 1, 3, 6, 5, 2, 4).reshape(m, k)
     k_iters = triton.cdiv(k, cfg.block_k)
     iters_per_split = triton.cdiv(k_iters, cfg.split_k)
     split = triton.cdiv(k_iters, iters_per_split)
@@ -359,7 +358,8 @@ def _triton_linear(x: torch.Tensor, weight: PreparedFP4Weight, bias: torch.Tenso
         m, n, k, x2.stride(0), weight.words.stride(0), weight.scales.stride(0), out.stride(0), iters_per_split,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=split > 1, EVEN_K=k % cfg.block_k == 0,
         SWAP_AB=cfg.swap_ab, HAS_BIAS=bias is not None, FRAG=cfg.fragment, PREFETCH=cfg.prefetch,
-        X_PERMUTED=x_permuted, INTERPRETED=_interpreted(x2), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        INTERPRETED=_interpreted(x2), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **({"maxnreg": cfg.max_registers} if cfg.max_registers and not _interpreted(x2) else {}))
     if split > 1:
         block = 1024
         _splitk_reduce_kernel[(triton.cdiv(m * n, block),)](
@@ -508,9 +508,8 @@ if triton is not None:
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
         EVEN_K: tl.constexpr, SWAP_AB: tl.constexpr,
         HAS_BIAS: tl.constexpr, INTERPRETED: tl.constexpr, FRAG: tl.constexpr = False, PREFETCH: tl.constexpr = True,
-        X_PERMUTED: tl.constexpr = False):
-        """One (BLOCK_N x BLOCK_M) output tile over one K-slice. FRAG: the small-M fragment path (module docstring);
-        X_PERMUTED: x arrives already in ``_frag_x``'s K order (``KernelConfig.permute_x``).
+    ):
+        """One (BLOCK_N x BLOCK_M) output tile over one K-slice. FRAG: the small-M fragment path (module docstring).
         Otherwise the generic path: W' is built in the decoder's K order (3-bit bit reversal inside each 8), x is
         permuted the same way in registers, and the tensor-core operands are W' (A) and x (B) if SWAP_AB, else x (A)
         and W' (B) for large M. Both issue the next K-step's loads before this step's decode: DRAM latency overlaps math."""
@@ -536,7 +535,7 @@ if triton is not None:
                 q, sb, xt = q_n, sb_n, xt_n
             if FRAG:
                 acc = _mma(_frag_dequant(q.to(tl.uint32, bitcast=True), sb, BLOCK_N, INTERPRETED),
-                           xt if X_PERMUTED else _frag_x(xt, BLOCK_M, INTERPRETED), acc, INTERPRETED)
+                           _frag_x(xt, BLOCK_M, INTERPRETED), acc, INTERPRETED)
             elif SWAP_AB:  # [BLOCK_N, BLOCK_K] x [BLOCK_K, BLOCK_M]
                 acc = _mma(_dequant_tile(q.to(tl.uint32, bitcast=True), sb, BLOCK_N, BLOCK_K, INTERPRETED),
                            _bitreverse_k(xt, BLOCK_M, BLOCK_K, INTERPRETED), acc, INTERPRETED)

@@ -19,7 +19,7 @@ class KernelConfig:
 
     ``swap_ab``: the weights are the MMA's A operand and ``x`` its narrow B operand (small M), else
     ``x`` is A (large M). ``fragment``: the small-M path decoding straight into the wgmma A fragment
-    (``block_k`` 128; 4 warps, or 8 sharing each ``x`` tile between two 64-row halves of W). ``prefetch=False`` hands the loads to Triton's cp.async pipeliner
+    (``block_k`` 128, 4 warps). ``prefetch=False`` hands the loads to Triton's cp.async pipeliner
     (``num_stages > 1``) instead of the register prefetch; the rule never picks it (no faster than
     the register prefetch on an H100). Also measured and dropped: gathering ``x``, a load-time
     repack, a one-launch split-K reduction (dev/LOG.md).
@@ -35,7 +35,7 @@ class KernelConfig:
     swap_ab: bool = True
     fragment: bool = False
     prefetch: bool = True  # False: no register prefetch; Triton's pipeliner (num_stages > 1) stages loads
-    permute_x: bool = False  # fragment path, K % 128 == 0: x put in the fragment's K order by one torch op first
+    max_registers: int | None = None  # ptxas cap per thread (Triton's maxnreg): more programs fit on an SM
 
     def __post_init__(self):
         for name in ("block_m", "block_n", "block_k"):
@@ -46,12 +46,10 @@ class KernelConfig:
             raise ValueError("KernelConfig.block_n must be >= 64 (one warpgroup MMA)")
         if self.split_k < 1:
             raise ValueError("KernelConfig.split_k must be >= 1")
-        if self.fragment and not (self.swap_ab and self.block_k == 128 and self.block_m <= 64
-                                  and self.num_warps in (4, 8) and self.block_n >= 16 * self.num_warps):
-            raise ValueError("KernelConfig.fragment needs swap_ab, block_k=128, block_m <= 64 and 4 warps "
-                             "(or 8 with block_n >= 128)")
-        if self.permute_x and not self.fragment:
-            raise ValueError("KernelConfig.permute_x needs fragment=True")
+        if self.max_registers is not None and not (self.max_registers % 8 == 0 and 64 <= self.max_registers <= 255):
+            raise ValueError(f"KernelConfig.max_registers must be a multiple of 8 in [64, 255], got {self.max_registers}")
+        if self.fragment and not (self.swap_ab and self.block_k == 128 and self.num_warps == 4 and self.block_m <= 64):
+            raise ValueError("KernelConfig.fragment needs swap_ab, block_k=128, num_warps=4 and block_m <= 64")
 
 
 # M from which the prepared path dequantizes once and calls cuBLAS (None: never); see pick_config.
