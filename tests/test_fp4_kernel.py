@@ -48,8 +48,6 @@ INTERP_CASES = [
     ("m64_n130_k208_fragment_bm64", 64, 130, 208, dict(block_m=64, block_n=128, block_k=128, fragment=True), True),
     ("m150_n77_k256_fragment_3_row_tiles", 150, 77, 256, dict(block_m=64, block_n=64, block_k=128, split_k=2,
                                                               fragment=True), True),  # the launch rule at 65 <= M < 193
-    ("m64_n130_k256_fragment_register_cap", 64, 130, 256, dict(block_m=64, block_n=64, block_k=128, fragment=True,
-                                                                max_registers=168), True),  # ignored by the interpreter
     ("m5_n77_k80_dequant_cublas", 5, 77, 80, dict(block_m=128, block_n=128, block_k=64, cublas=True), True),
     ("m17_n77_k208_generic_large_tiles", 17, 77, 208, dict(block_m=32, block_n=64, block_k=32, swap_ab=False), True),
 ]
@@ -223,8 +221,6 @@ def test_kernel_config_validation():
         KernelConfig(16, 96, 64)
     with pytest.raises(ValueError, match="block_n must be >= 64"):
         KernelConfig(16, 32, 64)
-    with pytest.raises(ValueError, match="max_registers"):
-        KernelConfig(64, 64, 128, max_registers=170)
 
 
 # ---------------------------------------------------------------------------------- CUDA

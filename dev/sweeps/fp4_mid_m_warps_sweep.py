@@ -17,6 +17,7 @@ the family that won at that M (geomean over the shapes), patched in as fp4_gemm.
 Both knobs lost and were reverted: run it on commit 93f410d's qerl_lib/kernels (fp4_gemm.py, launch_rule.py).
 With FAMILY_SET=regs it times instead the rule's launch under ptxas register caps (``KernelConfig.max_registers``:
 168 / 160 / 128 per thread), after Nsight Compute showed 2 programs per SM at M = 64 (183 registers) and 2.24 waves.
+That field lost too and was reverted: run it on commit dc85fd1's qerl_lib/kernels.
 """
 
 from __future__ import annotations
@@ -93,7 +94,7 @@ def check(sms) -> bool:
                 fp4_linear(x, prep, out=out, config=cfg)
                 rel = mean_relative_error(out.float().nan_to_num(0), ref.float())
                 same = torch.equal(out, fp4_linear(x, prep, config=cfg))
-                if cfg.permute_x:  # the permutation only relabels K: the same bits as without it
+                if getattr(cfg, "permute_x", False):  # only relabels K: the same bits as without it
                     same = same and torch.equal(out, fp4_linear(x, prep, config=dataclasses.replace(cfg, permute_x=False)))
                 ok = not torch.isnan(out).any() and rel < 1e-3 and same
                 worst = max(worst, rel)

@@ -359,7 +359,7 @@ def _triton_linear(x: torch.Tensor, weight: PreparedFP4Weight, bias: torch.Tenso
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=split > 1, EVEN_K=k % cfg.block_k == 0,
         SWAP_AB=cfg.swap_ab, HAS_BIAS=bias is not None, FRAG=cfg.fragment, PREFETCH=cfg.prefetch,
         INTERPRETED=_interpreted(x2), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **({"maxnreg": cfg.max_registers} if cfg.max_registers and not _interpreted(x2) else {}))
+    )
     if split > 1:
         block = 1024
         _splitk_reduce_kernel[(triton.cdiv(m * n, block),)](

@@ -35,7 +35,6 @@ class KernelConfig:
     swap_ab: bool = True
     fragment: bool = False
     prefetch: bool = True  # False: no register prefetch; Triton's pipeliner (num_stages > 1) stages loads
-    max_registers: int | None = None  # ptxas cap per thread (Triton's maxnreg): more programs fit on an SM
 
     def __post_init__(self):
         for name in ("block_m", "block_n", "block_k"):
@@ -46,8 +45,6 @@ class KernelConfig:
             raise ValueError("KernelConfig.block_n must be >= 64 (one warpgroup MMA)")
         if self.split_k < 1:
             raise ValueError("KernelConfig.split_k must be >= 1")
-        if self.max_registers is not None and not (self.max_registers % 8 == 0 and 64 <= self.max_registers <= 255):
-            raise ValueError(f"KernelConfig.max_registers must be a multiple of 8 in [64, 255], got {self.max_registers}")
         if self.fragment and not (self.swap_ab and self.block_k == 128 and self.num_warps == 4 and self.block_m <= 64):
             raise ValueError("KernelConfig.fragment needs swap_ab, block_k=128, num_warps=4 and block_m <= 64")
 
