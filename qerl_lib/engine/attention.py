@@ -75,7 +75,7 @@ DEFAULT_LAUNCH = AttentionLaunch()
 # From MANY_PAIRS (row, KV head) pairs on, each program is one pair's whole row or half of it: the
 # slices' merge and the short runs per program cost more than the parallelism they buy. On an H100
 # (dev/LOG.md section 30; 7B heads, 640-2,000 cached tokens) this shape was the fastest of 60 at
-# batch 32 and 64 and within 0.2% at 128, 8-15% below the few-rows shape in isolation and 2-3% of
+# batch 32 and 64 and within 0.2% at 128, 9-15% below the few-rows shape in isolation and 2-3% of
 # the engine's decode step; at batch 8 (32 pairs) it was 4% slower than the few-rows shape.
 MANY_PAIRS = 128
 MANY_PAIRS_LAUNCH = AttentionLaunch(block=64, warps=8, stages=3, programs=132)
