@@ -40,6 +40,18 @@ def emit(rec: dict) -> None:
     LOG.flush()
 
 
+def device_header() -> tuple[int, int, float]:
+    """Record (``kind: device``) and print the GPU, with tf32 off for the bf16 baselines: ``(SMs, L2 bytes,
+    copy GB/s)``, what ``time_variants`` and the launch rules take."""
+    props = torch.cuda.get_device_properties(0)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    copy_gbps, l2 = copy_bandwidth_gbps(), l2_cache_bytes()
+    emit({"kind": "device", "name": props.name, "sms": props.multi_processor_count, "copy_gbps": copy_gbps, "l2": l2,
+          "torch": torch.__version__})
+    print(f"{props.name} sms={props.multi_processor_count} copy {copy_gbps:.0f} GB/s", flush=True)
+    return props.multi_processor_count, l2, copy_gbps
+
+
 def make(n, k, m, seed=0, scale=0.02):
     g = torch.Generator(device="cuda").manual_seed(seed)
     dense = (torch.randn(n, k, device="cuda", generator=g) * scale).to(torch.bfloat16)

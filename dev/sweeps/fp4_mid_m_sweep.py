@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import fp4_kernel_sweep as sweep  # noqa: E402  (opens $OUT/sweep.jsonl)
 
-from qerl_lib.bench.gemm import copy_bandwidth_gbps, l2_cache_bytes, mean_relative_error  # noqa: E402
+from qerl_lib.bench.gemm import mean_relative_error  # noqa: E402
 from qerl_lib.kernels.fp4_gemm import fp4_linear, prepare_fp4_weights  # noqa: E402
 from qerl_lib.kernels.launch_rule import KernelConfig, k_splits  # noqa: E402
 from qerl_lib.quant.nvfp4 import reference_matmul  # noqa: E402
@@ -70,13 +70,7 @@ def check(sms: int) -> None:
 
 
 def main() -> int:
-    props = torch.cuda.get_device_properties(0)
-    sms = props.multi_processor_count
-    torch.backends.cuda.matmul.allow_tf32 = False
-    copy_gbps, l2 = copy_bandwidth_gbps(), l2_cache_bytes()
-    sweep.emit({"kind": "device", "name": props.name, "sms": sms, "copy_gbps": copy_gbps, "l2": l2,
-                "torch": torch.__version__})
-    print(f"{props.name} sms={sms} copy {copy_gbps:.0f} GB/s", flush=True)
+    sms, l2, copy_gbps = sweep.device_header()
     check(sms)
     for m in MS:
         for name, n, k in SHAPES:

@@ -32,15 +32,14 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import fp4_kernel_sweep as sweep  # noqa: E402  (opens $OUT/sweep.jsonl)
+from fp4_mid_m_sweep import SHAPES  # noqa: E402  (the six 7B/32B projection shapes)
 
-from qerl_lib.bench.gemm import copy_bandwidth_gbps, l2_cache_bytes, mean_relative_error  # noqa: E402
+from qerl_lib.bench.gemm import mean_relative_error  # noqa: E402
 from qerl_lib.kernels import fp4_gemm  # noqa: E402
 from qerl_lib.kernels.fp4_gemm import fp4_linear, prepare_fp4_weights  # noqa: E402
 from qerl_lib.kernels.launch_rule import KernelConfig, k_splits, pick_config  # noqa: E402
 from qerl_lib.quant.nvfp4 import reference_matmul  # noqa: E402
 
-SHAPES = [("7b.gate_up", 37888, 3584), ("7b.down", 3584, 18944), ("7b.qkv", 4608, 3584), ("7b.o", 3584, 3584),
-          ("32b.gate_up", 55296, 5120), ("32b.down", 5120, 27648)]
 MS = [int(m) for m in os.environ.get("MS", "16,32,64,128").split(",")]  # regs run: 16,32,64,128,192
 ENGINE_BATCHES = [int(b) for b in os.environ.get("ENGINE_BATCHES", "32,64,128").split(",") if b]
 GEN = int(os.environ.get("GEN", "512"))
@@ -152,13 +151,7 @@ def engine(best) -> None:
 
 
 def main() -> int:
-    props = torch.cuda.get_device_properties(0)
-    sms = props.multi_processor_count
-    torch.backends.cuda.matmul.allow_tf32 = False
-    copy_gbps, l2 = copy_bandwidth_gbps(), l2_cache_bytes()
-    sweep.emit({"kind": "device", "name": props.name, "sms": sms, "copy_gbps": copy_gbps, "l2": l2,
-                "torch": torch.__version__})
-    print(f"{props.name} sms={sms} copy {copy_gbps:.0f} GB/s", flush=True)
+    sms, l2, copy_gbps = sweep.device_header()
     if not check(sms):
         return 1
     best = isolation(sms, l2, copy_gbps)

@@ -44,10 +44,9 @@ RESULT_FILES = {
     "rollout_vllm_h100.json": "the kit's engine and vLLM 0.24.0 (Marlin FP4, punica LoRA, CUDA graphs; version in the "
                               "rows' `backend`, logs in `dev/runs/vllm_peer_h100_2026-11-25/`) one after the other "
                               "on the same random-weight Qwen2.5-7B checkpoints, prompts and adapters (`--engines "
-                              "kit,vllm`): bf16 "
-                              "and NVFP4, LoRA rank 0/16, batch 8/32/64/128, 256 + 1024 tokens; and NVFP4 + r16 on 256 "
-                              "GSM8K-like completions of <= 1024 tokens over 64 rows (kit static and continuous, vLLM); "
-                              "three runs merged",
+                              "kit,vllm`): bf16 and NVFP4, LoRA rank 0/16, batch 8/32/64/128, 256 + 1024 tokens; and "
+                              "NVFP4 + r16 on 256 GSM8K-like completions of <= 1024 tokens over 64 rows (kit static "
+                              "and continuous, vLLM); three runs merged",
     "rollout_14b_h100.json": "bf16 vs NVFP4 on Qwen2.5-14B shapes, LoRA rank 0 and 32, batch 8, 256 + 2048 tokens "
                              "(`dev/sweeps/rollout_14b_gpu.sh`; summary recomputed by `--merge`)",
     "rollout_h200_final.json": "bf16 vs NVFP4 on Qwen2.5-7B/32B shapes, batch 8, 256 + 2048 tokens",
