@@ -17,7 +17,7 @@ K (split-K, below). Per K-step of 128:
    scale bytes and the ``x`` tile; the next step's loads are issued before this step's math (prefetch).
 2. **Decode two codes per 32-bit op** (Marlin's trick, spec 4.6): for a code ``c = s e1 e0 m`` the
    16 bits ``s<<15 | e1 e0 m << 6`` *are* the bfloat16 ``fp4(c) * 2^-126`` (code 1 = 0.5 becomes a
-   bf16 subnormal, exactly right). ``_code_pair_bits`` builds codes ``i`` and ``i + 4`` of a word in
+   bf16 subnormal, exactly right). ``fp4_decode.code_pair_bits`` builds codes ``i`` and ``i + 4`` of a word in
    one register with a mask, a multiply by ``2^a + 2^b`` (two shifted copies at once) and a mask.
 3. **Apply the block scale exactly.** The E4M3 byte becomes ``s * 2^118`` in bf16 (exact), and one
    packed ``mul.rn.bf16x2`` (inline PTX) per register gives ``W' = fp4 * s * 2^-8`` -- exact,
@@ -78,7 +78,8 @@ from dataclasses import dataclass
 
 import torch
 
-from qerl_lib.kernels import mma
+from qerl_lib.kernels import fp4_wgmma, mma
+from qerl_lib.kernels.fp4_decode import code_pair_bits
 from qerl_lib.kernels.launch_rule import KernelConfig, pick_config
 from qerl_lib.quant.nvfp4 import GROUP_SIZE, NVFP4Weight, reference_grad_input, reference_matmul
 
@@ -184,12 +185,13 @@ def fp4_matmul(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch
 
 
 def fp4_linear(x: torch.Tensor, weight: PreparedFP4Weight, bias: torch.Tensor | None = None, *,
-               impl: str = "auto", out: torch.Tensor | None = None, config: KernelConfig | None = None,
+               impl: str = "auto", out: torch.Tensor | None = None,
+               config: KernelConfig | fp4_wgmma.WgmmaConfig | None = None,
                small_m_backend: str | None = None, mma_rule: Callable[[int, int, int], mma.MmaConfig] | None = None,
                lora: mma.LoraEpilogue | None = None) -> torch.Tensor:
     """``x @ W.T (+ bias)`` for a ``prepare_fp4_weights`` result; the path ``NVFP4Linear`` uses.
-    ``out``: optional bf16 ``[..., N]`` contiguous tensor to write into. ``config`` forces one Triton launch
-    (benchmarks and tests). ``small_m_backend``: which kernel runs M <= 8 ("auto", "mma", "triton"; None:
+    ``out``: optional bf16 ``[..., N]`` contiguous tensor to write into. ``config`` forces one launch of the
+    Triton kernel (``KernelConfig``) or the Gluon one (``fp4_wgmma.WgmmaConfig``) (benchmarks and tests). ``small_m_backend``: which kernel runs M <= 8 ("auto", "mma", "triton"; None:
     ``QERL_FP4_SMALL_M``, default "auto"). ``mma_rule``: the mma.sync kernel's launch shape as a function
     of ``(m, n, k)`` (None: ``pick_mma_config``). ``lora``: adapters the mma.sync kernel adds itself;
     only where ``uses_mma`` (else a ValueError)."""
@@ -322,7 +324,7 @@ def _num_sms(device: torch.device) -> int:
 
 
 def _triton_linear(x: torch.Tensor, weight: PreparedFP4Weight, bias: torch.Tensor | None,
-                   out: torch.Tensor | None, allow_cublas: bool, config: KernelConfig | None = None,
+                   out: torch.Tensor | None, allow_cublas: bool, config=None,
                    small_m_backend: str | None = None, mma_rule=None, lora=None) -> torch.Tensor:
     n, k = weight.shape
     lead = x.shape[:-1]
@@ -337,6 +339,9 @@ def _triton_linear(x: torch.Tensor, weight: PreparedFP4Weight, bias: torch.Tenso
         bias_c = bias.contiguous() if bias is not None else None
         mma.mma_linear(x2, weight.words, weight.scales, weight.global_scale, bias_c, out,
                        mma_rule(m, n, k) if mma_rule is not None else None, lora=lora)
+        return out.reshape(*lead, n)
+    if isinstance(config, fp4_wgmma.WgmmaConfig):  # the Gluon kernel (benchmarks and tests force it)
+        fp4_wgmma.linear(x2, weight.words, weight.scales, weight.global_scale, bias, out, config, _reduce_splits)
         return out.reshape(*lead, n)
     cfg = config or pick_config(m, n, k, _num_sms(x.device), allow_cublas and not math.isnan(weight.inv_global_scale))
     if cfg.cublas:
@@ -361,29 +366,20 @@ def _triton_linear(x: torch.Tensor, weight: PreparedFP4Weight, bias: torch.Tenso
         INTERPRETED=_interpreted(x2), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if split > 1:
-        block = 1024
-        _splitk_reduce_kernel[(triton.cdiv(m * n, block),)](
-            ws, weight.global_scale, bias_arg, out, m * n, n, SPLIT=split, HAS_BIAS=bias is not None, BLOCK=block,
-            INTERPRETED=_interpreted(out), num_warps=4)
+        _reduce_splits(ws, weight.global_scale, bias, out)
     return out.reshape(*lead, n)
+
+
+def _reduce_splits(ws: torch.Tensor, global_scale: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> None:
+    """out = bf16(sum of the fp32 K-slice partials ``ws [S, M, N]`` * 2^8/gs) (+ bias), in slice order."""
+    split, m, n = ws.shape
+    _splitk_reduce_kernel[(triton.cdiv(m * n, 1024),)](
+        ws, global_scale, bias if bias is not None else out, out, m * n, n, SPLIT=split, HAS_BIAS=bias is not None,
+        BLOCK=1024, INTERPRETED=_interpreted(out), num_warps=4)
 
 
 # ============================================================================ Triton kernels
 if triton is not None:
-
-    @triton.jit
-    def _code_pair_bits(q, I: tl.constexpr):
-        """uint32 holding bf16 bits of code ``I`` (low half) and code ``I + 4`` (high half) of each
-        word, each equal to ``fp4 * 2^-126``: sign to bit 15, ``e1 e0 m`` to bits 8..6."""
-        if I == 0:  # sign <<12, magnitude <<6: one multiply makes both shifted copies
-            p = ((q & 0x000F000F) * ((1 << 12) + (1 << 6))) & 0x81C081C0
-        elif I == 1:  # sign <<8, magnitude <<2
-            p = ((q & 0x00F000F0) * ((1 << 8) + (1 << 2))) & 0x81C081C0
-        elif I == 2:  # sign <<4, magnitude >>2: pre-shift by 2, then <<6 and <<0
-            p = (((q >> 2) & 0x03C003C0) * ((1 << 6) + 1)) & 0x81C081C0
-        else:  # sign stays, magnitude >>6
-            p = (q & 0x80008000) | ((q >> 6) & 0x01C001C0)
-        return p
 
     @triton.jit
     def _scaled_codes(q, s_byte, BLOCK_N: tl.constexpr, WORDS: tl.constexpr, INTERPRETED: tl.constexpr):
@@ -392,7 +388,7 @@ if triton is not None:
         # E4M3 -> fp32 is exact (subnormal scales too); * 2^118 keeps fp4 * s * 2^-8 a normal bf16
         s = s_byte.to(tl.float8e4nv, bitcast=True).to(tl.float32) * 2.0**118
         s_word = tl.reshape(tl.join(s, s), [BLOCK_N, WORDS]).to(tl.bfloat16)  # word w is in group w // 2
-        p0, p1, p2, p3 = _code_pair_bits(q, 0), _code_pair_bits(q, 1), _code_pair_bits(q, 2), _code_pair_bits(q, 3)
+        p0, p1, p2, p3 = code_pair_bits(q, 0), code_pair_bits(q, 1), code_pair_bits(q, 2), code_pair_bits(q, 3)
         # tl.join appends a new *innermost* dim, so the lo/hi join goes last: each 32-bit register
         # then holds exactly one decoded pair (code i, code i + 4) -- no repacking.
         lows = tl.join(tl.join(p0.to(tl.uint16), p1.to(tl.uint16)), tl.join(p2.to(tl.uint16), p3.to(tl.uint16)))

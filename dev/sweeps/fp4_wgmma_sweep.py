@@ -1,0 +1,109 @@
+"""Section 32 (dev/LOG.md): the Gluon NVFP4 GEMM (``kernels/fp4_wgmma.py``: async wgmma, x shared by two
+warpgroups) against the Triton fragment kernel and bf16 cuBLAS, at decode batches and at training sizes.
+
+One call: correctness of every variant on awkward and real shapes (poisoned outputs, bias, determinism,
+oracle ``reference_matmul``), then device time per (shape, M) with the benchmark's CUDA-graph + L2-rotation
+timer (``fp4_kernel_sweep.time_variants``). ``PART=decode`` (M = 16-128), ``PART=train`` (M = 1024-8192) or
+both (default). Writes $OUT/sweep.jsonl; prints one line per (shape, M).
+
+    OUT=/tmp/out PYTHONPATH=$PWD python dev/sweeps/fp4_wgmma_sweep.py
+    # on the device machine, detached (section 32's run):
+    bash dev/sweeps/gpu_job.sh start 'python3 -m pytest -q -m cuda tests/test_fp4_wgmma.py > $OUT/cuda_tests_wgmma.log 2>&1;
+        python3 dev/sweeps/fp4_wgmma_sweep.py > $OUT/sweep.log 2>&1'
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import fp4_kernel_sweep as sweep  # noqa: E402  (opens $OUT/sweep.jsonl)
+from fp4_mid_m_sweep import SHAPES  # noqa: E402
+
+from qerl_lib.bench.gemm import mean_relative_error  # noqa: E402
+from qerl_lib.kernels.fp4_gemm import fp4_linear, prepare_fp4_weights  # noqa: E402
+from qerl_lib.kernels.fp4_wgmma import WgmmaConfig  # noqa: E402
+from qerl_lib.kernels.launch_rule import k_splits  # noqa: E402
+from qerl_lib.quant.nvfp4 import reference_matmul  # noqa: E402
+
+DECODE_MS = (16, 32, 64, 128)
+TRAIN_MS = (1024, 4096, 8192)
+CHECK_CASES = [(1, 200, 256), (5, 130, 384), (16, 4608, 3584), (33, 3584, 3584), (64, 1000, 1024),
+               (100, 3584, 18944), (128, 5120, 2048), (200, 1000, 1024), (1024, 4608, 3584)]  # M, N, K
+CHECK_CONFIGS = [WgmmaConfig(16, 1), WgmmaConfig(16, 2, 3), WgmmaConfig(32, 2, 2), WgmmaConfig(64, 1),
+                 WgmmaConfig(64, 2, 4), WgmmaConfig(128, 2), WgmmaConfig(128, 2, 2)]
+
+
+def block_m_for(m: int) -> int:
+    return max(16, 1 << (m - 1).bit_length())
+
+
+def decode_variants(m: int, n: int, k: int, sms: int) -> list:
+    out = [("auto", False, None)]
+    bm = min(block_m_for(m), 128)
+    for wg in (1, 2):
+        tiles = math.ceil(n / (64 * wg)) * math.ceil(m / bm)
+        for per_sm in (1, 2, 4):
+            split = k_splits(tiles, k // 128, sms, per_sm)
+            label = f"wg{wg}-m{bm}-s{split}"
+            if not any(v[0] == label for v in out):
+                out.append((label, False, WgmmaConfig(bm, wg, split)))
+    return out
+
+
+def train_variants(m: int, n: int, k: int, sms: int) -> list:
+    return [("auto", False, None), ("wg2-m128", False, WgmmaConfig(128, 2)), ("wg2-m64", False, WgmmaConfig(64, 2)),
+            ("wg1-m64", False, WgmmaConfig(64, 1))]
+
+
+def check() -> bool:
+    worst, ok_all = 0.0, True
+    for m, n, k in CHECK_CASES:
+        _, q, x = sweep.make(n, k, m, seed=m + n + k)
+        bias = torch.randn(n, device="cuda").to(torch.bfloat16)
+        prep = prepare_fp4_weights(q.weight_packed, q.weight_scale, q.weight_global_scale)
+        for b in (None, bias):
+            ref = reference_matmul(x, q, b)
+            auto = fp4_linear(x, prep, b)
+            for cfg in CHECK_CONFIGS:
+                out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+                fp4_linear(x, prep, b, out=out, config=cfg)
+                again = fp4_linear(x, prep, b, config=cfg)
+                rel = mean_relative_error(out.float().nan_to_num(0), ref.float())
+                ok = not torch.isnan(out).any() and rel < 1e-3 and torch.equal(out, again)
+                same = float((out == auto).float().mean())
+                worst, ok_all = max(worst, rel), ok_all and ok
+                sweep.emit({"kind": "correct", "m": m, "n": n, "k": k, "bias": b is not None, "config": cfg.__dict__,
+                            "rel": rel, "ok": bool(ok), "equal_to_auto": same})
+                if not ok:
+                    print(f"CORRECTNESS FAIL {cfg} M={m} N={n} K={k} bias={b is not None} rel {rel:.2e}", flush=True)
+        del q, x
+    print(f"correctness: worst mean rel err {worst:.2e} all ok {ok_all} [{time.time() - sweep.T0:.0f}s]", flush=True)
+    return ok_all
+
+
+def main() -> int:
+    sms, l2, copy_gbps = sweep.device_header()
+    part = os.environ.get("PART", "all")
+    if not check():
+        print("stopping: a variant is wrong", flush=True)
+        return 1
+    if part in ("all", "decode"):
+        for m in DECODE_MS:
+            for name, n, k in SHAPES:
+                sweep.time_variants(name, n, k, m, decode_variants(m, n, k, sms), l2, copy_gbps)
+    if part in ("all", "train"):
+        for m in TRAIN_MS:
+            for name, n, k in SHAPES[:4]:
+                sweep.time_variants(name, n, k, m, train_variants(m, n, k, sms), l2, copy_gbps)
+    print(f"done [{time.time() - sweep.T0:.0f}s]", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

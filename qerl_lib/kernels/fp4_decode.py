@@ -1,0 +1,38 @@
+"""Two FP4 codes into two bf16 values with a handful of integer ops (Marlin's trick, spec section 4.6).
+
+A NVFP4 code ``c = s e1 e0 m`` (sign, two exponent bits, one mantissa bit) becomes a bfloat16 when its
+bits are moved into place: ``s << 15 | e1 e0 m << 6`` *is* the bf16 of ``fp4(c) * 2^-126`` (code 1 = 0.5
+lands on a bf16 subnormal, exactly right). The 126 is taken back by the block scale, applied as
+``s * 2^118`` in one packed ``mul.rn.bf16x2`` (exact: ``fp4 * s`` has at most 6 significant bits), which
+leaves ``fp4 * s * 2^-8``; the kernels' epilogues multiply by ``2^8 / gs``.
+
+``code_pair_bits(q, I)`` does this for codes ``I`` and ``I + 4`` of every 32-bit word ``q`` (8 codes per
+word, code ``i`` in bits ``4i..4i+3``) at once: one mask keeps the two nibbles, one multiply by
+``2^a + 2^b`` makes the two shifted copies a code needs (its sign and its magnitude move by different
+amounts), one mask keeps the right bits. Code ``I`` ends in the low half, code ``I + 4`` in the high half.
+Shared by the Triton kernels (``fp4_gemm``) and the Gluon kernel (``fp4_wgmma``), which can call it.
+"""
+
+from __future__ import annotations
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised only on installs without triton
+    triton = None
+
+if triton is not None:
+
+    @triton.jit
+    def code_pair_bits(q, I: tl.constexpr):
+        """uint32 holding the bf16 bits of ``fp4 * 2^-126`` for code ``I`` (low half) and code ``I + 4``
+        (high half) of each word: sign to bit 15, ``e1 e0 m`` to bits 8..6."""
+        if I == 0:  # sign <<12, magnitude <<6: one multiply makes both shifted copies
+            p = ((q & 0x000F000F) * ((1 << 12) + (1 << 6))) & 0x81C081C0
+        elif I == 1:  # sign <<8, magnitude <<2
+            p = ((q & 0x00F000F0) * ((1 << 8) + (1 << 2))) & 0x81C081C0
+        elif I == 2:  # sign <<4, magnitude >>2: pre-shift by 2, then <<6 and <<0
+            p = (((q >> 2) & 0x03C003C0) * ((1 << 6) + 1)) & 0x81C081C0
+        else:  # sign stays, magnitude >>6
+            p = (q & 0x80008000) | ((q >> 6) & 0x01C001C0)
+        return p

@@ -1,0 +1,272 @@
+"""The NVFP4 x BF16 GEMM with the tensor cores kept busy while the next weights decode (Gluon, Hopper).
+
+Why another kernel
+------------------
+``fp4_gemm``'s Triton fragment kernel decodes each 128-wide K-step of FP4 weights straight into the
+registers of Hopper's ``wgmma`` A operand, but Triton 3.6 waits for every ``wgmma`` before the next
+step's decode starts (``warp_group_dot_wait pendings=0``), so a warpgroup alternates between decoding
+and multiplying. From 32 rows of ``x`` on, the multiply is no longer free, and Nsight Compute shows
+that kernel latency-bound at 2 programs per SM (dev/LOG.md, section 31). Triton also gives no way to
+let two warpgroups share one staged tile of ``x`` while each keeps its weights in registers.
+
+Gluon (``triton.experimental.gluon``, Triton's tile language with explicit layouts, shared memory and
+``wgmma``) gives both, so this kernel does what the Triton one could not:
+
+1. **Loads in the fragment's own layout.** The words and scale bytes of a K-step are loaded through
+   explicit linear layouts (``_words_layout``, ``_scales_layout``): lane ``4g + t`` of warp ``w``
+   reads words ``4t..4t+3`` (one 16-byte load) of rows ``16w + g`` and ``16w + g + 8``. Decoding
+   (``_decode``: Marlin's two-codes-per-32-bit-op trick and the exact bf16x2 scale multiply,
+   ``fp4_gemm``'s module docstring, steps 2-3) then leaves every value where the A fragment wants it;
+   ``convert_layout(..., assert_trivial=True)`` makes the compiler prove that no data moves.
+   K is relabeled as in ``fp4_gemm`` (fragment K index ``32j + 16x + 8y + 2t + z`` holds code
+   ``x + 2y + 4z`` of word ``4t + j``), and ``x`` is permuted to match when it is staged.
+2. **One tile of x for two warpgroups.** ``x``'s ``[BLOCK_M, 128]`` K-step is loaded by all warps,
+   permuted in registers, and stored once into shared memory, where it is the ``wgmma`` B operand
+   of both warpgroups (``warpgroups=2``: 128 weight rows per program, 64 per warpgroup).
+3. **The multiply left in flight.** ``warpgroup_mma(..., is_async=True)`` then
+   ``warpgroup_mma_wait(num_outstanding=1)``: step ``i``'s MMAs run while step ``i+1``'s weights
+   decode and its ``x`` is staged. ``x`` cycles through three shared-memory buffers: the buffer a step
+   writes was last read by the MMAs of three steps earlier, which every warpgroup has waited on
+   before the barrier of the step before (with two buffers a fast warpgroup could overwrite a tile the
+   other warpgroup's MMA was still reading).
+4. **Loads one step ahead** in registers (weights with ``evict_first``: each is read once per row
+   block of ``x``), as in ``fp4_gemm``.
+
+Output: fp32 partials of one K-slice (``split_k > 1``; ``fp4_gemm`` sums them in a fixed order) or the
+epilogue ``bf16(acc * 2^8 / gs)`` then ``+ bias`` after the cast, the same single rounding as
+``nvfp4.reference_matmul``, stored straight from the accumulator's registers (8 lanes hold 8
+consecutive output features of one row: 16-byte runs of the row-major output).
+
+Where we deviate from Marlin and CUTLASS: no offline repacking (the compressed-tensors bytes are read
+in place), no producer warp or TMA (every warp loads, decodes and multiplies; Gluon's
+``warp_specialize`` is not used), and ``x`` is staged through registers because the K relabeling
+permutes it. K must be a multiple of 128; ``fp4_gemm`` runs other shapes on its Triton kernel.
+Gluon is experimental in Triton 3.6: this module imports without it (``available()`` is then False).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+try:  # Gluon ships with Triton >= 3.5; the CPU reference paths never need it
+    import triton
+    from qerl_lib.kernels.fp4_decode import code_pair_bits
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
+except ImportError:  # pragma: no cover - exercised only on installs without Gluon
+    gluon = None
+else:  # the CTA barrier's name: gl.thread_barrier in Triton 3.5-3.6, gl.barrier from 3.7
+    _cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
+
+BLOCK_K = 128  # one K-step: 16 int32 words (128 codes) and 8 scale bytes per weight row
+BLOCK_MS = (16, 32, 64, 128, 256)
+X_BUFFERS = 3  # shared-memory tiles of x in the ring (module docstring, point 3)
+
+
+@dataclass(frozen=True)
+class WgmmaConfig:
+    """One launch of ``_fp4_wgmma_kernel``: ``block_m`` rows of ``x`` per program (the MMA's N),
+    ``warpgroups`` (1 or 2) of 64 weight rows each, ``split_k`` K-slices (fp32 partials when > 1)."""
+
+    block_m: int
+    warpgroups: int = 2
+    split_k: int = 1
+
+    def __post_init__(self):
+        if self.block_m not in BLOCK_MS:
+            raise ValueError(f"WgmmaConfig.block_m must be one of {BLOCK_MS}, got {self.block_m}")
+        if self.warpgroups not in (1, 2):
+            raise ValueError(f"WgmmaConfig.warpgroups must be 1 or 2, got {self.warpgroups}")
+        if self.split_k < 1:
+            raise ValueError(f"WgmmaConfig.split_k must be >= 1, got {self.split_k}")
+
+    @property
+    def block_n(self) -> int:
+        return 64 * self.warpgroups
+
+    @property
+    def num_warps(self) -> int:
+        return 4 * self.warpgroups
+
+
+def available(device: torch.device | None = None) -> bool:
+    """Whether this kernel can run on ``device`` (default: the current CUDA device): Gluon importable
+    and a Hopper-class GPU (sm_90; wgmma does not exist on other generations)."""
+    if gluon is None or not torch.cuda.is_available():
+        return False
+    index = 0 if device is None or device.index is None else device.index
+    return torch.cuda.get_device_capability(index) == (9, 0)
+
+
+def supported_problem(k: int) -> bool:
+    """K must be whole K-steps of 128 (every Qwen2.5 projection is)."""
+    return k % BLOCK_K == 0 and k > 0
+
+
+def k_slices(k: int, split_k: int) -> tuple[int, int]:
+    """``(steps per slice, slices)`` for ``split_k`` requested slices of ``k / 128`` steps: slices
+    are whole steps, so fewer may result (never an empty one)."""
+    steps = k // BLOCK_K
+    per = -(-steps // max(1, min(split_k, steps)))
+    return per, -(-steps // per)
+
+
+def linear(x2: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor,
+           bias: torch.Tensor | None, out: torch.Tensor, config: WgmmaConfig, reduce_splits) -> None:
+    """``out = x2 @ W.T (+ bias)`` by this kernel; with several K-slices their fp32 partials go to a
+    temporary workspace that ``reduce_splits(ws, global_scale, bias, out)`` sums (``fp4_gemm``'s fixed-order
+    reduction). Raises a ValueError if K is not a multiple of 128."""
+    m, k = x2.shape
+    if not supported_problem(k):
+        raise ValueError(f"fp4_wgmma: K must be a positive multiple of {BLOCK_K}, got {k}; use a KernelConfig instead")
+    slices = k_slices(k, config.split_k)[1]
+    ws = torch.empty(slices, m, words.shape[0], dtype=torch.float32, device=x2.device) if slices > 1 else None
+    launch(x2, words, scales, global_scale, bias, out, ws, config)
+    if ws is not None:
+        reduce_splits(ws, global_scale, bias, out)
+
+
+def launch(x2: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor,
+           bias: torch.Tensor | None, out: torch.Tensor, workspace: torch.Tensor | None, config: WgmmaConfig) -> None:
+    """Run the kernel for ``out[M, N] = x2[M, K] @ W.T``: writes ``out`` (bf16, epilogue applied) when
+    ``config.split_k`` gives one slice, else ``workspace`` (fp32 ``[slices, M, N]``, raw partials; the
+    caller sums them). Shapes and alignment are the caller's to check (``fp4_gemm._triton_linear``)."""
+    m, k = x2.shape
+    n = words.shape[0]
+    per, slices = k_slices(k, config.split_k)
+    split = slices > 1
+    if split and (workspace is None or tuple(workspace.shape) != (slices, m, n)):
+        raise ValueError(f"fp4_wgmma.launch: split_k={config.split_k} needs an fp32 workspace of shape "
+                         f"{(slices, m, n)}")
+    grid = (triton.cdiv(m, config.block_m), triton.cdiv(n, config.block_n), slices)
+    _fp4_wgmma_kernel[grid](
+        x2, words, scales, global_scale, bias if bias is not None else out, out, workspace if split else out,
+        m, n, k, x2.stride(0), words.stride(0), scales.stride(0), out.stride(0), per,
+        BLOCK_M=config.block_m, WG=config.warpgroups, SPLIT=split, HAS_BIAS=bias is not None, NBUF=X_BUFFERS,
+        num_warps=config.num_warps)
+
+
+# ============================================================================ Gluon kernel
+if gluon is not None:
+
+    @gluon.constexpr_function
+    def _warp_bases(WG):
+        return [[16, 0], [32, 0]] + ([[64, 0]] if WG == 2 else [])
+
+    @gluon.constexpr_function
+    def _words_layout(WG):
+        """int32 words [64 WG, 16] of one K-step: lane 4g + t of warp w holds words 4t..4t+3 (registers,
+        one 16-byte load) of rows 16w + g and 16w + g + 8: the wgmma A fragment's rows."""
+        return gl.DistributedLinearLayout(reg_bases=[[0, 1], [0, 2], [8, 0]],
+                                          lane_bases=[[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]],
+                                          warp_bases=_warp_bases(WG), block_bases=[], shape=[64 * WG, 16])
+
+    @gluon.constexpr_function
+    def _scales_layout(WG):
+        """E4M3 scale bytes [64 WG, 8] of one K-step, in the rows and groups of ``_words_layout``'s words."""
+        return gl.DistributedLinearLayout(reg_bases=[[0, 1], [8, 0]],
+                                          lane_bases=[[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]],
+                                          warp_bases=_warp_bases(WG), block_bases=[], shape=[64 * WG, 8])
+
+    @gluon.jit
+    def _code_pair(q, sw, I: gl.constexpr):
+        """Codes I and I + 4 of each word as bf16 ``fp4 * s * 2^-8`` (low, high half), split into a trailing
+        pair dimension; ``sw``: the word's scale as bf16 ``s * 2^118`` in both halves."""
+        p = code_pair_bits(q, I)
+        # fp4 * 2^-126 times s * 2^118, both halves at once; exact, so the rounding mode is moot
+        p = gl.inline_asm_elementwise("mul.rn.bf16x2 $0, $1, $2;", "=r,r,r", [p, sw], dtype=gl.uint32,
+                                      is_pure=True, pack=1)
+        return gl.join((p & 0xFFFF).to(gl.uint16), (p >> 16).to(gl.uint16))
+
+    @gluon.jit
+    def _decode(q, sb, BN: gl.constexpr, a_layout: gl.constexpr):
+        """Words [BN, 16] + scale bytes [BN, 8] -> bf16 W' [BN, 128] in the A-fragment layout, K relabeled
+        (module docstring, point 1); the final layout conversion is checked to move nothing."""
+        s = sb.to(gl.float8e4nv, bitcast=True).to(gl.float32) * 2.0**118  # exact, subnormal scales too
+        sv = s.to(gl.bfloat16).to(gl.uint16, bitcast=True).to(gl.uint32)
+        sv = sv | (sv << 16)
+        sw = gl.reshape(gl.join(sv, sv), [BN, 16])  # word w is in scale group w // 2
+        lo = gl.join(_code_pair(q, sw, 0), _code_pair(q, sw, 1))  # [n, word, z, x] with y = 0
+        hi = gl.join(_code_pair(q, sw, 2), _code_pair(q, sw, 3))  # y = 1
+        w = gl.reshape(gl.join(lo, hi), [BN, 4, 4, 2, 2, 2])  # [n, t, j, z, x, y]
+        w = gl.reshape(gl.permute(w, [0, 2, 4, 5, 1, 3]), [BN, 128])  # [n, (j, x, y, t, z)]
+        return gl.convert_layout(w.to(gl.bfloat16, bitcast=True), a_layout, assert_trivial=True)
+
+    @gluon.jit
+    def _permute_x(xt, BM: gl.constexpr):
+        """x [BM, 128] in natural K order -> the fragment's K relabeling: position (j, x, y, t, z) holds
+        natural element 8 (4t + j) + x + 2y + 4z."""
+        xt = gl.reshape(xt, [BM, 4, 4, 2, 2, 2])  # [m, t, j, z, y, x]
+        return gl.reshape(gl.permute(xt, [0, 2, 5, 4, 1, 3]), [BM, 128])
+
+    @gluon.jit
+    def _fp4_wgmma_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, bias_ptr, out_ptr, ws_ptr,
+                          M, N, K, stride_xm, stride_wn, stride_sn, stride_om, iters_per_split,
+                          BLOCK_M: gl.constexpr, WG: gl.constexpr, SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr,
+                          NBUF: gl.constexpr):
+        """One [64 WG weight rows, BLOCK_M rows of x] output tile over one K-slice (module docstring)."""
+        BN: gl.constexpr = 64 * WG
+        NW: gl.constexpr = 4 * WG
+        wl: gl.constexpr = _words_layout(WG)
+        sl: gl.constexpr = _scales_layout(WG)
+        mma_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
+                                                        instr_shape=[16, BLOCK_M, 16])
+        a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_l, k_width=2)
+        xl: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[2, 16], warps_per_cta=[NW, 1],
+                                            order=[1, 0])
+        xs_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+
+        pid_m = gl.program_id(0)
+        pid_n = gl.program_id(1)
+        pid_k = gl.program_id(2)
+        it_begin = pid_k * iters_per_split
+        it_end = gl.minimum(it_begin + iters_per_split, K // 128)  # the host never makes an empty slice
+
+        # clamp instead of masking: weight loads stay unpredicated (the extra rows are never stored)
+        rows_w = gl.minimum(pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, wl)), N - 1)
+        w_ptrs = w_ptr + rows_w[:, None] * stride_wn + gl.arange(0, 16, layout=gl.SliceLayout(0, wl))[None, :]
+        rows_s = gl.minimum(pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, sl)), N - 1)
+        s_ptrs = s_ptr + rows_s[:, None] * stride_sn + gl.arange(0, 8, layout=gl.SliceLayout(0, sl))[None, :]
+        offs_xm = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, xl))
+        offs_xk = gl.arange(0, 128, layout=gl.SliceLayout(0, xl))
+        x_ptrs = x_ptr + offs_xm[:, None] * stride_xm + offs_xk[None, :]
+        x_mask = (offs_xm < M)[:, None] & (offs_xk < 128)[None, :]
+
+        x_smem = gl.allocate_shared_memory(gl.bfloat16, [NBUF, BLOCK_M, 128], xs_l)
+        kk = it_begin * 128
+        q = gl.load(w_ptrs + kk // 8, eviction_policy="evict_first").to(gl.uint32, bitcast=True)
+        sb = gl.load(s_ptrs + kk // 16, eviction_policy="evict_first")
+        xt = gl.load(x_ptrs + kk, mask=x_mask, other=0.0)
+        acc = gl.zeros([BN, BLOCK_M], gl.float32, layout=mma_l)
+        for it in range(it_begin, it_end):  # the last step re-loads its own block (an L2 hit)
+            kn = gl.minimum(it + 1, it_end - 1) * 128
+            q_n = gl.load(w_ptrs + kn // 8, eviction_policy="evict_first").to(gl.uint32, bitcast=True)
+            sb_n = gl.load(s_ptrs + kn // 16, eviction_policy="evict_first")
+            xt_n = gl.load(x_ptrs + kn, mask=x_mask, other=0.0)
+            a = _decode(q, sb, BN, a_l)  # overlaps the previous step's MMAs
+            buf = x_smem.index((it - it_begin) % NBUF)
+            buf.store(_permute_x(xt, BLOCK_M))
+            fence_async_shared()  # generic-proxy stores -> the async proxy wgmma reads through
+            _cta_barrier()  # every warp's part of the tile is in before any warpgroup multiplies
+            acc = warpgroup_mma(a, buf.permute((1, 0)), acc, use_acc=it > it_begin, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+            q, sb, xt = q_n, sb_n, xt_n
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+
+        # stored from the MMA layout: converting it first (through shared memory) makes ptxas serialize
+        # every wgmma of the loop (its warning C7515: accumulator registers defined while MMAs are in flight)
+        res = acc
+        offs_n = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, mma_l))
+        offs_m = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma_l))
+        mask = (offs_n < N)[:, None] & (offs_m < M)[None, :]
+        if SPLIT:
+            gl.store(ws_ptr + pid_k * M * N + offs_m[None, :] * N + offs_n[:, None], res, mask=mask)
+        else:
+            y = (res * gl.div_rn(256.0, gl.load(gs_ptr))).to(gl.bfloat16)  # correctly rounded 2^8/gs
+            if HAS_BIAS:
+                b = gl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0)
+                y = (y.to(gl.float32) + b.to(gl.float32)[:, None]).to(gl.bfloat16)
+            gl.store(out_ptr + offs_m[None, :] * stride_om + offs_n[:, None], y, mask=mask)

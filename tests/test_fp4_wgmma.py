@@ -1,0 +1,203 @@
+"""The Gluon NVFP4 GEMM (qerl_lib/kernels/fp4_wgmma.py).
+
+Without a GPU: the launch configuration's checks; the kernel's arithmetic emulated in torch step by
+step (the same bit formulas, the same reshapes and permutes of the K relabeling) against the
+plain-torch oracle on fresh random weights; and, where Triton's Gluon and ptxas are installed, an
+offline compile for sm_90a that must keep the MMAs asynchronous (one wgmma group left in flight, no
+ptxas serialization). The layouts themselves are checked by the compiler (``assert_trivial``).
+On a Hopper GPU the kernel runs against the oracle.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+
+import pytest
+import torch
+
+from qerl_lib.kernels import fp4_wgmma
+from qerl_lib.kernels.fp4_wgmma import WgmmaConfig, k_slices
+from qerl_lib.quant.nvfp4 import quantize, reference_matmul
+
+HAS_WGMMA = fp4_wgmma.available()
+
+
+# ============================================================================ configuration
+def test_config_rejects_bad_values_with_a_clear_message():
+    with pytest.raises(ValueError, match="block_m must be one of"):
+        WgmmaConfig(48)
+    with pytest.raises(ValueError, match="warpgroups must be 1 or 2"):
+        WgmmaConfig(64, warpgroups=3)
+    with pytest.raises(ValueError, match="split_k must be >= 1"):
+        WgmmaConfig(64, split_k=0)
+    cfg = WgmmaConfig(32, 2, 4)
+    assert (cfg.block_n, cfg.num_warps) == (128, 8)
+
+
+@pytest.mark.parametrize("k, split, expected", [(3584, 1, (28, 1)), (3584, 4, (7, 4)), (3584, 5, (6, 5)),
+                                                (18944, 30, (5, 30)), (256, 8, (1, 2)), (384, 2, (2, 2))])
+def test_k_slices_cover_every_step_once_and_none_empty(k, split, expected):
+    per, slices = k_slices(k, split)
+    assert (per, slices) == expected
+    steps = k // 128
+    assert (slices - 1) * per < steps <= slices * per
+
+
+def test_supported_problem_needs_whole_k_steps():
+    assert fp4_wgmma.supported_problem(3584) and fp4_wgmma.supported_problem(128)
+    assert not fp4_wgmma.supported_problem(200) and not fp4_wgmma.supported_problem(0)
+
+
+# ============================================================================ torch emulation
+def _code_pair(q: torch.Tensor, i: int) -> torch.Tensor:
+    """``_code_pair`` before the scale multiply, in int64 with 32-bit wrap-around."""
+    m32 = 0xFFFFFFFF
+    if i == 0:
+        p = ((q & 0x000F000F) * ((1 << 12) + (1 << 6))) & m32 & 0x81C081C0
+    elif i == 1:
+        p = ((q & 0x00F000F0) * ((1 << 8) + (1 << 2))) & m32 & 0x81C081C0
+    elif i == 2:
+        p = (((q >> 2) & 0x03C003C0) * ((1 << 6) + 1)) & m32 & 0x81C081C0
+    else:
+        p = (q & 0x80008000) | ((q >> 6) & 0x01C001C0)
+    return p
+
+
+def _bf16_half(bits: torch.Tensor) -> torch.Tensor:
+    """16-bit patterns (int64) -> their bfloat16 values as float64 (subnormals exact)."""
+    return (bits.to(torch.int32) << 16).view(torch.float32).double()
+
+
+def _emulated_weight(words: torch.Tensor, scales: torch.Tensor, step: int) -> torch.Tensor:
+    """W' [N, 128] of K-step ``step`` in the kernel's relabeled K order, following ``_decode``: codes I and
+    I + 4 of each word, times ``s * 2^118`` (the bf16x2 multiply is exact, so float64 stands in), joined
+    [n, word, z, x, y], reshaped [n, t, j, z, x, y], permuted to [n, j, x, y, t, z]."""
+    q = words[:, 16 * step:16 * step + 16].to(torch.int64) & 0xFFFFFFFF
+    s = scales[:, 8 * step:8 * step + 8].view(torch.float8_e4m3fn).double() * 2.0**118
+    s_word = torch.stack([s, s], dim=-1).reshape(-1, 16)  # word w is in group w // 2
+    pairs = []
+    for i in range(4):
+        p = _code_pair(q, i)
+        pairs.append(torch.stack([_bf16_half(p & 0xFFFF), _bf16_half(p >> 16)], dim=-1) * s_word[..., None])
+    lo = torch.stack([pairs[0], pairs[1]], dim=-1)  # [n, word, z, x], y = 0
+    hi = torch.stack([pairs[2], pairs[3]], dim=-1)
+    w = torch.stack([lo, hi], dim=-1).reshape(-1, 4, 4, 2, 2, 2)
+    return w.permute(0, 2, 4, 5, 1, 3).reshape(-1, 128)
+
+
+def _emulated_x(x: torch.Tensor, step: int) -> torch.Tensor:
+    """``_permute_x``: x [M, 128] natural -> [m, t, j, z, y, x] -> [m, j, x, y, t, z]."""
+    xt = x[:, 128 * step:128 * step + 128].double().reshape(-1, 4, 4, 2, 2, 2)
+    return xt.permute(0, 2, 5, 4, 1, 3).reshape(-1, 128)
+
+
+@pytest.mark.parametrize("m, n, k, seed", [(3, 40, 256, 0), (17, 64, 384, 1), (8, 130, 1024, 2)])
+def test_emulated_kernel_matches_the_oracle(m, n, k, seed):
+    """The decode formulas and both K relabelings, as the kernel composes them, give the oracle's product:
+    the fp32-exact sum agrees to float64 rounding before the epilogue's single bf16 rounding."""
+    g = torch.Generator().manual_seed(seed)
+    dense = (torch.randn(n, k, generator=g) * 0.05).to(torch.bfloat16)
+    q = quantize(dense)
+    x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+    words, scales = q.weight_packed.view(torch.int32), q.weight_scale.view(torch.uint8)
+    acc = sum(_emulated_x(x, st) @ _emulated_weight(words, scales, st).T for st in range(k // 128))
+    factor = torch.tensor(256.0, dtype=torch.float32) / q.weight_global_scale.float()
+    out = (acc.float() * factor).to(torch.bfloat16)
+    ref = reference_matmul(x, q)
+    mismatched = (out != ref).float().mean().item()
+    assert mismatched <= 0.01, f"{mismatched:.2%} of outputs differ from the oracle"
+    assert torch.allclose(out.float(), ref.float(), rtol=1e-2, atol=1e-2 * ref.float().abs().max().item())
+
+
+def test_emulation_notices_a_wrong_relabeling():
+    """The check above can fail: the natural-order x against the relabeled weights is far off."""
+    g = torch.Generator().manual_seed(3)
+    q = quantize((torch.randn(32, 256, generator=g) * 0.05).to(torch.bfloat16))
+    x = torch.randn(4, 256, generator=g).to(torch.bfloat16)
+    words, scales = q.weight_packed.view(torch.int32), q.weight_scale.view(torch.uint8)
+    wrong = sum(x[:, 128 * st:128 * st + 128].double() @ _emulated_weight(words, scales, st).T for st in range(2))
+    ref = reference_matmul(x, q).double() * q.weight_global_scale.double() / 256.0
+    assert (wrong - ref).abs().mean() > 0.3 * ref.abs().mean()
+
+
+# ============================================================================ offline compile (no GPU)
+def _ptxas() -> str | None:
+    """The ptxas Triton itself uses for sm_90 (its bundled binaries differ between versions)."""
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas
+        path = get_ptxas(90).path
+    except Exception:  # no Triton, or no NVIDIA backend in it
+        return None
+    return path if path and os.path.exists(path) else None
+
+
+@pytest.mark.skipif(fp4_wgmma.gluon is None or _ptxas() is None,
+                    reason="needs Triton's Gluon and its bundled ptxas to compile for sm_90a offline")
+@pytest.mark.parametrize("block_m, wg, split", [(64, 2, True), (128, 2, False)])
+def test_offline_compile_keeps_the_mma_in_flight(tmp_path, block_m, wg, split):
+    """The point of the kernel: one wgmma group stays in flight across the loop (wait_group 1), and ptxas
+    does not serialize the MMAs (its C7515 notice), which a change to the loop or epilogue can cause."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    names = ["x_ptr", "w_ptr", "s_ptr", "gs_ptr", "bias_ptr", "out_ptr", "ws_ptr", "M", "N", "K", "stride_xm",
+             "stride_wn", "stride_sn", "stride_om", "iters_per_split"]
+    types = ["*bf16", "*i32", "*u8", "*fp32", "*bf16", "*bf16", "*fp32"] + ["i32"] * 8
+    consts = {"BLOCK_M": block_m, "WG": wg, "SPLIT": split, "HAS_BIAS": not split, "NBUF": fp4_wgmma.X_BUFFERS}
+    signature = {**dict(zip(names, types)), **{c: "constexpr" for c in consts}}
+    aligned = {"N", "K", "stride_xm", "stride_wn", "stride_sn", "stride_om"}  # as the runtime marks them
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n.endswith("_ptr") or n in aligned}
+    src = GluonASTSource(fp4_wgmma._fp4_wgmma_kernel, signature, consts, attrs)
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4 * wg})
+    ptx = compiled.asm["ptx"]
+    assert "wgmma.wait_group.sync.aligned 1;" in ptx
+    assert len(re.findall(r"wgmma\.mma_async", ptx)) == 8  # one K-step of 128 = 8 MMAs of k16
+    (tmp_path / "k.ptx").write_text(ptx)
+    res = subprocess.run([_ptxas(), "-arch=sm_90a", "-v", str(tmp_path / "k.ptx"), "-o", str(tmp_path / "k.cubin")],
+                         capture_output=True, text=True, check=True)
+    assert "C7515" not in res.stderr + res.stdout, res.stderr
+    assert int(re.search(r"Used (\d+) registers", res.stderr + res.stdout).group(1)) <= 255
+
+
+# ============================================================================ CUDA
+def _make(m, n, k, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = quantize((torch.randn(n, k, device="cuda", generator=g) * 0.02).to(torch.bfloat16))
+    return q, torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_WGMMA, reason="needs a Hopper GPU (sm_90) and Triton's Gluon")
+@pytest.mark.parametrize("m, n, k", [(1, 200, 256), (33, 3584, 3584), (100, 1000, 18944), (300, 4608, 1024)])
+@pytest.mark.parametrize("cfg", [WgmmaConfig(16, 1), WgmmaConfig(32, 2, 3), WgmmaConfig(64, 2, 4), WgmmaConfig(128, 2)],
+                         ids=lambda c: f"m{c.block_m}wg{c.warpgroups}s{c.split_k}")
+def test_cuda_kernel_matches_the_oracle(m, n, k, cfg):
+    """Against ``reference_matmul`` at mean relative error < 1e-3 (fp32 sums in another order, one bf16
+    rounding), with and without bias, every output written (NaN-poisoned), deterministic."""
+    from qerl_lib.kernels.fp4_gemm import fp4_linear, prepare_fp4_weights
+
+    q, x = _make(m, n, k, seed=m + n)
+    prep = prepare_fp4_weights(q.weight_packed, q.weight_scale, q.weight_global_scale)
+    bias = torch.randn(n, device="cuda").to(torch.bfloat16)
+    for b in (None, bias):
+        ref = reference_matmul(x, q, b).float()
+        out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+        fp4_linear(x, prep, b, out=out, config=cfg)
+        assert not torch.isnan(out).any()
+        rel = float((out.float() - ref).abs().mean() / ref.abs().mean())
+        assert rel < 1e-3, rel
+        assert torch.equal(out, fp4_linear(x, prep, b, config=cfg))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_WGMMA, reason="needs a Hopper GPU (sm_90) and Triton's Gluon")
+def test_cuda_kernel_refuses_k_not_whole_steps():
+    from qerl_lib.kernels.fp4_gemm import fp4_linear, prepare_fp4_weights
+
+    q, x = _make(4, 64, 208, seed=0)
+    prep = prepare_fp4_weights(q.weight_packed, q.weight_scale, q.weight_global_scale)
+    with pytest.raises(ValueError, match="multiple of 128"):
+        fp4_linear(x, prep, config=WgmmaConfig(16, 1))
