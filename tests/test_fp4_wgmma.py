@@ -138,7 +138,9 @@ def _ptxas() -> str | None:
 @pytest.mark.parametrize("block_m, wg, split", [(64, 2, True), (128, 2, False)])
 def test_offline_compile_keeps_the_mma_in_flight(tmp_path, block_m, wg, split):
     """The point of the kernel: one wgmma group stays in flight across the loop (wait_group 1), and ptxas
-    does not serialize the MMAs (its C7515 notice), which a change to the loop or epilogue can cause."""
+    does not serialize the MMAs (its C7515 notice), which a change to the loop or epilogue can cause.
+    (That the A registers of an MMA in flight are not rewritten is a property of the loop's structure,
+    checked on the GPU: the PTX cannot show it.)"""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -154,7 +156,8 @@ def test_offline_compile_keeps_the_mma_in_flight(tmp_path, block_m, wg, split):
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4 * wg})
     ptx = compiled.asm["ptx"]
     assert "wgmma.wait_group.sync.aligned 1;" in ptx
-    assert len(re.findall(r"wgmma\.mma_async", ptx)) == 8  # one K-step of 128 = 8 MMAs of k16
+    # 8 MMAs of k16 per K-step of 128; three K-steps in the code (the loop unrolled by two, and the tail)
+    assert len(re.findall(r"wgmma\.mma_async", ptx)) == 24
     (tmp_path / "k.ptx").write_text(ptx)
     res = subprocess.run([_ptxas(), "-arch=sm_90a", "-v", str(tmp_path / "k.ptx"), "-o", str(tmp_path / "k.cubin")],
                          capture_output=True, text=True, check=True)

@@ -203,6 +203,27 @@ if gluon is not None:
         return gl.reshape(gl.permute(xt, [0, 2, 5, 4, 1, 3]), [BM, 128])
 
     @gluon.jit
+    def _load_step(w_ptrs, s_ptrs, x_ptrs, x_mask, it):
+        """Words, scale bytes and x of K-step ``it`` (weights read once: evict_first)."""
+        q = gl.load(w_ptrs + it * 16, eviction_policy="evict_first").to(gl.uint32, bitcast=True)
+        sb = gl.load(s_ptrs + it * 8, eviction_policy="evict_first")
+        return q, sb, gl.load(x_ptrs + it * 128, mask=x_mask, other=0.0)
+
+    @gluon.jit
+    def _mma_step(q, sb, xt, buf, acc, a_prev, use_acc, BN: gl.constexpr, BLOCK_M: gl.constexpr,
+                  a_l: gl.constexpr):
+        """Decode one K-step's weights (while the previous step's MMAs run), stage its x tile in ``buf``,
+        issue its MMAs and wait until only they are in flight. ``a_prev``: the previous step's A registers,
+        kept alive to that wait (the wait retires their MMAs). Returns the accumulator and this step's A."""
+        a = _decode(q, sb, BN, a_l)
+        buf.store(_permute_x(xt, BLOCK_M))
+        fence_async_shared()  # generic-proxy stores -> the async proxy wgmma reads through
+        _cta_barrier()  # every warp's part of the tile is in before any warpgroup multiplies
+        acc = warpgroup_mma(a, buf.permute((1, 0)), acc, use_acc=use_acc, is_async=True)
+        acc, a_prev = warpgroup_mma_wait(num_outstanding=1, deps=(acc, a_prev))
+        return acc, a
+
+    @gluon.jit
     def _fp4_wgmma_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, bias_ptr, out_ptr, ws_ptr,
                           M, N, K, stride_xm, stride_wn, stride_sn, stride_om, iters_per_split,
                           BLOCK_M: gl.constexpr, WG: gl.constexpr, SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr,
@@ -236,25 +257,23 @@ if gluon is not None:
         x_mask = (offs_xm < M)[:, None] & (offs_xk < 128)[None, :]
 
         x_smem = gl.allocate_shared_memory(gl.bfloat16, [NBUF, BLOCK_M, 128], xs_l)
-        kk = it_begin * 128
-        q = gl.load(w_ptrs + kk // 8, eviction_policy="evict_first").to(gl.uint32, bitcast=True)
-        sb = gl.load(s_ptrs + kk // 16, eviction_policy="evict_first")
-        xt = gl.load(x_ptrs + kk, mask=x_mask, other=0.0)
+        q, sb, xt = _load_step(w_ptrs, s_ptrs, x_ptrs, x_mask, it_begin)
         acc = gl.zeros([BN, BLOCK_M], gl.float32, layout=mma_l)
-        for it in range(it_begin, it_end):  # the last step re-loads its own block (an L2 hit)
-            kn = gl.minimum(it + 1, it_end - 1) * 128
-            q_n = gl.load(w_ptrs + kn // 8, eviction_policy="evict_first").to(gl.uint32, bitcast=True)
-            sb_n = gl.load(s_ptrs + kn // 16, eviction_policy="evict_first")
-            xt_n = gl.load(x_ptrs + kn, mask=x_mask, other=0.0)
-            a = _decode(q, sb, BN, a_l)  # overlaps the previous step's MMAs
-            buf = x_smem.index((it - it_begin) % NBUF)
-            buf.store(_permute_x(xt, BLOCK_M))
-            fence_async_shared()  # generic-proxy stores -> the async proxy wgmma reads through
-            _cta_barrier()  # every warp's part of the tile is in before any warpgroup multiplies
-            acc = warpgroup_mma(a, buf.permute((1, 0)), acc, use_acc=it > it_begin, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
-            q, sb, xt = q_n, sb_n, xt_n
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        # Unrolled by two, so that the A registers of the MMAs in flight are never rewritten before the wait
+        # that retires them (module docstring, point 3): even steps decode into a_even, odd steps into a_odd.
+        a_odd = gl.zeros([BN, 128], gl.bfloat16, layout=a_l)
+        for it in range(it_begin, it_end - 1, 2):
+            q1, sb1, xt1 = _load_step(w_ptrs, s_ptrs, x_ptrs, x_mask, it + 1)
+            acc, a_even = _mma_step(q, sb, xt, x_smem.index((it - it_begin) % NBUF), acc, a_odd, it > it_begin,
+                                    BN, BLOCK_M, a_l)
+            q, sb, xt = _load_step(w_ptrs, s_ptrs, x_ptrs, x_mask, gl.minimum(it + 2, it_end - 1))
+            acc, a_odd = _mma_step(q1, sb1, xt1, x_smem.index((it + 1 - it_begin) % NBUF), acc, a_even, True,
+                                   BN, BLOCK_M, a_l)
+        if (it_end - it_begin) % 2 == 1:  # the last step alone (q, sb, xt hold it)
+            last = it_end - 1
+            acc, a_odd = _mma_step(q, sb, xt, x_smem.index((last - it_begin) % NBUF), acc, a_odd, last > it_begin,
+                                   BN, BLOCK_M, a_l)
+        acc, a_odd = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a_odd))
 
         # stored from the MMA layout: converting it first (through shared memory) makes ptxas serialize
         # every wgmma of the loop (its warning C7515: accumulator registers defined while MMAs are in flight)
