@@ -88,14 +88,14 @@ def _emulated_weight(words: torch.Tensor, scales: torch.Tensor, step: int) -> to
 
 
 def _emulated_x(x: torch.Tensor, step: int) -> torch.Tensor:
-    """``_permute_x``: x [M, 128] natural -> [m, t, j, z, y, x] -> [m, j, x, y, t, z]."""
-    xt = x[:, 128 * step:128 * step + 128].double().reshape(-1, 4, 4, 2, 2, 2)
-    return xt.permute(0, 2, 5, 4, 1, 3).reshape(-1, 128)
+    """K-step ``step`` of ``fp4_wgmma.permute_x(x)``, the copy of x the kernel's TMA reads."""
+    return fp4_wgmma.permute_x(x)[:, 128 * step:128 * step + 128].double()
 
 
 @pytest.mark.parametrize("m, n, k, seed", [(3, 40, 256, 0), (17, 64, 384, 1), (8, 130, 1024, 2)])
 def test_emulated_kernel_matches_the_oracle(m, n, k, seed):
-    """The decode formulas and both K relabelings, as the kernel composes them, give the oracle's product:
+    """The decode formulas and both K relabelings (the weights' in the kernel, x's in ``permute_x``) give the
+    oracle's product:
     the fp32-exact sum agrees to float64 rounding before the epilogue's single bf16 rounding."""
     g = torch.Generator().manual_seed(seed)
     dense = (torch.randn(n, k, generator=g) * 0.05).to(torch.bfloat16)
@@ -145,12 +145,17 @@ def test_offline_compile_keeps_the_mma_in_flight(tmp_path, block_m, wg, split):
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    names = ["x_ptr", "w_ptr", "s_ptr", "gs_ptr", "bias_ptr", "out_ptr", "ws_ptr", "M", "N", "K", "stride_xm",
-             "stride_wn", "stride_sn", "stride_om", "iters_per_split"]
-    types = ["*bf16", "*i32", "*u8", "*fp32", "*bf16", "*bf16", "*fp32"] + ["i32"] * 8
-    consts = {"BLOCK_M": block_m, "WG": wg, "SPLIT": split, "HAS_BIAS": not split, "NBUF": fp4_wgmma.X_BUFFERS}
+    from triton.experimental.gluon import language as gl
+
+    x_layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    w_layout = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=32, rank=2)
+    names = ["x_desc", "w_desc", "s_ptr", "gs_ptr", "bias_ptr", "out_ptr", "ws_ptr", "M", "N", "K", "stride_sn",
+             "stride_om", "iters_per_split"]
+    types = [f"tensordesc<bf16[{block_m}, 128],{x_layout!r}>", f"tensordesc<i32[{64 * wg}, 16],{w_layout!r}>",
+             "*u8", "*fp32", "*bf16", "*bf16", "*fp32"] + ["i32"] * 6
+    consts = {"BLOCK_M": block_m, "WG": wg, "SPLIT": split, "HAS_BIAS": not split, "STAGES": fp4_wgmma.STAGES}
     signature = {**dict(zip(names, types)), **{c: "constexpr" for c in consts}}
-    aligned = {"N", "K", "stride_xm", "stride_wn", "stride_sn", "stride_om"}  # as the runtime marks them
+    aligned = {"N", "K", "stride_sn", "stride_om"}  # as the runtime marks them
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n.endswith("_ptr") or n in aligned}
     src = GluonASTSource(fp4_wgmma._fp4_wgmma_kernel, signature, consts, attrs)
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4 * wg})

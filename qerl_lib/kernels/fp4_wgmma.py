@@ -12,25 +12,27 @@ let two warpgroups share one staged tile of ``x`` while each keeps its weights i
 Gluon (``triton.experimental.gluon``, Triton's tile language with explicit layouts, shared memory and
 ``wgmma``) gives both, so this kernel does what the Triton one could not:
 
-1. **Loads in the fragment's own layout.** The words and scale bytes of a K-step are loaded through
-   explicit linear layouts (``_words_layout``, ``_scales_layout``): lane ``4g + t`` of warp ``w``
-   reads words ``4t..4t+3`` (one 16-byte load) of rows ``16w + g`` and ``16w + g + 8``. Decoding
-   (``_decode``: Marlin's two-codes-per-32-bit-op trick and the exact bf16x2 scale multiply,
-   ``fp4_gemm``'s module docstring, steps 2-3) then leaves every value where the A fragment wants it;
-   ``convert_layout(..., assert_trivial=True)`` makes the compiler prove that no data moves.
-   K is relabeled as in ``fp4_gemm`` (fragment K index ``32j + 16x + 8y + 2t + z`` holds code
-   ``x + 2y + 4z`` of word ``4t + j``), and ``x`` is permuted to match when it is staged.
-2. **One tile of x for two warpgroups.** ``x``'s ``[BLOCK_M, 128]`` K-step is loaded by all warps,
-   permuted in registers, and stored once into shared memory, where it is the ``wgmma`` B operand
-   of both warpgroups (``warpgroups=2``: 128 weight rows per program, 64 per warpgroup).
+1. **Weights decoded in the fragment's own layout.** The words of a K-step are read from shared memory
+   through an explicit linear layout (``_words_layout``): lane ``4g + t`` of warp ``w`` holds words
+   ``4t..4t+3`` (one 16-byte load) of rows ``16w + g`` and ``16w + g + 8``, and the scale bytes of those
+   words (``_scales_layout``). Decoding (``_decode``: ``fp4_decode.code_pair_bits`` and the exact bf16x2
+   scale multiply) then leaves every value where the wgmma A fragment wants it;
+   ``convert_layout(..., assert_trivial=True)`` makes the compiler prove that no data moves. K is relabeled
+   as in ``fp4_gemm`` (fragment K index ``32j + 16x + 8y + 2t + z`` holds code ``x + 2y + 4z`` of word
+   ``4t + j``), and ``x`` is permuted to match once per call (``permute_x``, one torch copy).
+2. **Loads several steps ahead, by TMA.** A ring of ``STAGES`` shared-memory stages, each one K-step's
+   tile of the permuted ``x`` (the wgmma B operand, as TMA writes it) and of the weight words, each
+   with an mbarrier the copies complete; step ``i`` refills the stage step ``i - 1`` used with step
+   ``i + STAGES - 1`` (after a CTA barrier: every warpgroup has retired step ``i - 1``'s MMAs). The
+   scale bytes (8 per row and step, below TMA's 16-byte minimum) come through registers two steps ahead.
+   Rows past M or N read as zeros (TMA's bounds); the extra outputs are never stored.
 3. **The multiply left in flight.** ``warpgroup_mma(..., is_async=True)`` then
-   ``warpgroup_mma_wait(num_outstanding=1)``: step ``i``'s MMAs run while step ``i+1``'s weights
-   decode and its ``x`` is staged. ``x`` cycles through three shared-memory buffers: the buffer a step
-   writes was last read by the MMAs of three steps earlier, which every warpgroup has waited on
-   before the barrier of the step before (with two buffers a fast warpgroup could overwrite a tile the
-   other warpgroup's MMA was still reading).
-4. **Loads one step ahead** in registers (weights with ``evict_first``: each is read once per row
-   block of ``x``), as in ``fp4_gemm``.
+   ``warpgroup_mma_wait(num_outstanding=1)``: step ``i``'s MMAs run while step ``i+1``'s weights decode.
+   The A operand lives in registers, which PTX forbids rewriting before the wait that retires its MMAs;
+   a rolled loop would decode every step into the same registers, so the loop is unrolled by two
+   (``a_even``, ``a_odd``), each wait keeping the other step's registers alive (``deps``).
+4. **Two warpgroups per x tile** (``warpgroups=2``: 128 weight rows per program, 64 per warpgroup) share
+   each staged tile of ``x``.
 
 Output: fp32 partials of one K-slice (``split_k > 1``; ``fp4_gemm`` sums them in a fixed order) or the
 epilogue ``bf16(acc * 2^8 / gs)`` then ``+ bias`` after the cast, the same single rounding as
@@ -38,9 +40,9 @@ epilogue ``bf16(acc * 2^8 / gs)`` then ``+ bias`` after the cast, the same singl
 consecutive output features of one row: 16-byte runs of the row-major output).
 
 Where we deviate from Marlin and CUTLASS: no offline repacking (the compressed-tensors bytes are read
-in place), no producer warp or TMA (every warp loads, decodes and multiplies; Gluon's
-``warp_specialize`` is not used), and ``x`` is staged through registers because the K relabeling
-permutes it. K must be a multiple of 128; ``fp4_gemm`` runs other shapes on its Triton kernel.
+in place), no producer warp (one elected thread issues the TMA copies; Gluon's ``warp_specialize`` is
+not used), and ``x`` is copied once per call into the K relabeling (a Marlin-style kernel permutes the
+weights offline instead). K must be a multiple of 128; ``fp4_gemm`` runs other shapes on its Triton kernel.
 Gluon is experimental in Triton 3.6: this module imports without it (``available()`` is then False).
 """
 
@@ -55,15 +57,19 @@ try:  # Gluon ships with Triton >= 3.5; the CPU reference paths never need it
     from qerl_lib.kernels.fp4_decode import code_pair_bits
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                                  warpgroup_mma_wait)
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 except ImportError:  # pragma: no cover - exercised only on installs without Gluon
     gluon = None
-else:  # the CTA barrier's name: gl.thread_barrier in Triton 3.5-3.6, gl.barrier from 3.7
+else:  # names that changed after Triton 3.6 (the GPU image's): gl.thread_barrier -> gl.barrier,
+    # tma.async_copy_global_to_shared -> tma.async_load
     _cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
+    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 
 BLOCK_K = 128  # one K-step: 16 int32 words (128 codes) and 8 scale bytes per weight row
 BLOCK_MS = (16, 32, 64, 128, 256)
-X_BUFFERS = 3  # shared-memory tiles of x in the ring (module docstring, point 3)
+STAGES = 4  # shared-memory stages of x tiles and weight words in flight (module docstring, point 3)
 
 
 @dataclass(frozen=True)
@@ -129,6 +135,13 @@ def linear(x2: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, global_s
         reduce_splits(ws, global_scale, bias, out)
 
 
+def permute_x(x2: torch.Tensor) -> torch.Tensor:
+    """x ``[M, K]`` -> a copy in the kernel's K relabeling, per 128 columns (module docstring, point 1):
+    position ``32j + 16x + 8y + 2t + z`` holds natural column ``32t + 8j + 4z + 2y + x``."""
+    m, k = x2.shape
+    return x2.reshape(m, k // 128, 4, 4, 2, 2, 2).permute(0, 1, 3, 6, 5, 2, 4).reshape(m, k)
+
+
 def launch(x2: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor,
            bias: torch.Tensor | None, out: torch.Tensor, workspace: torch.Tensor | None, config: WgmmaConfig) -> None:
     """Run the kernel for ``out[M, N] = x2[M, K] @ W.T``: writes ``out`` (bf16, epilogue applied) when
@@ -141,11 +154,16 @@ def launch(x2: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, global_s
     if split and (workspace is None or tuple(workspace.shape) != (slices, m, n)):
         raise ValueError(f"fp4_wgmma.launch: split_k={config.split_k} needs an fp32 workspace of shape "
                          f"{(slices, m, n)}")
+    xp = permute_x(x2)
+    x_desc = TensorDescriptor(xp, [m, k], [k, 1], [config.block_m, BLOCK_K],
+                              gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
+    w_desc = TensorDescriptor(words, [n, k // 8], [words.stride(0), 1], [config.block_n, BLOCK_K // 8],
+                              gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=32, rank=2))
     grid = (triton.cdiv(m, config.block_m), triton.cdiv(n, config.block_n), slices)
     _fp4_wgmma_kernel[grid](
-        x2, words, scales, global_scale, bias if bias is not None else out, out, workspace if split else out,
-        m, n, k, x2.stride(0), words.stride(0), scales.stride(0), out.stride(0), per,
-        BLOCK_M=config.block_m, WG=config.warpgroups, SPLIT=split, HAS_BIAS=bias is not None, NBUF=X_BUFFERS,
+        x_desc, w_desc, scales, global_scale, bias if bias is not None else out, out, workspace if split else out,
+        m, n, k, scales.stride(0), out.stride(0), per,
+        BLOCK_M=config.block_m, WG=config.warpgroups, SPLIT=split, HAS_BIAS=bias is not None, STAGES=STAGES,
         num_warps=config.num_warps)
 
 
@@ -196,38 +214,44 @@ if gluon is not None:
         return gl.convert_layout(w.to(gl.bfloat16, bitcast=True), a_layout, assert_trivial=True)
 
     @gluon.jit
-    def _permute_x(xt, BM: gl.constexpr):
-        """x [BM, 128] in natural K order -> the fragment's K relabeling: position (j, x, y, t, z) holds
-        natural element 8 (4t + j) + x + 2y + 4z."""
-        xt = gl.reshape(xt, [BM, 4, 4, 2, 2, 2])  # [m, t, j, z, y, x]
-        return gl.reshape(gl.permute(xt, [0, 2, 5, 4, 1, 3]), [BM, 128])
+    def _issue_loads(x_desc, w_desc, x_smem, w_smem, bars, step, it_begin, it_end, off_m, off_n,
+                     STAGES: gl.constexpr):
+        """TMA copies of K-step ``step``'s x tile and weight words into stage ``(step - it_begin) % STAGES``
+        (nothing past the slice's last step)."""
+        slot = (step - it_begin) % STAGES
+        ok = step < it_end
+        bar = bars.index(slot)
+        mbarrier.expect(bar, x_desc.block_type.nbytes + w_desc.block_type.nbytes, pred=ok)
+        _tma_load(x_desc, [off_m, step * 128], bar, x_smem.index(slot), pred=ok)
+        _tma_load(w_desc, [off_n, step * 16], bar, w_smem.index(slot), pred=ok)
 
     @gluon.jit
-    def _load_step(w_ptrs, s_ptrs, x_ptrs, x_mask, it):
-        """Words, scale bytes and x of K-step ``it`` (weights read once: evict_first)."""
-        q = gl.load(w_ptrs + it * 16, eviction_policy="evict_first").to(gl.uint32, bitcast=True)
-        sb = gl.load(s_ptrs + it * 8, eviction_policy="evict_first")
-        return q, sb, gl.load(x_ptrs + it * 128, mask=x_mask, other=0.0)
-
-    @gluon.jit
-    def _mma_step(q, sb, xt, buf, acc, a_prev, use_acc, BN: gl.constexpr, BLOCK_M: gl.constexpr,
-                  a_l: gl.constexpr):
-        """Decode one K-step's weights (while the previous step's MMAs run), stage its x tile in ``buf``,
-        issue its MMAs and wait until only they are in flight. ``a_prev``: the previous step's A registers,
-        kept alive to that wait (the wait retires their MMAs). Returns the accumulator and this step's A."""
+    def _mma_step(x_desc, w_desc, x_smem, w_smem, bars, sb, acc, a_prev, step, it_begin, it_end, off_m, off_n,
+                  BN: gl.constexpr, wl: gl.constexpr, a_l: gl.constexpr, STAGES: gl.constexpr):
+        """K-step ``step``: wait for its stage, decode its weights (while the previous step's MMAs run), issue
+        its MMAs, wait until only they are in flight, then (after a CTA barrier: every warpgroup has retired
+        the previous step's MMAs) refill the previous step's stage with step + STAGES - 1. ``a_prev``: the
+        previous step's A registers, kept alive to the wait that retires their MMAs. Returns (acc, A)."""
+        slot = (step - it_begin) % STAGES
+        mbarrier.wait(bars.index(slot), ((step - it_begin) // STAGES) & 1)
+        q = w_smem.index(slot).load(wl).to(gl.uint32, bitcast=True)
         a = _decode(q, sb, BN, a_l)
-        buf.store(_permute_x(xt, BLOCK_M))
-        fence_async_shared()  # generic-proxy stores -> the async proxy wgmma reads through
-        _cta_barrier()  # every warp's part of the tile is in before any warpgroup multiplies
-        acc = warpgroup_mma(a, buf.permute((1, 0)), acc, use_acc=use_acc, is_async=True)
+        acc = warpgroup_mma(a, x_smem.index(slot).permute((1, 0)), acc, use_acc=step > it_begin, is_async=True)
         acc, a_prev = warpgroup_mma_wait(num_outstanding=1, deps=(acc, a_prev))
+        _cta_barrier()
+        _issue_loads(x_desc, w_desc, x_smem, w_smem, bars, step + STAGES - 1, it_begin, it_end, off_m, off_n, STAGES)
         return acc, a
 
     @gluon.jit
-    def _fp4_wgmma_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, bias_ptr, out_ptr, ws_ptr,
-                          M, N, K, stride_xm, stride_wn, stride_sn, stride_om, iters_per_split,
+    def _load_scales(s_ptrs, step, it_end):
+        """Scale bytes of K-step ``step`` (clamped to the slice's last step), read into registers ahead of use."""
+        return gl.load(s_ptrs + gl.minimum(step, it_end - 1) * 8, eviction_policy="evict_first")
+
+    @gluon.jit
+    def _fp4_wgmma_kernel(x_desc, w_desc, s_ptr, gs_ptr, bias_ptr, out_ptr, ws_ptr,
+                          M, N, K, stride_sn, stride_om, iters_per_split,
                           BLOCK_M: gl.constexpr, WG: gl.constexpr, SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr,
-                          NBUF: gl.constexpr):
+                          STAGES: gl.constexpr):
         """One [64 WG weight rows, BLOCK_M rows of x] output tile over one K-slice (module docstring)."""
         BN: gl.constexpr = 64 * WG
         NW: gl.constexpr = 4 * WG
@@ -236,43 +260,45 @@ if gluon is not None:
         mma_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
                                                         instr_shape=[16, BLOCK_M, 16])
         a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_l, k_width=2)
-        xl: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[2, 16], warps_per_cta=[NW, 1],
-                                            order=[1, 0])
-        xs_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
 
         pid_m = gl.program_id(0)
         pid_n = gl.program_id(1)
         pid_k = gl.program_id(2)
+        off_m = pid_m * BLOCK_M
+        off_n = pid_n * BN
         it_begin = pid_k * iters_per_split
         it_end = gl.minimum(it_begin + iters_per_split, K // 128)  # the host never makes an empty slice
 
-        # clamp instead of masking: weight loads stay unpredicated (the extra rows are never stored)
-        rows_w = gl.minimum(pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, wl)), N - 1)
-        w_ptrs = w_ptr + rows_w[:, None] * stride_wn + gl.arange(0, 16, layout=gl.SliceLayout(0, wl))[None, :]
-        rows_s = gl.minimum(pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, sl)), N - 1)
-        s_ptrs = s_ptr + rows_s[:, None] * stride_sn + gl.arange(0, 8, layout=gl.SliceLayout(0, sl))[None, :]
-        offs_xm = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, xl))
-        offs_xk = gl.arange(0, 128, layout=gl.SliceLayout(0, xl))
-        x_ptrs = x_ptr + offs_xm[:, None] * stride_xm + offs_xk[None, :]
-        x_mask = (offs_xm < M)[:, None] & (offs_xk < 128)[None, :]
+        x_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, 128], x_desc.layout)
+        w_smem = gl.allocate_shared_memory(gl.int32, [STAGES, BN, 16], w_desc.layout)
+        bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(bars.index(i), count=1)
+        fence_async_shared()
+        for i in gl.static_range(STAGES - 1):
+            _issue_loads(x_desc, w_desc, x_smem, w_smem, bars, it_begin + i, it_begin, it_end, off_m, off_n, STAGES)
 
-        x_smem = gl.allocate_shared_memory(gl.bfloat16, [NBUF, BLOCK_M, 128], xs_l)
-        q, sb, xt = _load_step(w_ptrs, s_ptrs, x_ptrs, x_mask, it_begin)
+        # scale bytes: a register ring two steps deep (clamped rows: the extra rows are never stored)
+        rows_s = gl.minimum(off_n + gl.arange(0, BN, layout=gl.SliceLayout(1, sl)), N - 1)
+        s_ptrs = s_ptr + rows_s[:, None] * stride_sn + gl.arange(0, 8, layout=gl.SliceLayout(0, sl))[None, :]
+        sb0 = _load_scales(s_ptrs, it_begin, it_end)
+        sb1 = _load_scales(s_ptrs, it_begin + 1, it_end)
+
         acc = gl.zeros([BN, BLOCK_M], gl.float32, layout=mma_l)
         # Unrolled by two, so that the A registers of the MMAs in flight are never rewritten before the wait
         # that retires them (module docstring, point 3): even steps decode into a_even, odd steps into a_odd.
         a_odd = gl.zeros([BN, 128], gl.bfloat16, layout=a_l)
         for it in range(it_begin, it_end - 1, 2):
-            q1, sb1, xt1 = _load_step(w_ptrs, s_ptrs, x_ptrs, x_mask, it + 1)
-            acc, a_even = _mma_step(q, sb, xt, x_smem.index((it - it_begin) % NBUF), acc, a_odd, it > it_begin,
-                                    BN, BLOCK_M, a_l)
-            q, sb, xt = _load_step(w_ptrs, s_ptrs, x_ptrs, x_mask, gl.minimum(it + 2, it_end - 1))
-            acc, a_odd = _mma_step(q1, sb1, xt1, x_smem.index((it + 1 - it_begin) % NBUF), acc, a_even, True,
-                                   BN, BLOCK_M, a_l)
-        if (it_end - it_begin) % 2 == 1:  # the last step alone (q, sb, xt hold it)
-            last = it_end - 1
-            acc, a_odd = _mma_step(q, sb, xt, x_smem.index((last - it_begin) % NBUF), acc, a_odd, last > it_begin,
-                                   BN, BLOCK_M, a_l)
+            sb2 = _load_scales(s_ptrs, it + 2, it_end)
+            acc, a_even = _mma_step(x_desc, w_desc, x_smem, w_smem, bars, sb0, acc, a_odd, it, it_begin, it_end,
+                                    off_m, off_n, BN, wl, a_l, STAGES)
+            sb0 = _load_scales(s_ptrs, it + 3, it_end)
+            acc, a_odd = _mma_step(x_desc, w_desc, x_smem, w_smem, bars, sb1, acc, a_even, it + 1, it_begin, it_end,
+                                   off_m, off_n, BN, wl, a_l, STAGES)
+            sb0, sb1 = sb2, sb0
+        if (it_end - it_begin) % 2 == 1:  # the last step alone (sb0 holds its scales)
+            acc, a_odd = _mma_step(x_desc, w_desc, x_smem, w_smem, bars, sb0, acc, a_odd, it_end - 1, it_begin,
+                                   it_end, off_m, off_n, BN, wl, a_l, STAGES)
         acc, a_odd = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a_odd))
 
         # stored from the MMA layout: converting it first (through shared memory) makes ptxas serialize
