@@ -209,3 +209,21 @@ def test_cuda_kernel_refuses_k_not_whole_steps():
     prep = prepare_fp4_weights(q.weight_packed, q.weight_scale, q.weight_global_scale)
     with pytest.raises(ValueError, match="multiple of 128"):
         fp4_linear(x, prep, config=WgmmaConfig(16, 1))
+
+
+# ============================================================================ launch rule
+def test_rule_picks_the_gluon_kernel_where_it_measured_faster():
+    from qerl_lib.kernels.launch_rule import pick_wgmma_config
+
+    gate_up, down, qkv = (37888, 3584), (3584, 18944), (4608, 3584)
+    for n, k in (gate_up, down, qkv):  # 65-128 rows: every shape, 128-row tiles, one warpgroup
+        for m in (65, 100, 128):
+            cfg = pick_wgmma_config(m, n, k)
+            assert cfg is not None and (cfg.block_m, cfg.warpgroups) == (128, 1)
+    assert pick_wgmma_config(64, *gate_up).block_m == 64  # 33-64 rows: large weights only
+    assert pick_wgmma_config(64, *qkv) is None and pick_wgmma_config(64, *down) is None
+    for m in (1, 8, 16, 32, 129, 1024):  # elsewhere the Triton rule (or mma.sync, cuBLAS) runs
+        assert pick_wgmma_config(m, *gate_up) is None
+    assert pick_wgmma_config(100, 4608, 3600) is None  # K not whole 128-steps
+    cfg = pick_wgmma_config(128, *down, num_sms=132)  # ~2 programs per SM: 56 tiles x 5 slices
+    assert cfg.split_k == 5 and k_slices(18944, cfg.split_k)[1] == 5

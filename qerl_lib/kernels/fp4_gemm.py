@@ -61,8 +61,9 @@ Dispatch: CUDA calls with M <= 8 and K % 128 == 0 (the decode step) run the ``mm
 ``kernels/mma.py`` where it can run (sm_90+ and NVRTC): it streams the weights faster than this
 Triton kernel (H100 and H200, dev/LOG.md). ``fp4_linear``'s ``small_m_backend`` ("auto", "mma",
 "triton") chooses, else ``QERL_FP4_SMALL_M`` read at each call (default "auto"); that kernel can also
-add a projection group's LoRA adapters in the same launch (``lora=``). Other CUDA calls run the Triton
-kernel (or dequantize + cuBLAS for large M); CPU tensors run the plain-torch oracles
+add a projection group's LoRA adapters in the same launch (``lora=``). On an H100/H200 the Gluon kernel
+(``kernels/fp4_wgmma.py``) runs where ``launch_rule.pick_wgmma_config`` picks it (33-128 rows; off with
+``QERL_FP4_WGMMA=0``). Other CUDA calls run the Triton kernel (or dequantize + cuBLAS for large M); CPU tensors run the plain-torch oracles
 (``nvfp4.reference_matmul``) unless ``impl="triton"`` forces the kernels, which then need
 ``TRITON_INTERPRET=1`` set before Triton is imported; the interpreter cannot run PTX and mishandles
 bf16 (``_interpreted``), so the kernels multiply in fp32 there: the same products, identical bits.
@@ -80,7 +81,7 @@ import torch
 
 from qerl_lib.kernels import fp4_wgmma, mma
 from qerl_lib.kernels.fp4_decode import code_pair_bits
-from qerl_lib.kernels.launch_rule import KernelConfig, pick_config
+from qerl_lib.kernels.launch_rule import KernelConfig, pick_config, pick_wgmma_config
 from qerl_lib.quant.nvfp4 import GROUP_SIZE, NVFP4Weight, reference_grad_input, reference_matmul
 
 try:  # Triton is optional: the CPU reference path works without it.
@@ -93,6 +94,7 @@ except ImportError:  # pragma: no cover - exercised only on installs without tri
 IMPLS = ("auto", "triton", "reference")
 SMALL_M_BACKENDS = ("auto", "mma", "triton")  # the kernels that may run the decode step (M <= 8)
 SMALL_M_ENV = "QERL_FP4_SMALL_M"  # the user's switch, read when no backend is passed
+WGMMA_ENV = "QERL_FP4_WGMMA"  # "0": never pick the Gluon kernel (read at each call; default "1")
 
 
 def resolve_small_m_backend(name: str | None = None) -> str:
@@ -340,7 +342,9 @@ def _triton_linear(x: torch.Tensor, weight: PreparedFP4Weight, bias: torch.Tenso
         mma.mma_linear(x2, weight.words, weight.scales, weight.global_scale, bias_c, out,
                        mma_rule(m, n, k) if mma_rule is not None else None, lora=lora)
         return out.reshape(*lead, n)
-    if isinstance(config, fp4_wgmma.WgmmaConfig):  # the Gluon kernel (benchmarks and tests force it)
+    if config is None and os.environ.get(WGMMA_ENV, "1") != "0" and fp4_wgmma.available(x2.device):
+        config = pick_wgmma_config(m, n, k, _num_sms(x.device))  # None: the Triton rule below
+    if isinstance(config, fp4_wgmma.WgmmaConfig):  # the Gluon kernel (the rule's or forced)
         fp4_wgmma.linear(x2, weight.words, weight.scales, weight.global_scale, bias, out, config, _reduce_splits)
         return out.reshape(*lead, n)
     cfg = config or pick_config(m, n, k, _num_sms(x.device), allow_cublas and not math.isnan(weight.inv_global_scale))

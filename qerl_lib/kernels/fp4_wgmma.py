@@ -48,6 +48,7 @@ Gluon is experimental in Triton 3.6: this module imports without it (``available
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -101,9 +102,13 @@ class WgmmaConfig:
 def available(device: torch.device | None = None) -> bool:
     """Whether this kernel can run on ``device`` (default: the current CUDA device): Gluon importable
     and a Hopper-class GPU (sm_90; wgmma does not exist on other generations)."""
-    if gluon is None or not torch.cuda.is_available():
+    if gluon is None or (device is not None and device.type != "cuda") or not torch.cuda.is_available():
         return False
-    index = 0 if device is None or device.index is None else device.index
+    return _is_sm90(torch.cuda.current_device() if device is None or device.index is None else device.index)
+
+
+@functools.lru_cache(maxsize=None)
+def _is_sm90(index: int) -> bool:
     return torch.cuda.get_device_capability(index) == (9, 0)
 
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from qerl_lib.kernels.fp4_wgmma import WgmmaConfig
+
 
 @dataclass(frozen=True)
 class KernelConfig:
@@ -84,6 +86,29 @@ def pick_config(m: int, n: int, k: int, num_sms: int = 132, allow_cublas: bool =
 # (N, K) -> (tile width, programs per SM) where 2 <= M <= 16 measured better than (128, 2) on an H100:
 # Qwen2.5-32B's fused gate_up, whose 432 128-wide tiles overflow one wave (88 vs 96+ us).
 SMALL_M_TUNED = {(55296, 5120): (64, 2)}
+
+
+# The Gluon kernel (kernels/fp4_wgmma.py) where it measured faster than the Triton one (dev/LOG.md section 32,
+# H100, Qwen2.5-7B/32B decode shapes): every shape at 65 <= M <= 128 (1.05-1.68x), and at 33 <= M <= 64 the
+# large ones only (7B gate/up 1.15x, 32B gate/up 1.27x, 32B down ~1.05x; the small q/k/v and o lose there to
+# the permute's launch).
+WGMMA_MID_M_MIN_WEIGHTS = 100_000_000
+
+
+def pick_wgmma_config(m: int, n: int, k: int, num_sms: int = 132) -> WgmmaConfig | None:
+    """The Gluon kernel's launch for an ``[m, k] x [k, n]`` problem, or None where the Triton rule
+    (``pick_config``) runs it: one warpgroup per program (faster than two at every measured point),
+    128 rows of x at 65 <= M <= 128, 64 at 33 <= M <= 64 when ``n * k`` >= ``WGMMA_MID_M_MIN_WEIGHTS``,
+    K-slices for ~2 programs per SM."""
+    if k % 128:
+        return None
+    if 64 < m <= 128:
+        block_m = 128
+    elif 32 < m <= 64 and n * k >= WGMMA_MID_M_MIN_WEIGHTS:
+        block_m = 64
+    else:
+        return None
+    return WgmmaConfig(block_m, 1, k_splits(math.ceil(n / 64), k // 128, num_sms, 2))
 
 
 def k_splits(tiles: int, k_iters: int, num_sms: int, programs_per_sm: int = 4) -> int:
