@@ -145,10 +145,7 @@ def test_offline_compile_keeps_the_mma_in_flight(tmp_path, block_m, wg, split):
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from triton.experimental.gluon import language as gl
-
-    x_layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-    w_layout = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=32, rank=2)
+    x_layout, w_layout = fp4_wgmma.X_SMEM_LAYOUT, fp4_wgmma.W_SMEM_LAYOUT
     names = ["x_desc", "w_desc", "s_ptr", "gs_ptr", "bias_ptr", "out_ptr", "ws_ptr", "M", "N", "K", "stride_sn",
              "stride_om", "iters_per_split"]
     types = [f"tensordesc<bf16[{block_m}, 128],{x_layout!r}>", f"tensordesc<i32[{64 * wg}, 16],{w_layout!r}>",

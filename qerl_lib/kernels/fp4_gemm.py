@@ -63,10 +63,10 @@ Triton kernel (H100 and H200, dev/LOG.md). ``fp4_linear``'s ``small_m_backend`` 
 "triton") chooses, else ``QERL_FP4_SMALL_M`` read at each call (default "auto"); that kernel can also
 add a projection group's LoRA adapters in the same launch (``lora=``). On an H100/H200 the Gluon kernel
 (``kernels/fp4_wgmma.py``) runs where ``launch_rule.pick_wgmma_config`` picks it (33-128 rows; off with
-``QERL_FP4_WGMMA=0``). Other CUDA calls run the Triton kernel (or dequantize + cuBLAS for large M); CPU tensors run the plain-torch oracles
-(``nvfp4.reference_matmul``) unless ``impl="triton"`` forces the kernels, which then need
-``TRITON_INTERPRET=1`` set before Triton is imported; the interpreter cannot run PTX and mishandles
-bf16 (``_interpreted``), so the kernels multiply in fp32 there: the same products, identical bits.
+``QERL_FP4_WGMMA=0``). Other CUDA calls run the Triton kernel (or dequantize + cuBLAS for large M);
+CPU tensors run the plain-torch oracles (``nvfp4.reference_matmul``) unless ``impl="triton"`` forces the
+kernels, which then need ``TRITON_INTERPRET=1`` set before Triton is imported; the interpreter cannot run
+PTX and mishandles bf16 (``_interpreted``), so the kernels multiply in fp32 there: identical bits.
 """
 
 from __future__ import annotations
@@ -193,8 +193,9 @@ def fp4_linear(x: torch.Tensor, weight: PreparedFP4Weight, bias: torch.Tensor | 
                lora: mma.LoraEpilogue | None = None) -> torch.Tensor:
     """``x @ W.T (+ bias)`` for a ``prepare_fp4_weights`` result; the path ``NVFP4Linear`` uses.
     ``out``: optional bf16 ``[..., N]`` contiguous tensor to write into. ``config`` forces one launch of the
-    Triton kernel (``KernelConfig``) or the Gluon one (``fp4_wgmma.WgmmaConfig``) (benchmarks and tests). ``small_m_backend``: which kernel runs M <= 8 ("auto", "mma", "triton"; None:
-    ``QERL_FP4_SMALL_M``, default "auto"). ``mma_rule``: the mma.sync kernel's launch shape as a function
+    Triton kernel (``KernelConfig``) or the Gluon one (``fp4_wgmma.WgmmaConfig``) (benchmarks and tests).
+    ``small_m_backend``: which kernel runs M <= 8 ("auto", "mma", "triton"; None: ``QERL_FP4_SMALL_M``,
+    default "auto"). ``mma_rule``: the mma.sync kernel's launch shape as a function
     of ``(m, n, k)`` (None: ``pick_mma_config``). ``lora``: adapters the mma.sync kernel adds itself;
     only where ``uses_mma`` (else a ValueError)."""
     impl = _resolve_impl(impl, x)

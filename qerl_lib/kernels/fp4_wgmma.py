@@ -73,9 +73,12 @@ else:  # names that changed after Triton 3.6 (the GPU image's): gl.thread_barrie
     # tma.async_copy_global_to_shared -> tma.async_load
     _cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
     _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    # shared-memory layouts the TMA writes and the kernel reads: x tiles (the wgmma B operand) and weight words
+    X_SMEM_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    W_SMEM_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=32, rank=2)
 
 BLOCK_K = 128  # one K-step: 16 int32 words (128 codes) and 8 scale bytes per weight row
-BLOCK_MS = (16, 32, 64, 128, 256)
+BLOCK_MS = (16, 32, 64, 128)  # 256 rows x 4 stages would need 256 KB of shared memory (an SM has 228)
 STAGES = 4  # shared-memory stages of x tiles and weight words in flight (module docstring, point 2)
 
 
@@ -166,10 +169,8 @@ def launch(x2: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, global_s
         raise ValueError(f"fp4_wgmma.launch: split_k={config.split_k} needs an fp32 workspace of shape "
                          f"{(slices, m, n)}")
     xp = permute_x(x2)
-    x_desc = TensorDescriptor(xp, [m, k], [k, 1], [config.block_m, BLOCK_K],
-                              gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
-    w_desc = TensorDescriptor(words, [n, k // 8], [words.stride(0), 1], [config.block_n, BLOCK_K // 8],
-                              gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=32, rank=2))
+    x_desc = TensorDescriptor(xp, [m, k], [k, 1], [config.block_m, BLOCK_K], X_SMEM_LAYOUT)
+    w_desc = TensorDescriptor(words, [n, k // 8], [words.stride(0), 1], [config.block_n, BLOCK_K // 8], W_SMEM_LAYOUT)
     grid = (triton.cdiv(m, config.block_m), triton.cdiv(n, config.block_n), slices)
     _fp4_wgmma_kernel[grid](
         x_desc, w_desc, scales, global_scale, bias if bias is not None else out, out, workspace if split else out,
@@ -314,14 +315,13 @@ if gluon is not None:
 
         # stored from the MMA layout: converting it first (through shared memory) makes ptxas serialize
         # every wgmma of the loop (its warning C7515: accumulator registers defined while MMAs are in flight)
-        res = acc
         offs_n = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, mma_l))
         offs_m = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma_l))
         mask = (offs_n < N)[:, None] & (offs_m < M)[None, :]
         if SPLIT:
-            gl.store(ws_ptr + pid_k * M * N + offs_m[None, :] * N + offs_n[:, None], res, mask=mask)
+            gl.store(ws_ptr + pid_k * M * N + offs_m[None, :] * N + offs_n[:, None], acc, mask=mask)
         else:
-            y = (res * gl.div_rn(256.0, gl.load(gs_ptr))).to(gl.bfloat16)  # correctly rounded 2^8/gs
+            y = (acc * gl.div_rn(256.0, gl.load(gs_ptr))).to(gl.bfloat16)  # correctly rounded 2^8/gs
             if HAS_BIAS:
                 b = gl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0)
                 y = (y.to(gl.float32) + b.to(gl.float32)[:, None]).to(gl.bfloat16)

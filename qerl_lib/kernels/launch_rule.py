@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from qerl_lib.kernels.fp4_wgmma import WgmmaConfig
+from qerl_lib.kernels.fp4_wgmma import WgmmaConfig, supported_problem
 
 
 @dataclass(frozen=True)
@@ -100,7 +100,7 @@ def pick_wgmma_config(m: int, n: int, k: int, num_sms: int = 132) -> WgmmaConfig
     (``pick_config``) runs it: one warpgroup per program (faster than two at every measured point),
     128 rows of x at 65 <= M <= 128, 64 at 33 <= M <= 64 when ``n * k`` >= ``WGMMA_MID_M_MIN_WEIGHTS``,
     K-slices for ~2 programs per SM."""
-    if k % 128:
+    if not supported_problem(k):
         return None
     if 64 < m <= 128:
         block_m = 128
