@@ -28,12 +28,25 @@ HAS_WGMMA = fp4_wgmma.available()
 def test_config_rejects_bad_values_with_a_clear_message():
     with pytest.raises(ValueError, match="block_m must be one of"):
         WgmmaConfig(48)
-    with pytest.raises(ValueError, match="warpgroups must be 1 or 2"):
+    with pytest.raises(ValueError, match="warpgroups must be one of"):
         WgmmaConfig(64, warpgroups=3)
     with pytest.raises(ValueError, match="split_k must be >= 1"):
         WgmmaConfig(64, split_k=0)
+    with pytest.raises(ValueError, match="stages must be 2..8"):
+        WgmmaConfig(64, stages=1)
+    with pytest.raises(ValueError, match="max_registers must be None or a multiple of 8"):
+        WgmmaConfig(64, max_registers=100)
+    with pytest.raises(ValueError, match="shared memory .* use fewer stages"):
+        WgmmaConfig(128, 2, stages=6)  # 6 x (32 KB of x + 8 KB of words) > 227 KB
     cfg = WgmmaConfig(32, 2, 4)
     assert (cfg.block_n, cfg.num_warps) == (128, 8)
+    assert WgmmaConfig(64, 4, stages=6).num_warps == 16
+
+
+def test_shared_memory_bytes_counts_x_tiles_words_and_barriers():
+    # 64 rows of x: 16 KB per stage; 4 warpgroups: 256 rows x 64 bytes of words; 8 bytes of mbarrier
+    assert fp4_wgmma.shared_memory_bytes(64, 4, 6) == 6 * (16384 + 16384 + 8)
+    assert fp4_wgmma.shared_memory_bytes(128, 1, 4) == 4 * (32768 + 4096 + 8)
 
 
 @pytest.mark.parametrize("k, split, expected", [(3584, 1, (28, 1)), (3584, 4, (7, 4)), (3584, 5, (6, 5)),
@@ -135,8 +148,8 @@ def _ptxas() -> str | None:
 
 @pytest.mark.skipif(fp4_wgmma.gluon is None or _ptxas() is None,
                     reason="needs Triton's Gluon and its bundled ptxas to compile for sm_90a offline")
-@pytest.mark.parametrize("block_m, wg, split", [(64, 2, True), (128, 2, False)])
-def test_offline_compile_keeps_the_mma_in_flight(tmp_path, block_m, wg, split):
+@pytest.mark.parametrize("block_m, wg, split, stages", [(64, 2, True, 4), (128, 2, False, 4), (64, 4, False, 6)])
+def test_offline_compile_keeps_the_mma_in_flight(tmp_path, block_m, wg, split, stages):
     """The point of the kernel: one wgmma group stays in flight across the loop (wait_group 1), and ptxas
     does not serialize the MMAs (its C7515 notice), which a change to the loop or epilogue can cause.
     (That the A registers of an MMA in flight are not rewritten is a property of the loop's structure,
@@ -150,7 +163,7 @@ def test_offline_compile_keeps_the_mma_in_flight(tmp_path, block_m, wg, split):
              "stride_om", "iters_per_split"]
     types = [f"tensordesc<bf16[{block_m}, 128],{x_layout!r}>", f"tensordesc<i32[{64 * wg}, 16],{w_layout!r}>",
              "*u8", "*fp32", "*bf16", "*bf16", "*fp32"] + ["i32"] * 6
-    consts = {"BLOCK_M": block_m, "WG": wg, "SPLIT": split, "HAS_BIAS": not split, "STAGES": fp4_wgmma.STAGES}
+    consts = {"BLOCK_M": block_m, "WG": wg, "SPLIT": split, "HAS_BIAS": not split, "STAGES": stages}
     signature = {**dict(zip(names, types)), **{c: "constexpr" for c in consts}}
     aligned = {"N", "K", "stride_sn", "stride_om"}  # as the runtime marks them
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n.endswith("_ptr") or n in aligned}
@@ -177,8 +190,10 @@ def _make(m, n, k, seed):
 @pytest.mark.cuda
 @pytest.mark.skipif(not HAS_WGMMA, reason="needs a Hopper GPU (sm_90) and Triton's Gluon")
 @pytest.mark.parametrize("m, n, k", [(1, 200, 256), (33, 3584, 3584), (100, 1000, 18944), (300, 4608, 1024)])
-@pytest.mark.parametrize("cfg", [WgmmaConfig(16, 1), WgmmaConfig(32, 2, 3), WgmmaConfig(64, 2, 4), WgmmaConfig(128, 2)],
-                         ids=lambda c: f"m{c.block_m}wg{c.warpgroups}s{c.split_k}")
+@pytest.mark.parametrize("cfg", [WgmmaConfig(16, 1), WgmmaConfig(32, 2, 3), WgmmaConfig(64, 2, 4), WgmmaConfig(128, 2),
+                                 WgmmaConfig(64, 4, 1, 6), WgmmaConfig(32, 4, 2, 3), WgmmaConfig(64, 2, 2, 3, 128),
+                                 WgmmaConfig(128, 1, 1, 2)],
+                         ids=lambda c: f"m{c.block_m}wg{c.warpgroups}s{c.split_k}st{c.stages}r{c.max_registers or 0}")
 def test_cuda_kernel_matches_the_oracle(m, n, k, cfg):
     """Against ``reference_matmul`` at mean relative error < 1e-3 (fp32 sums in another order, one bf16
     rounding), with and without bias, every output written (NaN-poisoned), deterministic."""

@@ -4,7 +4,9 @@ warpgroups) against the Triton fragment kernel and bf16 cuBLAS, at decode batche
 One call: correctness of every variant on awkward and real shapes (poisoned outputs, bias, determinism,
 oracle ``reference_matmul``), then device time per (shape, M) with the benchmark's CUDA-graph + L2-rotation
 timer (``fp4_kernel_sweep.time_variants``). ``PART=decode`` (M = 16-128), ``PART=train`` (M = 1024-8192) or
-both (default). Writes $OUT/sweep.jsonl; prints one line per (shape, M).
+both (default); ``PART=mid`` (section 33: M = 32 / 64 / 128, the ring's depth, 2 and 4 warpgroups sharing x,
+the 128-register cap that fits two 2-warpgroup programs per SM). Writes $OUT/sweep.jsonl; prints one line per
+(shape, M).
 
     OUT=/tmp/out PYTHONPATH=$PWD python dev/sweeps/fp4_wgmma_sweep.py
     # on the device machine, detached (section 32's run):
@@ -36,7 +38,9 @@ TRAIN_MS = (1024, 4096, 8192)
 CHECK_CASES = [(1, 200, 256), (5, 130, 384), (16, 4608, 3584), (33, 3584, 3584), (64, 1000, 1024),
                (100, 3584, 18944), (128, 5120, 2048), (200, 1000, 1024), (1024, 4608, 3584)]  # M, N, K
 CHECK_CONFIGS = [WgmmaConfig(16, 1), WgmmaConfig(16, 2, 3), WgmmaConfig(32, 2, 2), WgmmaConfig(64, 1),
-                 WgmmaConfig(64, 2, 4), WgmmaConfig(128, 2), WgmmaConfig(128, 2, 2)]
+                 WgmmaConfig(64, 2, 4), WgmmaConfig(128, 2), WgmmaConfig(128, 2, 2),
+                 WgmmaConfig(64, 4, 1, 6), WgmmaConfig(32, 4, 2, 3), WgmmaConfig(64, 2, 3, 4, 128), WgmmaConfig(128, 1, 1, 2),
+                 WgmmaConfig(64, 1, 2, 5)]
 
 
 def block_m_for(m: int) -> int:
@@ -53,6 +57,23 @@ def decode_variants(m: int, n: int, k: int, sms: int) -> list:
             label = f"wg{wg}-m{bm}-s{split}"
             if not any(v[0] == label for v in out):
                 out.append((label, False, WgmmaConfig(bm, wg, split)))
+    return out
+
+
+def mid_variants(m: int, n: int, k: int, sms: int) -> list:
+    """Section 33's variants: (warpgroups, stages, register cap, programs per SM the split aims at)."""
+    bm = min(block_m_for(m), 128)
+    if bm == 128:
+        grid = [(1, 4, None, 2), (1, 3, None, 2), (1, 2, None, 2), (1, 3, None, 4), (2, 3, None, 1), (2, 4, None, 1)]
+    else:
+        grid = [(1, 4, None, 2), (1, 5, None, 2), (2, 4, 128, 2), (2, 4, 128, 4), (2, 3, 128, 2), (2, 6, None, 1),
+                (4, 4, None, 1), (4, 6, None, 1), (4, 4, None, 2), (4, 6, None, 2)]
+    out = [("auto", False, None)]
+    for wg, stages, regs, per_sm in grid:
+        split = k_splits(math.ceil(n / (64 * wg)) * math.ceil(m / bm), k // 128, sms, per_sm)
+        label = f"wg{wg}-st{stages}-r{regs or 0}-s{split}"
+        if not any(v[0] == label for v in out):
+            out.append((label, False, WgmmaConfig(bm, wg, split, stages, regs)))
     return out
 
 
@@ -97,6 +118,10 @@ def main() -> int:
         for m in DECODE_MS:
             for name, n, k in SHAPES:
                 sweep.time_variants(name, n, k, m, decode_variants(m, n, k, sms), l2, copy_gbps)
+    if part == "mid":
+        for m in (64, 32, 128):
+            for name, n, k in SHAPES:
+                sweep.time_variants(name, n, k, m, mid_variants(m, n, k, sms), l2, copy_gbps)
     if part in ("all", "train"):
         for m in TRAIN_MS:
             for name, n, k in SHAPES[:4]:

@@ -78,26 +78,48 @@ else:  # names that changed after Triton 3.6 (the GPU image's): gl.thread_barrie
     W_SMEM_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=32, rank=2)
 
 BLOCK_K = 128  # one K-step: 16 int32 words (128 codes) and 8 scale bytes per weight row
-BLOCK_MS = (16, 32, 64, 128)  # 256 rows x 4 stages would need 256 KB of shared memory (an SM has 228)
-STAGES = 4  # shared-memory stages of x tiles and weight words in flight (module docstring, point 2)
+BLOCK_MS = (16, 32, 64, 128)  # 256 rows of x would leave no registers for the decode (a 64 x 256 fp32 accumulator)
+WARPGROUPS = (1, 2, 4)
+STAGES = 4  # default shared-memory stages of x tiles and weight words in flight (module docstring, point 2)
+MAX_STAGES = 8
+SHARED_MEMORY_BYTES = 227 * 1024  # what one program of an sm_90 SM may allocate
+
+
+def shared_memory_bytes(block_m: int, warpgroups: int, stages: int) -> int:
+    """Shared memory of one program: per stage a bf16 x tile [block_m, 128] and int32 words [64 WG, 16],
+    plus one 8-byte mbarrier per stage."""
+    return stages * (block_m * BLOCK_K * 2 + 64 * warpgroups * 16 * 4 + 8)
 
 
 @dataclass(frozen=True)
 class WgmmaConfig:
     """One launch of ``_fp4_wgmma_kernel``: ``block_m`` rows of ``x`` per program (the MMA's N),
-    ``warpgroups`` (1 or 2) of 64 weight rows each, ``split_k`` K-slices (fp32 partials when > 1)."""
+    ``warpgroups`` (1, 2 or 4) of 64 weight rows each, ``split_k`` K-slices (fp32 partials when > 1),
+    ``stages`` K-steps of loads in the shared-memory ring (2-8, within an SM's shared memory),
+    ``max_registers`` per thread (None: the compiler's choice; 128 lets two 2-warpgroup programs share an SM)."""
 
     block_m: int
     warpgroups: int = 2
     split_k: int = 1
+    stages: int = STAGES
+    max_registers: int | None = None
 
     def __post_init__(self):
         if self.block_m not in BLOCK_MS:
             raise ValueError(f"WgmmaConfig.block_m must be one of {BLOCK_MS}, got {self.block_m}")
-        if self.warpgroups not in (1, 2):
-            raise ValueError(f"WgmmaConfig.warpgroups must be 1 or 2, got {self.warpgroups}")
+        if self.warpgroups not in WARPGROUPS:
+            raise ValueError(f"WgmmaConfig.warpgroups must be one of {WARPGROUPS}, got {self.warpgroups}")
         if self.split_k < 1:
             raise ValueError(f"WgmmaConfig.split_k must be >= 1, got {self.split_k}")
+        if not 2 <= self.stages <= MAX_STAGES:
+            raise ValueError(f"WgmmaConfig.stages must be 2..{MAX_STAGES}, got {self.stages}")
+        if self.max_registers is not None and not (self.max_registers % 8 == 0 and 64 <= self.max_registers <= 255):
+            raise ValueError(f"WgmmaConfig.max_registers must be None or a multiple of 8 in 64..255, "
+                             f"got {self.max_registers}")
+        need = shared_memory_bytes(self.block_m, self.warpgroups, self.stages)
+        if need > SHARED_MEMORY_BYTES:
+            raise ValueError(f"WgmmaConfig{(self.block_m, self.warpgroups, self.stages)} needs {need // 1024} KB of "
+                             f"shared memory (an SM gives {SHARED_MEMORY_BYTES // 1024}); use fewer stages or a smaller block_m")
 
     @property
     def block_n(self) -> int:
@@ -175,8 +197,8 @@ def launch(x2: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, global_s
     _fp4_wgmma_kernel[grid](
         x_desc, w_desc, scales, global_scale, bias if bias is not None else out, out, workspace if split else out,
         m, n, k, scales.stride(0), out.stride(0), per,
-        BLOCK_M=config.block_m, WG=config.warpgroups, SPLIT=split, HAS_BIAS=bias is not None, STAGES=STAGES,
-        num_warps=config.num_warps)
+        BLOCK_M=config.block_m, WG=config.warpgroups, SPLIT=split, HAS_BIAS=bias is not None, STAGES=config.stages,
+        num_warps=config.num_warps, **({} if config.max_registers is None else {"maxnreg": config.max_registers}))
 
 
 # ============================================================================ Gluon kernel
@@ -184,7 +206,7 @@ if gluon is not None:
 
     @gluon.constexpr_function
     def _warp_bases(WG):
-        return [[16, 0], [32, 0]] + ([[64, 0]] if WG == 2 else [])
+        return [[16, 0], [32, 0]] + ([[64, 0]] if WG >= 2 else []) + ([[128, 0]] if WG == 4 else [])
 
     @gluon.constexpr_function
     def _words_layout(WG):
