@@ -232,10 +232,13 @@ def test_rule_picks_the_gluon_kernel_where_it_measured_faster():
         for m in (65, 100, 128):
             cfg = pick_wgmma_config(m, n, k)
             assert cfg is not None and (cfg.block_m, cfg.warpgroups) == (128, 1)
-    assert pick_wgmma_config(64, *gate_up).block_m == 64  # 33-64 rows: large weights only
-    assert pick_wgmma_config(64, *qkv) is None and pick_wgmma_config(64, *down) is None
-    for m in (1, 8, 16, 32, 129, 1024):  # elsewhere the Triton rule (or mma.sync, cuBLAS) runs
+    assert pick_wgmma_config(64, *gate_up).block_m == 64  # 33-64 rows: >= 50M weights only
+    assert pick_wgmma_config(64, *down).block_m == 64 and pick_wgmma_config(64, *qkv) is None
+    assert pick_wgmma_config(32, *gate_up).block_m == 32  # 25-32 rows: >= 100M weights only
+    assert pick_wgmma_config(32, *down) is None and pick_wgmma_config(25, 55296, 5120).block_m == 32
+    for m in (1, 8, 16, 24, 129, 1024):  # elsewhere the Triton rule (or mma.sync, cuBLAS) runs
         assert pick_wgmma_config(m, *gate_up) is None
+    assert pick_wgmma_config(64, *gate_up).stages == 3
     assert pick_wgmma_config(100, 4608, 3600) is None  # K not whole 128-steps
     cfg = pick_wgmma_config(128, *down, num_sms=132)  # ~2 programs per SM: 56 tiles x 5 slices
     assert cfg.split_k == 5 and k_slices(18944, cfg.split_k)[1] == 5

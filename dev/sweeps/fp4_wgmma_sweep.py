@@ -4,7 +4,7 @@ warpgroups) against the Triton fragment kernel and bf16 cuBLAS, at decode batche
 One call: correctness of every variant on awkward and real shapes (poisoned outputs, bias, determinism,
 oracle ``reference_matmul``), then device time per (shape, M) with the benchmark's CUDA-graph + L2-rotation
 timer (``fp4_kernel_sweep.time_variants``). ``PART=decode`` (M = 16-128), ``PART=train`` (M = 1024-8192) or
-both (default); ``PART=mid`` (section 33: M = 32 / 64 / 128, the ring's depth, 2 and 4 warpgroups sharing x,
+both (default); ``PART=mid`` / ``mid2`` (section 33: M = 32 / 64 / 128, the ring's depth, 2 and 4 warpgroups sharing x,
 the 128-register cap that fits two 2-warpgroup programs per SM). Writes $OUT/sweep.jsonl; prints one line per
 (shape, M).
 
@@ -60,10 +60,14 @@ def decode_variants(m: int, n: int, k: int, sms: int) -> list:
     return out
 
 
-def mid_variants(m: int, n: int, k: int, sms: int) -> list:
-    """Section 33's variants: (warpgroups, stages, register cap, programs per SM the split aims at)."""
+def mid_variants(m: int, n: int, k: int, sms: int, second: bool = False) -> list:
+    """Section 33's variants: (warpgroups, stages, register cap, programs per SM the split aims at);
+    ``second``: the second run's shallower rings (more programs per SM) and finer K-splits, one warpgroup."""
     bm = min(block_m_for(m), 128)
-    if bm == 128:
+    if second:
+        grid = [(1, 4, None, 2), (1, 3, None, 2), (1, 3, None, 3), (1, 2, None, 3), (1, 3, None, 6), (1, 4, None, 6),
+                (1, 2, None, 6)] if bm < 128 else [(1, 3, None, 2), (1, 3, None, 4), (1, 2, None, 4)]
+    elif bm == 128:
         grid = [(1, 4, None, 2), (1, 3, None, 2), (1, 2, None, 2), (1, 3, None, 4), (2, 3, None, 1), (2, 4, None, 1)]
     else:
         grid = [(1, 4, None, 2), (1, 5, None, 2), (2, 4, 128, 2), (2, 4, 128, 4), (2, 3, 128, 2), (2, 6, None, 1),
@@ -118,10 +122,10 @@ def main() -> int:
         for m in DECODE_MS:
             for name, n, k in SHAPES:
                 sweep.time_variants(name, n, k, m, decode_variants(m, n, k, sms), l2, copy_gbps)
-    if part == "mid":
-        for m in (64, 32, 128):
+    if part in ("mid", "mid2"):
+        for m in (64, 32, 128) if part == "mid" else (64, 32, 96, 128):
             for name, n, k in SHAPES:
-                sweep.time_variants(name, n, k, m, mid_variants(m, n, k, sms), l2, copy_gbps)
+                sweep.time_variants(name, n, k, m, mid_variants(m, n, k, sms, part == "mid2"), l2, copy_gbps)
     if part in ("all", "train"):
         for m in TRAIN_MS:
             for name, n, k in SHAPES[:4]:

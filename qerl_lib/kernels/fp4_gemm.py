@@ -62,7 +62,7 @@ Dispatch: CUDA calls with M <= 8 and K % 128 == 0 (the decode step) run the ``mm
 Triton kernel (H100 and H200, dev/LOG.md). ``fp4_linear``'s ``small_m_backend`` ("auto", "mma",
 "triton") chooses, else ``QERL_FP4_SMALL_M`` read at each call (default "auto"); that kernel can also
 add a projection group's LoRA adapters in the same launch (``lora=``). On an H100/H200 the Gluon kernel
-(``kernels/fp4_wgmma.py``) runs where ``launch_rule.pick_wgmma_config`` picks it (33-128 rows; off with
+(``kernels/fp4_wgmma.py``) runs where ``launch_rule.pick_wgmma_config`` picks it (25-128 rows; off with
 ``QERL_FP4_WGMMA=0``). Other CUDA calls run the Triton kernel (or dequantize + cuBLAS for large M);
 CPU tensors run the plain-torch oracles (``nvfp4.reference_matmul``) unless ``impl="triton"`` forces the
 kernels, which then need ``TRITON_INTERPRET=1`` set before Triton is imported; the interpreter cannot run

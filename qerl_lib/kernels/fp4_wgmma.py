@@ -31,14 +31,16 @@ Gluon (``triton.experimental.gluon``, Triton's tile language with explicit layou
    The A operand lives in registers, which PTX forbids rewriting before the wait that retires its MMAs;
    a rolled loop would decode every step into the same registers, so the loop is unrolled by two
    (``a_even``, ``a_odd``), each wait keeping the other step's registers alive (``deps``).
-4. **Two warpgroups per x tile** (``warpgroups=2``: 128 weight rows per program, 64 per warpgroup) can
-   share each staged tile of ``x``; one warpgroup per program measured faster at every point, so the
-   launch rule (``launch_rule.pick_wgmma_config``) uses one.
+4. **Several warpgroups per x tile** (``warpgroups`` 2 or 4: 64 weight rows each) can share each staged
+   tile of ``x``, halving or quartering its reads from L2. One warpgroup per program measured faster at
+   every point, even with two 2-warpgroup programs per SM (``max_registers=128``), so the launch rule
+   (``launch_rule.pick_wgmma_config``) uses one: at 64 rows the kernel is not bound by L2 (Nsight Compute:
+   L2 42% busy, tensor pipe 31%, issue slots 36%), but by each warpgroup's chain of wait, decode and MMA.
 
-Where it runs (H100, dev/LOG.md section 32): at 65-128 rows of ``x`` it is 1.05-1.68x faster than the
-Triton kernel on the Qwen2.5-7B/32B shapes, at 33-64 rows on the large ones only; at 16-32 rows the
-permute's launch and the ring's prologue cost more than it saves, and at training sizes (M >= 1024)
-it reaches 0.46-0.75x of bf16, below dequantize + cuBLAS, which the rule keeps there.
+Where it runs (H100, dev/LOG.md sections 32-33): at 65-128 rows of ``x`` it is 1.1-1.8x faster than the
+Triton kernel on the Qwen2.5-7B/32B shapes, at 25-64 rows on the large ones only; on small shapes at
+M <= 64 the permute's launch and the ring's prologue cost more than it saves, and at training sizes
+(M >= 1024) it reaches 0.46-0.75x of bf16, below dequantize + cuBLAS, which the rule keeps there.
 
 Output: fp32 partials of one K-slice (``split_k > 1``; ``fp4_gemm`` sums them in a fixed order) or the
 epilogue ``bf16(acc * 2^8 / gs)`` then ``+ bias`` after the cast, the same single rounding as
@@ -80,7 +82,7 @@ else:  # names that changed after Triton 3.6 (the GPU image's): gl.thread_barrie
 BLOCK_K = 128  # one K-step: 16 int32 words (128 codes) and 8 scale bytes per weight row
 BLOCK_MS = (16, 32, 64, 128)  # 256 rows of x would leave no registers for the decode (a 64 x 256 fp32 accumulator)
 WARPGROUPS = (1, 2, 4)
-STAGES = 4  # default shared-memory stages of x tiles and weight words in flight (module docstring, point 2)
+STAGES = 3  # default ring depth (module docstring, point 2): 3 measured faster than 2, 4 or 5 (dev/LOG.md section 33)
 MAX_STAGES = 8
 SHARED_MEMORY_BYTES = 227 * 1024  # what one program of an sm_90 SM may allocate
 

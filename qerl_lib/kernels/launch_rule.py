@@ -88,24 +88,29 @@ def pick_config(m: int, n: int, k: int, num_sms: int = 132, allow_cublas: bool =
 SMALL_M_TUNED = {(55296, 5120): (64, 2)}
 
 
-# The Gluon kernel (kernels/fp4_wgmma.py) where it measured faster than the Triton one (dev/LOG.md section 32,
-# H100, Qwen2.5-7B/32B decode shapes): every shape at 65 <= M <= 128 (1.05-1.68x), and at 33 <= M <= 64 the
-# large ones only (7B gate/up 1.15x, 32B gate/up 1.27x, 32B down ~1.05x; the small q/k/v and o lose there to
-# the permute's launch).
-WGMMA_MID_M_MIN_WEIGHTS = 100_000_000
+# The Gluon kernel (kernels/fp4_wgmma.py) where it measured faster than the Triton one (dev/LOG.md sections 32-33,
+# H100, Qwen2.5-7B/32B decode shapes, one warpgroup, 3 stages): every shape at 65 <= M <= 128 (1.1-1.8x); at
+# 33 <= M <= 64 the shapes of >= 50M weights (7B gate/up 1.07x, 7B down 1.11x, 32B down 1.22x; the small q/k/v and o
+# lose there to the permute's launch); at 25 <= M <= 32 those of >= 100M (7B gate/up 1.08x, 32B gate/up 1.12x, 32B
+# down 1.10x; measured at M = 32, where the 7B down projection only ties).
+WGMMA_MID_M_MIN_WEIGHTS = 50_000_000
+WGMMA_LOW_M_MIN_WEIGHTS = 100_000_000
 
 
 def pick_wgmma_config(m: int, n: int, k: int, num_sms: int = 132) -> WgmmaConfig | None:
     """The Gluon kernel's launch for an ``[m, k] x [k, n]`` problem, or None where the Triton rule
-    (``pick_config``) runs it: one warpgroup per program (faster than two at every measured point),
-    128 rows of x at 65 <= M <= 128, 64 at 33 <= M <= 64 when ``n * k`` >= ``WGMMA_MID_M_MIN_WEIGHTS``,
-    K-slices for ~2 programs per SM."""
+    (``pick_config``) runs it: one warpgroup per program (faster than two or four at every measured point),
+    the default ring of ``fp4_wgmma.STAGES`` (3) stages, 128 rows of x at 65 <= M <= 128, 64 at 33 <= M <= 64
+    when ``n * k`` >= ``WGMMA_MID_M_MIN_WEIGHTS``, 32 at 25 <= M <= 32 when ``n * k`` >=
+    ``WGMMA_LOW_M_MIN_WEIGHTS``, K-slices for ~2 programs per SM."""
     if not supported_problem(k):
         return None
     if 64 < m <= 128:
         block_m = 128
     elif 32 < m <= 64 and n * k >= WGMMA_MID_M_MIN_WEIGHTS:
         block_m = 64
+    elif 24 < m <= 32 and n * k >= WGMMA_LOW_M_MIN_WEIGHTS:
+        block_m = 32
     else:
         return None
     return WgmmaConfig(block_m, 1, k_splits(math.ceil(n / 64), k // 128, num_sms, 2))
