@@ -42,8 +42,8 @@ RESULT_FILES = {
                          "LoRA rank 0/16/64 with the engine's LoRA kernels (`kernels/lora.py`, four runs merged). "
                          "Notebook 03; `figures/03_rollout.png`",
     "rollout_vllm_h100.json": "the kit's engine and vLLM 0.24.0 (Marlin FP4, punica LoRA, CUDA graphs; version in the "
-                              "rows' `backend`, logs in `dev/runs/vllm_peer_h100_2026-11-25/`) one after the other "
-                              "on the same random-weight Qwen2.5-7B checkpoints, prompts and adapters (`--engines "
+                              "rows' `backend`, logs in `dev/runs/fp4_wgmma_mid_h100_2026-11-25/engine_vllm/`) one after "
+                              "the other on the same random-weight Qwen2.5-7B checkpoints, prompts and adapters (`--engines "
                               "kit,vllm`): bf16 and NVFP4, LoRA rank 0/16, batch 8/32/64/128, 256 + 1024 tokens; and "
                               "NVFP4 + r16 on 256 GSM8K-like completions of <= 1024 tokens over 64 rows (kit static "
                               "and continuous, vLLM); three runs merged",
