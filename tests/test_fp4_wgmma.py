@@ -63,6 +63,69 @@ def test_supported_problem_needs_whole_k_steps():
     assert not fp4_wgmma.supported_problem(200) and not fp4_wgmma.supported_problem(0)
 
 
+@pytest.mark.parametrize("m, n, k, block_m, slots, plan", [
+    (64, 37888, 3584, 64, 396, [(0, 25344, 1), (25344, 12544, 2)]),  # 7B gate/up: 592 tiles = 396 + 196 x 2
+    (128, 37888, 3584, 128, 264, [(0, 33792, 1), (33792, 4096, 4)]),  # 528 + 64 x 4
+    (64, 37888, 3584, 64, 0, [(0, 37888, 1)]),  # balancing off
+    (64, 25344, 3584, 64, 396, [(0, 25344, 1)]),  # whole waves already
+    (64, 3584, 3584, 64, 396, [(0, 3584, 1)]),  # fewer tiles than slots
+    (65, 37888, 3584, 64, 396, [(0, 37888, 1)]),  # two row tiles of x: not balanced
+    (64, 37888, 256, 64, 396, [(0, 37888, 1)]),  # 2 K-steps: a slice would be a single step
+    (64, 26000, 3584, 64, 396, [(0, 25344, 1), (25344, 656, 14)]),  # 11 tiles left: slices capped at K-steps / 2
+])
+def test_wave_plan_runs_the_overflowing_tiles_in_k_slices(m, n, k, block_m, slots, plan):
+    got = fp4_wgmma.wave_plan(m, n, k, WgmmaConfig(block_m, 1, wave_slots=slots))
+    assert got == plan
+    assert sum(rows for _, rows, _ in got) == n and all(r0 == sum(r for _, r, _ in got[:i]) for i, (r0, _, _) in
+                                                        enumerate(got))
+    assert fp4_wgmma.wave_plan(m, n, k, WgmmaConfig(block_m, 1, split_k=2, wave_slots=slots)) == [(0, n, 2)]
+
+
+def test_linear_writes_each_launch_into_its_columns(monkeypatch):
+    """``linear`` on a wave plan, the kernel replaced by a torch stand-in with the same contract (bf16 output
+    or fp32 partials per K-slice, rows ``out.stride(0)`` apart): every column written once, bias sliced with
+    the weights, the tail's partials summed into its column slice; equal to one unsplit launch's output."""
+    n, k, m = 5000, 1024, 3
+    q = quantize(torch.randn(n, k).to(torch.bfloat16) * 0.02)
+    x = torch.randn(m, k).to(torch.bfloat16)
+    from qerl_lib.quant.nvfp4 import dequantize
+    w = dequantize(q, dtype=torch.float32)
+    words = q.weight_packed.view(torch.int32)
+    calls = []
+
+    def fake_launch(xp, wd, sc, gs, b, out, ws, cfg, permuted=False):
+        rows = wd.shape[0]
+        r0 = (wd.data_ptr() - words.data_ptr()) // words.stride(0) // 4
+        assert permuted and sc.shape[0] == rows and out.shape == (m, rows) and (b is None or b.shape == (rows,))
+        calls.append((r0, rows, cfg.split_k))
+        per, slices = k_slices(k, cfg.split_k)
+        parts = torch.stack([x.float()[:, j * per * 128:(j + 1) * per * 128] @ w[r0:r0 + rows, j * per * 128:
+                                                                              (j + 1) * per * 128].T
+                             for j in range(slices)])
+        if ws is None:
+            y = parts.sum(0).to(torch.bfloat16)
+            out.copy_(y if b is None else (y.float() + b.float()).to(torch.bfloat16))
+        else:
+            ws.copy_(parts)
+
+    def fake_reduce(ws, gs, b, out):
+        y = ws.sum(0).to(torch.bfloat16)
+        out.copy_(y if b is None else (y.float() + b.float()).to(torch.bfloat16))
+
+    monkeypatch.setattr(fp4_wgmma, "launch", fake_launch)
+    monkeypatch.setattr(fp4_wgmma, "permute_x", lambda t: t)
+    bias = torch.randn(n).to(torch.bfloat16)
+    for b in (None, bias):
+        calls.clear()
+        balanced = torch.full((m, n), float("nan"), dtype=torch.bfloat16)
+        fp4_wgmma.linear(x, words, q.weight_scale, q.weight_global_scale, b, balanced,
+                         WgmmaConfig(64, 1, wave_slots=32), fake_reduce)
+        assert calls == [(0, 4096, 1), (4096, 904, 2)] and not torch.isnan(balanced).any()
+        whole = torch.empty(m, n, dtype=torch.bfloat16)
+        fp4_wgmma.linear(x, words, q.weight_scale, q.weight_global_scale, b, whole, WgmmaConfig(64, 1), fake_reduce)
+        torch.testing.assert_close(balanced.float(), whole.float(), rtol=1e-2, atol=1e-3)
+
+
 # ============================================================================ torch emulation
 def _code_pair(q: torch.Tensor, i: int) -> torch.Tensor:
     """``_code_pair`` before the scale multiply, in int64 with 32-bit wrap-around."""
@@ -214,6 +277,30 @@ def test_cuda_kernel_matches_the_oracle(m, n, k, cfg):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not HAS_WGMMA, reason="needs a Hopper GPU (sm_90) and Triton's Gluon")
+@pytest.mark.parametrize("m", [1, 40, 64])
+def test_cuda_wave_balanced_launches_match_the_oracle(m):
+    """``wave_slots`` = 32 on 79 tiles (the last one partial): 64 tiles unsplit, then 15 in 2 K-slices
+    writing into a column slice of ``out``; against the oracle as above, with and without bias."""
+    from qerl_lib.kernels.fp4_gemm import fp4_linear, prepare_fp4_weights
+
+    n, k = 5000, 1024
+    cfg = WgmmaConfig(64, 1, wave_slots=32)
+    assert fp4_wgmma.wave_plan(m, n, k, cfg) == [(0, 4096, 1), (4096, 904, 2)]
+    q, x = _make(m, n, k, seed=m)
+    prep = prepare_fp4_weights(q.weight_packed, q.weight_scale, q.weight_global_scale)
+    bias = torch.randn(n, device="cuda").to(torch.bfloat16)
+    for b in (None, bias):
+        ref = reference_matmul(x, q, b).float()
+        out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+        fp4_linear(x, prep, b, out=out, config=cfg)
+        assert not torch.isnan(out).any()
+        rel = float((out.float() - ref).abs().mean() / ref.abs().mean())
+        assert rel < 1e-3, rel
+        assert torch.equal(out, fp4_linear(x, prep, b, config=cfg))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_WGMMA, reason="needs a Hopper GPU (sm_90) and Triton's Gluon")
 def test_cuda_kernel_refuses_k_not_whole_steps():
     from qerl_lib.kernels.fp4_gemm import fp4_linear, prepare_fp4_weights
 
@@ -239,6 +326,15 @@ def test_rule_picks_the_gluon_kernel_where_it_measured_faster():
     for m in (1, 8, 16, 24, 129, 1024):  # elsewhere the Triton rule (or mma.sync, cuBLAS) runs
         assert pick_wgmma_config(m, *gate_up) is None
     assert pick_wgmma_config(64, *gate_up).stages == 3
+    assert pick_wgmma_config(64, *gate_up, num_sms=132).wave_slots == 396  # 3 programs per SM at 64 rows
+    assert pick_wgmma_config(128, *gate_up, num_sms=132).wave_slots == 264
     assert pick_wgmma_config(100, 4608, 3600) is None  # K not whole 128-steps
     cfg = pick_wgmma_config(128, *down, num_sms=132)  # ~2 programs per SM: 56 tiles x 5 slices
     assert cfg.split_k == 5 and k_slices(18944, cfg.split_k)[1] == 5
+
+
+def test_rule_wave_balancing_switches_off_by_environment(monkeypatch):
+    from qerl_lib.kernels.launch_rule import WAVE_SPLIT_ENV, pick_wgmma_config
+
+    monkeypatch.setenv(WAVE_SPLIT_ENV, "0")
+    assert pick_wgmma_config(64, 37888, 3584).wave_slots == 0

@@ -4,7 +4,7 @@ warpgroups) against the Triton fragment kernel and bf16 cuBLAS, at decode batche
 One call: correctness of every variant on awkward and real shapes (poisoned outputs, bias, determinism,
 oracle ``reference_matmul``), then device time per (shape, M) with the benchmark's CUDA-graph + L2-rotation
 timer (``fp4_kernel_sweep.time_variants``). ``PART=decode`` (M = 16-128), ``PART=train`` (M = 1024-8192) or
-both (default); ``PART=mid`` / ``mid2`` (section 33: M = 32 / 64 / 128, the ring's depth, 2 and 4 warpgroups sharing x,
+both (default); ``PART=mid`` / ``mid2`` / ``wave`` (section 33: M = 32 / 64 / 128, the ring's depth, 2 and 4 warpgroups sharing x,
 the 128-register cap that fits two 2-warpgroup programs per SM). Writes $OUT/sweep.jsonl; prints one line per
 (shape, M).
 
@@ -16,6 +16,7 @@ the 128-register cap that fits two 2-warpgroup programs per SM). Writes $OUT/swe
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import sys
@@ -81,6 +82,18 @@ def mid_variants(m: int, n: int, k: int, sms: int, second: bool = False) -> list
     return out
 
 
+def wave_variants(m: int, n: int, k: int, sms: int) -> list:
+    """Section 33's third run: the rule with and without wave balancing, and balancing that assumes one
+    program per SM fewer than `WGMMA_PROGRAMS_PER_SM` (in case the real occupancy is lower)."""
+    from qerl_lib.kernels.launch_rule import WGMMA_PROGRAMS_PER_SM, pick_wgmma_config
+    cfg = pick_wgmma_config(m, n, k, sms)
+    if cfg is None:
+        return [("auto", False, None)]
+    fewer = sms * max(1, WGMMA_PROGRAMS_PER_SM[cfg.block_m] - 1)
+    return [("auto", False, None), ("nowave", False, dataclasses.replace(cfg, wave_slots=0)),
+            ("wave", False, cfg), ("wave-1", False, dataclasses.replace(cfg, wave_slots=fewer))]
+
+
 def train_variants(m: int, n: int, k: int, sms: int) -> list:
     return [("auto", False, None), ("wg2-m128", False, WgmmaConfig(128, 2)), ("wg2-m64", False, WgmmaConfig(64, 2)),
             ("wg1-m64", False, WgmmaConfig(64, 1))]
@@ -126,6 +139,10 @@ def main() -> int:
         for m in (64, 32, 128) if part == "mid" else (64, 32, 96, 128):
             for name, n, k in SHAPES:
                 sweep.time_variants(name, n, k, m, mid_variants(m, n, k, sms, part == "mid2"), l2, copy_gbps)
+    if part == "wave":
+        for m in (64, 32, 128):
+            for name, n, k in SHAPES:
+                sweep.time_variants(name, n, k, m, wave_variants(m, n, k, sms), l2, copy_gbps)
     if part in ("all", "train"):
         for m in TRAIN_MS:
             for name, n, k in SHAPES[:4]:

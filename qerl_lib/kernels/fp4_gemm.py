@@ -376,11 +376,11 @@ def _triton_linear(x: torch.Tensor, weight: PreparedFP4Weight, bias: torch.Tenso
 
 
 def _reduce_splits(ws: torch.Tensor, global_scale: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> None:
-    """out = bf16(sum of the fp32 K-slice partials ``ws [S, M, N]`` * 2^8/gs) (+ bias), in slice order."""
+    """out (rows ``out.stride(0)`` apart) = bf16(sum of the fp32 partials ``ws [S, M, N]`` * 2^8/gs) (+ bias), in order."""
     split, m, n = ws.shape
     _splitk_reduce_kernel[(triton.cdiv(m * n, 1024),)](
-        ws, global_scale, bias if bias is not None else out, out, m * n, n, SPLIT=split, HAS_BIAS=bias is not None,
-        BLOCK=1024, INTERPRETED=_interpreted(out), num_warps=4)
+        ws, global_scale, bias if bias is not None else out, out, m * n, n, out.stride(0), SPLIT=split,
+        HAS_BIAS=bias is not None, BLOCK=1024, INTERPRETED=_interpreted(out), num_warps=4)
 
 
 # ============================================================================ Triton kernels
@@ -565,7 +565,7 @@ if triton is not None:
         tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], y, mask=out_mask)
 
     @triton.jit
-    def _splitk_reduce_kernel(ws_ptr, gs_ptr, bias_ptr, out_ptr, MN, N, SPLIT: tl.constexpr,
+    def _splitk_reduce_kernel(ws_ptr, gs_ptr, bias_ptr, out_ptr, MN, N, stride_om, SPLIT: tl.constexpr,
                               HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, INTERPRETED: tl.constexpr):
         """out = bf16(sum over K-slices of the fp32 partials * 2^8/gs) (+ bias); fixed order."""
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -577,7 +577,7 @@ if triton is not None:
         if HAS_BIAS:
             b = tl.load(bias_ptr + offs % N, mask=mask, other=0.0)
             y = _round_bf16(y.to(tl.float32) + b.to(tl.float32), INTERPRETED)
-        tl.store(out_ptr + offs, y, mask=mask)  # out is contiguous [M, N]
+        tl.store(out_ptr + (offs // N) * stride_om + offs % N, y, mask=mask)  # out: [M, N] rows, stride_om apart
 
     @triton.jit
     def _fp4_dequant_kernel(w_ptr, s_ptr, out_ptr, N, K, stride_wn, stride_sn, stride_on,

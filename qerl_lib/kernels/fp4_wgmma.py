@@ -56,6 +56,7 @@ Gluon is experimental in Triton 3.6: this module imports without it (``available
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -98,13 +99,16 @@ class WgmmaConfig:
     """One launch of ``_fp4_wgmma_kernel``: ``block_m`` rows of ``x`` per program (the MMA's N),
     ``warpgroups`` (1, 2 or 4) of 64 weight rows each, ``split_k`` K-slices (fp32 partials when > 1),
     ``stages`` K-steps of loads in the shared-memory ring (2-8, within an SM's shared memory),
-    ``max_registers`` per thread (None: the compiler's choice; 128 lets two 2-warpgroup programs share an SM)."""
+    ``max_registers`` per thread (None: the compiler's choice; 128 lets two 2-warpgroup programs share an SM),
+    ``wave_slots``: the programs the GPU runs at once with this launch (SMs x programs per SM; 0: no wave
+    balancing): ``linear`` then runs the output tiles that overflow the last whole wave in K-slices (``wave_plan``)."""
 
     block_m: int
     warpgroups: int = 2
     split_k: int = 1
     stages: int = STAGES
     max_registers: int | None = None
+    wave_slots: int = 0
 
     def __post_init__(self):
         if self.block_m not in BLOCK_MS:
@@ -118,6 +122,8 @@ class WgmmaConfig:
         if self.max_registers is not None and not (self.max_registers % 8 == 0 and 64 <= self.max_registers <= 255):
             raise ValueError(f"WgmmaConfig.max_registers must be None or a multiple of 8 in 64..255, "
                              f"got {self.max_registers}")
+        if self.wave_slots < 0:
+            raise ValueError(f"WgmmaConfig.wave_slots must be >= 0, got {self.wave_slots}")
         need = shared_memory_bytes(self.block_m, self.warpgroups, self.stages)
         if need > SHARED_MEMORY_BYTES:
             raise ValueError(f"WgmmaConfig{(self.block_m, self.warpgroups, self.stages)} needs {need // 1024} KB of "
@@ -158,19 +164,42 @@ def k_slices(k: int, split_k: int) -> tuple[int, int]:
     return per, -(-steps // per)
 
 
+def wave_plan(m: int, n: int, k: int, config: WgmmaConfig) -> list[tuple[int, int, int]]:
+    """The launches of one ``linear`` call as ``(first weight row, rows, split_k)``. One launch, unless
+    ``config.wave_slots`` is set, the call has one tile of rows of x and one K-slice, and its 64-row
+    output tiles overflow the last whole wave of programs: 592 tiles on 396 slots run as 1.5 waves, the
+    last one a third full. Then the whole waves run first (unsplit) and the remaining tiles run in as
+    many K-slices as fill one wave (196 tiles x 2 slices on 396 slots): one and a half waves of work
+    take one wave and a half-length one, and only the tail's partials go through fp32."""
+    slots, tiles = config.wave_slots, -(-n // config.block_n)
+    plan = [(0, n, config.split_k)]
+    if not slots or config.split_k != 1 or m > config.block_m or tiles <= slots or tiles % slots == 0:
+        return plan
+    tail_split = min(slots // (tiles % slots), (k // BLOCK_K) // 2)
+    if tail_split < 2:
+        return plan
+    head = (tiles // slots) * slots * config.block_n
+    return [(0, head, 1), (head, n - head, tail_split)]
+
+
 def linear(x2: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor,
            bias: torch.Tensor | None, out: torch.Tensor, config: WgmmaConfig, reduce_splits) -> None:
-    """``out = x2 @ W.T (+ bias)`` by this kernel; with several K-slices their fp32 partials go to a
-    temporary workspace that ``reduce_splits(ws, global_scale, bias, out)`` sums (``fp4_gemm``'s fixed-order
-    reduction). Raises a ValueError if K is not a multiple of 128."""
+    """``out = x2 @ W.T (+ bias)`` by this kernel, in the launches of ``wave_plan``; a launch with several
+    K-slices writes its fp32 partials to a temporary workspace that ``reduce_splits(ws, global_scale, bias,
+    out)`` sums (``fp4_gemm``'s fixed-order reduction). Raises a ValueError if K is not a multiple of 128."""
     m, k = x2.shape
     if not supported_problem(k):
         raise ValueError(f"fp4_wgmma: K must be a positive multiple of {BLOCK_K}, got {k}; use a KernelConfig instead")
-    slices = k_slices(k, config.split_k)[1]
-    ws = torch.empty(slices, m, words.shape[0], dtype=torch.float32, device=x2.device) if slices > 1 else None
-    launch(x2, words, scales, global_scale, bias, out, ws, config)
-    if ws is not None:
-        reduce_splits(ws, global_scale, bias, out)
+    xp = permute_x(x2)
+    for row0, rows, split_k in wave_plan(m, words.shape[0], k, config):
+        cfg = config if split_k == config.split_k else dataclasses.replace(config, split_k=split_k)
+        part = slice(row0, row0 + rows)
+        w, s, o, b = words[part], scales[part], out[:, part], None if bias is None else bias[part]
+        slices = k_slices(k, split_k)[1]
+        ws = torch.empty(slices, m, rows, dtype=torch.float32, device=x2.device) if slices > 1 else None
+        launch(xp, w, s, global_scale, b, o, ws, cfg, permuted=True)
+        if ws is not None:
+            reduce_splits(ws, global_scale, b, o)
 
 
 def permute_x(x2: torch.Tensor) -> torch.Tensor:
@@ -181,10 +210,12 @@ def permute_x(x2: torch.Tensor) -> torch.Tensor:
 
 
 def launch(x2: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor,
-           bias: torch.Tensor | None, out: torch.Tensor, workspace: torch.Tensor | None, config: WgmmaConfig) -> None:
-    """Run the kernel for ``out[M, N] = x2[M, K] @ W.T``: writes ``out`` (bf16, epilogue applied) when
-    ``config.split_k`` gives one slice, else ``workspace`` (fp32 ``[slices, M, N]``, raw partials; the
-    caller sums them). Shapes and alignment are the caller's to check (``fp4_gemm._triton_linear``)."""
+           bias: torch.Tensor | None, out: torch.Tensor, workspace: torch.Tensor | None, config: WgmmaConfig,
+           permuted: bool = False) -> None:
+    """Run the kernel for ``out[M, N] = x2[M, K] @ W.T``: writes ``out`` (bf16, epilogue applied; rows
+    ``out.stride(0)`` apart) when ``config.split_k`` gives one slice, else ``workspace`` (fp32 ``[slices, M, N]``,
+    raw partials; the caller sums them). ``permuted``: ``x2`` is already ``permute_x``'s copy. Shapes and
+    alignment are the caller's to check (``fp4_gemm._triton_linear``)."""
     m, k = x2.shape
     n = words.shape[0]
     per, slices = k_slices(k, config.split_k)
@@ -192,7 +223,7 @@ def launch(x2: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, global_s
     if split and (workspace is None or tuple(workspace.shape) != (slices, m, n)):
         raise ValueError(f"fp4_wgmma.launch: split_k={config.split_k} needs an fp32 workspace of shape "
                          f"{(slices, m, n)}")
-    xp = permute_x(x2)
+    xp = x2 if permuted else permute_x(x2)
     x_desc = TensorDescriptor(xp, [m, k], [k, 1], [config.block_m, BLOCK_K], X_SMEM_LAYOUT)
     w_desc = TensorDescriptor(words, [n, k // 8], [words.stride(0), 1], [config.block_n, BLOCK_K // 8], W_SMEM_LAYOUT)
     grid = (triton.cdiv(m, config.block_m), triton.cdiv(n, config.block_n), slices)

@@ -10,6 +10,7 @@ is compute-bound and goes to cuBLAS after one exact dequantization pass.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 from qerl_lib.kernels.fp4_wgmma import WgmmaConfig, supported_problem
@@ -95,6 +96,11 @@ SMALL_M_TUNED = {(55296, 5120): (64, 2)}
 # down 1.10x; measured at M = 32, where the 7B down projection only ties).
 WGMMA_MID_M_MIN_WEIGHTS = 50_000_000
 WGMMA_LOW_M_MIN_WEIGHTS = 100_000_000
+# Programs of the rule's launches (one warpgroup, 3 stages) that fit one SM at once, by the offline compile
+# (Triton 3.6, sm_90a): 32 rows of x, 115 registers x 128 threads -> 4; 64 rows, 61 KB of shared memory and
+# 135 registers -> 3; 128 rows, 110 KB -> 2 (an SM has 228 KB and 64K registers). `fp4_wgmma.wave_plan` uses it.
+WGMMA_PROGRAMS_PER_SM = {32: 4, 64: 3, 128: 2}
+WAVE_SPLIT_ENV = "QERL_FP4_WAVE_SPLIT"  # "0": no wave balancing (fp4_wgmma.wave_plan)
 
 
 def pick_wgmma_config(m: int, n: int, k: int, num_sms: int = 132) -> WgmmaConfig | None:
@@ -102,7 +108,8 @@ def pick_wgmma_config(m: int, n: int, k: int, num_sms: int = 132) -> WgmmaConfig
     (``pick_config``) runs it: one warpgroup per program (faster than two or four at every measured point),
     the default ring of ``fp4_wgmma.STAGES`` (3) stages, 128 rows of x at 65 <= M <= 128, 64 at 33 <= M <= 64
     when ``n * k`` >= ``WGMMA_MID_M_MIN_WEIGHTS``, 32 at 25 <= M <= 32 when ``n * k`` >=
-    ``WGMMA_LOW_M_MIN_WEIGHTS``, K-slices for ~2 programs per SM."""
+    ``WGMMA_LOW_M_MIN_WEIGHTS``, K-slices for ~2 programs per SM, and wave balancing (``wave_slots``) unless
+    ``QERL_FP4_WAVE_SPLIT=0``."""
     if not supported_problem(k):
         return None
     if 64 < m <= 128:
@@ -113,7 +120,8 @@ def pick_wgmma_config(m: int, n: int, k: int, num_sms: int = 132) -> WgmmaConfig
         block_m = 32
     else:
         return None
-    return WgmmaConfig(block_m, 1, k_splits(math.ceil(n / 64), k // 128, num_sms, 2))
+    slots = num_sms * WGMMA_PROGRAMS_PER_SM[block_m] if os.environ.get(WAVE_SPLIT_ENV, "1") != "0" else 0
+    return WgmmaConfig(block_m, 1, k_splits(math.ceil(n / 64), k // 128, num_sms, 2), wave_slots=slots)
 
 
 def k_splits(tiles: int, k_iters: int, num_sms: int, programs_per_sm: int = 4) -> int:
