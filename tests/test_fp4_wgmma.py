@@ -260,9 +260,13 @@ def _make(m, n, k, seed):
 def test_cuda_kernel_matches_the_oracle(m, n, k, cfg):
     """Against ``reference_matmul`` at mean relative error < 1e-3 (fp32 sums in another order, one bf16
     rounding), with and without bias, every output written (NaN-poisoned), deterministic."""
+    _check_against_the_oracle(m, n, k, cfg, seed=m + n)
+
+
+def _check_against_the_oracle(m, n, k, cfg, seed):
     from qerl_lib.kernels.fp4_gemm import fp4_linear, prepare_fp4_weights
 
-    q, x = _make(m, n, k, seed=m + n)
+    q, x = _make(m, n, k, seed=seed)
     prep = prepare_fp4_weights(q.weight_packed, q.weight_scale, q.weight_global_scale)
     bias = torch.randn(n, device="cuda").to(torch.bfloat16)
     for b in (None, bias):
@@ -281,22 +285,10 @@ def test_cuda_kernel_matches_the_oracle(m, n, k, cfg):
 def test_cuda_wave_balanced_launches_match_the_oracle(m):
     """``wave_slots`` = 32 on 79 tiles (the last one partial): 64 tiles unsplit, then 15 in 2 K-slices
     writing into a column slice of ``out``; against the oracle as above, with and without bias."""
-    from qerl_lib.kernels.fp4_gemm import fp4_linear, prepare_fp4_weights
-
     n, k = 5000, 1024
     cfg = WgmmaConfig(64, 1, wave_slots=32)
     assert fp4_wgmma.wave_plan(m, n, k, cfg) == [(0, 4096, 1), (4096, 904, 2)]
-    q, x = _make(m, n, k, seed=m)
-    prep = prepare_fp4_weights(q.weight_packed, q.weight_scale, q.weight_global_scale)
-    bias = torch.randn(n, device="cuda").to(torch.bfloat16)
-    for b in (None, bias):
-        ref = reference_matmul(x, q, b).float()
-        out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
-        fp4_linear(x, prep, b, out=out, config=cfg)
-        assert not torch.isnan(out).any()
-        rel = float((out.float() - ref).abs().mean() / ref.abs().mean())
-        assert rel < 1e-3, rel
-        assert torch.equal(out, fp4_linear(x, prep, b, config=cfg))
+    _check_against_the_oracle(m, n, k, cfg, seed=m)
 
 
 @pytest.mark.cuda
