@@ -42,6 +42,10 @@ Triton kernel on the Qwen2.5-7B/32B shapes, at 25-64 rows on the large ones only
 M <= 64 the permute's launch and the ring's prologue cost more than it saves, and at training sizes
 (M >= 1024) it reaches 0.46-0.75x of bf16, below dequantize + cuBLAS, which the rule keeps there.
 
+5. **Waves balanced** (``wave_slots``, set by the launch rule): when the output tiles overflow the last
+   whole wave of resident programs, ``wave_plan`` runs the whole waves unsplit and the leftover tiles in
+   K-slices that fill one more wave (H100: 7B gate/up at 128 rows -6%, at 32 rows -4%, at 64 rows no gain).
+
 Output: fp32 partials of one K-slice (``split_k > 1``; ``fp4_gemm`` sums them in a fixed order) or the
 epilogue ``bf16(acc * 2^8 / gs)`` then ``+ bias`` after the cast, the same single rounding as
 ``nvfp4.reference_matmul``, stored straight from the accumulator's registers (8 lanes hold 8
