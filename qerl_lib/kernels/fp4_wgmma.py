@@ -37,14 +37,14 @@ Gluon (``triton.experimental.gluon``, Triton's tile language with explicit layou
    (``launch_rule.pick_wgmma_config``) uses one: at 64 rows the kernel is not bound by L2 (Nsight Compute:
    L2 42% busy, tensor pipe 31%, issue slots 36%), but by each warpgroup's chain of wait, decode and MMA.
 
+5. **Waves balanced** (``wave_slots``, set by the launch rule): when the output tiles overflow the last
+   whole wave of resident programs, ``wave_plan`` runs the whole waves unsplit and the leftover tiles in
+   K-slices that fill one more wave (H100: 7B gate/up at 128 rows -6%, at 32 rows -4%, at 64 rows no gain).
+
 Where it runs (H100, dev/LOG.md sections 32-33): at 65-128 rows of ``x`` it is 1.1-1.8x faster than the
 Triton kernel on the Qwen2.5-7B/32B shapes, at 25-64 rows on the large ones only; on small shapes at
 M <= 64 the permute's launch and the ring's prologue cost more than it saves, and at training sizes
 (M >= 1024) it reaches 0.46-0.75x of bf16, below dequantize + cuBLAS, which the rule keeps there.
-
-5. **Waves balanced** (``wave_slots``, set by the launch rule): when the output tiles overflow the last
-   whole wave of resident programs, ``wave_plan`` runs the whole waves unsplit and the leftover tiles in
-   K-slices that fill one more wave (H100: 7B gate/up at 128 rows -6%, at 32 rows -4%, at 64 rows no gain).
 
 Output: fp32 partials of one K-slice (``split_k > 1``; ``fp4_gemm`` sums them in a fixed order) or the
 epilogue ``bf16(acc * 2^8 / gs)`` then ``+ bias`` after the cast, the same single rounding as
