@@ -19,7 +19,7 @@ import torch
 
 from qerl_lib.kernels import fp4_wgmma
 from qerl_lib.kernels.fp4_wgmma import WgmmaConfig, k_slices
-from qerl_lib.quant.nvfp4 import quantize, reference_matmul
+from qerl_lib.quant.nvfp4 import dequantize, quantize, reference_matmul
 
 HAS_WGMMA = fp4_wgmma.available()
 
@@ -88,7 +88,6 @@ def test_linear_writes_each_launch_into_its_columns(monkeypatch):
     n, k, m = 5000, 1024, 3
     q = quantize(torch.randn(n, k).to(torch.bfloat16) * 0.02)
     x = torch.randn(m, k).to(torch.bfloat16)
-    from qerl_lib.quant.nvfp4 import dequantize
     w = dequantize(q, dtype=torch.float32)
     words = q.weight_packed.view(torch.int32)
     calls = []

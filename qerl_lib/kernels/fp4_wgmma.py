@@ -41,7 +41,7 @@ Gluon (``triton.experimental.gluon``, Triton's tile language with explicit layou
    whole wave of resident programs, ``wave_plan`` runs the whole waves unsplit and the leftover tiles in
    K-slices that fill one more wave (H100: 7B gate/up at 128 rows -6%, at 32 rows -4%, at 64 rows no gain).
 
-Where it runs (H100, dev/LOG.md sections 32-33): at 65-128 rows of ``x`` it is 1.1-1.8x faster than the
+Where it runs (H100, dev/LOG.md sections 32-33): at 65-128 rows of ``x`` it is 1.1-1.9x faster than the
 Triton kernel on the Qwen2.5-7B/32B shapes, at 25-64 rows on the large ones only; on small shapes at
 M <= 64 the permute's launch and the ring's prologue cost more than it saves, and at training sizes
 (M >= 1024) it reaches 0.46-0.75x of bf16, below dequantize + cuBLAS, which the rule keeps there.
@@ -170,8 +170,8 @@ def k_slices(k: int, split_k: int) -> tuple[int, int]:
 
 def wave_plan(m: int, n: int, k: int, config: WgmmaConfig) -> list[tuple[int, int, int]]:
     """The launches of one ``linear`` call as ``(first weight row, rows, split_k)``. One launch, unless
-    ``config.wave_slots`` is set, the call has one tile of rows of x and one K-slice, and its 64-row
-    output tiles overflow the last whole wave of programs: 592 tiles on 396 slots run as 1.5 waves, the
+    ``config.wave_slots`` is set, the call has one tile of rows of x and one K-slice, and its output tiles
+    (``block_n`` weight rows each) overflow the last whole wave of programs: 592 tiles on 396 slots run as 1.5 waves, the
     last one a third full. Then the whole waves run first (unsplit) and the remaining tiles run in as
     many K-slices as fill one wave (196 tiles x 2 slices on 396 slots): one and a half waves of work
     take one wave and a half-length one, and only the tail's partials go through fp32."""

@@ -90,15 +90,16 @@ SMALL_M_TUNED = {(55296, 5120): (64, 2)}
 
 
 # The Gluon kernel (kernels/fp4_wgmma.py) where it measured faster than the Triton one (dev/LOG.md sections 32-33,
-# H100, Qwen2.5-7B/32B decode shapes, one warpgroup, 3 stages): every shape at 65 <= M <= 128 (1.1-1.8x); at
-# 33 <= M <= 64 the shapes of >= 50M weights (7B gate/up 1.07x, 7B down 1.11x, 32B down 1.22x; the small q/k/v and o
-# lose there to the permute's launch); at 25 <= M <= 32 those of >= 100M (7B gate/up 1.08x, 32B gate/up 1.12x, 32B
-# down 1.10x; measured at M = 32, where the 7B down projection only ties).
+# H100, Qwen2.5-7B/32B decode shapes, one warpgroup, 3 stages): every shape at 65 <= M <= 128 (1.1-1.9x); at
+# 33 <= M <= 64 the shapes of >= 50M weights (M = 64, Triton -> Gluon: 7B gate/up 79.8 -> 64.5 us, 7B down 47.0 -> 41.9,
+# 32B gate/up 150.3 -> 118.8, 32B down 93.0 -> 71.6; the small q/k/v and o lose there to the permute's launch); at
+# 25 <= M <= 32 those of >= 100M (7B gate/up 1.08x, 32B gate/up 1.12x, 32B down 1.10x; measured at M = 32, where the
+# 7B down projection only ties).
 WGMMA_MID_M_MIN_WEIGHTS = 50_000_000
 WGMMA_LOW_M_MIN_WEIGHTS = 100_000_000
 # Programs of the rule's launches (one warpgroup, 3 stages) that fit one SM at once, by the offline compile
 # (Triton 3.6, sm_90a): 32 rows of x, 115 registers x 128 threads -> 4; 64 rows, 61 KB of shared memory and
-# 135 registers -> 3; 128 rows, 110 KB -> 2 (an SM has 228 KB and 64K registers). `fp4_wgmma.wave_plan` uses it.
+# 135 registers -> 3; 128 rows, 110 KB -> 2 (an SM has 228 KB and 64K registers). It sets `wave_slots`.
 WGMMA_PROGRAMS_PER_SM = {32: 4, 64: 3, 128: 2}
 WAVE_SPLIT_ENV = "QERL_FP4_WAVE_SPLIT"  # "0": no wave balancing (fp4_wgmma.wave_plan)
 
