@@ -464,7 +464,10 @@ def _run_with_kills(ctx, model_dir: Path, root: Path, seed: int, rng: random.Ran
         if code == -signal.SIGKILL:
             kills += 1
             floor = _assert_progress_kept(out, floor, damaged, events)
-            damage = _damage_newest_checkpoint(out, rng) if kind == "time" else None  # phases first, undamaged
+            # phases first, undamaged; and none once the final adapter exists: the kill came after training ended
+            # (the process was exiting), a resume returns at once, and a checkpoint damaged then is never read
+            finished = (out / "adapter" / "adapter_config.json").is_file()
+            damage = _damage_newest_checkpoint(out, rng) if kind == "time" and not finished else None
             if damage:
                 events.append(f"  damaged {damage}")
                 damaged, floor = True, _newest_complete_step(out)
