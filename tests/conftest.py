@@ -113,3 +113,14 @@ def _interpreter_incompatible() -> str | None:
     if version(triton.__version__) < (3, 9) and version(numpy.__version__) >= (2, 5):
         return f"Triton {triton.__version__}'s interpreter is incompatible with numpy {numpy.__version__} (use Triton >= 3.9)"
     return None
+
+
+def sm90_ptxas() -> str | None:
+    """The ptxas Triton itself uses for sm_90 (its bundled binaries differ between versions), or None without
+    Triton's NVIDIA backend: the offline-compile tests of the Gluon kernels run it on the PTX they get."""
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas
+        path = get_ptxas(90).path
+    except Exception:  # no Triton, or no NVIDIA backend in it
+        return None
+    return path if path and os.path.exists(path) else None

@@ -10,7 +10,6 @@ On a Hopper GPU the kernel runs against the oracle.
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 
@@ -20,6 +19,7 @@ import torch
 from qerl_lib.kernels import fp4_wgmma
 from qerl_lib.kernels.fp4_wgmma import WgmmaConfig, k_slices
 from qerl_lib.quant.nvfp4 import dequantize, quantize, reference_matmul
+from tests.conftest import sm90_ptxas
 
 HAS_WGMMA = fp4_wgmma.available()
 
@@ -38,6 +38,9 @@ def test_config_rejects_bad_values_with_a_clear_message():
         WgmmaConfig(64, max_registers=100)
     with pytest.raises(ValueError, match="shared memory .* use fewer stages"):
         WgmmaConfig(128, 2, stages=6)  # 6 x (32 KB of x + 8 KB of words) > 227 KB
+    with pytest.raises(ValueError, match="shared memory .* use fewer stages"):
+        WgmmaConfig(256, 2, stages=4)  # 4 x (64 KB of x + 8 KB of words) > 227 KB; 3 stages fit
+    assert WgmmaConfig(256, 2, stages=3).block_n == 128
     cfg = WgmmaConfig(32, 2, 4)
     assert (cfg.block_n, cfg.num_warps) == (128, 8)
     assert WgmmaConfig(64, 4, stages=6).num_warps == 16
@@ -198,19 +201,10 @@ def test_emulation_notices_a_wrong_relabeling():
 
 
 # ============================================================================ offline compile (no GPU)
-def _ptxas() -> str | None:
-    """The ptxas Triton itself uses for sm_90 (its bundled binaries differ between versions)."""
-    try:
-        from triton.backends.nvidia.compiler import get_ptxas
-        path = get_ptxas(90).path
-    except Exception:  # no Triton, or no NVIDIA backend in it
-        return None
-    return path if path and os.path.exists(path) else None
-
-
-@pytest.mark.skipif(fp4_wgmma.gluon is None or _ptxas() is None,
+@pytest.mark.skipif(fp4_wgmma.gluon is None or sm90_ptxas() is None,
                     reason="needs Triton's Gluon and its bundled ptxas to compile for sm_90a offline")
-@pytest.mark.parametrize("block_m, wg, split, stages", [(64, 2, True, 4), (128, 2, False, 4), (64, 4, False, 6)])
+@pytest.mark.parametrize("block_m, wg, split, stages", [(64, 2, True, 4), (128, 2, False, 4), (64, 4, False, 6),
+                                                    (256, 2, False, 3)])
 def test_offline_compile_keeps_the_mma_in_flight(tmp_path, block_m, wg, split, stages):
     """The point of the kernel: one wgmma group stays in flight across the loop (wait_group 1), and ptxas
     does not serialize the MMAs (its C7515 notice), which a change to the loop or epilogue can cause.
@@ -236,7 +230,7 @@ def test_offline_compile_keeps_the_mma_in_flight(tmp_path, block_m, wg, split, s
     # 8 MMAs of k16 per K-step of 128; three K-steps in the code (the loop unrolled by two, and the tail)
     assert len(re.findall(r"wgmma\.mma_async", ptx)) == 24
     (tmp_path / "k.ptx").write_text(ptx)
-    res = subprocess.run([_ptxas(), "-arch=sm_90a", "-v", str(tmp_path / "k.ptx"), "-o", str(tmp_path / "k.cubin")],
+    res = subprocess.run([sm90_ptxas(), "-arch=sm_90a", "-v", str(tmp_path / "k.ptx"), "-o", str(tmp_path / "k.cubin")],
                          capture_output=True, text=True, check=True)
     assert "C7515" not in res.stderr + res.stdout, res.stderr
     assert int(re.search(r"Used (\d+) registers", res.stderr + res.stdout).group(1)) <= 255
@@ -254,7 +248,7 @@ def _make(m, n, k, seed):
 @pytest.mark.parametrize("m, n, k", [(1, 200, 256), (33, 3584, 3584), (100, 1000, 18944), (300, 4608, 1024)])
 @pytest.mark.parametrize("cfg", [WgmmaConfig(16, 1), WgmmaConfig(32, 2, 3), WgmmaConfig(64, 2, 4), WgmmaConfig(128, 2),
                                  WgmmaConfig(64, 4, 1, 6), WgmmaConfig(32, 4, 2, 3), WgmmaConfig(64, 2, 2, 3, 128),
-                                 WgmmaConfig(128, 1, 1, 2)],
+                                 WgmmaConfig(128, 1, 1, 2), WgmmaConfig(256, 2, 1, 3), WgmmaConfig(256, 1, 3, 2)],
                          ids=lambda c: f"m{c.block_m}wg{c.warpgroups}s{c.split_k}st{c.stages}r{c.max_registers or 0}")
 def test_cuda_kernel_matches_the_oracle(m, n, k, cfg):
     """Against ``reference_matmul`` at mean relative error < 1e-3 (fp32 sums in another order, one bf16

@@ -43,8 +43,11 @@ Gluon (``triton.experimental.gluon``, Triton's tile language with explicit layou
 
 Where it runs (H100, dev/LOG.md sections 32-33): at 65-128 rows of ``x`` it is 1.1-1.9x faster than the
 Triton kernel on the Qwen2.5-7B/32B shapes, at 25-64 rows on the large ones only; on small shapes at
-M <= 64 the permute's launch and the ring's prologue cost more than it saves, and at training sizes
-(M >= 1024) it reaches 0.46-0.75x of bf16, below dequantize + cuBLAS, which the rule keeps there.
+M <= 64 the permute's launch and the ring's prologue cost more than it saves. At training sizes
+(M >= 1024, section 34) its best launch is 256 rows of x and two warpgroups (``WgmmaConfig(256, 2)``,
+216 KB of shared memory at 3 stages): 0.6-0.95x of bf16, ahead of dequantize + cuBLAS only on the gate/up
+shapes at M = 1024 (7B 1.08x, 32B 1.17x), level at 2048, behind from 4096 and on the down and
+attention shapes, so the rule keeps dequantize + cuBLAS there.
 
 Output: fp32 partials of one K-slice (``split_k > 1``; ``fp4_gemm`` sums them in a fixed order) or the
 epilogue ``bf16(acc * 2^8 / gs)`` then ``+ bias`` after the cast, the same single rounding as
@@ -85,7 +88,8 @@ else:  # names that changed after Triton 3.6 (the GPU image's): gl.thread_barrie
     W_SMEM_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=32, rank=2)
 
 BLOCK_K = 128  # one K-step: 16 int32 words (128 codes) and 8 scale bytes per weight row
-BLOCK_MS = (16, 32, 64, 128)  # 256 rows of x would leave no registers for the decode (a 64 x 256 fp32 accumulator)
+# rows of x per program; 256 (wgmma N = 256) compiles to 229 registers a thread without spills (Triton 3.6)
+BLOCK_MS = (16, 32, 64, 128, 256)
 WARPGROUPS = (1, 2, 4)
 STAGES = 3  # default ring depth (module docstring, point 2): 3 measured faster than 2, 4 or 5 (dev/LOG.md section 33)
 MAX_STAGES = 8
