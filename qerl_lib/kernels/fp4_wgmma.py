@@ -45,9 +45,10 @@ Where it runs (H100, dev/LOG.md sections 32-33): at 65-128 rows of ``x`` it is 1
 Triton kernel on the Qwen2.5-7B/32B shapes, at 25-64 rows on the large ones only; on small shapes at
 M <= 64 the permute's launch and the ring's prologue cost more than it saves. At training sizes
 (M >= 1024, section 34) its best launch is 256 rows of x and two warpgroups (``WgmmaConfig(256, 2)``,
-216 KB of shared memory at 3 stages): 0.6-0.95x of bf16, ahead of dequantize + cuBLAS only on the gate/up
-shapes at M = 1024 (7B 1.08x, 32B 1.17x), level at 2048, behind from 4096 and on the down and
-attention shapes, so the rule keeps dequantize + cuBLAS there.
+216 KB of shared memory at 3 stages): 0.58-0.95x of bf16 on the gate/up and down shapes (0.27-0.71x on the
+attention ones), ahead of dequantize + cuBLAS only on the gate/up shapes at M = 1024 (7B 1.08x, 32B 1.17x),
+level at 2048, behind from 4096 and on the down and attention shapes, so the rule keeps dequantize + cuBLAS
+there. Its per-step CTA barrier (point 2) is where Nsight Compute finds the most stalls at that size.
 
 Output: fp32 partials of one K-slice (``split_k > 1``; ``fp4_gemm`` sums them in a fixed order) or the
 epilogue ``bf16(acc * 2^8 / gs)`` then ``+ bias`` after the cast, the same single rounding as
