@@ -139,13 +139,14 @@ class WsConfig:
 
 
 def supported_problem(n: int, k: int, direction: str) -> bool:
-    """Forward needs K in whole steps of 64; backward needs N (its reduction) in whole steps of 64. Both need
-    K a multiple of 256: the scales (K/16 bytes a row) are read by TMA, whose row strides are whole 16 bytes."""
+    """Both directions need K a multiple of 256 (the scales, K/16 bytes a row, are read by TMA, whose row strides
+    are whole 16 bytes; that also makes K whole forward steps of 64); backward also needs N (its reduction) in
+    whole steps of 64."""
     if direction not in DIRECTIONS:
         raise ValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
     if n <= 0 or k <= 0 or k % (16 * SCALE_BOX):
         return False
-    return k % BLOCK_K == 0 if direction == "fwd" else n % BLOCK_K == 0
+    return direction == "fwd" or n % BLOCK_K == 0
 
 
 def aligned(*tensors: torch.Tensor) -> bool:
