@@ -5,7 +5,8 @@
 One call: correctness on awkward and real shapes (poisoned outputs, bias, determinism, the oracle
 ``reference_matmul``, bit-equality with ``fp4_wgmma`` 256 x 2, whose warpgroups run the same instructions in
 the same K order), then device time per (shape, M) with the benchmark's CUDA-graph + L2-rotation timer.
-``PART``: any of ``check`` and ``time`` (default both); ``MS`` the sizes to time; ``CONFIGS`` the producer
+``PART``: any of ``check``, ``time`` (default both) and ``probe`` (the kernel with its decode taken out,
+``probe_module``); ``MS`` the sizes to time; ``CONFIGS`` the producer
 launches to time as ``block_m/stages/consumer_regs`` items. Writes $OUT/sweep.jsonl; one line per (shape, M).
 
     OUT=/tmp/out PYTHONPATH=$PWD python dev/sweeps/fp4_producer_sweep.py
@@ -31,13 +32,53 @@ from qerl_lib.quant.nvfp4 import reference_matmul  # noqa: E402
 SHAPES = [("7b.gate_up", 37888, 3584), ("7b.down", 3584, 18944), ("32b.gate_up", 55296, 5120),
           ("32b.down", 5120, 27648), ("7b.qkv", 4608, 3584), ("7b.o", 3584, 3584)]
 MS = [int(v) for v in os.environ.get("MS", "1024,2048,4096,8192").split(",")]
-CHECK_CASES = [(1, 128, 128), (77, 320, 512), (129, 1000, 1024), (300, 4608, 3584), (1024, 512, 3584),
-               (257, 3584, 18944), (2048, 37888, 3584), (513, 200, 384)]  # M, N, K
-CHECK_CONFIGS = [pc.ProducerConfig(), pc.ProducerConfig(256, 2), pc.ProducerConfig(128, 4),
-                 pc.ProducerConfig(128, 2, 224, 56)]
-CONFIGS = [tuple(int(v) for v in c.split("/")) for c in os.environ.get("CONFIGS", "256/3/232,128/4/232").split(",")]
+CHECK_CASES = [(1, 128, 256), (77, 320, 512), (129, 1000, 1024), (300, 4608, 3584), (1024, 512, 3584),
+               (257, 3584, 18944), (2048, 37888, 3584), (513, 200, 768)]  # M, N, K (K % 256 == 0)
+CHECK_CONFIGS = [pc.ProducerConfig(), pc.ProducerConfig(256, 2), pc.ProducerConfig(128, 4), pc.ProducerConfig(128, 2, 56)]
+CONFIGS = [tuple(int(v) for v in c.split("/")) for c in os.environ.get("CONFIGS", "256/3,128/4").split(",")]
 REF_WG = WgmmaConfig(256, 2, 1, 3)
 PART = os.environ.get("PART", "check,time")
+
+
+def probe_module(kind: str):
+    """A copy of ``fp4_wgmma_producer`` with one job taken out (timing only, wrong results): ``nodecode``, the
+    consumers issue their MMAs on zeros instead of decoded weights (the words are still copied into the ring).
+    Written to a temporary folder and imported from there (Gluon needs a source file)."""
+    import importlib.util
+    import tempfile
+    src = open(pc.__file__).read()
+    edits = {"nodecode": ("        a = _decode(q, sb, BN, a_l)\n", "        a = gl.zeros([BN, 128], gl.bfloat16, layout=a_l)\n")}
+    old, new = edits[kind]
+    assert src.count(old) == 1, (kind, old)
+    src = src.replace(old, new)
+    path = os.path.join(tempfile.mkdtemp(), f"fp4_wgmma_producer_{kind}.py")
+    open(path, "w").write(src)
+    spec = importlib.util.spec_from_file_location(f"fp4_wgmma_producer_{kind}", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def probe(l2):
+    mods = {"full": pc, "nodecode": probe_module("nodecode")}
+    for name, n, k in [("7b.gate_up", 37888, 3584), ("7b.down", 3584, 18944)]:
+        dense, q, _ = sweep.make(n, k, 16)
+        for m in (1024, 4096):
+            sets = [(permute_x(torch.randn(m, k, device="cuda").to(torch.bfloat16)), prepared(q),
+                     torch.empty(m, n, dtype=torch.bfloat16, device="cuda")) for _ in range(2)]
+            res = []
+            for label, mod in mods.items():
+                t = time_graph([(lambda s=s, md=mod: md.linear(s[0], s[1].words, s[1].scales, s[1].global_scale, None,
+                                                               s[2], permuted=True)) for s in sets])
+                us = t.median_ms * 1e3
+                steps, tiles = k // 128, -(-m // 256) * -(-n // 128)
+                res.append((label, us, us * 1e3 / (steps * tiles / 132)))
+                sweep.emit({"kind": "probe", "shape": name, "m": m, "variant": label, "us": us, "ns_per_step": res[-1][2]})
+            print(f"probe {name:<11} M={m}: " + " | ".join(f"{lab} {us:.0f}us {ns:.0f}ns/step" for lab, us, ns in res),
+                  flush=True)
+            del sets
+        del dense, q
 
 
 def prepared(q):
@@ -99,9 +140,9 @@ def timing(l2):
             rows.append(("dequant+cublas", t.median_ms * 1e3))
             t = time_graph([(lambda s=s: fp4_linear(s[0], s[1], None, out=s[2], config=REF_WG)) for s in sets])
             rows.append(("wg256x2", t.median_ms * 1e3))
-            for bm, st, cr in CONFIGS:
-                cfg = pc.ProducerConfig(bm, st, cr)
-                label = f"pc{bm}/{st}/{cr}"
+            for bm, st in CONFIGS:
+                cfg = pc.ProducerConfig(bm, st)
+                label = f"pc{bm}/{st}"
                 try:
                     t = time_graph([(lambda s=s, c=cfg: run_pc(s[0], s[1], None, s[2], c)) for s in sets])
                     rows.append((label, t.median_ms * 1e3))
@@ -130,6 +171,8 @@ if __name__ == "__main__":
     sms, l2, _ = sweep.device_header()
     if "check" in PART:
         correctness()
+    if "probe" in PART:
+        probe(l2)
     if "time" in PART:
         timing(l2)
     print(f"done [{time.time() - sweep.T0:.0f}s]", flush=True)
