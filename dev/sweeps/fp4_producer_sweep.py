@@ -35,9 +35,11 @@ MS = [int(v) for v in os.environ.get("MS", "1024,2048,4096,8192").split(",")]
 CHECK_CASES = [(1, 128, 256), (77, 320, 512), (129, 1000, 1024), (300, 4608, 3584), (1024, 512, 3584),
                (257, 3584, 18944), (2048, 37888, 3584), (513, 200, 768)]  # M, N, K (K % 256 == 0)
 CHECK_CONFIGS = [pc.ProducerConfig(), pc.ProducerConfig(256, 2), pc.ProducerConfig(128, 4), pc.ProducerConfig(128, 2, 56),
-                 pc.ProducerConfig(natural_k=True), pc.ProducerConfig(128, 4, natural_k=True)]
-# block_m/stages, "/n": x in natural K order (``natural_k``: no permute, weights decoded byte by byte)
-CONFIGS = os.environ.get("CONFIGS", "256/3,256/3/n").split(",")
+                 pc.ProducerConfig(natural_k=True), pc.ProducerConfig(128, 4, natural_k=True),
+                 pc.ProducerConfig(persistent=False)]
+# block_m/stages, then flags: "n" x in natural K order (``natural_k``: no permute, weights decoded byte by byte),
+# "np" one tile per program (not persistent)
+CONFIGS = os.environ.get("CONFIGS", "256/3,256/3/np,256/3/n").split(",")
 REF_WG = WgmmaConfig(256, 2, 1, 3)
 PART = os.environ.get("PART", "check,time")
 
@@ -49,7 +51,7 @@ def probe_module(kind: str):
     import importlib.util
     import tempfile
     src = open(pc.__file__).read()
-    edits = {"nodecode": ("        a = _decode(q, sb, BN, a_l)\n", "        a = gl.zeros([BN, 128], gl.bfloat16, layout=a_l)\n")}
+    edits = {"nodecode": ("            a = _decode(q, sb, BN, a_l)\n", "            a = gl.zeros([BN, 128], gl.bfloat16, layout=a_l)\n")}
     old, new = edits[kind]
     assert src.count(old) == 1, (kind, old)
     src = src.replace(old, new)
@@ -74,7 +76,7 @@ def probe(l2):
                 t = time_graph([(lambda s=s, md=mod: md.linear(s[0], s[1].words, s[1].scales, s[1].global_scale, None,
                                                                s[2], permuted=True)) for s in sets])
                 us = t.median_ms * 1e3
-                steps, tiles = k // 128, -(-m // 256) * -(-n // 128)
+                steps, tiles = k // 128, -(-m // 256) * -(-n // 128)  # the default launch: 256 rows, persistent
                 res.append((label, us, us * 1e3 / (steps * tiles / 132)))
                 sweep.emit({"kind": "probe", "shape": name, "m": m, "variant": label, "us": us, "ns_per_step": res[-1][2]})
             print(f"probe {name:<11} M={m}: " + " | ".join(f"{lab} {us:.0f}us {ns:.0f}ns/step" for lab, us, ns in res),
@@ -144,7 +146,8 @@ def timing(l2):
             rows.append(("wg256x2", t.median_ms * 1e3))
             for spec in CONFIGS:
                 parts = spec.split("/")
-                cfg = pc.ProducerConfig(int(parts[0]), int(parts[1]), natural_k=parts[-1] == "n")
+                cfg = pc.ProducerConfig(int(parts[0]), int(parts[1]), natural_k="n" in parts[2:],
+                                        persistent="np" not in parts[2:])
                 label = f"pc{spec}"
                 try:
                     t = time_graph([(lambda s=s, c=cfg: run_pc(s[0], s[1], None, s[2], c)) for s in sets])

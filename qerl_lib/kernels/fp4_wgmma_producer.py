@@ -44,6 +44,7 @@ without it (``available()`` is then False).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -90,6 +91,7 @@ class ProducerConfig:
     stages: int = 3
     producer_registers: int = 40
     natural_k: bool = False
+    persistent: bool = True
 
     def __post_init__(self):
         if self.block_m not in BLOCK_MS:
@@ -117,6 +119,15 @@ def aligned(*tensors: torch.Tensor) -> bool:
                for t in tensors)
 
 
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _num_sms(device: torch.device) -> int:
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def linear(x2: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor,
            bias: torch.Tensor | None, out: torch.Tensor, config: ProducerConfig | None = None,
            permuted: bool = False) -> None:
@@ -138,7 +149,8 @@ def linear(x2: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, global_s
     x_desc = TensorDescriptor(xp, [m, k], [xp.stride(0), 1], [config.block_m, BLOCK_K], X_SMEM_LAYOUT)
     w_desc = TensorDescriptor(words, [n, k // 8], [words.stride(0), 1], [BLOCK_N, BLOCK_K // 8], W_SMEM_LAYOUT)
     s_desc = TensorDescriptor(scales, [n, k // 16], [scales.stride(0), 1], [BLOCK_N, SCALE_BOX], SCALES_SMEM_LAYOUT)
-    grid = (triton.cdiv(m, config.block_m), triton.cdiv(n, BLOCK_N))
+    tiles = triton.cdiv(m, config.block_m) * triton.cdiv(n, BLOCK_N)
+    grid = (min(tiles, _num_sms(x2.device)) if config.persistent else tiles,)
     _fp4_wgmma_producer_kernel[grid](
         x_desc, w_desc, s_desc, global_scale, bias if bias is not None else out, out,
         m, n, k, out.stride(0), int(bias is not None),
@@ -202,44 +214,56 @@ if gluon is not None:
         return gl.convert_layout(w.to(gl.bfloat16, bitcast=True), a_layout, assert_trivial=True)
 
     @gluon.jit
-    def _producer(x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, ready, empty, off_m, off_n, k_steps):
-        """1 warp: per K-step, wait until its stage is empty, then TMA the x tile, the words and the scale box
-        (the box of steps 2j and 2j + 1 for either of them)."""
+    def _producer(x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, ready, empty, tiles_m, num_tiles, k_steps):
+        """1 warp: for each K-step of each of the program's tiles, wait until its stage is empty, then TMA the x
+        tile, the words and the scale box (the box of steps 2j and 2j + 1 for either of them)."""
         STAGES: gl.constexpr = x_smem.type.shape[0]  # worker arguments carry no constexprs: read them off types
-        for i in range(k_steps):
-            s = i % STAGES
-            mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)  # a fresh barrier passes parity 1 at once
-            bar = ready.index(s)
-            mbarrier.expect(bar, x_desc.block_type.nbytes + w_desc.block_type.nbytes + s_desc.block_type.nbytes)
-            _tma_load(x_desc, [off_m, i * 128], bar, x_smem.index(s))
-            _tma_load(w_desc, [off_n, i * 16], bar, w_smem.index(s))
-            _tma_load(s_desc, [off_n, (i // 2) * 16], bar, s_smem.index(s))
+        BLOCK_M: gl.constexpr = x_smem.type.shape[1]
+        BN: gl.constexpr = w_smem.type.shape[1]
+        c = 0  # K-steps issued by this program so far: the ring position
+        for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+            off_m = (t % tiles_m) * BLOCK_M
+            off_n = (t // tiles_m) * BN
+            for i in range(k_steps):
+                s = c % STAGES
+                mbarrier.wait(empty.index(s), ((c // STAGES) & 1) ^ 1)  # a fresh barrier passes parity 1 at once
+                bar = ready.index(s)
+                mbarrier.expect(bar, x_desc.block_type.nbytes + w_desc.block_type.nbytes + s_desc.block_type.nbytes)
+                _tma_load(x_desc, [off_m, i * 128], bar, x_smem.index(s))
+                _tma_load(w_desc, [off_n, i * 16], bar, w_smem.index(s))
+                _tma_load(s_desc, [off_n, (i // 2) * 16], bar, s_smem.index(s))
+                c += 1
 
     @gluon.jit
-    def _consume_step(x_smem, w_smem, s_smem, ready, empty, acc, a_prev, i, ODD: gl.constexpr, BN: gl.constexpr,
-                      wl: gl.constexpr, sl: gl.constexpr, a_l: gl.constexpr, NATURAL: gl.constexpr,
-                      l3: gl.constexpr):
-        """K-step ``i`` (``ODD``: i is odd, its scales are the second half of the stage's box): wait for the
-        stage, decode (while step i - 1's MMAs run), issue the MMAs, wait until only they are in flight, then
-        free step i - 1's stage. Returns (acc, A registers)."""
+    def _consume_step(x_smem, w_smem, s_smem, ready, empty, acc, a_prev, c, FIRST: gl.constexpr, ODD: gl.constexpr,
+                      BN: gl.constexpr, wl: gl.constexpr, sl: gl.constexpr, a_l: gl.constexpr,
+                      NATURAL: gl.constexpr, l3: gl.constexpr):
+        """The program's K-step ``c`` (``FIRST``: the first of its tile; ``ODD``: an odd step of the tile, whose
+        scales are the second half of the stage's box): wait for the stage, decode (while the step before's
+        MMAs run), issue the MMAs, wait until only they are in flight, then free the step before's stage (of
+        the same tile). Returns (acc, A registers)."""
         STAGES: gl.constexpr = x_smem.type.shape[0]
-        s = i % STAGES
-        mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+        s = c % STAGES
+        mbarrier.wait(ready.index(s), (c // STAGES) & 1)
         q = w_smem.index(s).load(wl).to(gl.uint32, bitcast=True)
         sb = s_smem.index(s).slice(8 * ODD, 8, dim=1).load(sl)
         if NATURAL:
             a = _decode_natural(q, sb, BN, l3, a_l)
         else:
             a = _decode(q, sb, BN, a_l)
-        acc = warpgroup_mma(a, x_smem.index(s).permute((1, 0)), acc, use_acc=i > 0, is_async=True)
+        acc = warpgroup_mma(a, x_smem.index(s).permute((1, 0)), acc, use_acc=not FIRST, is_async=True)
         acc, a_prev = warpgroup_mma_wait(num_outstanding=1, deps=(acc, a_prev))
-        mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES), pred=i > 0)
+        if not FIRST:
+            mbarrier.arrive(empty.index((c + STAGES - 1) % STAGES))
         return acc, a
 
     @gluon.jit
     def _consumers(x_smem, w_smem, s_smem, ready, empty, gs_ptr, bias_ptr, out_ptr, M, N, stride_om,
-                   off_m, off_n, k_steps, has_bias, BLOCK_M: gl.constexpr, WG: gl.constexpr, NATURAL: gl.constexpr):
-        """The default partition, ``WG`` warpgroups of 64 weight rows each (module docstring)."""
+                   tiles_m, num_tiles, k_steps, has_bias, BLOCK_M: gl.constexpr, WG: gl.constexpr,
+                   NATURAL: gl.constexpr):
+        """The default partition, ``WG`` warpgroups of 64 weight rows each, over the program's tiles (module
+        docstring)."""
+        STAGES: gl.constexpr = x_smem.type.shape[0]
         BN: gl.constexpr = 64 * WG
         l3: gl.constexpr = _natural_layout(WG)
         wl: gl.constexpr = gl.SliceLayout(2, l3) if NATURAL else _words_layout(WG)
@@ -247,36 +271,46 @@ if gluon is not None:
         mma_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4 * WG, 1],
                                                         instr_shape=[16, BLOCK_M, 16])
         a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_l, k_width=2)
+        inv_gs = gl.div_rn(256.0, gl.load(gs_ptr))  # correctly rounded 2^8/gs
 
-        acc = gl.zeros([BN, BLOCK_M], gl.float32, layout=mma_l)
-        a_odd = gl.zeros([BN, 128], gl.bfloat16, layout=a_l)
-        # unrolled by two: the A registers of the MMAs in flight are never rewritten (fp4_wgmma, point 3), and
-        # each step's half of the scale box is a constant
-        # steps 0 and 1 peeled (K >= 256): a loop that might run no step makes ptxas serialize every wgmma (C7515)
-        acc, a_even = _consume_step(x_smem, w_smem, s_smem, ready, empty, acc, a_odd, 0, 0, BN, wl, sl, a_l, NATURAL, l3)
-        acc, a_odd = _consume_step(x_smem, w_smem, s_smem, ready, empty, acc, a_even, 1, 1, BN, wl, sl, a_l, NATURAL, l3)
-        for i in range(2, k_steps, 2):  # K % 256 == 0: an even number of steps
-            acc, a_even = _consume_step(x_smem, w_smem, s_smem, ready, empty, acc, a_odd, i, 0, BN, wl, sl, a_l, NATURAL, l3)
-            acc, a_odd = _consume_step(x_smem, w_smem, s_smem, ready, empty, acc, a_even, i + 1, 1, BN, wl, sl, a_l, NATURAL, l3)
-        acc, a_odd = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a_odd))
+        c = 0  # the producer's count, step for step
+        for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+            acc = gl.zeros([BN, BLOCK_M], gl.float32, layout=mma_l)
+            a_odd = gl.zeros([BN, 128], gl.bfloat16, layout=a_l)
+            # unrolled by two: the A registers of the MMAs in flight are never rewritten (fp4_wgmma, point 3), and
+            # each step's half of the scale box is a constant. Steps 0 and 1 peeled (K >= 256): a loop that might
+            # run no step makes ptxas serialize every wgmma (C7515).
+            acc, a_even = _consume_step(x_smem, w_smem, s_smem, ready, empty, acc, a_odd, c, True, 0, BN, wl, sl,
+                                        a_l, NATURAL, l3)
+            acc, a_odd = _consume_step(x_smem, w_smem, s_smem, ready, empty, acc, a_even, c + 1, False, 1, BN, wl,
+                                       sl, a_l, NATURAL, l3)
+            for i in range(2, k_steps, 2):  # K % 256 == 0: an even number of steps
+                acc, a_even = _consume_step(x_smem, w_smem, s_smem, ready, empty, acc, a_odd, c + i, False, 0, BN,
+                                            wl, sl, a_l, NATURAL, l3)
+                acc, a_odd = _consume_step(x_smem, w_smem, s_smem, ready, empty, acc, a_even, c + i + 1, False, 1,
+                                           BN, wl, sl, a_l, NATURAL, l3)
+            acc, a_odd = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a_odd))
+            c += k_steps
+            mbarrier.arrive(empty.index((c + STAGES - 1) % STAGES))  # the tile's last stage
 
-        offs_n = off_n + gl.arange(0, BN, layout=gl.SliceLayout(1, mma_l))
-        offs_m = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma_l))
-        y = (acc * gl.div_rn(256.0, gl.load(gs_ptr))).to(gl.bfloat16)  # correctly rounded 2^8/gs
-        if has_bias != 0:
-            b = gl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0)
-            y = (y.to(gl.float32) + b.to(gl.float32)[:, None]).to(gl.bfloat16)
-        mask = (offs_n < N)[:, None] & (offs_m < M)[None, :]
-        gl.store(out_ptr + offs_m[None, :] * stride_om + offs_n[:, None], y, mask=mask)
+            offs_n = (t // tiles_m) * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, mma_l))
+            offs_m = (t % tiles_m) * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma_l))
+            y = (acc * inv_gs).to(gl.bfloat16)
+            if has_bias != 0:
+                b = gl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0)
+                y = (y.to(gl.float32) + b.to(gl.float32)[:, None]).to(gl.bfloat16)
+            mask = (offs_n < N)[:, None] & (offs_m < M)[None, :]
+            gl.store(out_ptr + offs_m[None, :] * stride_om + offs_n[:, None], y, mask=mask)
 
     @gluon.jit
     def _fp4_wgmma_producer_kernel(x_desc, w_desc, s_desc, gs_ptr, bias_ptr, out_ptr, M, N, K, stride_om, has_bias,
                                    BLOCK_M: gl.constexpr, STAGES: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                                    NATURAL: gl.constexpr):
-        """One [128 weight rows, BLOCK_M rows of x] output tile over all of K (module docstring)."""
+        """[128 weight rows, BLOCK_M rows of x] output tiles over all of K, tile ``t`` of the grid's stride
+        (rows of x fastest; module docstring)."""
         WG: gl.constexpr = 2
-        off_m = gl.program_id(0) * BLOCK_M
-        off_n = gl.program_id(1) * (64 * WG)
+        tiles_m = gl.cdiv(M, BLOCK_M)
+        num_tiles = tiles_m * gl.cdiv(N, 64 * WG)
         k_steps = K // 128
         x_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, 128], x_desc.layout)
         w_smem = gl.allocate_shared_memory(gl.int32, [STAGES, 64 * WG, 16], w_desc.layout)
@@ -289,6 +323,6 @@ if gluon is not None:
         fence_async_shared()
         gl.warp_specialize([
             (_consumers, (x_smem, w_smem, s_smem, ready, empty, gs_ptr, bias_ptr, out_ptr, M, N, stride_om,
-                          off_m, off_n, k_steps, has_bias, BLOCK_M, WG, NATURAL)),
-            (_producer, (x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, ready, empty, off_m, off_n, k_steps)),
+                          tiles_m, num_tiles, k_steps, has_bias, BLOCK_M, WG, NATURAL)),
+            (_producer, (x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, ready, empty, tiles_m, num_tiles, k_steps)),
         ], [1], [PRODUCER_REGS])
