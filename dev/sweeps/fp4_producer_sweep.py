@@ -34,12 +34,9 @@ SHAPES = [("7b.gate_up", 37888, 3584), ("7b.down", 3584, 18944), ("32b.gate_up",
 MS = [int(v) for v in os.environ.get("MS", "1024,2048,4096,8192").split(",")]
 CHECK_CASES = [(1, 128, 256), (77, 320, 512), (129, 1000, 1024), (300, 4608, 3584), (1024, 512, 3584),
                (257, 3584, 18944), (2048, 37888, 3584), (513, 200, 768)]  # M, N, K (K % 256 == 0)
-CHECK_CONFIGS = [pc.ProducerConfig(), pc.ProducerConfig(256, 2), pc.ProducerConfig(128, 4), pc.ProducerConfig(128, 2, 56),
-                 pc.ProducerConfig(natural_k=True), pc.ProducerConfig(128, 4, natural_k=True),
-                 pc.ProducerConfig(persistent=False)]
-# block_m/stages, then flags: "n" x in natural K order (``natural_k``: no permute, weights decoded byte by byte),
-# "np" one tile per program (not persistent)
-CONFIGS = os.environ.get("CONFIGS", "256/3,256/3/np,256/3/n").split(",")
+CHECK_CONFIGS = [pc.ProducerConfig(), pc.ProducerConfig(256, 2), pc.ProducerConfig(128, 4), pc.ProducerConfig(128, 2, 56)]
+# block_m/stages (runs 3-4 also timed options since removed: natural K order and one tile per program; LOG 35)
+CONFIGS = os.environ.get("CONFIGS", "256/3,128/4").split(",")
 REF_WG = WgmmaConfig(256, 2, 1, 3)
 PART = os.environ.get("PART", "check,time")
 
@@ -146,14 +143,11 @@ def timing(l2):
             rows.append(("wg256x2", t.median_ms * 1e3))
             for spec in CONFIGS:
                 parts = spec.split("/")
-                cfg = pc.ProducerConfig(int(parts[0]), int(parts[1]), natural_k="n" in parts[2:],
-                                        persistent="np" not in parts[2:])
+                cfg = pc.ProducerConfig(int(parts[0]), int(parts[1]))
                 label = f"pc{spec}"
                 try:
                     t = time_graph([(lambda s=s, c=cfg: run_pc(s[0], s[1], None, s[2], c)) for s in sets])
                     rows.append((label, t.median_ms * 1e3))
-                    if cfg.natural_k:
-                        continue
                     # the kernel alone: x already in the K relabeling (the permute is one torch copy per call)
                     xps = [permute_x(s[0]) for s in sets]
                     t = time_graph([(lambda s=s, xp=xp, c=cfg: run_pc(xp, s[1], None, s[2], c, permuted=True))

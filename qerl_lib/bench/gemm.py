@@ -218,7 +218,8 @@ def bench_gemm_shape(shape: GemmShape, ms: Sequence[int], *, l2: int, copy_gbps:
     """Time BF16 and FP4 on one projection shape for every M and direction (module docstring); check
     every FP4 output (NaN-poisoned, vs the oracle). The weight is quantized once per shape. ``config``
     forces the Triton launch of the fwd direction."""
-    from qerl_lib.kernels.fp4_gemm import fp4_grad_input, fp4_linear, pick_config, prepare_fp4_weights, uses_mma
+    from qerl_lib.kernels.fp4_gemm import fp4_grad_input, fp4_linear, planned_launch, prepare_fp4_weights, uses_mma
+    from qerl_lib.kernels.launch_rule import path_name
     from qerl_lib.kernels.mma import pick_mma_config
     from qerl_lib.quant.nvfp4 import quantize, reference_grad_input, reference_matmul
 
@@ -232,7 +233,6 @@ def bench_gemm_shape(shape: GemmShape, ms: Sequence[int], *, l2: int, copy_gbps:
              for _ in range(rotation_copies(n * k * FP4_BYTES_PER_WEIGHT + 2 * min(ms) * (k + n), l2))]
     w_bf16 = [dense.clone() for _ in range(rotation_copies(n * k * BF16_BYTES_PER_WEIGHT + 2 * min(ms) * (k + n), l2))]
     timer = time_graph if graph else time_eager
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
     # per direction: input columns, output columns, the FP4 call, the oracle, the bf16 baseline
     ops = {
         "fwd": (k, n, lambda a, w, o: fp4_linear(a, w, out=o, config=config), lambda a: reference_matmul(a, q),
@@ -267,9 +267,8 @@ def bench_gemm_shape(shape: GemmShape, ms: Sequence[int], *, l2: int, copy_gbps:
             elif config is None and uses_mma(m, k, torch.device("cuda")):
                 path, cfg_doc = "mma", asdict(pick_mma_config(m, n, k))
             else:
-                cfg = config or pick_config(m, n, k, sms)
-                path = "dequant+cublas" if cfg.cublas else ("fused-fragment" if cfg.fragment else "fused")
-                cfg_doc = asdict(cfg)
+                cfg = config or planned_launch(m, w_fp4[0], torch.device("cuda"))
+                path, cfg_doc = path_name(cfg), asdict(cfg)
             rows.append(_result_row(shape, m, direction, fp4_t, bf16_t, fp4_bytes, bf16_bytes, copy_gbps,
                                     rel, unwritten, path, cfg_doc))
             if progress:

@@ -28,45 +28,41 @@ K (split-K, below). Per K-step of 128:
    (``_frag_rows``) and K is relabeled (``_frag_dequant``) so that every thread's decoded values
    already sit where the A fragment wants them: no shared-memory round trip for the weights
    (staging them there ran at a third of the bandwidth, measured on an H100; see dev/LOG.md).
-   A dot product does not care about the order of its terms, so ``x`` is permuted the same way
-   in registers (``_frag_x``). M < 16 wastes MMA lanes, which cost nothing here: the budget is
-   instruction issue for decoding (~3.2 SASS instructions/weight).
+   A dot product does not care about the order of its terms, so ``x`` is permuted the same way in registers
+   (``_frag_x``). M < 16 wastes MMA lanes, which cost nothing here: decoding's issue (~3.2 SASS/weight) does.
 5. **Epilogue** (fp32): ``out = bf16(acc * (2^8 / gs))``, then ``+ bias`` (bias after the cast, as
    Marlin and ``nvfp4.reference_matmul`` do). ``1/gs`` is computed in-kernel with correct rounding,
    so no host sync is needed and the call can be captured in a CUDA graph.
 
-Parallelism. Small M gives only ``N / BLOCK_N`` programs (28 for a 3584-wide output), too few for
-132 SMs, so K is split into slices that write fp32 partials; ``_splitk_reduce_kernel`` sums them in
-a fixed order (deterministic, no atomics) and runs the epilogue. ``pick_config`` (``launch_rule.py``)
-picks tile width and slices (about 2 programs per SM for 2 <= M <= 16, measured best on an H100).
+Parallelism. Small M gives only ``N / BLOCK_N`` programs (28 for a 3584-wide output), too few for 132 SMs, so K
+is split into slices that write fp32 partials; ``_splitk_reduce_kernel`` sums them in a fixed order (deterministic,
+no atomics) and runs the epilogue. ``launch_rule.pick_config`` picks tile width and slices (about 2 programs per SM
+for 2 <= M <= 16, measured best on an H100).
 
-Large M (prefill, training forward) is compute-bound. Measured fastest: expand the weights once
-per call with ``_fp4_dequant_kernel`` (an exact bf16 copy of ``fp4 * s * 2^-8``, at ~97% of copy
-bandwidth) and let cuBLAS multiply with ``alpha = 2^8/gs`` applied in its fp32 epilogue
-(``torch.addmm``), keeping the oracle's single output rounding. The fused kernel with large tiles
-(``swap_ab=False``) remains for calls without a host copy of ``gs``; it reached 0.44-0.55x of cuBLAS.
+Large M (prefill, training forward) is compute-bound. Mostly fastest: one exact ``_fp4_dequant_kernel`` pass to bf16
+``fp4 * s * 2^-8`` (~97% of copy bandwidth), then cuBLAS with ``alpha = 2^8/gs`` in its fp32 epilogue (``addmm``), the
+oracle's single rounding (a Gluon kernel beats it on wide shapes at 1024-2048 rows, below). The large-tile Triton
+kernel (``swap_ab=False``, 0.44-0.55x of cuBLAS) remains for calls without a host copy of ``gs``.
 
-Backward layout (``fp4_grad_input``, oracle ``nvfp4.reference_grad_input``): ``dL/dx = dy @ W``
-(``dy [M, N]`` -> ``[M, K]``) of a frozen layer, by the large-M forward's single-rounding arithmetic
-with W untransposed: a temporary ``_fp4_dequant_kernel`` copy ``W'``, then cuBLAS ``dy @ W'`` with
-``alpha = 2^8/gs`` in fp32 (under the Triton interpreter that is torch's CPU bf16 ``addmm``).
+Backward layout (``fp4_grad_input``, oracle ``nvfp4.reference_grad_input``): ``dL/dx = dy @ W`` (``dy [M, N]`` ->
+``[M, K]``) of a frozen layer, by the large-M forward's single-rounding arithmetic with W untransposed: a temporary
+``_fp4_dequant_kernel`` copy ``W'``, then cuBLAS ``dy @ W'`` with ``alpha = 2^8/gs`` in fp32 (interpreter: CPU ``addmm``).
 
-Where we deviate from Marlin / vLLM: no offline repacking (the fragment layout comes from relabeling K,
-the compressed-tensors bytes are read in place); only ``x`` goes through shared memory (wgmma's B operand
-must), once per K-step, instead of Marlin's multi-stage ``cp.async`` pipeline with ``mma.sync``; E4M3-subnormal
-block scales (bytes 0x01-0x07) are kept, as compressed-tensors does, where Marlin flushes them to zero; the
-global scale (the *encode* factor ``gs``, ``w = fp4 * s / gs``) is read on device, not inverted on the host.
+Where we deviate from Marlin / vLLM: no offline repacking (the fragment layout comes from relabeling K, the
+compressed-tensors bytes are read in place); only ``x`` goes through shared memory (wgmma's B operand must), once per
+K-step, instead of Marlin's multi-stage ``cp.async`` pipeline with ``mma.sync``; E4M3-subnormal block scales (bytes
+0x01-0x07) are kept, as compressed-tensors does, where Marlin flushes them to zero; the global scale (the *encode*
+factor ``gs``, ``w = fp4 * s / gs``) is read on device.
 
-Dispatch: CUDA calls with M <= 8 and K % 128 == 0 (the decode step) run the ``mma.sync`` kernel of
-``kernels/mma.py`` where it can run (sm_90+ and NVRTC): it streams the weights faster than this
-Triton kernel (H100 and H200, dev/LOG.md). ``fp4_linear``'s ``small_m_backend`` ("auto", "mma",
-"triton") chooses, else ``QERL_FP4_SMALL_M`` read at each call (default "auto"); that kernel can also
-add a projection group's LoRA adapters in the same launch (``lora=``). On an H100/H200 the Gluon kernel
-(``kernels/fp4_wgmma.py``) runs where ``launch_rule.pick_wgmma_config`` picks it (25-128 rows; off with
-``QERL_FP4_WGMMA=0``). Other CUDA calls run the Triton kernel (or dequantize + cuBLAS for large M);
-CPU tensors run the plain-torch oracles (``nvfp4.reference_matmul``) unless ``impl="triton"`` forces the
-kernels, which then need ``TRITON_INTERPRET=1`` set before Triton is imported; the interpreter cannot run
-PTX and mishandles bf16 (``_interpreted``), so the kernels multiply in fp32 there: identical bits.
+Dispatch: CUDA calls with M <= 8 and K % 128 == 0 (the decode step) run the ``mma.sync`` kernel of ``kernels/mma.py``
+where it can run (sm_90+ and NVRTC; faster than this one, dev/LOG.md); ``fp4_linear``'s ``small_m_backend`` ("auto",
+"mma", "triton") chooses, else ``QERL_FP4_SMALL_M`` read at each call (default "auto"); that kernel can also add a
+projection group's LoRA adapters (``lora=``). On an H100/H200 the Gluon kernels run where ``launch_rule`` picks them:
+``kernels/fp4_wgmma.py`` at 25-128 rows, ``kernels/fp4_wgmma_producer.py`` on the wide gate/up shapes at 1024-2048
+rows (``QERL_FP4_WGMMA=0`` turns both off, ``QERL_FP4_PRODUCER=0`` the second). Other CUDA calls run the Triton kernel
+(or dequantize + cuBLAS for large M); CPU tensors run the plain-torch oracles (``nvfp4.reference_matmul``) unless
+``impl="triton"`` forces the kernels, which then need ``TRITON_INTERPRET=1`` set before Triton is imported; the
+interpreter cannot run PTX and mishandles bf16 (``_interpreted``), so the kernels multiply in fp32: identical bits.
 """
 
 from __future__ import annotations
@@ -79,9 +75,10 @@ from dataclasses import dataclass
 
 import torch
 
-from qerl_lib.kernels import fp4_wgmma, mma
+from qerl_lib.kernels import fp4_wgmma, fp4_wgmma_producer, mma
 from qerl_lib.kernels.fp4_decode import code_pair_bits
-from qerl_lib.kernels.launch_rule import KernelConfig, pick_config, pick_wgmma_config
+from qerl_lib.kernels.launch_rule import (SMALL_M_BACKENDS, SMALL_M_ENV, KernelConfig, pick_config,  # noqa: F401
+                                          plan_launch, resolve_small_m_backend, uses_mma)
 from qerl_lib.quant.nvfp4 import GROUP_SIZE, NVFP4Weight, reference_grad_input, reference_matmul
 
 try:  # Triton is optional: the CPU reference path works without it.
@@ -92,37 +89,7 @@ except ImportError:  # pragma: no cover - exercised only on installs without tri
     tl = None
 
 IMPLS = ("auto", "triton", "reference")
-SMALL_M_BACKENDS = ("auto", "mma", "triton")  # the kernels that may run the decode step (M <= 8)
-SMALL_M_ENV = "QERL_FP4_SMALL_M"  # the user's switch, read when no backend is passed
 WGMMA_ENV = "QERL_FP4_WGMMA"  # "0": never pick the Gluon kernel (read at each call; default "1")
-
-
-def resolve_small_m_backend(name: str | None = None) -> str:
-    """The small-M backend a call uses: ``name`` if given, else the environment variable
-    ``QERL_FP4_SMALL_M`` as it is now (default ``"auto"``). ``"mma"``: the CUDA mma.sync kernel of
-    ``kernels/mma.py`` (error if this machine cannot run it); ``"triton"``: this module's Triton
-    kernel; ``"auto"``: mma where available, else Triton."""
-    value = os.environ.get(SMALL_M_ENV, "auto") if name is None else name
-    if value not in SMALL_M_BACKENDS:
-        what = SMALL_M_ENV if name is None else "small-M backend"
-        raise ValueError(f"{what} must be one of {SMALL_M_BACKENDS}, got {value!r}")
-    return value
-
-
-def uses_mma(m: int, k: int, device: torch.device, backend: str | None = None) -> bool:
-    """Whether an ``fp4_linear`` call with ``m`` rows, reduction ``k`` on ``device`` (and no Triton
-    ``config``) runs the mma.sync kernel under small-M ``backend`` (None: the environment's, see
-    ``resolve_small_m_backend``); raises if the backend is "mma" but this machine cannot run it."""
-    backend = resolve_small_m_backend(backend)
-    if backend == "triton" or device.type != "cuda" or m > mma.AUTO_MAX_M or not mma.supported_problem(m, k):
-        return False
-    index = device.index if device.index is not None else (torch.cuda.current_device() if torch.cuda.is_available() else 0)
-    if mma.available(index):
-        return True
-    if backend == "mma":
-        raise RuntimeError(f"small-M backend 'mma' cannot run here: {mma.unavailable_reason(index)}; "
-                           f"pass small_m_backend='auto' or set {SMALL_M_ENV}=auto")
-    return False
 
 
 # ============================================================================ prepared weights
@@ -188,12 +155,12 @@ def fp4_matmul(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch
 
 def fp4_linear(x: torch.Tensor, weight: PreparedFP4Weight, bias: torch.Tensor | None = None, *,
                impl: str = "auto", out: torch.Tensor | None = None,
-               config: KernelConfig | fp4_wgmma.WgmmaConfig | None = None,
+               config: KernelConfig | fp4_wgmma.WgmmaConfig | fp4_wgmma_producer.ProducerConfig | None = None,
                small_m_backend: str | None = None, mma_rule: Callable[[int, int, int], mma.MmaConfig] | None = None,
                lora: mma.LoraEpilogue | None = None) -> torch.Tensor:
     """``x @ W.T (+ bias)`` for a ``prepare_fp4_weights`` result; the path ``NVFP4Linear`` uses.
     ``out``: optional bf16 ``[..., N]`` contiguous tensor to write into. ``config`` forces one launch of the
-    Triton kernel (``KernelConfig``) or the Gluon one (``fp4_wgmma.WgmmaConfig``) (benchmarks and tests).
+    Triton kernel (``KernelConfig``) or a Gluon one (``fp4_wgmma.WgmmaConfig``, ``fp4_wgmma_producer.ProducerConfig``).
     ``small_m_backend``: which kernel runs M <= 8 ("auto", "mma", "triton"; None: ``QERL_FP4_SMALL_M``,
     default "auto"). ``mma_rule``: the mma.sync kernel's launch shape as a function
     of ``(m, n, k)`` (None: ``pick_mma_config``). ``lora``: adapters the mma.sync kernel adds itself;
@@ -250,6 +217,16 @@ def dequantize_exact(weight: PreparedFP4Weight, unscale: bool = True) -> torch.T
                               BLOCK_N=block_n, BLOCK_K=block_k, UNSCALE=unscale,
                               INTERPRETED=_interpreted(out), num_warps=4)
     return out
+
+
+def planned_launch(m: int, weight: PreparedFP4Weight, device: torch.device, allow_cublas: bool = True):
+    """The launch ``fp4_linear`` gives ``m`` rows of x on ``device`` where the mma.sync kernel does not run them
+    (``launch_rule.plan_launch``: a Gluon kernel's config or a ``KernelConfig``); benchmarks read its path from it."""
+    n, k = weight.shape
+    gluon = os.environ.get(WGMMA_ENV, "1") != "0" and fp4_wgmma.available(device)
+    return plan_launch(m, n, k, _num_sms(device), gluon=gluon,
+                       producer_aligned=gluon and fp4_wgmma_producer.aligned(weight.words, weight.scales),
+                       allow_cublas=allow_cublas and not math.isnan(weight.inv_global_scale))
 
 
 # ============================================================================ validation
@@ -343,12 +320,14 @@ def _triton_linear(x: torch.Tensor, weight: PreparedFP4Weight, bias: torch.Tenso
         mma.mma_linear(x2, weight.words, weight.scales, weight.global_scale, bias_c, out,
                        mma_rule(m, n, k) if mma_rule is not None else None, lora=lora)
         return out.reshape(*lead, n)
-    if config is None and os.environ.get(WGMMA_ENV, "1") != "0" and fp4_wgmma.available(x2.device):
-        config = pick_wgmma_config(m, n, k, _num_sms(x.device))  # None: the Triton rule below
+    config = config or planned_launch(m, weight, x2.device, allow_cublas)
+    if isinstance(config, fp4_wgmma_producer.ProducerConfig):  # the producer-warp Gluon kernel (rule's or forced)
+        fp4_wgmma_producer.linear(x2, weight.words, weight.scales, weight.global_scale, bias, out, config)
+        return out.reshape(*lead, n)
     if isinstance(config, fp4_wgmma.WgmmaConfig):  # the Gluon kernel (the rule's or forced)
         fp4_wgmma.linear(x2, weight.words, weight.scales, weight.global_scale, bias, out, config, _reduce_splits)
         return out.reshape(*lead, n)
-    cfg = config or pick_config(m, n, k, _num_sms(x.device), allow_cublas and not math.isnan(weight.inv_global_scale))
+    cfg = config
     if cfg.cublas:
         w = dequantize_exact(weight, unscale=False)  # fp4 * s * 2^-8, exact
         # alpha = 2^8/gs is applied by cuBLAS in fp32 before the single bf16 rounding (beta = 0:

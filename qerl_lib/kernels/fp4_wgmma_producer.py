@@ -27,6 +27,10 @@ in flight are never rewritten), with the loads taken off the MMA warps by ``gl.w
    step before used. Then each stores its ``[64 outputs, block_m rows]`` from the accumulator registers:
    ``bf16(acc * 2^8 / gs)`` then ``+ bias``, the single rounding of ``nvfp4.reference_matmul``.
 
+Programs are persistent (one per SM at most): a program takes tiles ``pid, pid + grid, ...`` (rows of ``x``
+fastest), and the ring position runs on across them, so the producer loads a tile's first stages while the
+consumers finish and store the one before.
+
 The scale bytes thus reach the consumers through shared memory, not through registers loaded two steps
 ahead, and no thread of theirs issues a copy. What did not work (Triton 3.6, dev/LOG.md section 35): two
 consumer partitions of one warpgroup each, which would let one warpgroup run ahead of the other (Gluon's
@@ -36,8 +40,13 @@ register resources"; a wgmma in any worker partition gets it), and the kernel ra
 ``fp4_wgmma``. The loop's first two steps are peeled: a loop that might run no step makes ptxas serialize
 the wgmmas too (C7515).
 
-Where it stands: see dev/LOG.md section 35 (measured against bf16 cuBLAS, dequantize + cuBLAS and
-``fp4_wgmma``). Forward layout only (``x @ W.T``); K a multiple of 256; no K-slices (at training sizes the
+Where it stands (H100, dev/LOG.md section 35): the decode costs 3-10% over the MMAs alone, which keep close
+to cuBLAS's pace. With the per-call permute of ``x`` (one torch copy, 3-25% of a call: it grows with K), the
+kernel is faster than dequantize + cuBLAS on the gate/up shapes at M = 1024 (Qwen2.5-7B 1.10x, 32B 1.16x)
+and level to 1.13x at 2048, and slower from 4096 and on every other shape, so ``fp4_gemm.fp4_linear`` runs it
+only there (``launch_rule.pick_producer_config``). Against bf16: 0.82-1.0x at M = 1024 on gate/up. Decoding
+the weights byte by byte instead, so that ``x`` needs no permute, cost more than the permute saves except
+where N is small. Forward layout only (``x @ W.T``); K a multiple of 256; no K-slices (at training sizes the
 output tiles fill the GPU many times over). Gluon is experimental in Triton 3.6: this module imports
 without it (``available()`` is then False).
 """
@@ -85,22 +94,21 @@ class ProducerConfig:
     """One launch of ``_fp4_wgmma_producer_kernel``: ``block_m`` rows of x per program (128 or 256),
     ``stages`` K-steps in the shared-memory ring (2-8, within an SM's shared memory), and the registers a
     thread of the producer's warpgroup gets through ``setmaxnreg`` (``producer_registers``, a multiple of 8 in
-    24-80; the consumers get Triton's share of the rest: 232 at 40)."""
+    24-56; the consumers get Triton's share of the rest: 232 at 40, 224 at 56; from 64 on, ptxas serializes
+    the wgmmas for want of registers, its C7512)."""
 
     block_m: int = 256
     stages: int = 3
     producer_registers: int = 40
-    natural_k: bool = False
-    persistent: bool = True
 
     def __post_init__(self):
         if self.block_m not in BLOCK_MS:
             raise ValueError(f"ProducerConfig.block_m must be one of {BLOCK_MS}, got {self.block_m}")
         if not 2 <= self.stages <= 8:
             raise ValueError(f"ProducerConfig.stages must be 2..8, got {self.stages}")
-        if self.producer_registers % 8 or not 24 <= self.producer_registers <= 80:
-            raise ValueError(f"ProducerConfig.producer_registers must be a multiple of 8 in 24..80, "
-                             f"got {self.producer_registers}")
+        if self.producer_registers % 8 or not 24 <= self.producer_registers <= 56:
+            raise ValueError(f"ProducerConfig.producer_registers must be a multiple of 8 in 24..56 (more leaves the "
+                             f"consumers too few registers to keep a wgmma in flight), got {self.producer_registers}")
         need = shared_memory_bytes(self.block_m, self.stages)
         if need > SHARED_MEMORY_BYTES:
             raise ValueError(f"ProducerConfig{(self.block_m, self.stages)} needs {need // 1024} KB of shared memory "
@@ -142,7 +150,7 @@ def linear(x2: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, global_s
     if not supported_problem(k):
         raise ValueError(f"fp4_wgmma_producer: K must be a positive multiple of {16 * SCALE_BOX}, got {k}; "
                          "use fp4_gemm.fp4_linear instead")
-    xp = x2 if permuted or config.natural_k else permute_x(x2)
+    xp = x2 if permuted else permute_x(x2)
     if not aligned(xp, words, scales):
         raise ValueError("fp4_wgmma_producer: x, the words and the scales must start on 16 bytes with rows a multiple of 16 "
                          "bytes apart (TMA); use fp4_gemm.fp4_linear instead")
@@ -150,68 +158,15 @@ def linear(x2: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, global_s
     w_desc = TensorDescriptor(words, [n, k // 8], [words.stride(0), 1], [BLOCK_N, BLOCK_K // 8], W_SMEM_LAYOUT)
     s_desc = TensorDescriptor(scales, [n, k // 16], [scales.stride(0), 1], [BLOCK_N, SCALE_BOX], SCALES_SMEM_LAYOUT)
     tiles = triton.cdiv(m, config.block_m) * triton.cdiv(n, BLOCK_N)
-    grid = (min(tiles, _num_sms(x2.device)) if config.persistent else tiles,)
+    grid = (min(tiles, _num_sms(x2.device)),)  # persistent: one program per SM at most
     _fp4_wgmma_producer_kernel[grid](
         x_desc, w_desc, s_desc, global_scale, bias if bias is not None else out, out,
         m, n, k, out.stride(0), int(bias is not None),
-        BLOCK_M=config.block_m, STAGES=config.stages, PRODUCER_REGS=config.producer_registers,
-        NATURAL=config.natural_k, num_warps=8)
+        BLOCK_M=config.block_m, STAGES=config.stages, PRODUCER_REGS=config.producer_registers, num_warps=8)
 
 
 # ============================================================================ Gluon kernel
 if gluon is not None:
-
-    @gluon.constexpr_function
-    def _natural_layout(WG):
-        """[64 WG weight rows, 16 words, 4 bytes] of one K-step as the natural-order decode holds them: lane
-        ``4g + t`` of warp ``w`` holds byte ``t`` of all 16 words of rows ``16w + g`` and ``16w + g + 8``.
-        Registers run row + 8 first, then the word, so that the decoded pairs (one more register bit, lowest)
-        land in the wgmma A fragment's register order (k, row + 8, k + 8, k16 chunk)."""
-        return gl.DistributedLinearLayout(
-            reg_bases=[[8, 0, 0], [0, 1, 0], [0, 2, 0], [0, 4, 0], [0, 8, 0]],
-            lane_bases=[[0, 0, 1], [0, 0, 2], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
-            warp_bases=[[16 * 2**i, 0, 0] for i in range(2 + (WG >= 2) + (WG == 4))], block_bases=[],
-            shape=[64 * WG, 16, 4])
-
-    @gluon.constexpr_function
-    def _natural_scales_layout(WG):
-        """E4M3 scale bytes [64 WG, 8] of one K-step on the threads of ``_natural_layout`` (every byte on the
-        4 lanes of a row group), registers ordered so that duplicating each byte for the two words of its group
-        (``join``, the lowest bit) gives the words' order."""
-        return gl.DistributedLinearLayout(reg_bases=[[8, 0], [0, 1], [0, 2], [0, 4]],
-                                          lane_bases=[[0, 0], [0, 0], [1, 0], [2, 0], [4, 0]],
-                                          warp_bases=[[16 * 2**i, 0] for i in range(2 + (WG >= 2) + (WG == 4))],
-                                          block_bases=[], shape=[64 * WG, 8])
-
-    @gluon.jit
-    def _decode_natural(q, sb, BN: gl.constexpr, l3: gl.constexpr, a_layout: gl.constexpr):
-        """Words [BN, 16] (``SliceLayout(2, l3)``: every lane of a row group holds all of them) + scale bytes
-        [BN, 8] -> bf16 W' [BN, 128] in natural K order in the A-fragment layout: lane ``t`` of a quad decodes
-        byte ``t`` of each word, codes ``2t`` and ``2t + 1`` = K ``8 w + 2t`` and ``+ 1``, which is where the
-        fragment wants them. Per byte: one ``prmt`` copies it to bytes 0 and 2, the low nibble is placed in the
-        low bf16 half as ``code_pair_bits`` does for code 0, the high nibble in the high half as for code 1,
-        then one exact ``mul.rn.bf16x2`` by the scale."""
-        s = sb.to(gl.float8e4nv, bitcast=True).to(gl.float32) * 2.0**118  # exact, subnormal scales too
-        sv = s.to(gl.bfloat16).to(gl.uint16, bitcast=True).to(gl.uint32)
-        sv = sv | (sv << 16)
-        sw = gl.convert_layout(gl.reshape(gl.join(sv, sv), [BN, 16]), gl.SliceLayout(2, l3), assert_trivial=True)
-        t = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(0, l3)))
-        sel = gl.expand_dims(gl.expand_dims(t | 0x40 | (t << 8) | 0x4000, 0), 0)  # prmt: byte t to bytes 0, 2
-        q3, sel3 = gl.broadcast(gl.expand_dims(q, 2), sel)
-        sw3, _ = gl.broadcast(gl.expand_dims(sw, 2), sel)
-        p = gl.inline_asm_elementwise(
-            """{ .reg .b32 d, lo, hi;
-            prmt.b32 d, $1, 0, $2;
-            and.b32 lo, d, 0xF;
-            and.b32 hi, d, 0xF00000;
-            mul.lo.u32 lo, lo, 4160;
-            mad.lo.u32 d, hi, 260, lo;
-            and.b32 d, d, 0x81C081C0;
-            mul.rn.bf16x2 $0, d, $3; }""",
-            "=r,r,r,r", [q3, sel3, sw3], dtype=gl.uint32, is_pure=True, pack=1)
-        w = gl.join((p & 0xFFFF).to(gl.uint16), (p >> 16).to(gl.uint16))  # [BN, 16 words, 4 bytes, 2 codes]
-        w = gl.reshape(w, [BN, 128])  # K = 8 word + 2 byte + code
-        return gl.convert_layout(w.to(gl.bfloat16, bitcast=True), a_layout, assert_trivial=True)
 
     @gluon.jit
     def _producer(x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, ready, empty, tiles_m, num_tiles, k_steps):
@@ -236,8 +191,7 @@ if gluon is not None:
 
     @gluon.jit
     def _consume_step(x_smem, w_smem, s_smem, ready, empty, acc, a_prev, c, FIRST: gl.constexpr, ODD: gl.constexpr,
-                      BN: gl.constexpr, wl: gl.constexpr, sl: gl.constexpr, a_l: gl.constexpr,
-                      NATURAL: gl.constexpr, l3: gl.constexpr):
+                      BN: gl.constexpr, wl: gl.constexpr, sl: gl.constexpr, a_l: gl.constexpr):
         """The program's K-step ``c`` (``FIRST``: the first of its tile; ``ODD``: an odd step of the tile, whose
         scales are the second half of the stage's box): wait for the stage, decode (while the step before's
         MMAs run), issue the MMAs, wait until only they are in flight, then free the step before's stage (of
@@ -247,10 +201,7 @@ if gluon is not None:
         mbarrier.wait(ready.index(s), (c // STAGES) & 1)
         q = w_smem.index(s).load(wl).to(gl.uint32, bitcast=True)
         sb = s_smem.index(s).slice(8 * ODD, 8, dim=1).load(sl)
-        if NATURAL:
-            a = _decode_natural(q, sb, BN, l3, a_l)
-        else:
-            a = _decode(q, sb, BN, a_l)
+        a = _decode(q, sb, BN, a_l)
         acc = warpgroup_mma(a, x_smem.index(s).permute((1, 0)), acc, use_acc=not FIRST, is_async=True)
         acc, a_prev = warpgroup_mma_wait(num_outstanding=1, deps=(acc, a_prev))
         if not FIRST:
@@ -259,15 +210,13 @@ if gluon is not None:
 
     @gluon.jit
     def _consumers(x_smem, w_smem, s_smem, ready, empty, gs_ptr, bias_ptr, out_ptr, M, N, stride_om,
-                   tiles_m, num_tiles, k_steps, has_bias, BLOCK_M: gl.constexpr, WG: gl.constexpr,
-                   NATURAL: gl.constexpr):
+                   tiles_m, num_tiles, k_steps, has_bias, BLOCK_M: gl.constexpr, WG: gl.constexpr):
         """The default partition, ``WG`` warpgroups of 64 weight rows each, over the program's tiles (module
         docstring)."""
         STAGES: gl.constexpr = x_smem.type.shape[0]
         BN: gl.constexpr = 64 * WG
-        l3: gl.constexpr = _natural_layout(WG)
-        wl: gl.constexpr = gl.SliceLayout(2, l3) if NATURAL else _words_layout(WG)
-        sl: gl.constexpr = _natural_scales_layout(WG) if NATURAL else _scales_layout(WG)
+        wl: gl.constexpr = _words_layout(WG)
+        sl: gl.constexpr = _scales_layout(WG)
         mma_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4 * WG, 1],
                                                         instr_shape=[16, BLOCK_M, 16])
         a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_l, k_width=2)
@@ -280,15 +229,15 @@ if gluon is not None:
             # unrolled by two: the A registers of the MMAs in flight are never rewritten (fp4_wgmma, point 3), and
             # each step's half of the scale box is a constant. Steps 0 and 1 peeled (K >= 256): a loop that might
             # run no step makes ptxas serialize every wgmma (C7515).
-            acc, a_even = _consume_step(x_smem, w_smem, s_smem, ready, empty, acc, a_odd, c, True, 0, BN, wl, sl,
-                                        a_l, NATURAL, l3)
-            acc, a_odd = _consume_step(x_smem, w_smem, s_smem, ready, empty, acc, a_even, c + 1, False, 1, BN, wl,
-                                       sl, a_l, NATURAL, l3)
+            acc, a_even = _consume_step(x_smem, w_smem, s_smem, ready, empty, acc, a_odd, c, True, 0,
+                                        BN, wl, sl, a_l)
+            acc, a_odd = _consume_step(x_smem, w_smem, s_smem, ready, empty, acc, a_even, c + 1, False, 1,
+                                       BN, wl, sl, a_l)
             for i in range(2, k_steps, 2):  # K % 256 == 0: an even number of steps
-                acc, a_even = _consume_step(x_smem, w_smem, s_smem, ready, empty, acc, a_odd, c + i, False, 0, BN,
-                                            wl, sl, a_l, NATURAL, l3)
+                acc, a_even = _consume_step(x_smem, w_smem, s_smem, ready, empty, acc, a_odd, c + i, False, 0,
+                                            BN, wl, sl, a_l)
                 acc, a_odd = _consume_step(x_smem, w_smem, s_smem, ready, empty, acc, a_even, c + i + 1, False, 1,
-                                           BN, wl, sl, a_l, NATURAL, l3)
+                                           BN, wl, sl, a_l)
             acc, a_odd = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a_odd))
             c += k_steps
             mbarrier.arrive(empty.index((c + STAGES - 1) % STAGES))  # the tile's last stage
@@ -304,8 +253,7 @@ if gluon is not None:
 
     @gluon.jit
     def _fp4_wgmma_producer_kernel(x_desc, w_desc, s_desc, gs_ptr, bias_ptr, out_ptr, M, N, K, stride_om, has_bias,
-                                   BLOCK_M: gl.constexpr, STAGES: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                                   NATURAL: gl.constexpr):
+                                   BLOCK_M: gl.constexpr, STAGES: gl.constexpr, PRODUCER_REGS: gl.constexpr):
         """[128 weight rows, BLOCK_M rows of x] output tiles over all of K, tile ``t`` of the grid's stride
         (rows of x fastest; module docstring)."""
         WG: gl.constexpr = 2
@@ -323,6 +271,6 @@ if gluon is not None:
         fence_async_shared()
         gl.warp_specialize([
             (_consumers, (x_smem, w_smem, s_smem, ready, empty, gs_ptr, bias_ptr, out_ptr, M, N, stride_om,
-                          tiles_m, num_tiles, k_steps, has_bias, BLOCK_M, WG, NATURAL)),
+                          tiles_m, num_tiles, k_steps, has_bias, BLOCK_M, WG)),
             (_producer, (x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, ready, empty, tiles_m, num_tiles, k_steps)),
         ], [1], [PRODUCER_REGS])

@@ -1,10 +1,12 @@
-"""Which launch of the fused NVFP4 GEMM runs a given problem: ``KernelConfig`` and ``pick_config``.
+"""Which kernel and launch of the NVFP4 GEMM runs a given problem (``fp4_gemm.fp4_linear``'s dispatch).
 
-The choice is a fixed rule, not autotuning, so the same problem always runs the same kernel and
-gives the same bits. The rule and its thresholds come from GPU sweeps on an H100 and an H200
-(``dev/sweeps/fp4_kernel_sweep*.py``; results and reasoning in dev/LOG.md): small M is
-memory-bound and wants enough programs in flight (K-splits) without overflowing one wave; large M
-is compute-bound and goes to cuBLAS after one exact dequantization pass.
+The choice is a fixed rule, not autotuning, so the same problem always runs the same kernel and gives the
+same bits. The rules and their thresholds come from GPU sweeps on an H100 and an H200 (``dev/sweeps/``;
+results and reasoning in dev/LOG.md): the decode step (M <= 8) runs the mma.sync kernel where it can
+(``uses_mma``); at 25-128 rows the Gluon kernel (``pick_wgmma_config``), on the wide gate/up shapes at
+1024-2048 rows the producer-warp Gluon kernel (``pick_producer_config``); everything else the Triton kernel,
+whose small-M launches want enough programs in flight (K-splits) without overflowing one wave, or from 193
+rows one exact dequantization pass and cuBLAS (``pick_config``). ``plan_launch`` chains the last three.
 """
 
 from __future__ import annotations
@@ -13,7 +15,11 @@ import math
 import os
 from dataclasses import dataclass
 
+import torch
+
+from qerl_lib.kernels import fp4_wgmma_producer, mma
 from qerl_lib.kernels.fp4_wgmma import WgmmaConfig, supported_problem
+from qerl_lib.kernels.fp4_wgmma_producer import ProducerConfig
 
 
 @dataclass(frozen=True)
@@ -50,6 +56,38 @@ class KernelConfig:
             raise ValueError("KernelConfig.split_k must be >= 1")
         if self.fragment and not (self.swap_ab and self.block_k == 128 and self.num_warps == 4 and self.block_m <= 64):
             raise ValueError("KernelConfig.fragment needs swap_ab, block_k=128, num_warps=4 and block_m <= 64")
+
+
+SMALL_M_BACKENDS = ("auto", "mma", "triton")  # the kernels that may run the decode step (M <= 8)
+SMALL_M_ENV = "QERL_FP4_SMALL_M"  # the user's switch, read when no backend is passed
+
+
+def resolve_small_m_backend(name: str | None = None) -> str:
+    """The small-M backend a call uses: ``name`` if given, else the environment variable
+    ``QERL_FP4_SMALL_M`` as it is now (default ``"auto"``). ``"mma"``: the CUDA mma.sync kernel of
+    ``kernels/mma.py`` (error if this machine cannot run it); ``"triton"``: this module's Triton
+    kernel; ``"auto"``: mma where available, else Triton."""
+    value = os.environ.get(SMALL_M_ENV, "auto") if name is None else name
+    if value not in SMALL_M_BACKENDS:
+        what = SMALL_M_ENV if name is None else "small-M backend"
+        raise ValueError(f"{what} must be one of {SMALL_M_BACKENDS}, got {value!r}")
+    return value
+
+
+def uses_mma(m: int, k: int, device: torch.device, backend: str | None = None) -> bool:
+    """Whether an ``fp4_linear`` call with ``m`` rows, reduction ``k`` on ``device`` (and no Triton
+    ``config``) runs the mma.sync kernel under small-M ``backend`` (None: the environment's, see
+    ``resolve_small_m_backend``); raises if the backend is "mma" but this machine cannot run it."""
+    backend = resolve_small_m_backend(backend)
+    if backend == "triton" or device.type != "cuda" or m > mma.AUTO_MAX_M or not mma.supported_problem(m, k):
+        return False
+    index = device.index if device.index is not None else (torch.cuda.current_device() if torch.cuda.is_available() else 0)
+    if mma.available(index):
+        return True
+    if backend == "mma":
+        raise RuntimeError(f"small-M backend 'mma' cannot run here: {mma.unavailable_reason(index)}; "
+                           f"pass small_m_backend='auto' or set {SMALL_M_ENV}=auto")
+    return False
 
 
 # M from which the prepared path dequantizes once and calls cuBLAS (None: never); see pick_config.
@@ -132,3 +170,43 @@ def k_splits(tiles: int, k_iters: int, num_sms: int, programs_per_sm: int = 4) -
         return 1
     split = max(1, min(math.ceil(programs_per_sm * num_sms / tiles), max(1, k_iters // 2)))
     return math.ceil(k_iters / math.ceil(k_iters / split))
+
+
+# The producer-warp kernel (kernels/fp4_wgmma_producer.py) where it measured faster than dequantize + cuBLAS,
+# permute of x included (H100, dev/LOG.md section 35: Qwen2.5-7B/32B gate/up at M = 1024 1.10x / 1.16x, at 2048
+# 1.0-1.13x; from M = 4096 and on the narrower shapes (down, q/k/v, o) it was slower at every M measured).
+PRODUCER_M_RANGE = (1024, 2048)
+PRODUCER_MIN_N = 16384
+PRODUCER_ENV = "QERL_FP4_PRODUCER"  # "0": never pick it (read at each call; default "1")
+
+
+def pick_producer_config(m: int, n: int, k: int) -> ProducerConfig | None:
+    """The producer kernel's launch for an ``[m, k] x [k, n]`` problem where the rule picks it (the measured
+    range ``PRODUCER_M_RANGE`` of M, N >= ``PRODUCER_MIN_N``, K a multiple of 256), else None: the default
+    ``ProducerConfig`` (256 rows of x, 3 stages). ``QERL_FP4_PRODUCER=0`` turns it off."""
+    lo, hi = PRODUCER_M_RANGE
+    if os.environ.get(PRODUCER_ENV, "1") == "0" or not lo <= m <= hi or n < PRODUCER_MIN_N:
+        return None
+    return ProducerConfig() if fp4_wgmma_producer.supported_problem(k) else None
+
+
+def plan_launch(m: int, n: int, k: int, num_sms: int = 132, *, gluon: bool = False, producer_aligned: bool = False,
+                allow_cublas: bool = True) -> ProducerConfig | WgmmaConfig | KernelConfig:
+    """The launch ``fp4_gemm`` gives an ``[m, k] x [k, n]`` problem that its mma.sync kernel does not take: the
+    producer kernel's or the Gluon kernel's config where ``gluon`` (they can run here and are not turned off) and
+    their rules pick them (the producer kernel only where ``producer_aligned``: its weights meet TMA's alignment),
+    else ``pick_config``'s."""
+    if gluon:
+        config = (producer_aligned and pick_producer_config(m, n, k)) or pick_wgmma_config(m, n, k, num_sms)
+        if config is not None:
+            return config
+    return pick_config(m, n, k, num_sms, allow_cublas)
+
+
+def path_name(config: ProducerConfig | WgmmaConfig | KernelConfig) -> str:
+    """A launch's kernel as benchmarks label it."""
+    if isinstance(config, ProducerConfig):
+        return "gluon-producer"
+    if isinstance(config, WgmmaConfig):
+        return "gluon-wgmma"
+    return "dequant+cublas" if config.cublas else ("fused-fragment" if config.fragment else "fused")

@@ -1,0 +1,183 @@
+"""The register-A NVFP4 GEMM with a producer warp (qerl_lib/kernels/fp4_wgmma_producer.py) and its launch rule.
+
+Without a GPU: the launch configuration's checks, which problems and tensors the kernel takes, where the rule
+picks it, and, where Triton's Gluon and ptxas are installed, an offline compile for sm_90a: no spills, and no
+ptxas warning that it serialized the wgmmas (C75xx: the kernel's design depends on one wgmma in flight while
+the next step decodes, and a too-tight register budget or a wgmma in a worker partition silently loses it). On
+a Hopper GPU the kernel runs against the plain-torch oracle and against ``fp4_wgmma`` (the same per-warpgroup
+instructions: the same bits), and ``fp4_linear`` is checked to route the rule's problems to it.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+
+import pytest
+import torch
+
+from qerl_lib.kernels import fp4_wgmma_producer as pc
+from qerl_lib.kernels.fp4_wgmma_producer import ProducerConfig
+from qerl_lib.kernels.launch_rule import PRODUCER_ENV, pick_producer_config
+from qerl_lib.quant.nvfp4 import quantize, reference_matmul
+from tests.conftest import sm90_ptxas
+
+HAS_PC = pc.available()
+
+
+# ============================================================================ configuration and rule
+def test_config_rejects_bad_values_with_a_clear_message():
+    with pytest.raises(ValueError, match="block_m must be one of"):
+        ProducerConfig(block_m=64)
+    with pytest.raises(ValueError, match="stages must be 2..8"):
+        ProducerConfig(stages=1)
+    with pytest.raises(ValueError, match="producer_registers must be a multiple of 8 in 24..56"):
+        ProducerConfig(producer_registers=64)  # the consumers' 216 registers: ptxas serializes the wgmmas (C7512)
+    with pytest.raises(ValueError, match="shared memory .* use fewer stages"):
+        ProducerConfig(256, 4)  # 4 x (64 + 8 + 2) KB > 227 KB
+    assert ProducerConfig(128, 5).stages == 5
+
+
+def test_shared_memory_bytes_counts_x_words_scale_boxes_and_barriers():
+    # per stage: x 256 x 128 bf16 (64 KB), words 128 x 16 int32 (8 KB), scale box 128 x 16 bytes (2 KB), 2 mbarriers
+    assert pc.shared_memory_bytes(256, 3) == 3 * (65536 + 8192 + 2048 + 16)
+    assert pc.shared_memory_bytes(256, 3) <= pc.SHARED_MEMORY_BYTES < pc.shared_memory_bytes(256, 4)
+
+
+@pytest.mark.parametrize("k, ok", [(3584, True), (18944, True), (256, True), (128, False), (3712, False), (0, False)])
+def test_supported_problem_needs_k_in_whole_256s(k, ok):
+    assert pc.supported_problem(k) is ok
+
+
+def test_aligned_wants_16_byte_starts_and_row_strides():
+    t = torch.zeros(64, 64, dtype=torch.uint8)
+    assert pc.aligned(t, t[16:], t.view(torch.int32))
+    assert not pc.aligned(t[:, 1:])
+    assert not pc.aligned(torch.zeros(64, 40, dtype=torch.uint8)[:, :16])
+
+
+@pytest.mark.parametrize("m, n, k, picked", [
+    (1024, 37888, 3584, True), (2048, 55296, 5120, True),  # the gate/up shapes where it measured faster
+    (1023, 37888, 3584, False), (4096, 37888, 3584, False),  # outside the measured M range
+    (1024, 3584, 18944, False), (1024, 4608, 3584, False),  # down, q/k/v: dequantize + cuBLAS was faster
+    (1024, 37888, 3712, False)])  # K not in whole 256s
+def test_rule_picks_the_kernel_only_where_it_measured_faster(m, n, k, picked):
+    assert (pick_producer_config(m, n, k) == ProducerConfig()) is picked
+    assert picked or pick_producer_config(m, n, k) is None
+
+
+def test_rule_can_be_turned_off(monkeypatch):
+    monkeypatch.setenv(PRODUCER_ENV, "0")
+    assert pick_producer_config(1024, 37888, 3584) is None
+    monkeypatch.setenv(PRODUCER_ENV, "1")
+    assert pick_producer_config(1024, 37888, 3584) is not None
+
+
+# ============================================================================ offline compile (no GPU)
+@pytest.mark.skipif(pc.gluon is None or sm90_ptxas() is None,
+                    reason="needs Triton's Gluon and its bundled ptxas to compile for sm_90a offline")
+@pytest.mark.parametrize("block_m, stages, producer_registers", [(256, 3, 40), (128, 4, 40), (256, 3, 56), (256, 2, 24)])
+def test_offline_compile_keeps_one_wgmma_in_flight(tmp_path, block_m, stages, producer_registers):
+    """sm_90a, as the launch compiles it: no spills, no C75xx 'wgmma serialized' warning, waits that leave one
+    wgmma group in flight, four TMA copies per step in the producer, and register budgets set per partition."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    names = ["x_desc", "w_desc", "s_desc", "gs_ptr", "bias_ptr", "out_ptr", "M", "N", "K", "stride_om", "has_bias"]
+    types = [f"tensordesc<bf16[{block_m}, 128],{pc.X_SMEM_LAYOUT!r}>",
+             f"tensordesc<i32[{pc.BLOCK_N}, 16],{pc.W_SMEM_LAYOUT!r}>",
+             f"tensordesc<u8[{pc.BLOCK_N}, {pc.SCALE_BOX}],{pc.SCALES_SMEM_LAYOUT!r}>",
+             "*fp32", "*bf16", "*bf16"] + ["i32"] * 5
+    consts = {"BLOCK_M": block_m, "STAGES": stages, "PRODUCER_REGS": ProducerConfig(block_m, stages, producer_registers)
+              .producer_registers}
+    signature = {**dict(zip(names, types)), **{c: "constexpr" for c in consts}}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n.endswith("_ptr") or n in
+             ("N", "K", "stride_om")}
+    src = GluonASTSource(pc._fp4_wgmma_producer_kernel, signature, consts, attrs)
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8}).asm["ptx"]
+    assert "wgmma.wait_group.sync.aligned 1;" in ptx
+    # per step: x in two 64-column halves (the 128-byte swizzle's width), the words, the scale box
+    assert len(re.findall(r"cp\.async\.bulk\.tensor\.2d", ptx)) == 4
+    assert re.search(rf"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+{producer_registers};", ptx)  # the producer's
+    (tmp_path / "k.ptx").write_text(ptx)
+    res = subprocess.run([sm90_ptxas(), "-arch=sm_90a", "-v", str(tmp_path / "k.ptx"), "-o", str(tmp_path / "k.cubin")],
+                         capture_output=True, text=True, check=True)
+    log = res.stderr + res.stdout
+    assert " 0 bytes spill stores" in log
+    assert not re.search(r"C75\d\d", log), log  # e.g. C7512 / C7515: wgmma.mma_async instructions are serialized
+
+
+# ============================================================================ CUDA
+def _weights(n, k, seed):
+    from qerl_lib.kernels.fp4_gemm import prepare_fp4_weights
+
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = quantize((torch.randn(n, k, device="cuda", generator=g) * 0.02).to(torch.bfloat16))
+    return q, prepare_fp4_weights(q.weight_packed, q.weight_scale, q.weight_global_scale), g
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_PC, reason="needs a Hopper GPU (sm_90) and Triton's Gluon")
+@pytest.mark.parametrize("m, n, k", [(1, 128, 256), (77, 320, 512), (129, 1000, 1024), (300, 4608, 3584),
+                                     (257, 3584, 18944), (513, 200, 768), (1024, 512, 3584)])
+@pytest.mark.parametrize("cfg", [ProducerConfig(), ProducerConfig(256, 2), ProducerConfig(128, 4),
+                                 ProducerConfig(128, 2, 56)], ids=lambda c: f"m{c.block_m}st{c.stages}r{c.producer_registers}")
+def test_cuda_kernel_matches_the_oracle_and_fp4_wgmma(m, n, k, cfg):
+    """With and without bias: against ``reference_matmul`` at mean relative error < 1e-3 (fp32 sums in another
+    order, one bf16 rounding), every output written (NaN-poisoned), the same bits twice, and the same bits as
+    ``fp4_wgmma`` with 256 rows and two warpgroups (each warpgroup runs the same instructions on the same data)."""
+    from qerl_lib.kernels.fp4_gemm import fp4_linear
+    from qerl_lib.kernels.fp4_wgmma import WgmmaConfig
+
+    q, w, g = _weights(n, k, seed=m + n + k)
+    x = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
+    bias = torch.randn(n, device="cuda", generator=g).to(torch.bfloat16)
+    for b in (None, bias):
+        ref = reference_matmul(x, q, b)
+        outs = []
+        for _ in range(2):
+            out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+            pc.linear(x, w.words, w.scales, w.global_scale, b, out, cfg)
+            outs.append(out)
+        wg = fp4_linear(x, w, b, config=WgmmaConfig(256, 2, 1, 3))
+        torch.cuda.synchronize()
+        assert not torch.isnan(outs[0]).any()
+        rel = float((outs[0].float() - ref.float()).abs().mean() / ref.float().abs().mean())
+        assert rel < 1e-3, rel
+        assert torch.equal(outs[0], outs[1])
+        assert torch.equal(outs[0], wg)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_PC, reason="needs a Hopper GPU (sm_90) and Triton's Gluon")
+def test_cuda_fp4_linear_routes_the_rules_problems_to_the_kernel(monkeypatch):
+    """A gate/up-shaped call at M = 1024 gives the kernel's bits through ``fp4_linear``; with the rule turned off
+    it gives the dequantize + cuBLAS path's (same values to ~1e-6, other summation order)."""
+    from qerl_lib.kernels.fp4_gemm import fp4_linear
+
+    q, w, g = _weights(16384, 512, seed=5)
+    x = torch.randn(4, 256, 512, device="cuda", generator=g).to(torch.bfloat16)  # 1024 rows in a 3-D batch
+    direct = torch.empty(1024, 16384, dtype=torch.bfloat16, device="cuda")
+    pc.linear(x.reshape(1024, 512), w.words, w.scales, w.global_scale, None, direct)
+    routed = fp4_linear(x, w)
+    assert routed.shape == (4, 256, 16384)
+    assert torch.equal(routed.reshape(1024, 16384), direct)
+    monkeypatch.setenv(PRODUCER_ENV, "0")
+    other = fp4_linear(x, w)
+    rel = float((other.float() - routed.float()).abs().mean() / routed.float().abs().mean())
+    assert rel < 1e-3
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_PC, reason="needs a Hopper GPU (sm_90) and Triton's Gluon")
+def test_cuda_linear_refuses_what_it_cannot_run():
+    q, w, g = _weights(256, 512, seed=1)
+    out = torch.empty(8, 256, dtype=torch.bfloat16, device="cuda")
+    with pytest.raises(ValueError, match="K must be a positive multiple of 256"):
+        q2, w2, _ = _weights(256, 384, seed=2)
+        pc.linear(torch.zeros(8, 384, dtype=torch.bfloat16, device="cuda"), w2.words, w2.scales, w2.global_scale,
+                  None, out)
+    scales = torch.zeros(256, 48, dtype=torch.uint8, device="cuda")[:, 8:40]  # starts 8 bytes into each row
+    with pytest.raises(ValueError, match="must start on 16 bytes"):
+        pc.linear(torch.zeros(8, 512, dtype=torch.bfloat16, device="cuda"), w.words, scales, w.global_scale, None, out)
