@@ -226,7 +226,8 @@ def test_summarize_keeps_the_forward_meaning_and_adds_the_backward_minimum():
     assert not s["all_ok"] and s["max_rel_err"] == 0.5  # correctness covers the bwd rows too
 
 
-@pytest.mark.parametrize("path, has_bwd", [("dev/runs/gemm_h100_v3.json", False), ("results/gemm_h100_v4.json", True)])
+@pytest.mark.parametrize("path, has_bwd", [("dev/runs/gemm_h100_v3.json", False), ("dev/runs/gemm_h100_v4.json", True),
+                                           ("results/gemm_h100_v5.json", True)])
 def test_summarize_of_the_committed_results_is_unchanged(path, has_bwd):
     """A forward-only record (rows without ``direction``) and one with both layouts re-summarize to
     what ``bench gemm`` stored when it ran."""

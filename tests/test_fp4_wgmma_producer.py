@@ -76,7 +76,8 @@ def test_rule_can_be_turned_off(monkeypatch):
 # ============================================================================ offline compile (no GPU)
 @pytest.mark.skipif(pc.gluon is None or sm90_ptxas() is None,
                     reason="needs Triton's Gluon and its bundled ptxas to compile for sm_90a offline")
-@pytest.mark.parametrize("block_m, stages, producer_registers", [(256, 3, 40), (128, 4, 40), (256, 3, 56), (256, 2, 24)])
+@pytest.mark.parametrize("block_m, stages, producer_registers",
+                         [(256, 3, 40), (128, 4, 40), (256, 3, 56), (256, 2, 24)])
 def test_offline_compile_keeps_one_wgmma_in_flight(tmp_path, block_m, stages, producer_registers):
     """sm_90a, as the launch compiles it: no spills, no C75xx 'wgmma serialized' warning, waits that leave one
     wgmma group in flight, four TMA copies per step in the producer, and register budgets set per partition."""
@@ -122,7 +123,8 @@ def _weights(n, k, seed):
 @pytest.mark.parametrize("m, n, k", [(1, 128, 256), (77, 320, 512), (129, 1000, 1024), (300, 4608, 3584),
                                      (257, 3584, 18944), (513, 200, 768), (1024, 512, 3584)])
 @pytest.mark.parametrize("cfg", [ProducerConfig(), ProducerConfig(256, 2), ProducerConfig(128, 4),
-                                 ProducerConfig(128, 2, 56)], ids=lambda c: f"m{c.block_m}st{c.stages}r{c.producer_registers}")
+                                 ProducerConfig(128, 2, 56)],
+                         ids=lambda c: f"m{c.block_m}st{c.stages}r{c.producer_registers}")
 def test_cuda_kernel_matches_the_oracle_and_fp4_wgmma(m, n, k, cfg):
     """With and without bias: against ``reference_matmul`` at mean relative error < 1e-3 (fp32 sums in another
     order, one bf16 rounding), every output written (NaN-poisoned), the same bits twice, and the same bits as

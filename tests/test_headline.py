@@ -58,7 +58,7 @@ def _edit(path: Path, change) -> None:
 
 @pytest.mark.parametrize("file, change, expected", [
     ("rollout_h200_final.json", lambda d: [r.pop("tok_s") for r in d["rows"]], "['rows'][0]['tok_s']"),
-    ("gemm_h100_v4.json", lambda d: d.pop("ceiling"), "missing field ['ceiling']"),
+    ("gemm_h100_v5.json", lambda d: d.pop("ceiling"), "missing field ['ceiling']"),
     ("entropy_study_cuda.json", lambda d: d["formats"]["nvfp4"]["diff_vs_bf16"].pop("entropy_gold"),
      "['entropy_gold']"),
     ("rollout_h100.json", lambda d: [p["device"].pop("name") for p in d["provenance"]], "['device']['name']"),

@@ -27,12 +27,12 @@ in flight are never rewritten), with the loads taken off the MMA warps by ``gl.w
    step before used. Then each stores its ``[64 outputs, block_m rows]`` from the accumulator registers:
    ``bf16(acc * 2^8 / gs)`` then ``+ bias``, the single rounding of ``nvfp4.reference_matmul``.
 
-Programs are persistent (one per SM at most): a program takes tiles ``pid, pid + grid, ...`` (rows of ``x``
-fastest), and the ring position runs on across them, so the producer loads a tile's first stages while the
-consumers finish and store the one before.
-
 The scale bytes thus reach the consumers through shared memory, not through registers loaded two steps
-ahead, and no thread of theirs issues a copy. What did not work (Triton 3.6, dev/LOG.md section 35): two
+ahead, and no thread of theirs issues a copy. Programs are persistent (one per SM at most): a program takes
+tiles ``pid, pid + grid, ...`` (rows of ``x`` fastest), and the ring position runs on across them, so the
+producer loads a tile's first stages while the consumers finish and store the one before.
+
+What did not work (Triton 3.6, dev/LOG.md section 35): two
 consumer partitions of one warpgroup each, which would let one warpgroup run ahead of the other (Gluon's
 ``mbarrier.arrive`` is a barrier of the whole partition plus one thread's arrive, so the two warpgroups of
 one partition still meet once a step). ptxas then serializes every wgmma of both (its C7512, "insufficient
@@ -44,7 +44,8 @@ Where it stands (H100, dev/LOG.md section 35): the decode costs 3-10% over the M
 to cuBLAS's pace. With the per-call permute of ``x`` (one torch copy, 3-25% of a call: it grows with K), the
 kernel is faster than dequantize + cuBLAS on the gate/up shapes at M = 1024 (Qwen2.5-7B 1.10x, 32B 1.16x)
 and level to 1.13x at 2048, and slower from 4096 and on every other shape, so ``fp4_gemm.fp4_linear`` runs it
-only there (``launch_rule.pick_producer_config``). Against bf16: 0.82-1.0x at M = 1024 on gate/up. Decoding
+only there (``launch_rule.pick_producer_config``). Against bf16 at M = 1024 on the gate/up shapes: 0.82-1.0x in
+the sweep, 0.77-0.90x in ``qerl bench gemm`` (``results/gemm_h100_v5.json``). Decoding
 the weights byte by byte instead, so that ``x`` needs no permute, cost more than the permute saves except
 where N is small. Forward layout only (``x @ W.T``); K a multiple of 256; no K-slices (at training sizes the
 output tiles fill the GPU many times over). Gluon is experimental in Triton 3.6: this module imports
@@ -78,8 +79,6 @@ BLOCK_K = 128  # one K-step: 16 int32 words and 8 scale bytes per weight row, 12
 BLOCK_N = 128  # weight rows (outputs) per program: two consumers of 64
 BLOCK_MS = (128, 256)  # rows of x per program (the wgmma N)
 SHARED_MEMORY_BYTES = 227 * 1024
-
-
 SCALE_BOX = 16  # scale bytes per weight row in one TMA box: two K-steps' (TMA's narrowest box, 16-byte aligned)
 
 
@@ -152,8 +151,8 @@ def linear(x2: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, global_s
                          "use fp4_gemm.fp4_linear instead")
     xp = x2 if permuted else permute_x(x2)
     if not aligned(xp, words, scales):
-        raise ValueError("fp4_wgmma_producer: x, the words and the scales must start on 16 bytes with rows a multiple of 16 "
-                         "bytes apart (TMA); use fp4_gemm.fp4_linear instead")
+        raise ValueError("fp4_wgmma_producer: x, the words and the scales must start on 16 bytes with rows a multiple "
+                         "of 16 bytes apart (TMA); use fp4_gemm.fp4_linear instead")
     x_desc = TensorDescriptor(xp, [m, k], [xp.stride(0), 1], [config.block_m, BLOCK_K], X_SMEM_LAYOUT)
     w_desc = TensorDescriptor(words, [n, k // 8], [words.stride(0), 1], [BLOCK_N, BLOCK_K // 8], W_SMEM_LAYOUT)
     s_desc = TensorDescriptor(scales, [n, k // 16], [scales.stride(0), 1], [BLOCK_N, SCALE_BOX], SCALES_SMEM_LAYOUT)

@@ -32,11 +32,12 @@ from qerl_lib.studies.kernel import gemm_headline
 
 # What each entry of results/ holds (results/README.md's "what" column; a test keeps this list and the folder equal).
 RESULT_FILES = {
-    "gemm_h100_v4.json": "NVFP4 x BF16 GEMM vs cuBLAS bf16 on every Qwen2.5-7B/32B projection shape, M = 1...4096, "
+    "gemm_h100_v5.json": "NVFP4 x BF16 GEMM vs cuBLAS bf16 on every Qwen2.5-7B/32B projection shape, M = 1...4096, "
                          "forward (x @ W^T) and backward (dy @ W) layouts (`path`: the CUDA mma.sync kernel at M <= 8, "
-                         "Triton's fragment kernel up to 192, dequantize + cuBLAS above and for the backward layout); "
-                         "every output checked against the oracle. Notebook 03; `figures/03_gemm_speedup.png`, "
-                         "`figures/03_gemm_bandwidth.png`",
+                         "the Gluon kernel at 25-128 rows, the producer-warp Gluon kernel on the gate/up shapes at "
+                         "M = 1024, Triton's fragment kernel at the other small sizes, dequantize + cuBLAS elsewhere "
+                         "and for the backward layout); every output checked against the oracle. Notebook 03; "
+                         "`figures/03_gemm_speedup.png`, `figures/03_gemm_bandwidth.png`",
     "rollout_h100.json": "rollout engine: engine vs `transformers.generate` (SmolLM2 bf16, batch 64, "
                          "256 + 512 tokens); bf16 vs NVFP4 on Qwen2.5-7B/32B shapes (batch 8, 256 + 2048 tokens); 7B at "
                          "LoRA rank 0/16/64 with the engine's LoRA kernels (`kernels/lora.py`, four runs merged). "
@@ -185,7 +186,7 @@ BATCH8 = dict(batch=8, prompt_len=256, gen_len=2048, engine="qerl")
 
 
 def _gemm_rows(results_dir) -> list[tuple]:
-    file = "gemm_h100_v4.json"
+    file = "gemm_h100_v5.json"
     doc = load_result(results_dir, file)
     _rows(doc, file, ("model", "proj", "m", "speedup", "fp4_pct_copy", "bf16_pct_copy", "rel_err", "ok"))
     ceiling = field(doc, "ceiling", file=file)
