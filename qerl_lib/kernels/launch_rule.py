@@ -65,7 +65,7 @@ SMALL_M_ENV = "QERL_FP4_SMALL_M"  # the user's switch, read when no backend is p
 def resolve_small_m_backend(name: str | None = None) -> str:
     """The small-M backend a call uses: ``name`` if given, else the environment variable
     ``QERL_FP4_SMALL_M`` as it is now (default ``"auto"``). ``"mma"``: the CUDA mma.sync kernel of
-    ``kernels/mma.py`` (error if this machine cannot run it); ``"triton"``: this module's Triton
+    ``kernels/mma.py`` (error if this machine cannot run it); ``"triton"``: ``fp4_gemm``'s Triton
     kernel; ``"auto"``: mma where available, else Triton."""
     value = os.environ.get(SMALL_M_ENV, "auto") if name is None else name
     if value not in SMALL_M_BACKENDS:
@@ -174,7 +174,7 @@ def k_splits(tiles: int, k_iters: int, num_sms: int, programs_per_sm: int = 4) -
 
 # The producer-warp kernel (kernels/fp4_wgmma_producer.py) where it measured faster than dequantize + cuBLAS,
 # permute of x included (H100, dev/LOG.md section 35: Qwen2.5-7B/32B gate/up at M = 1024 1.10x / 1.16x, at 2048
-# 1.0-1.13x; from M = 4096 and on the narrower shapes (down, q/k/v, o) it was slower at every M measured).
+# 0.98-1.13x over three runs; from M = 4096 and on the narrower shapes (down, q/k/v, o) slower at every M measured).
 PRODUCER_M_RANGE = (1024, 2048)
 PRODUCER_MIN_N = 16384
 PRODUCER_ENV = "QERL_FP4_PRODUCER"  # "0": never pick it (read at each call; default "1")
