@@ -27,6 +27,7 @@ from qerl_lib.bench.gemm import mean_relative_error, rotation_copies, time_graph
 from qerl_lib.kernels import fp4_wgmma_producer as pc  # noqa: E402
 from qerl_lib.kernels.fp4_gemm import dequantize_exact, fp4_linear, prepare_fp4_weights  # noqa: E402
 from qerl_lib.kernels.fp4_wgmma import WgmmaConfig, permute_x  # noqa: E402
+from qerl_lib.kernels.launch_rule import k_splits  # noqa: E402
 from qerl_lib.quant.nvfp4 import reference_matmul  # noqa: E402
 
 SHAPES = [("7b.gate_up", 37888, 3584), ("7b.down", 3584, 18944), ("32b.gate_up", 55296, 5120),
@@ -141,6 +142,11 @@ def timing(l2):
             rows.append(("dequant+cublas", t.median_ms * 1e3))
             t = time_graph([(lambda s=s: fp4_linear(s[0], s[1], None, out=s[2], config=REF_WG)) for s in sets])
             rows.append(("wg256x2", t.median_ms * 1e3))
+            if m < 1024:  # the decode-size Gluon launch widened to these rows: 128 rows, one warpgroup, K-slices
+                split = k_splits(-(-m // 128) * -(-n // 64), k // 128, 132, 2)
+                cfg = WgmmaConfig(128, 1, split)
+                t = time_graph([(lambda s=s, c=cfg: fp4_linear(s[0], s[1], None, out=s[2], config=c)) for s in sets])
+                rows.append((f"wg128x1/s{split}", t.median_ms * 1e3))
             for spec in CONFIGS:
                 parts = spec.split("/")
                 cfg = pc.ProducerConfig(int(parts[0]), int(parts[1]))
