@@ -18,7 +18,7 @@ import torch
 
 from qerl_lib.kernels import fp4_wgmma_producer as pc
 from qerl_lib.kernels.fp4_wgmma_producer import ProducerConfig
-from qerl_lib.kernels.launch_rule import PRODUCER_ENV, pick_producer_config
+from qerl_lib.kernels.launch_rule import PRODUCER_ENV, pick_producer_config, plan_launch
 from qerl_lib.quant.nvfp4 import quantize, reference_matmul
 from tests.conftest import sm90_ptxas
 
@@ -57,13 +57,18 @@ def test_aligned_wants_16_byte_starts_and_row_strides():
 
 
 @pytest.mark.parametrize("m, n, k, picked", [
-    (1024, 37888, 3584, True), (2048, 55296, 5120, True),  # the gate/up shapes where it measured faster
-    (1023, 37888, 3584, False), (4096, 37888, 3584, False),  # outside the measured M range
-    (1024, 3584, 18944, False), (1024, 4608, 3584, False),  # down, q/k/v: dequantize + cuBLAS was faster
-    (1024, 37888, 3712, False)])  # K not in whole 256s
+    (1024, 37888, 3584, ProducerConfig()), (2048, 55296, 5120, ProducerConfig()),  # gate/up, where it was faster
+    (256, 37888, 3584, ProducerConfig()), (512, 18944, 3584, ProducerConfig()), (768, 27648, 5120, ProducerConfig()),
+    (384, 37888, 3584, ProducerConfig(128, 4)), (193, 55296, 5120, ProducerConfig()),  # 3 x 128 rows: 128-row tiles
+    (192, 37888, 3584, None), (2049, 37888, 3584, None), (4096, 37888, 3584, None),  # outside the measured M range
+    (1024, 3584, 18944, None), (256, 4608, 3584, None), (512, 5120, 27648, None),  # narrow shapes: dequantize + cuBLAS
+    (1024, 37888, 3712, None)])  # K not in whole 256s
 def test_rule_picks_the_kernel_only_where_it_measured_faster(m, n, k, picked):
-    assert (pick_producer_config(m, n, k) == ProducerConfig()) is picked
-    assert picked or pick_producer_config(m, n, k) is None
+    assert pick_producer_config(m, n, k) == picked
+    planned = plan_launch(m, n, k, gluon=True, producer_aligned=True)
+    assert planned == picked if picked is not None else not isinstance(planned, ProducerConfig)
+    assert not isinstance(plan_launch(m, n, k, gluon=True, producer_aligned=False), ProducerConfig)
+    assert not isinstance(plan_launch(m, n, k, gluon=False, producer_aligned=True), ProducerConfig)
 
 
 def test_rule_can_be_turned_off(monkeypatch):
@@ -153,18 +158,22 @@ def test_cuda_kernel_matches_the_oracle_and_fp4_wgmma(m, n, k, cfg):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not HAS_PC, reason="needs a Hopper GPU (sm_90) and Triton's Gluon")
-def test_cuda_fp4_linear_routes_the_rules_problems_to_the_kernel(monkeypatch):
-    """A gate/up-shaped call at M = 1024 gives the kernel's bits through ``fp4_linear``; with the rule turned off
-    it gives the dequantize + cuBLAS path's (same values to ~1e-6, other summation order)."""
+@pytest.mark.parametrize("batch, config", [(4, ProducerConfig()), (3, ProducerConfig(128, 4))])
+def test_cuda_fp4_linear_routes_the_rules_problems_to_the_kernel(monkeypatch, batch, config):
+    """A gate/up-shaped call at M = 1024 (and at 384, with 128-row tiles) gives the kernel's bits through
+    ``fp4_linear``; with the rule turned off it gives the dequantize + cuBLAS path's (same values to ~1e-6, other
+    summation order)."""
     from qerl_lib.kernels.fp4_gemm import fp4_linear
 
+    m = batch * 256 if batch == 4 else batch * 128
     q, w, g = _weights(16384, 512, seed=5)
-    x = torch.randn(4, 256, 512, device="cuda", generator=g).to(torch.bfloat16)  # 1024 rows in a 3-D batch
-    direct = torch.empty(1024, 16384, dtype=torch.bfloat16, device="cuda")
-    pc.linear(x.reshape(1024, 512), w.words, w.scales, w.global_scale, None, direct)
+    x = torch.randn(batch, m // batch, 512, device="cuda", generator=g).to(torch.bfloat16)  # a 3-D batch
+    assert pick_producer_config(m, 16384, 512) == config
+    direct = torch.empty(m, 16384, dtype=torch.bfloat16, device="cuda")
+    pc.linear(x.reshape(m, 512), w.words, w.scales, w.global_scale, None, direct, config)
     routed = fp4_linear(x, w)
-    assert routed.shape == (4, 256, 16384)
-    assert torch.equal(routed.reshape(1024, 16384), direct)
+    assert routed.shape == (batch, m // batch, 16384)
+    assert torch.equal(routed.reshape(m, 16384), direct)
     monkeypatch.setenv(PRODUCER_ENV, "0")
     other = fp4_linear(x, w)
     rel = float((other.float() - routed.float()).abs().mean() / routed.float().abs().mean())

@@ -42,14 +42,14 @@ the wgmmas too (C7515).
 
 Where it stands (H100, dev/LOG.md section 35): the decode costs 3-10% over the MMAs alone, which keep close
 to cuBLAS's pace. With the per-call permute of ``x`` (one torch copy, 3-25% of a call: it grows with K), the
-kernel is faster than dequantize + cuBLAS on the gate/up shapes at M = 1024 (Qwen2.5-7B 1.10x, 32B 1.16x)
-and level to 1.13x at 2048, and slower from 4096 and on every other shape, so ``fp4_gemm.fp4_linear`` runs it
-only there (``launch_rule.pick_producer_config``). Against bf16 at M = 1024 on the gate/up shapes: 0.82-1.0x in
-the sweep, 0.77-0.90x in ``qerl bench gemm`` (``results/gemm_h100_v5.json``). Decoding
-the weights byte by byte instead, so that ``x`` needs no permute, cost more than the permute saves except
-where N is small. Forward layout only (``x @ W.T``); K a multiple of 256; no K-slices (at training sizes the
-output tiles fill the GPU many times over). Gluon is experimental in Triton 3.6: this module imports
-without it (``available()`` is then False).
+kernel is faster than dequantize + cuBLAS on the gate/up shapes from 256 to 2048 rows of ``x`` (Qwen2.5-7B and
+32B: 1.9-2.1x at 256, 1.2-1.6x at 384-768, 1.10-1.16x at 1024, 0.98-1.13x at 2048), and slower from 4096; on
+the narrow shapes (down, q/k/v, o) it wins only here and there. So ``fp4_gemm.fp4_linear`` runs it on the
+gate/up shapes at 193-2048 rows (``launch_rule.pick_producer_config``). Against bf16 cuBLAS there: 0.72-1.0x in
+the sweeps; ``qerl bench gemm``'s rows say ``gluon-producer``. Decoding the weights byte by byte instead, so that
+``x`` needs no permute, cost more than the permute saves except where N is small. Forward layout only
+(``x @ W.T``); K a multiple of 256; no K-slices (the output tiles of the wide shapes it runs fill the GPU).
+Gluon is experimental in Triton 3.6: this module imports without it (``available()`` is then False).
 """
 
 from __future__ import annotations

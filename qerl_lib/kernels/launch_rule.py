@@ -4,7 +4,7 @@ The choice is a fixed rule, not autotuning, so the same problem always runs the 
 same bits. The rules and their thresholds come from GPU sweeps on an H100 and an H200 (``dev/sweeps/``;
 results and reasoning in dev/LOG.md): the decode step (M <= 8) runs the mma.sync kernel where it can
 (``uses_mma``); at 25-128 rows the Gluon kernel (``pick_wgmma_config``), on the wide gate/up shapes at
-1024-2048 rows the producer-warp Gluon kernel (``pick_producer_config``); everything else the Triton kernel,
+193-2048 rows the producer-warp Gluon kernel (``pick_producer_config``); everything else the Triton kernel,
 whose small-M launches want enough programs in flight (K-splits) without overflowing one wave, or from 193
 rows one exact dequantization pass and cuBLAS (``pick_config``). ``plan_launch`` chains the last three.
 """
@@ -173,21 +173,25 @@ def k_splits(tiles: int, k_iters: int, num_sms: int, programs_per_sm: int = 4) -
 
 
 # The producer-warp kernel (kernels/fp4_wgmma_producer.py) where it measured faster than dequantize + cuBLAS,
-# permute of x included (H100, dev/LOG.md section 35: Qwen2.5-7B/32B gate/up at M = 1024 1.10x / 1.16x, at 2048
-# 0.98-1.13x over three runs; from M = 4096 and on the narrower shapes (down, q/k/v, o) slower at every M measured).
-PRODUCER_M_RANGE = (1024, 2048)
+# permute of x included (H100, dev/LOG.md section 35), on the wide gate/up shapes (Qwen2.5-7B/32B) only: 1.9-2.1x at
+# M = 256, 1.2-1.6x at 384-768, 1.10x / 1.16x at 1024, 0.98-1.13x at 2048 over three runs; from M = 4096 slower, and
+# on the narrower shapes (down, q/k/v, o) slower or level at most M measured. Below PRODUCER_MIN_M the Triton and
+# Gluon small-M launches run (pick_config, pick_wgmma_config). 128 rows of x per program where 256-row tiles would
+# leave half a tile empty below 1024 rows (M = 384: 191 vs 276 us on 7B gate/up), else 256.
+PRODUCER_MAX_M = 2048
 PRODUCER_MIN_N = 16384
 PRODUCER_ENV = "QERL_FP4_PRODUCER"  # "0": never pick it (read at each call; default "1")
 
 
 def pick_producer_config(m: int, n: int, k: int) -> ProducerConfig | None:
-    """The producer kernel's launch for an ``[m, k] x [k, n]`` problem where the rule picks it (the measured
-    range ``PRODUCER_M_RANGE`` of M, N >= ``PRODUCER_MIN_N``, K a multiple of 256), else None: the default
-    ``ProducerConfig`` (256 rows of x, 3 stages). ``QERL_FP4_PRODUCER=0`` turns it off."""
-    lo, hi = PRODUCER_M_RANGE
-    if os.environ.get(PRODUCER_ENV, "1") == "0" or not lo <= m <= hi or n < PRODUCER_MIN_N:
+    """The producer kernel's launch for an ``[m, k] x [k, n]`` problem where the rule picks it (the rows where
+    ``pick_config`` would dequantize and call cuBLAS, up to ``PRODUCER_MAX_M``; N >= ``PRODUCER_MIN_N``; K a
+    multiple of 256), else None: 256 rows of x and 3 stages, or 128 rows and 4 stages where an odd number of
+    128-row tiles below 1024 rows would leave a 256-row tile half empty. ``QERL_FP4_PRODUCER=0`` turns it off."""
+    if (os.environ.get(PRODUCER_ENV, "1") == "0" or CUBLAS_MIN_M is None or not CUBLAS_MIN_M <= m <= PRODUCER_MAX_M
+            or n < PRODUCER_MIN_N or not fp4_wgmma_producer.supported_problem(k)):
         return None
-    return ProducerConfig() if fp4_wgmma_producer.supported_problem(k) else None
+    return ProducerConfig(128, 4) if m < 1024 and math.ceil(m / 128) % 2 == 1 else ProducerConfig()
 
 
 def plan_launch(m: int, n: int, k: int, num_sms: int = 132, *, gluon: bool = False, producer_aligned: bool = False,
