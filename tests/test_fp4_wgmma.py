@@ -286,6 +286,28 @@ def test_cuda_wave_balanced_launches_match_the_oracle(m):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not HAS_WGMMA, reason="needs a Hopper GPU (sm_90) and Triton's Gluon")
+@pytest.mark.parametrize("m, k, row_pad", [(1, 128, 0), (31, 256, 0), (77, 3584, 0), (300, 18944, 0), (65, 512, 64)])
+def test_cuda_permute_kernel_is_the_torch_permute(m, k, row_pad):
+    """``permute_x``'s Triton kernel makes the same copy as the torch view it replaces (rows not a multiple of the
+    kernel's 32, and rows further apart than K)."""
+    x = torch.randn(m, k + row_pad, device="cuda").to(torch.bfloat16)[:, :k]
+    expected = x.reshape(m, k // 128, 4, 4, 2, 2, 2).permute(0, 1, 3, 6, 5, 2, 4).reshape(m, k)
+    got = fp4_wgmma.permute_x(x)
+    assert got.is_contiguous() and torch.equal(got, expected)
+
+
+def test_permute_off_cuda_is_the_documented_relabeling():
+    """Position ``32j + 16x + 8y + 2t + z`` of each 128 columns holds natural column ``32t + 8j + 4z + 2y + x``."""
+    x = torch.arange(2 * 256, dtype=torch.float32).reshape(2, 256)
+    got = fp4_wgmma.permute_x(x)
+    for p in range(128):
+        j, xx, y, t, z = p // 32, (p // 16) % 2, (p // 8) % 2, (p // 2) % 4, p % 2
+        n = 32 * t + 8 * j + 4 * z + 2 * y + xx
+        assert torch.equal(got[:, 128 + p], x[:, 128 + n])
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_WGMMA, reason="needs a Hopper GPU (sm_90) and Triton's Gluon")
 def test_cuda_kernel_refuses_k_not_whole_steps():
     from qerl_lib.kernels.fp4_gemm import fp4_linear, prepare_fp4_weights
 

@@ -19,7 +19,7 @@ Gluon (``triton.experimental.gluon``, Triton's tile language with explicit layou
    scale multiply) then leaves every value where the wgmma A fragment wants it;
    ``convert_layout(..., assert_trivial=True)`` makes the compiler prove that no data moves. K is relabeled
    as in ``fp4_gemm`` (fragment K index ``32j + 16x + 8y + 2t + z`` holds code ``x + 2y + 4z`` of word
-   ``4t + j``), and ``x`` is permuted to match once per call (``permute_x``, one torch copy).
+   ``4t + j``), and ``x`` is permuted to match once per call (``permute_x``, one copy).
 2. **Loads several steps ahead, by TMA.** A ring of ``STAGES`` shared-memory stages, each one K-step's
    tile of the permuted ``x`` (the wgmma B operand, as TMA writes it) and of the weight words, each
    with an mbarrier the copies complete; step ``i`` refills the stage step ``i - 1`` used with step
@@ -72,6 +72,7 @@ import torch
 
 try:  # Gluon ships with Triton >= 3.5; the CPU reference paths never need it
     import triton
+    import triton.language as tl
     from qerl_lib.kernels.fp4_decode import code_pair_bits
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
@@ -211,11 +212,21 @@ def linear(x2: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, global_s
             reduce_splits(ws, global_scale, b, o)
 
 
+PERMUTE_BLOCK_M = 32  # rows of x per program of the permute kernel (one 128-column block each)
+
+
 def permute_x(x2: torch.Tensor) -> torch.Tensor:
     """x ``[M, K]`` -> a copy in the kernel's K relabeling, per 128 columns (module docstring, point 1):
-    position ``32j + 16x + 8y + 2t + z`` holds natural column ``32t + 8j + 4z + 2y + x``."""
+    position ``32j + 16x + 8y + 2t + z`` holds natural column ``32t + 8j + 4z + 2y + x``. On CUDA a Triton
+    kernel makes the copy (each program a [32, 128] tile, permuted in registers; a torch permute + copy of the
+    7-D view ran at a third of copy bandwidth, dev/LOG.md section 35); elsewhere torch does."""
     m, k = x2.shape
-    return x2.reshape(m, k // 128, 4, 4, 2, 2, 2).permute(0, 1, 3, 6, 5, 2, 4).reshape(m, k)
+    if gluon is None or not x2.is_cuda or x2.stride(-1) != 1:
+        return x2.reshape(m, k // 128, 4, 4, 2, 2, 2).permute(0, 1, 3, 6, 5, 2, 4).reshape(m, k)
+    out = torch.empty(m, k, dtype=x2.dtype, device=x2.device)
+    if m:
+        _permute_x_kernel[(triton.cdiv(m, PERMUTE_BLOCK_M), k // 128)](x2, out, m, x2.stride(0), BLOCK_M=PERMUTE_BLOCK_M)
+    return out
 
 
 def launch(x2: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor,
@@ -245,6 +256,17 @@ def launch(x2: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, global_s
 
 # ============================================================================ Gluon kernel
 if gluon is not None:
+
+    @triton.jit
+    def _permute_x_kernel(x_ptr, out_ptr, M, stride_xm, BLOCK_M: tl.constexpr):
+        """``permute_x`` for one [BLOCK_M, 128] tile: natural column ``32a + 8b + 4c + 2d + e`` goes to position
+        ``32b + 16e + 8d + 2a + c`` (the same permute as the torch view, done in registers). ``out`` is contiguous."""
+        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = tl.program_id(1) * 128 + tl.arange(0, 128)
+        mask = (rows < M)[:, None]
+        v = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=mask)
+        v = tl.reshape(tl.permute(tl.reshape(v, [BLOCK_M, 4, 4, 2, 2, 2]), [0, 2, 5, 4, 1, 3]), [BLOCK_M, 128])
+        tl.store(out_ptr + rows[:, None] * (tl.num_programs(1) * 128) + cols[None, :], v, mask=mask)
 
     @gluon.constexpr_function
     def _warp_bases(WG):
