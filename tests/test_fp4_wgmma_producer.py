@@ -18,7 +18,7 @@ import torch
 
 from qerl_lib.kernels import fp4_wgmma_producer as pc
 from qerl_lib.kernels.fp4_wgmma_producer import ProducerConfig
-from qerl_lib.kernels.launch_rule import PRODUCER_ENV, pick_producer_config, plan_launch
+from qerl_lib.kernels.launch_rule import PRODUCER_ENV, pick_producer_config, plan_launch, producer_block_m
 from qerl_lib.quant.nvfp4 import quantize, reference_matmul
 from tests.conftest import sm90_ptxas
 
@@ -58,10 +58,12 @@ def test_aligned_wants_16_byte_starts_and_row_strides():
 
 @pytest.mark.parametrize("m, n, k, picked", [
     (1024, 37888, 3584, ProducerConfig()), (2048, 55296, 5120, ProducerConfig()),  # gate/up, where it was faster
-    (256, 37888, 3584, ProducerConfig()), (512, 18944, 3584, ProducerConfig()), (768, 27648, 5120, ProducerConfig()),
-    (384, 37888, 3584, ProducerConfig(128, 4)), (193, 55296, 5120, ProducerConfig()),  # 3 x 128 rows: 128-row tiles
+    (512, 37888, 3584, ProducerConfig()), (768, 27648, 5120, ProducerConfig()), (193, 55296, 5120, ProducerConfig()),
+    (384, 37888, 3584, ProducerConfig(128, 4)),  # 256-row tiles would leave half a tile empty
+    (256, 3584, 18944, ProducerConfig(128, 4)), (512, 3584, 18944, ProducerConfig(128, 4)),  # long-K down: 128 rows
+    (512, 5120, 27648, ProducerConfig()),  # fill the SMs, 256 rows where 128 would not fill them better
     (192, 37888, 3584, None), (2049, 37888, 3584, None), (4096, 37888, 3584, None),  # outside the measured M range
-    (1024, 3584, 18944, None), (256, 4608, 3584, None), (512, 5120, 27648, None),  # narrow shapes: dequantize + cuBLAS
+    (1024, 3584, 18944, None), (256, 4608, 3584, None), (256, 3584, 3584, None),  # q/k/v, o; down from 1024 rows
     (1024, 37888, 3712, None)])  # K not in whole 256s
 def test_rule_picks_the_kernel_only_where_it_measured_faster(m, n, k, picked):
     assert pick_producer_config(m, n, k) == picked
@@ -69,6 +71,13 @@ def test_rule_picks_the_kernel_only_where_it_measured_faster(m, n, k, picked):
     assert planned == picked if picked is not None else not isinstance(planned, ProducerConfig)
     assert not isinstance(plan_launch(m, n, k, gluon=True, producer_aligned=False), ProducerConfig)
     assert not isinstance(plan_launch(m, n, k, gluon=False, producer_aligned=True), ProducerConfig)
+
+
+def test_tile_height_weighs_empty_rows_idle_sms_and_128_row_speed():
+    assert producer_block_m(4096, 37888) == 256  # both fill the GPU: 256-row tiles are faster per output
+    assert producer_block_m(384, 37888) == 128  # 2 x 256 rows for 384: a quarter of the work is padding
+    assert producer_block_m(512, 3584) == 128  # 56 programs of 256 rows would leave 76 of 132 SMs idle
+    assert producer_block_m(512, 3584, num_sms=56) == 256  # ... unless there are only 56 SMs
 
 
 def test_rule_can_be_turned_off(monkeypatch):

@@ -40,16 +40,17 @@ register resources"; a wgmma in any worker partition gets it), and the kernel ra
 ``fp4_wgmma``. The loop's first two steps are peeled: a loop that might run no step makes ptxas serialize
 the wgmmas too (C7515).
 
-Where it stands (H100, dev/LOG.md section 35): the decode costs 3-10% over the MMAs alone, which keep close
-to cuBLAS's pace. With the per-call permute of ``x`` (one torch copy, 3-25% of a call: it grows with K), the
+Where it stands (H100, dev/LOG.md section 35): the decode costs 3-10% over the MMAs alone, which keep close to
+cuBLAS's pace. With the per-call permute of ``x`` (``fp4_wgmma.permute_x``, 1-12% of a call: it grows with K), the
 kernel is faster than dequantize + cuBLAS on the gate/up shapes from 256 to 2048 rows of ``x`` (Qwen2.5-7B and
-32B: 1.9-2.1x at 256, 1.2-1.6x at 384-768, 1.10-1.16x at 1024, 0.98-1.13x at 2048), and slower from 4096; on
-the narrow shapes (down, q/k/v, o) it wins only here and there. So ``fp4_gemm.fp4_linear`` runs it on the
-gate/up shapes at 193-2048 rows (``launch_rule.pick_producer_config``). Against bf16 cuBLAS there: 0.72-1.0x in
-the sweeps; ``qerl bench gemm``'s rows say ``gluon-producer``. Decoding the weights byte by byte instead, so that
-``x`` needs no permute, cost more than the permute saves except where N is small. Forward layout only
-(``x @ W.T``); K a multiple of 256; no K-slices (the output tiles of the wide shapes it runs fill the GPU).
-Gluon is experimental in Triton 3.6: this module imports without it (``available()`` is then False).
+32B: 1.9-2.1x at 256, 1.2-1.6x at 384-768, 1.10-1.16x at 1024, 0.98-1.13x at 2048), and slower from 4096; on the
+long-K down shapes at 256-512 rows (1.12-1.47x); not on q/k/v and o. So ``fp4_gemm.fp4_linear`` runs it there
+(``launch_rule.pick_producer_config``, with the tile height of ``launch_rule.producer_block_m``). Against bf16
+cuBLAS on gate/up: 0.72-1.0x in the sweeps; ``qerl bench gemm``'s rows say ``gluon-producer``. Decoding the
+weights byte by byte instead, so that ``x`` needs no permute, cost more than the permute saves except where N is
+small. Forward layout only (``x @ W.T``); K a multiple of 256; no K-slices (the rule picks the tile height that
+fills the SMs best). Gluon is experimental in Triton 3.6: this module imports without it (``available()`` is then
+False).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ The choice is a fixed rule, not autotuning, so the same problem always runs the 
 same bits. The rules and their thresholds come from GPU sweeps on an H100 and an H200 (``dev/sweeps/``;
 results and reasoning in dev/LOG.md): the decode step (M <= 8) runs the mma.sync kernel where it can
 (``uses_mma``); at 25-128 rows the Gluon kernel (``pick_wgmma_config``), on the wide gate/up shapes at
-193-2048 rows the producer-warp Gluon kernel (``pick_producer_config``); everything else the Triton kernel,
+193-2048 rows and the long-K down shapes at 193-512 the producer-warp Gluon kernel (``pick_producer_config``); everything else the Triton kernel,
 whose small-M launches want enough programs in flight (K-splits) without overflowing one wave, or from 193
 rows one exact dequantization pass and cuBLAS (``pick_config``). ``plan_launch`` chains the last three.
 """
@@ -173,25 +173,45 @@ def k_splits(tiles: int, k_iters: int, num_sms: int, programs_per_sm: int = 4) -
 
 
 # The producer-warp kernel (kernels/fp4_wgmma_producer.py) where it measured faster than dequantize + cuBLAS,
-# permute of x included (H100, dev/LOG.md section 35), on the wide gate/up shapes (Qwen2.5-7B/32B) only: 1.9-2.1x at
-# M = 256, 1.2-1.6x at 384-768, 1.10x / 1.16x at 1024, 0.98-1.13x at 2048 over three runs; from M = 4096 slower, and
-# on the narrower shapes (down, q/k/v, o) slower or level at most M measured. Below PRODUCER_MIN_M the Triton and
-# Gluon small-M launches run (pick_config, pick_wgmma_config). 128 rows of x per program where 256-row tiles would
-# leave half a tile empty below 1024 rows (M = 384: 191 vs 276 us on 7B gate/up), else 256.
+# permute of x included (H100, dev/LOG.md section 35): on the wide gate/up shapes (N >= PRODUCER_MIN_N) from 193 rows
+# to PRODUCER_MAX_M (Qwen2.5-7B/32B: 1.9-2.1x at M = 256, 1.2-1.6x at 384-768, 1.10-1.16x at 1024, 0.98-1.13x at
+# 2048; slower from 4096), and on the long-K down shapes (K >= PRODUCER_LONG_K) up to PRODUCER_LONG_K_MAX_M rows
+# (1.12-1.47x at 256-512). The other narrow shapes (q/k/v, o) stayed on dequantize + cuBLAS (level or slower).
 PRODUCER_MAX_M = 2048
 PRODUCER_MIN_N = 16384
+PRODUCER_LONG_K = 16384
+PRODUCER_LONG_K_MAX_M = 512
+# Relative speed per output of 128-row tiles against 256-row ones at full occupancy (7B gate/up, M = 4096: 0.76x vs
+# 0.91x of bf16), for choosing the tile height (producer_block_m).
+PRODUCER_128_ROW_SPEED = 0.84
 PRODUCER_ENV = "QERL_FP4_PRODUCER"  # "0": never pick it (read at each call; default "1")
 
 
-def pick_producer_config(m: int, n: int, k: int) -> ProducerConfig | None:
-    """The producer kernel's launch for an ``[m, k] x [k, n]`` problem where the rule picks it (the rows where
-    ``pick_config`` would dequantize and call cuBLAS, up to ``PRODUCER_MAX_M``; N >= ``PRODUCER_MIN_N``; K a
-    multiple of 256), else None: 256 rows of x and 3 stages, or 128 rows and 4 stages where an odd number of
-    128-row tiles below 1024 rows would leave a 256-row tile half empty. ``QERL_FP4_PRODUCER=0`` turns it off."""
-    if (os.environ.get(PRODUCER_ENV, "1") == "0" or CUBLAS_MIN_M is None or not CUBLAS_MIN_M <= m <= PRODUCER_MAX_M
-            or n < PRODUCER_MIN_N or not fp4_wgmma_producer.supported_problem(k)):
+def producer_block_m(m: int, n: int, num_sms: int = 132) -> int:
+    """The tile height (rows of x) with the most useful work per SM-wave: the rows the tiles cover that are real
+    (``m / (tiles_m * b)``) times the share of the last wave of programs that is busy, times
+    ``PRODUCER_128_ROW_SPEED`` for 128-row tiles. This reproduces every best height the sweeps found (e.g. 128 rows
+    at M = 384 on gate/up and at M = 256-512 on the 7B down shape, 256 rows elsewhere)."""
+    def useful(b: int) -> float:
+        tiles_m = math.ceil(m / b)
+        tiles = tiles_m * math.ceil(n / 128)
+        return (m / (tiles_m * b)) * (tiles / (math.ceil(tiles / num_sms) * num_sms)) * \
+            (PRODUCER_128_ROW_SPEED if b == 128 else 1.0)
+    return 128 if useful(128) > useful(256) else 256
+
+
+def pick_producer_config(m: int, n: int, k: int, num_sms: int = 132) -> ProducerConfig | None:
+    """The producer kernel's launch for an ``[m, k] x [k, n]`` problem where the rule picks it (rows where
+    ``pick_config`` would dequantize and call cuBLAS, up to ``PRODUCER_MAX_M`` for N >= ``PRODUCER_MIN_N`` or up to
+    ``PRODUCER_LONG_K_MAX_M`` for K >= ``PRODUCER_LONG_K``; K a multiple of 256), else None: the tile height of
+    ``producer_block_m`` (256 rows: 3 stages, 128: 4). ``QERL_FP4_PRODUCER=0`` turns it off."""
+    if os.environ.get(PRODUCER_ENV, "1") == "0" or CUBLAS_MIN_M is None or m < CUBLAS_MIN_M:
         return None
-    return ProducerConfig(128, 4) if m < 1024 and math.ceil(m / 128) % 2 == 1 else ProducerConfig()
+    wide = n >= PRODUCER_MIN_N and m <= PRODUCER_MAX_M
+    long_k = k >= PRODUCER_LONG_K and m <= PRODUCER_LONG_K_MAX_M
+    if not (wide or long_k) or not fp4_wgmma_producer.supported_problem(k):
+        return None
+    return ProducerConfig(128, 4) if producer_block_m(m, n, num_sms) == 128 else ProducerConfig()
 
 
 def plan_launch(m: int, n: int, k: int, num_sms: int = 132, *, gluon: bool = False, producer_aligned: bool = False,
@@ -201,7 +221,7 @@ def plan_launch(m: int, n: int, k: int, num_sms: int = 132, *, gluon: bool = Fal
     their rules pick them (the producer kernel only where ``producer_aligned``: its weights meet TMA's alignment),
     else ``pick_config``'s."""
     if gluon:
-        config = (producer_aligned and pick_producer_config(m, n, k)) or pick_wgmma_config(m, n, k, num_sms)
+        config = (producer_aligned and pick_producer_config(m, n, k, num_sms)) or pick_wgmma_config(m, n, k, num_sms)
         if config is not None:
             return config
     return pick_config(m, n, k, num_sms, allow_cublas)

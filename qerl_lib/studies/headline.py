@@ -34,8 +34,8 @@ from qerl_lib.studies.kernel import gemm_headline
 RESULT_FILES = {
     "gemm_h100_v5.json": "NVFP4 x BF16 GEMM vs cuBLAS bf16 on every Qwen2.5-7B/32B projection shape, M = 1...4096, "
                          "forward (x @ W^T) and backward (dy @ W) layouts (`path`: the CUDA mma.sync kernel at M <= 8, "
-                         "the Gluon kernel at 25-128 rows, the producer-warp Gluon kernel on the gate/up shapes at "
-                         "M = 256 and 1024, Triton's fragment kernel at the other small sizes, dequantize + cuBLAS elsewhere "
+                         "the Gluon kernel at 25-128 rows, the producer-warp Gluon kernel on gate/up at M = 256 "
+                         "and 1024 and on down at 256, Triton's fragment kernel at the other small sizes, dequantize + cuBLAS elsewhere "
                          "and for the backward layout); every output checked against the oracle. Notebook 03; "
                          "`figures/03_gemm_speedup.png`, `figures/03_gemm_bandwidth.png`",
     "rollout_h100.json": "rollout engine: engine vs `transformers.generate` (SmolLM2 bf16, batch 64, "
