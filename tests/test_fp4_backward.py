@@ -228,6 +228,7 @@ def test_summarize_keeps_the_forward_meaning_and_adds_the_backward_minimum():
 
 @pytest.mark.parametrize("path, has_bwd", [("dev/runs/gemm_h100_v3.json", False), ("dev/runs/gemm_h100_v4.json", True),
                                            ("dev/runs/fp4_producer_h100_2026-11-27/gemm_bench_run5.json", True),
+                                           ("dev/runs/fp4_producer_h100_2026-11-27/gemm_bench_run8.json", True),
                                            ("results/gemm_h100_v5.json", True)])
 def test_summarize_of_the_committed_results_is_unchanged(path, has_bwd):
     """A forward-only record (rows without ``direction``) and one with both layouts re-summarize to
