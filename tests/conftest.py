@@ -124,3 +124,14 @@ def sm90_ptxas() -> str | None:
     except Exception:  # no Triton, or no NVIDIA backend in it
         return None
     return path if path and os.path.exists(path) else None
+
+
+def cuda_nvfp4_weights(n: int, k: int, seed: int):
+    """A fresh random bf16 ``[n, k]`` weight quantized to NVFP4 on the GPU: ``(NVFP4Weight, its
+    ``prepare_fp4_weights`` view, the seeded CUDA generator for the test's inputs)``."""
+    from qerl_lib.kernels.fp4_gemm import prepare_fp4_weights
+    from qerl_lib.quant.nvfp4 import quantize
+
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = quantize((torch.randn(n, k, device="cuda", generator=g) * 0.02).to(torch.bfloat16))
+    return q, prepare_fp4_weights(q.weight_packed, q.weight_scale, q.weight_global_scale), g

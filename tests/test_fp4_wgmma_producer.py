@@ -19,8 +19,8 @@ import torch
 from qerl_lib.kernels import fp4_wgmma_producer as pc
 from qerl_lib.kernels.fp4_wgmma_producer import ProducerConfig
 from qerl_lib.kernels.launch_rule import PRODUCER_ENV, pick_producer_config, plan_launch, producer_block_m
-from qerl_lib.quant.nvfp4 import quantize, reference_matmul
-from tests.conftest import sm90_ptxas
+from qerl_lib.quant.nvfp4 import reference_matmul
+from tests.conftest import cuda_nvfp4_weights, sm90_ptxas
 
 HAS_PC = pc.available()
 
@@ -124,14 +124,6 @@ def test_offline_compile_keeps_one_wgmma_in_flight(tmp_path, block_m, stages, pr
 
 
 # ============================================================================ CUDA
-def _weights(n, k, seed):
-    from qerl_lib.kernels.fp4_gemm import prepare_fp4_weights
-
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    q = quantize((torch.randn(n, k, device="cuda", generator=g) * 0.02).to(torch.bfloat16))
-    return q, prepare_fp4_weights(q.weight_packed, q.weight_scale, q.weight_global_scale), g
-
-
 @pytest.mark.cuda
 @pytest.mark.skipif(not HAS_PC, reason="needs a Hopper GPU (sm_90) and Triton's Gluon")
 @pytest.mark.parametrize("m, n, k", [(1, 128, 256), (77, 320, 512), (129, 1000, 1024), (300, 4608, 3584),
@@ -146,7 +138,7 @@ def test_cuda_kernel_matches_the_oracle_and_fp4_wgmma(m, n, k, cfg):
     from qerl_lib.kernels.fp4_gemm import fp4_linear
     from qerl_lib.kernels.fp4_wgmma import WgmmaConfig
 
-    q, w, g = _weights(n, k, seed=m + n + k)
+    q, w, g = cuda_nvfp4_weights(n, k, seed=m + n + k)
     x = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
     bias = torch.randn(n, device="cuda", generator=g).to(torch.bfloat16)
     for b in (None, bias):
@@ -175,7 +167,7 @@ def test_cuda_fp4_linear_routes_the_rules_problems_to_the_kernel(monkeypatch, ba
     from qerl_lib.kernels.fp4_gemm import fp4_linear
 
     m = batch * 256 if batch == 4 else batch * 128
-    q, w, g = _weights(16384, 512, seed=5)
+    q, w, g = cuda_nvfp4_weights(16384, 512, seed=5)
     x = torch.randn(batch, m // batch, 512, device="cuda", generator=g).to(torch.bfloat16)  # a 3-D batch
     assert pick_producer_config(m, 16384, 512) == config
     direct = torch.empty(m, 16384, dtype=torch.bfloat16, device="cuda")
@@ -192,10 +184,10 @@ def test_cuda_fp4_linear_routes_the_rules_problems_to_the_kernel(monkeypatch, ba
 @pytest.mark.cuda
 @pytest.mark.skipif(not HAS_PC, reason="needs a Hopper GPU (sm_90) and Triton's Gluon")
 def test_cuda_linear_refuses_what_it_cannot_run():
-    q, w, g = _weights(256, 512, seed=1)
+    q, w, g = cuda_nvfp4_weights(256, 512, seed=1)
     out = torch.empty(8, 256, dtype=torch.bfloat16, device="cuda")
     with pytest.raises(ValueError, match="K must be a positive multiple of 256"):
-        q2, w2, _ = _weights(256, 384, seed=2)
+        q2, w2, _ = cuda_nvfp4_weights(256, 384, seed=2)
         pc.linear(torch.zeros(8, 384, dtype=torch.bfloat16, device="cuda"), w2.words, w2.scales, w2.global_scale,
                   None, out)
     scales = torch.zeros(256, 48, dtype=torch.uint8, device="cuda")[:, 8:40]  # starts 8 bytes into each row

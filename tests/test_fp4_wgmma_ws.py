@@ -16,8 +16,8 @@ import torch
 
 from qerl_lib.kernels import fp4_wgmma_ws as ws
 from qerl_lib.kernels.fp4_wgmma_ws import WsConfig
-from qerl_lib.quant.nvfp4 import quantize, reference_grad_input, reference_matmul
-from tests.conftest import sm90_ptxas
+from qerl_lib.quant.nvfp4 import reference_grad_input, reference_matmul
+from tests.conftest import cuda_nvfp4_weights, sm90_ptxas
 
 HAS_WS = ws.available()
 
@@ -106,14 +106,6 @@ def test_offline_compile_fits_the_registers_and_reads_scales_by_tma(tmp_path, di
 
 
 # ============================================================================ CUDA
-def _weights(n, k, seed):
-    from qerl_lib.kernels.fp4_gemm import prepare_fp4_weights
-
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    q = quantize((torch.randn(n, k, device="cuda", generator=g) * 0.02).to(torch.bfloat16))
-    return q, prepare_fp4_weights(q.weight_packed, q.weight_scale, q.weight_global_scale), g
-
-
 @pytest.mark.cuda
 @pytest.mark.skipif(not HAS_WS, reason="needs a Hopper GPU (sm_90) and Triton's Gluon")
 @pytest.mark.parametrize("m, n, k", [(1, 256, 256), (77, 320, 512), (129, 1000, 1024), (300, 4608, 3584),
@@ -124,7 +116,7 @@ def test_cuda_kernel_matches_the_oracles(m, n, k, cfg):
     """Forward (with and without bias) against ``reference_matmul`` and backward against
     ``reference_grad_input`` at mean relative error < 1e-3 (fp32 sums in another order, one bf16 rounding),
     every output written (NaN-poisoned), the same bits twice."""
-    q, w, g = _weights(n, k, seed=m + n + k)
+    q, w, g = cuda_nvfp4_weights(n, k, seed=m + n + k)
     x = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
     dy = torch.randn(m, n, device="cuda", generator=g).to(torch.bfloat16)
     bias = torch.randn(n, device="cuda", generator=g).to(torch.bfloat16)
@@ -147,7 +139,7 @@ def test_cuda_kernel_matches_the_oracles(m, n, k, cfg):
 @pytest.mark.cuda
 @pytest.mark.skipif(not HAS_WS, reason="needs a Hopper GPU (sm_90) and Triton's Gluon")
 def test_cuda_launch_refuses_what_tma_cannot_read():
-    q, w, g = _weights(256, 512, seed=1)
+    q, w, g = cuda_nvfp4_weights(256, 512, seed=1)
     x = torch.randn(8, 520, device="cuda", generator=g).to(torch.bfloat16)[:, 1:513]  # starts 2 bytes in
     out = torch.empty(8, 256, dtype=torch.bfloat16, device="cuda")
     with pytest.raises(ValueError, match="must start on 16 bytes"):

@@ -77,6 +77,7 @@ import torch
 
 from qerl_lib.kernels import fp4_wgmma, fp4_wgmma_producer, mma
 from qerl_lib.kernels.fp4_decode import code_pair_bits
+from qerl_lib.kernels.fp4_wgmma import num_sms as _num_sms
 from qerl_lib.kernels.launch_rule import (SMALL_M_BACKENDS, SMALL_M_ENV, KernelConfig, pick_config,  # noqa: F401
                                           plan_launch, resolve_small_m_backend, uses_mma)
 from qerl_lib.quant.nvfp4 import GROUP_SIZE, NVFP4Weight, reference_grad_input, reference_matmul
@@ -112,6 +113,11 @@ class PreparedFP4Weight:
     @property
     def device(self) -> torch.device:
         return self.words.device
+
+    @functools.cached_property
+    def tma_aligned(self) -> bool:
+        """Whether TMA can read ``words`` and ``scales`` (16-byte starts and row strides), checked once."""
+        return fp4_wgmma_producer.aligned(self.words, self.scales)
 
     def to_compressed_tensors(self) -> NVFP4Weight:
         """The on-disk layout (views of the same memory)."""
@@ -225,7 +231,7 @@ def planned_launch(m: int, weight: PreparedFP4Weight, device: torch.device, allo
     n, k = weight.shape
     gluon = os.environ.get(WGMMA_ENV, "1") != "0" and fp4_wgmma.available(device)
     return plan_launch(m, n, k, _num_sms(device), gluon=gluon,
-                       producer_aligned=gluon and fp4_wgmma_producer.aligned(weight.words, weight.scales),
+                       producer_aligned=gluon and weight.tma_aligned,
                        allow_cublas=allow_cublas and not math.isnan(weight.inv_global_scale))
 
 
@@ -296,11 +302,6 @@ def _interpreted(t: torch.Tensor) -> bool:
     run inline PTX, flushes bf16 subnormals and (Triton 3.6-3.9) miscomputes bf16 ``tl.dot``, so
     the kernels then multiply in fp32 instead -- the same exact products, a different route."""
     return not t.is_cuda
-
-
-@functools.lru_cache(maxsize=None)
-def _num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
 
 
 def _triton_linear(x: torch.Tensor, weight: PreparedFP4Weight, bias: torch.Tensor | None,

@@ -157,6 +157,12 @@ def available(device: torch.device | None = None) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA ``device`` (132 elsewhere: the H100's, for launch rules off the GPU)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+
+
+@functools.lru_cache(maxsize=None)
 def _is_sm90(index: int) -> bool:
     return torch.cuda.get_device_capability(index) == (9, 0)
 

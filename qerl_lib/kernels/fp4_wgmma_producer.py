@@ -55,12 +55,12 @@ False).
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 
-from qerl_lib.kernels.fp4_wgmma import available, permute_x  # noqa: F401  (same needs: Gluon, a Hopper GPU)
+from qerl_lib.kernels.fp4_wgmma import available, num_sms, permute_x  # noqa: F401  (same needs: Gluon, Hopper)
+from qerl_lib.kernels.fp4_wgmma_ws import aligned  # TMA reads 16-byte starts and row strides
 
 try:  # Gluon ships with Triton >= 3.5; the CPU reference paths never need it
     import triton
@@ -121,21 +121,6 @@ def supported_problem(k: int) -> bool:
     return k > 0 and k % (16 * SCALE_BOX) == 0
 
 
-def aligned(*tensors: torch.Tensor) -> bool:
-    """TMA reads a tensor from a 16-byte aligned start with 16-byte aligned row strides."""
-    return all(t.data_ptr() % 16 == 0 and (t.dim() < 2 or t.stride(0) * t.element_size() % 16 == 0)
-               for t in tensors)
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def _num_sms(device: torch.device) -> int:
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-
-
 def linear(x2: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor,
            bias: torch.Tensor | None, out: torch.Tensor, config: ProducerConfig | None = None,
            permuted: bool = False) -> None:
@@ -158,7 +143,7 @@ def linear(x2: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, global_s
     w_desc = TensorDescriptor(words, [n, k // 8], [words.stride(0), 1], [BLOCK_N, BLOCK_K // 8], W_SMEM_LAYOUT)
     s_desc = TensorDescriptor(scales, [n, k // 16], [scales.stride(0), 1], [BLOCK_N, SCALE_BOX], SCALES_SMEM_LAYOUT)
     tiles = triton.cdiv(m, config.block_m) * triton.cdiv(n, BLOCK_N)
-    grid = (min(tiles, _num_sms(x2.device)),)  # persistent: one program per SM at most
+    grid = (min(tiles, num_sms(x2.device)),)  # persistent: one program per SM at most
     _fp4_wgmma_producer_kernel[grid](
         x_desc, w_desc, s_desc, global_scale, bias if bias is not None else out, out,
         m, n, k, out.stride(0), int(bias is not None),
