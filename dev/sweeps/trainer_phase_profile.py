@@ -1,0 +1,146 @@
+"""Where the trainer phase's time goes, NVFP4 base against bf16 base (#18: "trainer phase <= 1.0x").
+
+    python3 dev/sweeps/trainer_phase_profile.py --model qwen2.5-7b --rows 8 --seq 2304 --rank 32 \
+        --blocks 3 --steps 4 --json dev/runs/NAME.json
+
+Both bases are random weights of the architecture (NVFP4: random codes and block scales), LoRA r``rank`` on the
+kit's default targets (`models.lora.attach_lora`, as the trainer), gradient checkpointing on as the Qwen presets.
+One step here is the trainer's forward + backward on ``rows`` x ``seq`` tokens through the decoder (the lm_head
+and the loss are left out: they are the same bf16 work in both modes); the optimizer is left out for the same
+reason. Timing alternates blocks of ``steps`` steps between the two models (both stay resident), so drift of the
+GPU's clocks falls on both; the ratio's 95% CI is a bootstrap over steps. One more step per model runs under
+torch.profiler and its kernel time is summed by category: the dequantization passes are the only work the NVFP4
+base adds at these sizes (every GEMM at M = rows x seq takes dequantize + cuBLAS).
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import random
+import statistics
+import tempfile
+
+import torch
+
+from qerl_lib.io import provenance, write_json_atomic
+
+CATEGORIES = (  # first match wins
+    ("fp4 dequantize", ("_fp4_dequant",)),
+    ("fp4 gemm (fused)", ("qerl_fp4", "_fp4_gemm", "fp4_wgmma", "_producer", "permute")),
+    ("gemm (cuBLAS)", ("nvjet", "gemm", "gemv", "cutlass", "sm90_xmma", "Kernel2")),
+    ("attention", ("flash", "fmha", "attention", "sdpa", "cudnn")),
+    ("elementwise / reduce", ("elementwise", "reduce", "vectorized", "unrolled", "triton_", "copy", "fill")),
+)
+
+
+def category(name: str) -> str:
+    lowered = name.lower()
+    for label, keys in CATEGORIES:
+        if any(k.lower() in lowered for k in keys):
+            return label
+    return "other"
+
+
+def build(model: str, weights: str, rank: int, device: torch.device):
+    from qerl_lib.models.loader import build_random_model
+    from qerl_lib.models.lora import attach_lora
+
+    base = build_random_model(model, dtype=torch.bfloat16, device=device, nvfp4=weights == "nvfp4",
+                              init="random_codes", seed=0)
+    policy = attach_lora(base, rank=rank)
+    policy.base_model.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    policy.train()
+    return policy
+
+
+def step_fn(policy, ids):
+    decoder = policy.base_model.model.model
+
+    def step():
+        hidden = decoder(input_ids=ids).last_hidden_state
+        hidden.float().square().mean().backward()
+        policy.zero_grad(set_to_none=True)
+    return step
+
+
+def timed(step, count: int) -> list[float]:
+    times = []
+    for _ in range(count):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return times
+
+
+def kernel_totals(step) -> dict[str, float]:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    path = tempfile.mktemp(suffix=".json")
+    prof.export_chrome_trace(path)
+    with open(path) as f:
+        events = json.load(f)["traceEvents"]
+    totals: dict[str, float] = collections.defaultdict(float)
+    for e in events:
+        if e.get("cat") == "kernel":
+            totals[category(e["name"])] += e["dur"] / 1e6
+    return dict(totals)
+
+
+def bootstrap_ratio(a: list[float], b: list[float], draws: int = 4000, seed: int = 0) -> tuple[float, float]:
+    """95% CI of median(b) / median(a), resampling steps with replacement."""
+    rng = random.Random(seed)
+    ratios = sorted(statistics.median(rng.choices(b, k=len(b))) / statistics.median(rng.choices(a, k=len(a)))
+                    for _ in range(draws))
+    return ratios[int(0.025 * draws)], ratios[int(0.975 * draws) - 1]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="qwen2.5-7b")
+    p.add_argument("--rows", type=int, default=8)
+    p.add_argument("--seq", type=int, default=2304)
+    p.add_argument("--rank", type=int, default=32)
+    p.add_argument("--blocks", type=int, default=3)
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--json", required=True)
+    args = p.parse_args()
+    device = torch.device("cuda")
+    models = {w: build(args.model, w, args.rank, device) for w in ("bf16", "nvfp4")}
+    vocab = models["bf16"].base_model.model.config.vocab_size
+    ids = torch.randint(0, vocab, (args.rows, args.seq), device=device, generator=torch.Generator(device).manual_seed(0))
+    steps = {w: step_fn(m, ids) for w, m in models.items()}
+    for w in steps:  # warm-up: autotuning, allocator
+        timed(steps[w], 2)
+    times: dict[str, list[float]] = {w: [] for w in steps}
+    for block in range(args.blocks):
+        for w in (("bf16", "nvfp4") if block % 2 == 0 else ("nvfp4", "bf16")):
+            times[w] += timed(steps[w], args.steps)
+    kernels = {w: kernel_totals(steps[w]) for w in steps}
+    med = {w: statistics.median(t) for w, t in times.items()}
+    low, high = bootstrap_ratio(times["bf16"], times["nvfp4"])
+    record = {
+        "provenance": provenance(), "device": torch.cuda.get_device_name(),
+        "settings": vars(args), "step_s": times, "median_s": med,
+        "nvfp4_over_bf16": med["nvfp4"] / med["bf16"], "ci95": [low, high],
+        "kernel_s": kernels, "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+    }
+    write_json_atomic(args.json, record)
+    print(f"{args.model}, {args.rows} x {args.seq} tokens, LoRA r{args.rank}, gradient checkpointing, fwd + bwd")
+    print(f"median step: bf16 {med['bf16']:.3f} s, nvfp4 {med['nvfp4']:.3f} s, ratio {med['nvfp4'] / med['bf16']:.3f}"
+          f" (95% CI {low:.3f}-{high:.3f}, {len(times['bf16'])} steps each)")
+    labels = sorted({c for k in kernels.values() for c in k})
+    print(f"{'kernel time, s':<24}{'bf16':>10}{'nvfp4':>10}")
+    for c in labels + ["total"]:
+        vals = [sum(kernels[w].values()) if c == "total" else kernels[w].get(c, 0.0) for w in ("bf16", "nvfp4")]
+        print(f"{c:<24}{vals[0]:>10.4f}{vals[1]:>10.4f}")
+
+
+if __name__ == "__main__":
+    main()
