@@ -28,7 +28,13 @@ HAS_PC = pc.available()
 # ============================================================================ configuration and rule
 def test_config_rejects_bad_values_with_a_clear_message():
     with pytest.raises(ValueError, match="block_m must be one of"):
-        ProducerConfig(block_m=64)
+        ProducerConfig(block_m=48)
+    with pytest.raises(ValueError, match="warpgroups must be one of"):
+        ProducerConfig(64, warpgroups=4)
+    with pytest.raises(ValueError, match="programs_per_sm must be 1..4"):
+        ProducerConfig(64, programs_per_sm=5)
+    with pytest.raises(ValueError, match="2 program.* use fewer stages, programs or rows of x"):
+        ProducerConfig(64, 6, warpgroups=1, programs_per_sm=2)  # 2 x 6 x (16 + 4 + 1) KB > 227 KB
     with pytest.raises(ValueError, match="stages must be 2..8"):
         ProducerConfig(stages=1)
     with pytest.raises(ValueError, match="producer_registers must be a multiple of 8 in 24..56"):
@@ -42,6 +48,17 @@ def test_shared_memory_bytes_counts_x_words_scale_boxes_and_barriers():
     # per stage: x 256 x 128 bf16 (64 KB), words 128 x 16 int32 (8 KB), scale box 128 x 16 bytes (2 KB), 2 mbarriers
     assert pc.shared_memory_bytes(256, 3) == 3 * (65536 + 8192 + 2048 + 16)
     assert pc.shared_memory_bytes(256, 3) <= pc.SHARED_MEMORY_BYTES < pc.shared_memory_bytes(256, 4)
+    # one warpgroup: 64 weight rows' words (4 KB) and scale boxes (1 KB)
+    assert pc.shared_memory_bytes(64, 5, warpgroups=1) == 5 * (16384 + 4096 + 1024 + 16)
+
+
+@pytest.mark.parametrize("warpgroups, programs, registers", [(1, 1, None), (1, 2, 128), (1, 3, 80), (2, 2, 80)])
+def test_max_registers_fit_the_programs_in_one_register_file(warpgroups, programs, registers):
+    cfg = ProducerConfig(64, 2, 24, warpgroups, programs)
+    assert cfg.max_registers == registers
+    assert cfg.block_n == 64 * warpgroups
+    if registers is not None:  # consumers plus the producer's (padded) warpgroup, times the programs: <= 64K
+        assert programs * 128 * (warpgroups + 1) * registers <= 65536
 
 
 @pytest.mark.parametrize("k, ok", [(3584, True), (18944, True), (256, True), (128, False), (3712, False), (0, False)])
@@ -64,7 +81,14 @@ def test_aligned_wants_16_byte_starts_and_row_strides():
     (512, 5120, 27648, ProducerConfig()),  # fill the SMs, 256 rows where 128 would not fill them better
     (192, 37888, 3584, None), (2049, 37888, 3584, None), (4096, 37888, 3584, None),  # outside the measured M range
     (1024, 3584, 18944, None), (256, 4608, 3584, None), (256, 3584, 3584, None),  # q/k/v, o; down from 1024 rows
-    (1024, 37888, 3712, None)])  # K not in whole 256s
+    (1024, 37888, 3712, None),  # K not in whole 256s
+    # decode batch sizes (LOG 37): one consumer warpgroup, two programs per SM
+    (24, 37888, 3584, ProducerConfig(32, 5, 40, 1, 2)), (32, 55296, 5120, ProducerConfig(32, 5, 40, 1, 2)),
+    (33, 4608, 3584, ProducerConfig(64, 5, 40, 1, 2)), (64, 3584, 3584, ProducerConfig(64, 5, 40, 1, 2)),
+    (65, 37888, 3584, ProducerConfig(32, 5, 40, 1, 2)), (96, 7168, 5120, ProducerConfig(32, 5, 40, 1, 2)),
+    (23, 37888, 3584, None), (97, 37888, 3584, None), (128, 37888, 3584, None),  # outside the measured spans
+    (32, 4608, 3584, None), (32, 5120, 5120, None),  # q/k/v and o lost with 32-row tiles at 24-32 rows
+    (64, 3584, 18944, None), (48, 5120, 27648, None)])  # long-K down: too few output tiles, no K-slices
 def test_rule_picks_the_kernel_only_where_it_measured_faster(m, n, k, picked):
     assert pick_producer_config(m, n, k) == picked
     planned = plan_launch(m, n, k, gluon=True, producer_aligned=True)
@@ -85,14 +109,19 @@ def test_rule_can_be_turned_off(monkeypatch):
     assert pick_producer_config(1024, 37888, 3584) is None
     monkeypatch.setenv(PRODUCER_ENV, "1")
     assert pick_producer_config(1024, 37888, 3584) is not None
+    assert pick_producer_config(64, 37888, 3584) is not None
+    monkeypatch.setenv(PRODUCER_ENV, "0")
+    assert pick_producer_config(64, 37888, 3584) is None
 
 
 # ============================================================================ offline compile (no GPU)
 @pytest.mark.skipif(pc.gluon is None or sm90_ptxas() is None,
                     reason="needs Triton's Gluon and its bundled ptxas to compile for sm_90a offline")
-@pytest.mark.parametrize("block_m, stages, producer_registers",
-                         [(256, 3, 40), (128, 4, 40), (256, 3, 56), (256, 2, 24)])
-def test_offline_compile_keeps_one_wgmma_in_flight(tmp_path, block_m, stages, producer_registers):
+@pytest.mark.parametrize("cfg", [ProducerConfig(256, 3, 40), ProducerConfig(128, 4, 40), ProducerConfig(256, 3, 56),
+                                 ProducerConfig(256, 2, 24), ProducerConfig(64, 5, 40, 1, 2),
+                                 ProducerConfig(32, 5, 40, 1, 2), ProducerConfig(64, 3, 24, 1, 3)],
+                         ids=lambda c: f"m{c.block_m}st{c.stages}r{c.producer_registers}wg{c.warpgroups}p{c.programs_per_sm}")
+def test_offline_compile_keeps_one_wgmma_in_flight(tmp_path, cfg):
     """sm_90a, as the launch compiles it: no spills, no C75xx 'wgmma serialized' warning, waits that leave one
     wgmma group in flight, four TMA copies per step in the producer, and register budgets set per partition."""
     import triton
@@ -100,27 +129,30 @@ def test_offline_compile_keeps_one_wgmma_in_flight(tmp_path, block_m, stages, pr
     from triton.experimental.gluon._runtime import GluonASTSource
 
     names = ["x_desc", "w_desc", "s_desc", "gs_ptr", "bias_ptr", "out_ptr", "M", "N", "K", "stride_om", "has_bias"]
-    types = [f"tensordesc<bf16[{block_m}, 128],{pc.X_SMEM_LAYOUT!r}>",
-             f"tensordesc<i32[{pc.BLOCK_N}, 16],{pc.W_SMEM_LAYOUT!r}>",
-             f"tensordesc<u8[{pc.BLOCK_N}, {pc.SCALE_BOX}],{pc.SCALES_SMEM_LAYOUT!r}>",
+    types = [f"tensordesc<bf16[{cfg.block_m}, 128],{pc.X_SMEM_LAYOUT!r}>",
+             f"tensordesc<i32[{cfg.block_n}, 16],{pc.W_SMEM_LAYOUT!r}>",
+             f"tensordesc<u8[{cfg.block_n}, {pc.SCALE_BOX}],{pc.SCALES_SMEM_LAYOUT!r}>",
              "*fp32", "*bf16", "*bf16"] + ["i32"] * 5
-    consts = {"BLOCK_M": block_m, "STAGES": stages, "PRODUCER_REGS": ProducerConfig(block_m, stages, producer_registers)
-              .producer_registers}
+    consts = {"BLOCK_M": cfg.block_m, "STAGES": cfg.stages, "PRODUCER_REGS": cfg.producer_registers,
+              "WG": cfg.warpgroups}
     signature = {**dict(zip(names, types)), **{c: "constexpr" for c in consts}}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n.endswith("_ptr") or n in
              ("N", "K", "stride_om")}
     src = GluonASTSource(pc._fp4_wgmma_producer_kernel, signature, consts, attrs)
-    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8}).asm["ptx"]
+    options = {"num_warps": 4 * cfg.warpgroups, **({"maxnreg": cfg.max_registers} if cfg.max_registers else {})}
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
     assert "wgmma.wait_group.sync.aligned 1;" in ptx
     # per step: x in two 64-column halves (the 128-byte swizzle's width), the words, the scale box
     assert len(re.findall(r"cp\.async\.bulk\.tensor\.2d", ptx)) == 4
-    assert re.search(rf"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+{producer_registers};", ptx)  # the producer's
+    assert re.search(rf"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+{cfg.producer_registers};", ptx)  # the producer's
     (tmp_path / "k.ptx").write_text(ptx)
     res = subprocess.run([sm90_ptxas(), "-arch=sm_90a", "-v", str(tmp_path / "k.ptx"), "-o", str(tmp_path / "k.cubin")],
                          capture_output=True, text=True, check=True)
     log = res.stderr + res.stdout
     assert " 0 bytes spill stores" in log
     assert not re.search(r"C75\d\d", log), log  # e.g. C7512 / C7515: wgmma.mma_async instructions are serialized
+    if cfg.max_registers:  # the cap that lets programs_per_sm programs share an SM's register file holds
+        assert int(re.search(r"Used (\d+) registers", log).group(1)) <= cfg.max_registers
 
 
 # ============================================================================ CUDA
@@ -129,8 +161,9 @@ def test_offline_compile_keeps_one_wgmma_in_flight(tmp_path, block_m, stages, pr
 @pytest.mark.parametrize("m, n, k", [(1, 128, 256), (77, 320, 512), (129, 1000, 1024), (300, 4608, 3584),
                                      (257, 3584, 18944), (513, 200, 768), (1024, 512, 3584)])
 @pytest.mark.parametrize("cfg", [ProducerConfig(), ProducerConfig(256, 2), ProducerConfig(128, 4),
-                                 ProducerConfig(128, 2, 56)],
-                         ids=lambda c: f"m{c.block_m}st{c.stages}r{c.producer_registers}")
+                                 ProducerConfig(128, 2, 56), ProducerConfig(64, 5, 40, 1, 2),
+                                 ProducerConfig(32, 5, 40, 1, 2), ProducerConfig(64, 3, 24, 1, 3)],
+                         ids=lambda c: f"m{c.block_m}st{c.stages}r{c.producer_registers}wg{c.warpgroups}p{c.programs_per_sm}")
 def test_cuda_kernel_matches_the_oracle_and_fp4_wgmma(m, n, k, cfg):
     """With and without bias: against ``reference_matmul`` at mean relative error < 1e-3 (fp32 sums in another
     order, one bf16 rounding), every output written (NaN-poisoned), the same bits twice, and the same bits as
@@ -159,14 +192,17 @@ def test_cuda_kernel_matches_the_oracle_and_fp4_wgmma(m, n, k, cfg):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not HAS_PC, reason="needs a Hopper GPU (sm_90) and Triton's Gluon")
-@pytest.mark.parametrize("batch, config", [(4, ProducerConfig()), (3, ProducerConfig(128, 4))])
-def test_cuda_fp4_linear_routes_the_rules_problems_to_the_kernel(monkeypatch, batch, config):
-    """A gate/up-shaped call at M = 1024 (and at 384, with 128-row tiles) gives the kernel's bits through
-    ``fp4_linear``; with the rule turned off it gives the dequantize + cuBLAS path's (same values to ~1e-6, other
+@pytest.mark.parametrize("batch, rows, config", [(4, 256, ProducerConfig()), (3, 128, ProducerConfig(128, 4)),
+                                                (2, 32, ProducerConfig(64, 5, 40, 1, 2)),
+                                                (4, 7, ProducerConfig(32, 5, 40, 1, 2))])
+def test_cuda_fp4_linear_routes_the_rules_problems_to_the_kernel(monkeypatch, batch, rows, config):
+    """A gate/up-shaped call at M = 1024 (and at 384, with 128-row tiles; at the decode batch sizes 64 and 28)
+    gives the kernel's bits through ``fp4_linear``; with the rule turned off it gives the path before's
+    (dequantize + cuBLAS, or the one-warpgroup ``fp4_wgmma`` with K-slices: same values to ~1e-6, other
     summation order)."""
     from qerl_lib.kernels.fp4_gemm import fp4_linear
 
-    m = batch * 256 if batch == 4 else batch * 128
+    m = batch * rows
     q, w, g = cuda_nvfp4_weights(16384, 512, seed=5)
     x = torch.randn(batch, m // batch, 512, device="cuda", generator=g).to(torch.bfloat16)  # a 3-D batch
     assert pick_producer_config(m, 16384, 512) == config

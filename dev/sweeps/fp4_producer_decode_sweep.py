@@ -29,8 +29,11 @@ from qerl_lib.kernels.fp4_wgmma import WgmmaConfig  # noqa: E402
 from qerl_lib.kernels.launch_rule import path_name  # noqa: E402
 from qerl_lib.quant.nvfp4 import reference_matmul  # noqa: E402
 
-SHAPES = [("7b.gate_up", 37888, 3584), ("32b.gate_up", 55296, 5120), ("7b.gate", 18944, 3584),
-          ("7b.down", 3584, 18944), ("7b.qkv", 4608, 3584), ("32b.down", 5120, 27648)]
+ALL_SHAPES = [("7b.gate_up", 37888, 3584), ("32b.gate_up", 55296, 5120), ("7b.gate", 18944, 3584),
+              ("7b.down", 3584, 18944), ("7b.qkv", 4608, 3584), ("32b.down", 5120, 27648), ("7b.o", 3584, 3584),
+              ("32b.qkv", 7168, 5120), ("32b.o", 5120, 5120)]
+SHAPES = [s for s in ALL_SHAPES if s[0] in os.environ.get("SHAPES", "7b.gate_up,32b.gate_up,7b.gate,7b.down,7b.qkv,"
+                                                          "32b.down").split(",")]
 MS = [int(v) for v in os.environ.get("MS", "16,32,64,128").split(",")]
 CONFIGS = os.environ.get("CONFIGS", "64/4/1/2,64/3/1/3,32/4/1/2,32/3/1/3,128/3/1/2,128/3/2/1").split(",")
 CHECK_CASES = [(1, 128, 256), (16, 200, 768), (33, 320, 512), (64, 4608, 3584), (100, 1000, 1024),

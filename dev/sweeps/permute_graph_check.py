@@ -20,7 +20,7 @@ bad = 0
 for n, k in [(37888, 3584), (4096, 4096)]:
     q = quantize((torch.randn(n, k, device="cuda") * 0.02).to(torch.bfloat16))
     w = prepare_fp4_weights(q.weight_packed, q.weight_scale, q.weight_global_scale)
-    for m in (8, 16, 32, 64, 100, 128):
+    for m in (8, 16, 24, 32, 48, 64, 72, 96, 100, 128):
         x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
         eager = fp4_linear(x, w)
         side = torch.cuda.Stream()

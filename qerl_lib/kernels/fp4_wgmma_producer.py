@@ -77,29 +77,50 @@ else:
     _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 
 BLOCK_K = 128  # one K-step: 16 int32 words and 8 scale bytes per weight row, 128 columns of x
-BLOCK_N = 128  # weight rows (outputs) per program: two consumers of 64
-BLOCK_MS = (128, 256)  # rows of x per program (the wgmma N)
+BLOCK_N = 128  # weight rows (outputs) per program at two consumer warpgroups of 64 (the training-size launch)
+BLOCK_MS = (32, 64, 128, 256)  # rows of x per program (the wgmma N)
+WARPGROUPS = (1, 2)  # consumer warpgroups per program, 64 weight rows each
 SHARED_MEMORY_BYTES = 227 * 1024
 SCALE_BOX = 16  # scale bytes per weight row in one TMA box: two K-steps' (TMA's narrowest box, 16-byte aligned)
 
 
-def shared_memory_bytes(block_m: int, stages: int) -> int:
-    """Per stage: the bf16 x tile [block_m, 128], the words [128, 16] int32 and the scale boxes [128, 16]
-    bytes; two mbarriers per stage."""
-    return stages * (block_m * BLOCK_K * 2 + BLOCK_N * 16 * 4 + BLOCK_N * SCALE_BOX + 16)
+def shared_memory_bytes(block_m: int, stages: int, warpgroups: int = 2) -> int:
+    """Per stage: the bf16 x tile [block_m, 128], the words [64 x warpgroups, 16] int32 and the scale boxes
+    [64 x warpgroups, 16] bytes; two mbarriers per stage."""
+    rows = 64 * warpgroups
+    return stages * (block_m * BLOCK_K * 2 + rows * 16 * 4 + rows * SCALE_BOX + 16)
 
 
 @dataclass(frozen=True)
 class ProducerConfig:
-    """One launch of ``_fp4_wgmma_producer_kernel``: ``block_m`` rows of x per program (128 or 256),
-    ``stages`` K-steps in the shared-memory ring (2-8, within an SM's shared memory), and the registers a
+    """One launch of ``_fp4_wgmma_producer_kernel``: ``block_m`` rows of x per program (32, 64, 128 or 256),
+    ``stages`` K-steps in the shared-memory ring (2-8, within an SM's shared memory), the registers a
     thread of the producer's warpgroup gets through ``setmaxnreg`` (``producer_registers``, a multiple of 8 in
     24-56; the consumers get Triton's share of the rest: 232 at 40, 224 at 56; from 64 on, ptxas serializes
-    the wgmmas for want of registers, its C7512)."""
+    the wgmmas for want of registers, its C7512), the consumer ``warpgroups`` (1 or 2, 64 weight rows each)
+    and the persistent ``programs_per_sm`` (1-4; their rings must fit an SM's shared memory together)."""
 
     block_m: int = 256
     stages: int = 3
     producer_registers: int = 40
+    warpgroups: int = 2
+    programs_per_sm: int = 1
+
+    @property
+    def block_n(self) -> int:
+        """Weight rows (outputs) per program."""
+        return 64 * self.warpgroups
+
+    @property
+    def max_registers(self) -> int | None:
+        """Registers per thread the launch may use so that ``programs_per_sm`` programs fit an SM's 64K (None: one
+        program, no cap). A program runs its consumer warpgroups plus one warpgroup for the producer warp (Gluon
+        pads a worker partition to a whole warpgroup); ``setmaxnreg`` then moves the producer's spare registers
+        to the consumers."""
+        if self.programs_per_sm == 1:
+            return None
+        threads = 128 * (self.warpgroups + 1)
+        return min(255, 65536 // (self.programs_per_sm * threads)) // 8 * 8
 
     def __post_init__(self):
         if self.block_m not in BLOCK_MS:
@@ -109,10 +130,15 @@ class ProducerConfig:
         if self.producer_registers % 8 or not 24 <= self.producer_registers <= 56:
             raise ValueError(f"ProducerConfig.producer_registers must be a multiple of 8 in 24..56 (more leaves the "
                              f"consumers too few registers to keep a wgmma in flight), got {self.producer_registers}")
-        need = shared_memory_bytes(self.block_m, self.stages)
+        if self.warpgroups not in WARPGROUPS:
+            raise ValueError(f"ProducerConfig.warpgroups must be one of {WARPGROUPS}, got {self.warpgroups}")
+        if not 1 <= self.programs_per_sm <= 4:
+            raise ValueError(f"ProducerConfig.programs_per_sm must be 1..4, got {self.programs_per_sm}")
+        need = shared_memory_bytes(self.block_m, self.stages, self.warpgroups) * self.programs_per_sm
         if need > SHARED_MEMORY_BYTES:
-            raise ValueError(f"ProducerConfig{(self.block_m, self.stages)} needs {need // 1024} KB of shared memory "
-                             f"(an SM gives {SHARED_MEMORY_BYTES // 1024}); use fewer stages or block_m=128")
+            raise ValueError(f"ProducerConfig{(self.block_m, self.stages)} x {self.programs_per_sm} program(s) per SM "
+                             f"needs {need // 1024} KB of shared memory (an SM gives {SHARED_MEMORY_BYTES // 1024}); "
+                             "use fewer stages, programs or rows of x")
 
 
 def supported_problem(k: int) -> bool:
@@ -140,14 +166,16 @@ def linear(x2: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, global_s
         raise ValueError("fp4_wgmma_producer: x, the words and the scales must start on 16 bytes with rows a multiple "
                          "of 16 bytes apart (TMA); use fp4_gemm.fp4_linear instead")
     x_desc = TensorDescriptor(xp, [m, k], [xp.stride(0), 1], [config.block_m, BLOCK_K], X_SMEM_LAYOUT)
-    w_desc = TensorDescriptor(words, [n, k // 8], [words.stride(0), 1], [BLOCK_N, BLOCK_K // 8], W_SMEM_LAYOUT)
-    s_desc = TensorDescriptor(scales, [n, k // 16], [scales.stride(0), 1], [BLOCK_N, SCALE_BOX], SCALES_SMEM_LAYOUT)
-    tiles = triton.cdiv(m, config.block_m) * triton.cdiv(n, BLOCK_N)
-    grid = (min(tiles, num_sms(x2.device)),)  # persistent: one program per SM at most
+    bn = config.block_n
+    w_desc = TensorDescriptor(words, [n, k // 8], [words.stride(0), 1], [bn, BLOCK_K // 8], W_SMEM_LAYOUT)
+    s_desc = TensorDescriptor(scales, [n, k // 16], [scales.stride(0), 1], [bn, SCALE_BOX], SCALES_SMEM_LAYOUT)
+    tiles = triton.cdiv(m, config.block_m) * triton.cdiv(n, bn)
+    grid = (min(tiles, num_sms(x2.device) * config.programs_per_sm),)  # persistent
     _fp4_wgmma_producer_kernel[grid](
         x_desc, w_desc, s_desc, global_scale, bias if bias is not None else out, out,
         m, n, k, out.stride(0), int(bias is not None),
-        BLOCK_M=config.block_m, STAGES=config.stages, PRODUCER_REGS=config.producer_registers, num_warps=8)
+        BLOCK_M=config.block_m, STAGES=config.stages, PRODUCER_REGS=config.producer_registers, WG=config.warpgroups,
+        num_warps=4 * config.warpgroups, **({"maxnreg": config.max_registers} if config.max_registers else {}))
 
 
 # ============================================================================ Gluon kernel
@@ -238,10 +266,10 @@ if gluon is not None:
 
     @gluon.jit
     def _fp4_wgmma_producer_kernel(x_desc, w_desc, s_desc, gs_ptr, bias_ptr, out_ptr, M, N, K, stride_om, has_bias,
-                                   BLOCK_M: gl.constexpr, STAGES: gl.constexpr, PRODUCER_REGS: gl.constexpr):
-        """[128 weight rows, BLOCK_M rows of x] output tiles over all of K, tile ``t`` of the grid's stride
+                                   BLOCK_M: gl.constexpr, STAGES: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+                                   WG: gl.constexpr):
+        """[64 x WG weight rows, BLOCK_M rows of x] output tiles over all of K, tile ``t`` of the grid's stride
         (rows of x fastest; module docstring)."""
-        WG: gl.constexpr = 2
         tiles_m = gl.cdiv(M, BLOCK_M)
         num_tiles = tiles_m * gl.cdiv(N, 64 * WG)
         k_steps = K // 128

@@ -3,8 +3,9 @@
 The choice is a fixed rule, not autotuning, so the same problem always runs the same kernel and gives the
 same bits. The rules and their thresholds come from GPU sweeps on an H100 and an H200 (``dev/sweeps/``;
 results and reasoning in dev/LOG.md): the decode step (M <= 8) runs the mma.sync kernel where it can
-(``uses_mma``); at 25-128 rows the Gluon kernel (``pick_wgmma_config``), on the wide gate/up shapes at
-193-2048 rows and the long-K down shapes at 193-512 the producer-warp Gluon kernel (``pick_producer_config``); everything else the Triton kernel,
+(``uses_mma``); at 25-128 rows the Gluon kernel (``pick_wgmma_config``), except where the producer-warp Gluon
+kernel (``pick_producer_config``) runs: most shapes at 24-96 rows, the wide gate/up shapes at 193-2048 rows and
+the long-K down shapes at 193-512; everything else the Triton kernel,
 whose small-M launches want enough programs in flight (K-splits) without overflowing one wave, or from 193
 rows one exact dequantization pass and cuBLAS (``pick_config``). ``plan_launch`` chains the last three.
 """
@@ -185,6 +186,24 @@ PRODUCER_LONG_K_MAX_M = 512
 # 0.91x of bf16), for choosing the tile height (producer_block_m).
 PRODUCER_128_ROW_SPEED = 0.84
 PRODUCER_ENV = "QERL_FP4_PRODUCER"  # "0": never pick it (read at each call; default "1")
+# Decode batch sizes (H100, dev/LOG.md section 37, runs 1-3, permute included): one consumer warpgroup, two programs
+# per SM, 5 stages, against the rule before (fp4_wgmma with one warpgroup, or the Triton fragment kernel). Spans of
+# rows (first, last, tile height, least N): 64-row tiles at 33-64 rows win on every K < 16384 shape of Qwen2.5-7B/32B
+# (1.03-1.26x on gate/up, 1.04-1.75x on q/k/v and o); 32-row tiles at 24-32 rows only on gate/up (1.11-1.35x; q/k/v
+# and o lose there) and at 65-96 rows in three tiles (1.02-1.32x). The long-K down shapes lose everywhere (56-80
+# output tiles and no K-slices): they keep the rule before.
+PRODUCER_DECODE_SPANS = ((24, 32, 32, PRODUCER_MIN_N), (33, 64, 64, 0), (65, 96, 32, 0))
+
+
+def pick_producer_decode_config(m: int, n: int, k: int) -> ProducerConfig | None:
+    """The producer kernel's launch at decode batch sizes (``PRODUCER_DECODE_SPANS``; K below ``PRODUCER_LONG_K``
+    and a multiple of 256), else None."""
+    if k >= PRODUCER_LONG_K or not fp4_wgmma_producer.supported_problem(k):
+        return None
+    for first, last, block_m, min_n in PRODUCER_DECODE_SPANS:
+        if first <= m <= last and n >= min_n:
+            return ProducerConfig(block_m, stages=5, warpgroups=1, programs_per_sm=2)
+    return None
 
 
 def producer_block_m(m: int, n: int, num_sms: int = 132) -> int:
@@ -204,9 +223,12 @@ def pick_producer_config(m: int, n: int, k: int, num_sms: int = 132) -> Producer
     """The producer kernel's launch for an ``[m, k] x [k, n]`` problem where the rule picks it (rows where
     ``pick_config`` would dequantize and call cuBLAS, up to ``PRODUCER_MAX_M`` for N >= ``PRODUCER_MIN_N`` or up to
     ``PRODUCER_LONG_K_MAX_M`` for K >= ``PRODUCER_LONG_K``; K a multiple of 256), else None: the tile height of
-    ``producer_block_m`` (256 rows: 3 stages, 128: 4). ``QERL_FP4_PRODUCER=0`` turns it off."""
-    if os.environ.get(PRODUCER_ENV, "1") == "0" or CUBLAS_MIN_M is None or m < CUBLAS_MIN_M:
+    ``producer_block_m`` (256 rows: 3 stages, 128: 4); at decode batch sizes ``pick_producer_decode_config``'s.
+    ``QERL_FP4_PRODUCER=0`` turns it off."""
+    if os.environ.get(PRODUCER_ENV, "1") == "0":
         return None
+    if CUBLAS_MIN_M is None or m < CUBLAS_MIN_M:
+        return pick_producer_decode_config(m, n, k)
     wide = n >= PRODUCER_MIN_N and m <= PRODUCER_MAX_M
     long_k = k >= PRODUCER_LONG_K and m <= PRODUCER_LONG_K_MAX_M
     if not (wide or long_k) or not fp4_wgmma_producer.supported_problem(k):
