@@ -33,6 +33,8 @@ def test_config_rejects_bad_values_with_a_clear_message():
         ProducerConfig(64, warpgroups=4)
     with pytest.raises(ValueError, match="programs_per_sm must be 1..4"):
         ProducerConfig(64, programs_per_sm=5)
+    with pytest.raises(ValueError, match="split_k must be 1..16"):
+        ProducerConfig(64, split_k=0)
     with pytest.raises(ValueError, match="2 program.* use fewer stages, programs or rows of x"):
         ProducerConfig(64, 6, warpgroups=1, programs_per_sm=2)  # 2 x 6 x (16 + 4 + 1) KB > 227 KB
     with pytest.raises(ValueError, match="stages must be 2..8"):
@@ -59,6 +61,15 @@ def test_max_registers_fit_the_programs_in_one_register_file(warpgroups, program
     assert cfg.block_n == 64 * warpgroups
     if registers is not None:  # consumers plus the producer's (padded) warpgroup, times the programs: <= 64K
         assert programs * 128 * (warpgroups + 1) * registers <= 65536
+
+
+@pytest.mark.parametrize("k, split_k, per, slices", [(18944, 4, 38, 4), (3584, 3, 10, 3), (256, 4, 2, 1),
+                                                     (27648, 5, 44, 5), (3584, 1, 28, 1), (512, 16, 2, 2)])
+def test_k_slices_start_on_even_steps_and_hold_an_even_number_of_them(k, split_k, per, slices):
+    assert pc.k_slices(k, split_k) == (per, slices)
+    steps = k // 128
+    lengths = [min(per, steps - i * per) for i in range(slices)]
+    assert sum(lengths) == steps and all(n >= 2 and n % 2 == 0 for n in lengths)
 
 
 @pytest.mark.parametrize("k, ok", [(3584, True), (18944, True), (256, True), (128, False), (3712, False), (0, False)])
@@ -128,11 +139,12 @@ def test_offline_compile_keeps_one_wgmma_in_flight(tmp_path, cfg):
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    names = ["x_desc", "w_desc", "s_desc", "gs_ptr", "bias_ptr", "out_ptr", "M", "N", "K", "stride_om", "has_bias"]
+    names = ["x_desc", "w_desc", "s_desc", "gs_ptr", "bias_ptr", "out_ptr", "ws_ptr", "M", "N", "K", "stride_om",
+             "has_bias", "per", "slices"]
     types = [f"tensordesc<bf16[{cfg.block_m}, 128],{pc.X_SMEM_LAYOUT!r}>",
              f"tensordesc<i32[{cfg.block_n}, 16],{pc.W_SMEM_LAYOUT!r}>",
              f"tensordesc<u8[{cfg.block_n}, {pc.SCALE_BOX}],{pc.SCALES_SMEM_LAYOUT!r}>",
-             "*fp32", "*bf16", "*bf16"] + ["i32"] * 5
+             "*fp32", "*bf16", "*bf16", "*fp32"] + ["i32"] * 7
     consts = {"BLOCK_M": cfg.block_m, "STAGES": cfg.stages, "PRODUCER_REGS": cfg.producer_registers,
               "WG": cfg.warpgroups}
     signature = {**dict(zip(names, types)), **{c: "constexpr" for c in consts}}
@@ -215,6 +227,43 @@ def test_cuda_fp4_linear_routes_the_rules_problems_to_the_kernel(monkeypatch, ba
     other = fp4_linear(x, w)
     rel = float((other.float() - routed.float()).abs().mean() / routed.float().abs().mean())
     assert rel < 1e-3
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_PC, reason="needs a Hopper GPU (sm_90) and Triton's Gluon")
+@pytest.mark.parametrize("m, n, k, cfg", [(24, 3584, 18944, ProducerConfig(32, 5, 40, 1, 2, 4)),
+                                          (64, 5120, 27648, ProducerConfig(64, 5, 40, 1, 2, 3)),
+                                          (77, 320, 3584, ProducerConfig(32, 5, 40, 1, 2, 5)),
+                                          (1, 200, 512, ProducerConfig(64, 2, 40, 1, 2, 16))])
+def test_cuda_k_slices_match_the_oracle(m, n, k, cfg):
+    """K-slices: fp32 partials summed by ``fp4_gemm``'s fixed-order reduction; every output written, within 1e-3
+    mean relative error of ``reference_matmul`` with and without bias, the same bits twice, and the same values
+    as the unsplit launch to fp32 rounding."""
+    import dataclasses
+
+    from qerl_lib.kernels.fp4_gemm import _reduce_splits
+
+    q, w, g = cuda_nvfp4_weights(n, k, seed=m + n + k)
+    x = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
+    bias = torch.randn(n, device="cuda", generator=g).to(torch.bfloat16)
+    assert pc.k_slices(k, cfg.split_k)[1] > 1
+    for b in (None, bias):
+        ref = reference_matmul(x, q, b)
+        outs = []
+        for c in (cfg, cfg, dataclasses.replace(cfg, split_k=1)):
+            out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+            pc.linear(x, w.words, w.scales, w.global_scale, b, out, c, reduce_splits=_reduce_splits)
+            outs.append(out)
+        torch.cuda.synchronize()
+        assert not torch.isnan(outs[0]).any()
+        rel = float((outs[0].float() - ref.float()).abs().mean() / ref.float().abs().mean())
+        assert rel < 1e-3, rel
+        assert torch.equal(outs[0], outs[1])
+        unsplit = float((outs[0].float() - outs[2].float()).abs().mean() / outs[2].float().abs().mean())
+        assert unsplit < 1e-3, unsplit
+    with pytest.raises(ValueError, match="needs reduce_splits"):
+        pc.linear(x, w.words, w.scales, w.global_scale, None, torch.empty(m, n, dtype=torch.bfloat16, device="cuda"),
+                  cfg)
 
 
 @pytest.mark.cuda

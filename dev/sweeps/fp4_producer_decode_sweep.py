@@ -5,8 +5,9 @@ one consumer warpgroup per program and several programs per SM, against the laun
 One call: correctness of the new launches (poisoned outputs, bias, determinism, the oracle ``reference_matmul``,
 bit-equality with ``fp4_wgmma`` 256 x 2), then device time per (shape, M) with the benchmark's CUDA-graph +
 L2-rotation timer, the permute of x included. ``PART``: ``check``, ``time`` (default both); ``MS`` the rows of x;
-``CONFIGS`` producer launches as ``block_m/stages/warpgroups/programs_per_sm`` items (producer registers 40 at
-one or two programs per SM, 24 from three). Writes $OUT/sweep.jsonl; one line per (shape, M, variant).
+``CONFIGS`` producer launches as ``block_m/stages/warpgroups/programs_per_sm[/split_k]`` items (producer registers
+40 at one or two programs per SM, 24 from three). With K-slices the bits differ from ``fp4_wgmma`` 256 x 2 (another
+summation order): ``equal_wgmma_256x2`` is then expected false. Writes $OUT/sweep.jsonl; one line per (shape, M, variant).
 
     OUT=/tmp/out PYTHONPATH=$PWD python dev/sweeps/fp4_producer_decode_sweep.py
 """
@@ -24,7 +25,7 @@ import fp4_kernel_sweep as sweep  # noqa: E402  (opens $OUT/sweep.jsonl)
 
 from qerl_lib.bench.gemm import mean_relative_error, rotation_copies, time_graph  # noqa: E402
 from qerl_lib.kernels import fp4_wgmma_producer as pc  # noqa: E402
-from qerl_lib.kernels.fp4_gemm import fp4_linear, planned_launch, prepare_fp4_weights  # noqa: E402
+from qerl_lib.kernels.fp4_gemm import _reduce_splits, fp4_linear, planned_launch, prepare_fp4_weights  # noqa: E402
 from qerl_lib.kernels.fp4_wgmma import WgmmaConfig  # noqa: E402
 from qerl_lib.kernels.launch_rule import path_name  # noqa: E402
 from qerl_lib.quant.nvfp4 import reference_matmul  # noqa: E402
@@ -37,14 +38,14 @@ SHAPES = [s for s in ALL_SHAPES if s[0] in os.environ.get("SHAPES", "7b.gate_up,
 MS = [int(v) for v in os.environ.get("MS", "16,32,64,128").split(",")]
 CONFIGS = os.environ.get("CONFIGS", "64/4/1/2,64/3/1/3,32/4/1/2,32/3/1/3,128/3/1/2,128/3/2/1").split(",")
 CHECK_CASES = [(1, 128, 256), (16, 200, 768), (33, 320, 512), (64, 4608, 3584), (100, 1000, 1024),
-               (128, 3584, 18944)]  # M, N, K (K % 256 == 0)
+               (128, 3584, 18944), (24, 5120, 27648)]  # M, N, K (K % 256 == 0)
 REF_WG = WgmmaConfig(256, 2, 1, 3)
 PART = os.environ.get("PART", "check,time")
 
 
 def config(spec: str) -> pc.ProducerConfig:
-    bm, st, wg, pps = (int(v) for v in spec.split("/"))
-    return pc.ProducerConfig(bm, st, 40 if pps <= 2 else 24, wg, pps)
+    bm, st, wg, pps, *split = (int(v) for v in spec.split("/"))
+    return pc.ProducerConfig(bm, st, 40 if pps <= 2 else 24, wg, pps, split[0] if split else 1)
 
 
 def prepared(q):
@@ -52,7 +53,7 @@ def prepared(q):
 
 
 def run_pc(x, w, bias, out, cfg):
-    pc.linear(x, w.words, w.scales, w.global_scale, bias, out, cfg)
+    pc.linear(x, w.words, w.scales, w.global_scale, bias, out, cfg, reduce_splits=_reduce_splits)
 
 
 def correctness():

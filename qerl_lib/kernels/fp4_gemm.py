@@ -323,7 +323,8 @@ def _triton_linear(x: torch.Tensor, weight: PreparedFP4Weight, bias: torch.Tenso
         return out.reshape(*lead, n)
     config = config or planned_launch(m, weight, x2.device, allow_cublas)
     if isinstance(config, fp4_wgmma_producer.ProducerConfig):  # the producer-warp Gluon kernel (rule's or forced)
-        fp4_wgmma_producer.linear(x2, weight.words, weight.scales, weight.global_scale, bias, out, config)
+        fp4_wgmma_producer.linear(x2, weight.words, weight.scales, weight.global_scale, bias, out, config,
+                                  reduce_splits=_reduce_splits)
         return out.reshape(*lead, n)
     if isinstance(config, fp4_wgmma.WgmmaConfig):  # the Gluon kernel (the rule's or forced)
         fp4_wgmma.linear(x2, weight.words, weight.scales, weight.global_scale, bias, out, config, _reduce_splits)

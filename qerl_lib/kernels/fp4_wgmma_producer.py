@@ -97,14 +97,16 @@ class ProducerConfig:
     ``stages`` K-steps in the shared-memory ring (2-8, within an SM's shared memory), the registers a
     thread of the producer's warpgroup gets through ``setmaxnreg`` (``producer_registers``, a multiple of 8 in
     24-56; the consumers get Triton's share of the rest: 232 at 40, 224 at 56; from 64 on, ptxas serializes
-    the wgmmas for want of registers, its C7512), the consumer ``warpgroups`` (1 or 2, 64 weight rows each)
-    and the persistent ``programs_per_sm`` (1-4; their rings must fit an SM's shared memory together)."""
+    the wgmmas for want of registers, its C7512), the consumer ``warpgroups`` (1 or 2, 64 weight rows each),
+    the persistent ``programs_per_sm`` (1-4; their rings must fit an SM's shared memory together) and ``split_k``
+    K-slices (1-16, as ``k_slices`` rounds them), whose fp32 partials the caller's ``reduce_splits`` sums."""
 
     block_m: int = 256
     stages: int = 3
     producer_registers: int = 40
     warpgroups: int = 2
     programs_per_sm: int = 1
+    split_k: int = 1
 
     @property
     def block_n(self) -> int:
@@ -134,6 +136,8 @@ class ProducerConfig:
             raise ValueError(f"ProducerConfig.warpgroups must be one of {WARPGROUPS}, got {self.warpgroups}")
         if not 1 <= self.programs_per_sm <= 4:
             raise ValueError(f"ProducerConfig.programs_per_sm must be 1..4, got {self.programs_per_sm}")
+        if not 1 <= self.split_k <= 16:
+            raise ValueError(f"ProducerConfig.split_k must be 1..16, got {self.split_k}")
         need = shared_memory_bytes(self.block_m, self.stages, self.warpgroups) * self.programs_per_sm
         if need > SHARED_MEMORY_BYTES:
             raise ValueError(f"ProducerConfig{(self.block_m, self.stages)} x {self.programs_per_sm} program(s) per SM "
@@ -147,14 +151,25 @@ def supported_problem(k: int) -> bool:
     return k > 0 and k % (16 * SCALE_BOX) == 0
 
 
+def k_slices(k: int, split_k: int) -> tuple[int, int]:
+    """``(K-steps per slice, slices)`` for ``split_k`` requested slices of ``k / 128`` steps: every slice starts on
+    an even step (a scale box holds two steps) and has an even number of them, at least two (the peeled steps),
+    so fewer slices may result."""
+    steps = k // BLOCK_K
+    per = -(-steps // max(1, min(split_k, steps // 2)))
+    per += per % 2
+    return per, -(-steps // per)
+
+
 def linear(x2: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor,
            bias: torch.Tensor | None, out: torch.Tensor, config: ProducerConfig | None = None,
-           permuted: bool = False) -> None:
+           permuted: bool = False, reduce_splits=None) -> None:
     """``out[M, N] = x2[M, K] @ W.T (+ bias)`` for the compressed-tensors bytes ``words`` (int32 ``[N, K/8]``)
     and ``scales`` (``[N, K/16]`` E4M3 bytes) of ``W``, global scale ``gs`` on device. ``x2`` and ``out`` bf16
     with unit column stride (``out``'s rows ``out.stride(0)`` apart); ``permuted``: ``x2`` is already
-    ``fp4_wgmma.permute_x``'s copy. Raises a ValueError for a K this kernel cannot run or a tensor TMA cannot
-    read."""
+    ``fp4_wgmma.permute_x``'s copy. With K-slices the kernel writes fp32 partials to a temporary workspace
+    that ``reduce_splits(ws, global_scale, bias, out)`` sums (``fp4_gemm``'s fixed-order reduction, as for
+    ``fp4_wgmma``). Raises a ValueError for a K this kernel cannot run or a tensor TMA cannot read."""
     config = config or ProducerConfig()
     m, k = x2.shape
     n = words.shape[0]
@@ -169,30 +184,41 @@ def linear(x2: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, global_s
     bn = config.block_n
     w_desc = TensorDescriptor(words, [n, k // 8], [words.stride(0), 1], [bn, BLOCK_K // 8], W_SMEM_LAYOUT)
     s_desc = TensorDescriptor(scales, [n, k // 16], [scales.stride(0), 1], [bn, SCALE_BOX], SCALES_SMEM_LAYOUT)
-    tiles = triton.cdiv(m, config.block_m) * triton.cdiv(n, bn)
+    per, slices = k_slices(k, config.split_k)
+    ws = None
+    if slices > 1:
+        if reduce_splits is None:
+            raise ValueError("fp4_wgmma_producer.linear: a config with K-slices needs reduce_splits (fp4_gemm's)")
+        ws = torch.empty(slices, m, n, dtype=torch.float32, device=x2.device)
+    tiles = triton.cdiv(m, config.block_m) * triton.cdiv(n, bn) * slices
     grid = (min(tiles, num_sms(x2.device) * config.programs_per_sm),)  # persistent
     _fp4_wgmma_producer_kernel[grid](
-        x_desc, w_desc, s_desc, global_scale, bias if bias is not None else out, out,
-        m, n, k, out.stride(0), int(bias is not None),
+        x_desc, w_desc, s_desc, global_scale, bias if bias is not None else out, out, ws if ws is not None else out,
+        m, n, k, out.stride(0), int(bias is not None), per, slices,
         BLOCK_M=config.block_m, STAGES=config.stages, PRODUCER_REGS=config.producer_registers, WG=config.warpgroups,
         num_warps=4 * config.warpgroups, **({"maxnreg": config.max_registers} if config.max_registers else {}))
+    if ws is not None:
+        reduce_splits(ws, global_scale, bias, out)
 
 
 # ============================================================================ Gluon kernel
 if gluon is not None:
 
     @gluon.jit
-    def _producer(x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, ready, empty, tiles_m, num_tiles, k_steps):
-        """1 warp: for each K-step of each of the program's tiles, wait until its stage is empty, then TMA the x
-        tile, the words and the scale box (the box of steps 2j and 2j + 1 for either of them)."""
+    def _producer(x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, ready, empty, tiles_m, num_tiles, total_steps,
+                  per, slices):
+        """1 warp: for each K-step of each of the program's tiles (an output tile and a K-slice), wait until its
+        stage is empty, then TMA the x tile, the words and the scale box (the box of steps 2j and 2j + 1 for
+        either of them)."""
         STAGES: gl.constexpr = x_smem.type.shape[0]  # worker arguments carry no constexprs: read them off types
         BLOCK_M: gl.constexpr = x_smem.type.shape[1]
         BN: gl.constexpr = w_smem.type.shape[1]
         c = 0  # K-steps issued by this program so far: the ring position
         for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
             off_m = (t % tiles_m) * BLOCK_M
-            off_n = (t // tiles_m) * BN
-            for i in range(k_steps):
+            off_n = (t // tiles_m // slices) * BN
+            k0 = ((t // tiles_m) % slices) * per  # the slice's first K-step (even)
+            for i in range(k0, gl.minimum(k0 + per, total_steps)):
                 s = c % STAGES
                 mbarrier.wait(empty.index(s), ((c // STAGES) & 1) ^ 1)  # a fresh barrier passes parity 1 at once
                 bar = ready.index(s)
@@ -222,8 +248,8 @@ if gluon is not None:
         return acc, a
 
     @gluon.jit
-    def _consumers(x_smem, w_smem, s_smem, ready, empty, gs_ptr, bias_ptr, out_ptr, M, N, stride_om,
-                   tiles_m, num_tiles, k_steps, has_bias, BLOCK_M: gl.constexpr, WG: gl.constexpr):
+    def _consumers(x_smem, w_smem, s_smem, ready, empty, gs_ptr, bias_ptr, out_ptr, ws_ptr, M, N, stride_om,
+                   tiles_m, num_tiles, total_steps, per, slices, has_bias, BLOCK_M: gl.constexpr, WG: gl.constexpr):
         """The default partition, ``WG`` warpgroups of 64 weight rows each, over the program's tiles (module
         docstring)."""
         STAGES: gl.constexpr = x_smem.type.shape[0]
@@ -237,6 +263,8 @@ if gluon is not None:
 
         c = 0  # the producer's count, step for step
         for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+            slice_ = (t // tiles_m) % slices
+            k_steps = gl.minimum(per, total_steps - slice_ * per)  # even, >= 2 (k_slices)
             acc = gl.zeros([BN, BLOCK_M], gl.float32, layout=mma_l)
             a_odd = gl.zeros([BN, 128], gl.bfloat16, layout=a_l)
             # unrolled by two: the A registers of the MMAs in flight are never rewritten (fp4_wgmma, point 3), and
@@ -255,24 +283,27 @@ if gluon is not None:
             c += k_steps
             mbarrier.arrive(empty.index((c + STAGES - 1) % STAGES))  # the tile's last stage
 
-            offs_n = (t // tiles_m) * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, mma_l))
+            offs_n = (t // tiles_m // slices) * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, mma_l))
             offs_m = (t % tiles_m) * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma_l))
-            y = (acc * inv_gs).to(gl.bfloat16)
-            if has_bias != 0:
-                b = gl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0)
-                y = (y.to(gl.float32) + b.to(gl.float32)[:, None]).to(gl.bfloat16)
             mask = (offs_n < N)[:, None] & (offs_m < M)[None, :]
-            gl.store(out_ptr + offs_m[None, :] * stride_om + offs_n[:, None], y, mask=mask)
+            if slices > 1:  # the slice's raw fp32 partial: the caller's reduction scales, rounds and adds the bias
+                gl.store(ws_ptr + (slice_ * M + offs_m[None, :]) * N + offs_n[:, None], acc, mask=mask)
+            else:
+                y = (acc * inv_gs).to(gl.bfloat16)
+                if has_bias != 0:
+                    b = gl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0)
+                    y = (y.to(gl.float32) + b.to(gl.float32)[:, None]).to(gl.bfloat16)
+                gl.store(out_ptr + offs_m[None, :] * stride_om + offs_n[:, None], y, mask=mask)
 
     @gluon.jit
-    def _fp4_wgmma_producer_kernel(x_desc, w_desc, s_desc, gs_ptr, bias_ptr, out_ptr, M, N, K, stride_om, has_bias,
-                                   BLOCK_M: gl.constexpr, STAGES: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                                   WG: gl.constexpr):
-        """[64 x WG weight rows, BLOCK_M rows of x] output tiles over all of K, tile ``t`` of the grid's stride
-        (rows of x fastest; module docstring)."""
+    def _fp4_wgmma_producer_kernel(x_desc, w_desc, s_desc, gs_ptr, bias_ptr, out_ptr, ws_ptr, M, N, K, stride_om,
+                                   has_bias, per, slices, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+                                   PRODUCER_REGS: gl.constexpr, WG: gl.constexpr):
+        """[64 x WG weight rows, BLOCK_M rows of x] output tiles, each over one of ``slices`` K-slices of ``per``
+        steps, tile ``t`` of the grid's stride (rows of x fastest, then slices; module docstring)."""
         tiles_m = gl.cdiv(M, BLOCK_M)
-        num_tiles = tiles_m * gl.cdiv(N, 64 * WG)
-        k_steps = K // 128
+        num_tiles = tiles_m * gl.cdiv(N, 64 * WG) * slices
+        total_steps = K // 128
         x_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, 128], x_desc.layout)
         w_smem = gl.allocate_shared_memory(gl.int32, [STAGES, 64 * WG, 16], w_desc.layout)
         s_smem = gl.allocate_shared_memory(gl.uint8, [STAGES, 64 * WG, 16], s_desc.layout)
@@ -283,7 +314,8 @@ if gluon is not None:
             mbarrier.init(empty.index(i), count=1)  # the consumers' partition arrives once (after its own barrier)
         fence_async_shared()
         gl.warp_specialize([
-            (_consumers, (x_smem, w_smem, s_smem, ready, empty, gs_ptr, bias_ptr, out_ptr, M, N, stride_om,
-                          tiles_m, num_tiles, k_steps, has_bias, BLOCK_M, WG)),
-            (_producer, (x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, ready, empty, tiles_m, num_tiles, k_steps)),
+            (_consumers, (x_smem, w_smem, s_smem, ready, empty, gs_ptr, bias_ptr, out_ptr, ws_ptr, M, N, stride_om,
+                          tiles_m, num_tiles, total_steps, per, slices, has_bias, BLOCK_M, WG)),
+            (_producer, (x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, ready, empty, tiles_m, num_tiles, total_steps,
+                         per, slices)),
         ], [1], [PRODUCER_REGS])
