@@ -99,7 +99,9 @@ def test_aligned_wants_16_byte_starts_and_row_strides():
     (65, 37888, 3584, ProducerConfig(32, 5, 40, 1, 2)), (96, 7168, 5120, ProducerConfig(32, 5, 40, 1, 2)),
     (23, 37888, 3584, None), (97, 37888, 3584, None), (128, 37888, 3584, None),  # outside the measured spans
     (32, 4608, 3584, None), (32, 5120, 5120, None),  # q/k/v and o lost with 32-row tiles at 24-32 rows
-    (64, 3584, 18944, None), (48, 5120, 27648, None)])  # long-K down: too few output tiles, no K-slices
+    # long-K down: K-slices filling one wave of 2 x 132 slots, at most 4 (7B: 56 tiles x 4, 32B: 80 x 3)
+    (64, 3584, 18944, ProducerConfig(64, 5, 40, 1, 2, 4)), (48, 5120, 27648, ProducerConfig(64, 5, 40, 1, 2, 3)),
+    (24, 3584, 18944, ProducerConfig(32, 5, 40, 1, 2, 4)), (65, 3584, 18944, None), (23, 5120, 27648, None)])
 def test_rule_picks_the_kernel_only_where_it_measured_faster(m, n, k, picked):
     assert pick_producer_config(m, n, k) == picked
     planned = plan_launch(m, n, k, gluon=True, producer_aligned=True)

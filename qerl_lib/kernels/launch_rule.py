@@ -190,15 +190,25 @@ PRODUCER_ENV = "QERL_FP4_PRODUCER"  # "0": never pick it (read at each call; def
 # per SM, 5 stages, against the rule before (fp4_wgmma with one warpgroup, or the Triton fragment kernel). Spans of
 # rows (first, last, tile height, least N): 64-row tiles at 33-64 rows win on every K < 16384 shape of Qwen2.5-7B/32B
 # (1.03-1.26x on gate/up, 1.04-1.75x on q/k/v and o); 32-row tiles at 24-32 rows only on gate/up (1.11-1.35x; q/k/v
-# and o lose there) and at 65-96 rows in three tiles (1.02-1.32x). The long-K down shapes lose everywhere (56-80
-# output tiles and no K-slices): they keep the rule before.
+# and o lose there) and at 65-96 rows in three tiles (1.02-1.32x). The long-K down shapes (56-80 output tiles) need
+# K-slices (run 5): as many as fill the two programs per SM of one wave, at most 4; 32-row tiles at 24-32 rows
+# (1.00-1.30x), 64-row ones at 33-64 (1.06-1.25x); from 65 rows they keep the rule before.
 PRODUCER_DECODE_SPANS = ((24, 32, 32, PRODUCER_MIN_N), (33, 64, 64, 0), (65, 96, 32, 0))
+PRODUCER_DECODE_LONG_K_SPANS = ((24, 32, 32), (33, 64, 64))
+PRODUCER_DECODE_MAX_SPLIT = 4
 
 
-def pick_producer_decode_config(m: int, n: int, k: int) -> ProducerConfig | None:
-    """The producer kernel's launch at decode batch sizes (``PRODUCER_DECODE_SPANS``; K below ``PRODUCER_LONG_K``
-    and a multiple of 256), else None."""
-    if k >= PRODUCER_LONG_K or not fp4_wgmma_producer.supported_problem(k):
+def pick_producer_decode_config(m: int, n: int, k: int, num_sms: int = 132) -> ProducerConfig | None:
+    """The producer kernel's launch at decode batch sizes (``PRODUCER_DECODE_SPANS`` below ``PRODUCER_LONG_K``,
+    ``PRODUCER_DECODE_LONG_K_SPANS`` with K-slices from it; K a multiple of 256), else None."""
+    if not fp4_wgmma_producer.supported_problem(k):
+        return None
+    if k >= PRODUCER_LONG_K:
+        for first, last, block_m in PRODUCER_DECODE_LONG_K_SPANS:
+            if first <= m <= last:
+                tiles = math.ceil(m / block_m) * math.ceil(n / 64)
+                split = max(1, min(PRODUCER_DECODE_MAX_SPLIT, 2 * num_sms // tiles))
+                return ProducerConfig(block_m, stages=5, warpgroups=1, programs_per_sm=2, split_k=split)
         return None
     for first, last, block_m, min_n in PRODUCER_DECODE_SPANS:
         if first <= m <= last and n >= min_n:
@@ -228,7 +238,7 @@ def pick_producer_config(m: int, n: int, k: int, num_sms: int = 132) -> Producer
     if os.environ.get(PRODUCER_ENV, "1") == "0":
         return None
     if CUBLAS_MIN_M is None or m < CUBLAS_MIN_M:
-        return pick_producer_decode_config(m, n, k)
+        return pick_producer_decode_config(m, n, k, num_sms)
     wide = n >= PRODUCER_MIN_N and m <= PRODUCER_MAX_M
     long_k = k >= PRODUCER_LONG_K and m <= PRODUCER_LONG_K_MAX_M
     if not (wide or long_k) or not fp4_wgmma_producer.supported_problem(k):
