@@ -6,7 +6,7 @@
 # packs the wheels into one tar cut into 40 MiB parts .vlp0 ... .vlp8. On the device, one call right after another
 # while the machine is held:
 #   carry .vlpN alone, run `bash dev/sweeps/vllm_peer_gpu.sh vl N`          (N = 0 ... 7)
-#   carry .vlp8 and .whl, run `bash dev/sweeps/vllm_peer_gpu.sh install start`
+#   carry .vlp8 and .whl, run `bash dev/sweeps/vllm_peer_gpu.sh install start` (or `install start-r16`: the short set)
 #   then `bash dev/sweeps/vllm_peer_gpu.sh poll 560` until it prints "done" (results come back under $OUT).
 # "start" runs the three benchmarks in the background (the whole run is longer than one 10-minute call):
 #   1. nvfp4, batch 8/32/64/128, LoRA rank 0/16, 256 + 1024, fixed lengths, kit then vLLM;
@@ -37,6 +37,26 @@ while [ $# -gt 0 ]; do
          python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/vsite ./*.whl 2>&1 | tail -2)
       python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>&1 | tail -2
       mkdir -p /tmp/kit && cp -r qerl_lib data pyproject.toml /tmp/kit/ ;;
+    start-r16)  # the short set (dev/LOG.md section 37, run 7): NVFP4 + r16 at batch 8/32/64/128, kit then vLLM; the
+      # kit's bf16 + r16 at batch 32/64 (the NVFP4 / bf16 ratio); then the merge
+      mkdir -p "$BG" /tmp/vw
+      cat > "$BG/run.sh" <<'EOF'
+set -uo pipefail
+cd /tmp/kit
+export PYTHONPATH=/tmp/site:/tmp/kit PYTHONUNBUFFERED=1
+common=(--models qwen2.5-7b --prompt-len 256 --gen-len 1024 --repeats 2 --no-hf-baseline)
+nvidia-smi --query-gpu=name,memory.total --format=csv > /tmp/bg/gpu.txt
+python3 -m qerl_lib bench rollout "${common[@]}" --engines kit,vllm --vllm-pythonpath /tmp/vsite:/tmp/site \
+  --vllm-workdir /tmp/vw --weights nvfp4 --batch 8,32,64,128 --lora-rank 16 \
+  --json /tmp/bg/vllm_fixed_nvfp4_r16.json > /tmp/bg/log_fixed_nvfp4.txt 2>&1
+python3 -m qerl_lib bench rollout "${common[@]}" --weights bf16 --batch 32,64 --lora-rank 16 \
+  --json /tmp/bg/kit_fixed_bf16_r16.json > /tmp/bg/log_fixed_bf16.txt 2>&1
+python3 -m qerl_lib bench rollout --merge /tmp/bg/vllm_fixed_nvfp4_r16.json /tmp/bg/kit_fixed_bf16_r16.json \
+  --json /tmp/bg/merged.json > /tmp/bg/table.txt 2>&1
+touch /tmp/bg/done
+EOF
+      (nohup setsid bash "$BG/run.sh" > "$BG/run_log.txt" 2>&1 &)
+      echo started ;;
     start)
       mkdir -p "$BG" /tmp/vw
       cat > "$BG/run.sh" <<'EOF'
