@@ -101,7 +101,8 @@ def test_aligned_wants_16_byte_starts_and_row_strides():
     (32, 4608, 3584, None), (32, 5120, 5120, None),  # q/k/v and o lost with 32-row tiles at 24-32 rows
     # long-K down: K-slices filling one wave of 2 x 132 slots, at most 4 (7B: 56 tiles x 4, 32B: 80 x 3)
     (64, 3584, 18944, ProducerConfig(64, 5, 40, 1, 2, 4)), (48, 5120, 27648, ProducerConfig(64, 5, 40, 1, 2, 3)),
-    (24, 3584, 18944, ProducerConfig(32, 5, 40, 1, 2, 4)), (65, 3584, 18944, None), (23, 5120, 27648, None)])
+    (24, 3584, 18944, ProducerConfig(32, 5, 40, 1, 2, 4)), (65, 3584, 18944, None), (23, 5120, 27648, None),
+    (64, 512, 3584, None), (48, 1024, 5120, None), (80, 1024, 5120, None), (64, 1024, 18944, None)])  # k / v: few tiles
 def test_rule_picks_the_kernel_only_where_it_measured_faster(m, n, k, picked):
     assert pick_producer_config(m, n, k) == picked
     planned = plan_launch(m, n, k, gluon=True, producer_aligned=True)

@@ -1,4 +1,4 @@
-"""The register-A NVFP4 GEMM at training sizes, with a producer warp issuing the loads (Gluon, Hopper).
+"""The register-A NVFP4 GEMM with a producer warp issuing the loads, at training and decode sizes (Gluon, Hopper).
 
 Why another kernel
 ------------------
@@ -48,9 +48,18 @@ long-K down shapes at 256-512 rows (1.12-1.47x); not on q/k/v and o. So ``fp4_ge
 (``launch_rule.pick_producer_config``, with the tile height of ``launch_rule.producer_block_m``). Against bf16
 cuBLAS on gate/up: 0.72-1.0x in the sweeps; ``qerl bench gemm``'s rows say ``gluon-producer``. Decoding the
 weights byte by byte instead, so that ``x`` needs no permute, cost more than the permute saves except where N is
-small. Forward layout only (``x @ W.T``); K a multiple of 256; no K-slices (the rule picks the tile height that
-fills the SMs best). Gluon is experimental in Triton 3.6: this module imports without it (``available()`` is then
-False).
+small.
+
+At decode batch sizes (24-96 rows, dev/LOG.md section 37) the same kernel runs with one consumer warpgroup
+(``warpgroups=1``: its partition barrier is then the warpgroup's own) and two programs per SM (``programs_per_sm``,
+which caps the launch's registers so that both fit), on 32- or 64-row tiles of ``x`` (``block_m`` 32 / 64: every
+MMA row is paid for, so the tile height follows M). There it is 1.05-1.75x faster than ``fp4_wgmma``'s one-warpgroup
+launch or the Triton fragment kernel on most Qwen2.5 shapes; the long-K down shapes, which have too few output tiles
+to fill the SMs, take K-slices (``split_k``: slices of an even number of steps, starting on an even step, because a
+scale box holds two; fp32 partials summed by the caller's fixed-order reduction). Two consumer warpgroups sharing
+the ``x`` tile, or three programs per SM (136 consumer registers), were slower. Forward layout only
+(``x @ W.T``); K a multiple of 256. Gluon is experimental in Triton 3.6: this module imports without it
+(``available()`` is then False).
 """
 
 from __future__ import annotations

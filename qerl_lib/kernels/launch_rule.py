@@ -188,13 +188,16 @@ PRODUCER_128_ROW_SPEED = 0.84
 PRODUCER_ENV = "QERL_FP4_PRODUCER"  # "0": never pick it (read at each call; default "1")
 # Decode batch sizes (H100, dev/LOG.md section 37, runs 1-3, permute included): one consumer warpgroup, two programs
 # per SM, 5 stages, against the rule before (fp4_wgmma with one warpgroup, or the Triton fragment kernel). Spans of
-# rows (first, last, tile height, least N): 64-row tiles at 33-64 rows win on every K < 16384 shape of Qwen2.5-7B/32B
-# (1.03-1.26x on gate/up, 1.04-1.75x on q/k/v and o); 32-row tiles at 24-32 rows only on gate/up (1.11-1.35x; q/k/v
-# and o lose there) and at 65-96 rows in three tiles (1.02-1.32x). The long-K down shapes (56-80 output tiles) need
+# rows (first, last, tile height, least N): 64-row tiles at 33-64 rows win on the K < 16384 shapes of Qwen2.5-7B/32B
+# with N >= 3584 (1.03-1.26x on gate/up, 1.04-1.75x on q/k/v and o); 32-row tiles at 24-32 rows only on gate/up
+# (1.11-1.35x; q/k/v and o lose there) and at 65-96 rows in three tiles (1.02-1.32x). The separate k and v
+# projections (N = 512 / 1024: 8-16 output tiles) lose (7B at 64 rows: 13.1 against 6.8 us, `qerl bench gemm`). The long-K down shapes (56-80 output tiles) need
 # K-slices (run 5): as many as fill the two programs per SM of one wave, at most 4; 32-row tiles at 24-32 rows
 # (1.00-1.30x), 64-row ones at 33-64 (1.06-1.25x); from 65 rows they keep the rule before.
-PRODUCER_DECODE_SPANS = ((24, 32, 32, PRODUCER_MIN_N), (33, 64, 64, 0), (65, 96, 32, 0))
-PRODUCER_DECODE_LONG_K_SPANS = ((24, 32, 32), (33, 64, 64))
+PRODUCER_DECODE_MIN_N = 3584
+PRODUCER_DECODE_SPANS = ((24, 32, 32, PRODUCER_MIN_N), (33, 64, 64, PRODUCER_DECODE_MIN_N),
+                         (65, 96, 32, PRODUCER_DECODE_MIN_N))
+PRODUCER_DECODE_LONG_K_SPANS = ((24, 32, 32), (33, 64, 64))  # N >= PRODUCER_DECODE_MIN_N too
 PRODUCER_DECODE_MAX_SPLIT = 4
 
 
@@ -203,7 +206,7 @@ def pick_producer_decode_config(m: int, n: int, k: int, num_sms: int = 132) -> P
     ``PRODUCER_DECODE_LONG_K_SPANS`` with K-slices from it; K a multiple of 256), else None."""
     if not fp4_wgmma_producer.supported_problem(k):
         return None
-    if k >= PRODUCER_LONG_K:
+    if k >= PRODUCER_LONG_K and n >= PRODUCER_DECODE_MIN_N:
         for first, last, block_m in PRODUCER_DECODE_LONG_K_SPANS:
             if first <= m <= last:
                 tiles = math.ceil(m / block_m) * math.ceil(n / 64)
