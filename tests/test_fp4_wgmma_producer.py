@@ -25,6 +25,10 @@ from tests.conftest import cuda_nvfp4_weights, sm90_ptxas
 HAS_PC = pc.available()
 
 
+def _config_id(c: ProducerConfig) -> str:
+    return f"m{c.block_m}st{c.stages}r{c.producer_registers}wg{c.warpgroups}p{c.programs_per_sm}"
+
+
 # ============================================================================ configuration and rule
 def test_config_rejects_bad_values_with_a_clear_message():
     with pytest.raises(ValueError, match="block_m must be one of"):
@@ -134,7 +138,7 @@ def test_rule_can_be_turned_off(monkeypatch):
 @pytest.mark.parametrize("cfg", [ProducerConfig(256, 3, 40), ProducerConfig(128, 4, 40), ProducerConfig(256, 3, 56),
                                  ProducerConfig(256, 2, 24), ProducerConfig(64, 5, 40, 1, 2),
                                  ProducerConfig(32, 5, 40, 1, 2), ProducerConfig(64, 3, 24, 1, 3)],
-                         ids=lambda c: f"m{c.block_m}st{c.stages}r{c.producer_registers}wg{c.warpgroups}p{c.programs_per_sm}")
+                         ids=_config_id)
 def test_offline_compile_keeps_one_wgmma_in_flight(tmp_path, cfg):
     """sm_90a, as the launch compiles it: no spills, no C75xx 'wgmma serialized' warning, waits that leave one
     wgmma group in flight, four TMA copies per step in the producer, and register budgets set per partition."""
@@ -178,7 +182,7 @@ def test_offline_compile_keeps_one_wgmma_in_flight(tmp_path, cfg):
 @pytest.mark.parametrize("cfg", [ProducerConfig(), ProducerConfig(256, 2), ProducerConfig(128, 4),
                                  ProducerConfig(128, 2, 56), ProducerConfig(64, 5, 40, 1, 2),
                                  ProducerConfig(32, 5, 40, 1, 2), ProducerConfig(64, 3, 24, 1, 3)],
-                         ids=lambda c: f"m{c.block_m}st{c.stages}r{c.producer_registers}wg{c.warpgroups}p{c.programs_per_sm}")
+                         ids=_config_id)
 def test_cuda_kernel_matches_the_oracle_and_fp4_wgmma(m, n, k, cfg):
     """With and without bias: against ``reference_matmul`` at mean relative error < 1e-3 (fp32 sums in another
     order, one bf16 rounding), every output written (NaN-poisoned), the same bits twice, and the same bits as

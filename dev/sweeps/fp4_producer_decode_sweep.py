@@ -7,7 +7,8 @@ bit-equality with ``fp4_wgmma`` 256 x 2), then device time per (shape, M) with t
 L2-rotation timer, the permute of x included. ``PART``: ``check``, ``time`` (default both); ``MS`` the rows of x;
 ``CONFIGS`` producer launches as ``block_m/stages/warpgroups/programs_per_sm[/split_k]`` items (producer registers
 40 at one or two programs per SM, 24 from three). With K-slices the bits differ from ``fp4_wgmma`` 256 x 2 (another
-summation order): ``equal_wgmma_256x2`` is then expected false. Writes $OUT/sweep.jsonl; one line per (shape, M, variant).
+summation order): ``equal_wgmma_256x2`` is then expected false. Writes $OUT/sweep.jsonl; one line per (shape, M,
+variant).
 
     OUT=/tmp/out PYTHONPATH=$PWD python dev/sweeps/fp4_producer_decode_sweep.py
 """
@@ -75,7 +76,8 @@ def correctness():
                 run_pc(x, w, b, out2, cfg)
                 torch.cuda.synchronize()
                 rec = {"kind": "correct", "m": m, "n": n, "k": k, "bias": with_bias, "config": spec,
-                       "nan": int(torch.isnan(out).sum()), "rel": mean_relative_error(out.float().nan_to_num(0), ref.float()),
+                       "nan": int(torch.isnan(out).sum()),
+                       "rel": mean_relative_error(out.float().nan_to_num(0), ref.float()),
                        "deterministic": bool(torch.equal(out, out2)), "equal_wgmma_256x2": bool(torch.equal(out, wg))}
                 worst = max(worst, rec["rel"])
                 sweep.emit(rec)
@@ -116,7 +118,8 @@ def timing(l2):
                 sweep.emit({"kind": "time", "shape": name, "n": n, "k": k, "m": m, "variant": label, "us": us,
                             "speedup": bf / us, "vs_rule": rule / us, "floor_us": floor_us})
             print(f"{name:<12} M={m:<4} bf16 {bf:7.1f} | floor {floor_us:5.1f} | " + " | ".join(
-                f"{lab} {us:.1f}" + ("" if i < 2 else f" ({rule / us:.2f})") for i, (lab, us) in enumerate(rows[1:], 1)),
+                f"{lab} {us:.1f}" + ("" if i < 2 else f" ({rule / us:.2f})")
+                for i, (lab, us) in enumerate(rows[1:], 1)),
                 flush=True)
             torch.cuda.empty_cache()
         del dense, q

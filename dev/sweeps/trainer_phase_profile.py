@@ -114,7 +114,8 @@ def main() -> None:
     device = torch.device("cuda")
     models = {w: build(args.model, w, args.rank, device) for w in ("bf16", "nvfp4")}
     vocab = models["bf16"].base_model.model.config.vocab_size
-    ids = torch.randint(0, vocab, (args.rows, args.seq), device=device, generator=torch.Generator(device).manual_seed(0))
+    generator = torch.Generator(device).manual_seed(0)
+    ids = torch.randint(0, vocab, (args.rows, args.seq), device=device, generator=generator)
     steps = {w: step_fn(m, ids) for w, m in models.items()}
     for w in steps:  # warm-up: autotuning, allocator
         timed(steps[w], 2)

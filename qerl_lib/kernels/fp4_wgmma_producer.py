@@ -86,7 +86,6 @@ else:
     _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 
 BLOCK_K = 128  # one K-step: 16 int32 words and 8 scale bytes per weight row, 128 columns of x
-BLOCK_N = 128  # weight rows (outputs) per program at two consumer warpgroups of 64 (the training-size launch)
 BLOCK_MS = (32, 64, 128, 256)  # rows of x per program (the wgmma N)
 WARPGROUPS = (1, 2)  # consumer warpgroups per program, 64 weight rows each
 SHARED_MEMORY_BYTES = 227 * 1024

@@ -34,7 +34,8 @@ from qerl_lib.studies.kernel import gemm_headline
 RESULT_FILES = {
     "gemm_h100_v5.json": "NVFP4 x BF16 GEMM vs cuBLAS bf16 on every Qwen2.5-7B/32B projection shape, M = 1...4096, "
                          "forward (x @ W^T) and backward (dy @ W) layouts (`path`: the CUDA mma.sync kernel at M <= 8, "
-                         "the Gluon kernel at 25-128 rows, the producer-warp Gluon kernel on gate/up at M = 256 "
+                         "the Gluon kernels at 25-128 rows (the producer-warp one on most shapes at 32 and 64 rows), "
+                         "the producer-warp Gluon kernel on gate/up at M = 256 "
                          "and 1024 and on down at 256, Triton's fragment kernel at the other small sizes, dequantize + cuBLAS elsewhere "
                          "and for the backward layout); every output checked against the oracle. Notebook 03; "
                          "`figures/03_gemm_speedup.png`, `figures/03_gemm_bandwidth.png`",
@@ -47,7 +48,12 @@ RESULT_FILES = {
                               "the other on the same random-weight Qwen2.5-7B checkpoints, prompts and adapters (`--engines "
                               "kit,vllm`): bf16 and NVFP4, LoRA rank 0/16, batch 8/32/64/128, 256 + 1024 tokens; and "
                               "NVFP4 + r16 on 256 GSM8K-like completions of <= 1024 tokens over 64 rows (kit static "
-                              "and continuous, vLLM); three runs merged",
+                              "and continuous, vLLM); three runs merged (2026-11-25: the kit's NVFP4 rows predate the "
+                              "producer kernel at decode sizes, see `rollout_vllm_r16_h100.json`)",
+    "rollout_vllm_r16_h100.json": "the kit's engine and vLLM 0.24.0 in one run, as `rollout_vllm_h100.json`, with the "
+                                  "decode-size producer kernel (dev/LOG.md section 37): NVFP4 + LoRA r16 at batch "
+                                  "8/32/64/128, kit and vLLM; the kit's bf16 + r16 at batch 32/64; 256 + 1024 tokens "
+                                  "(logs in `dev/runs/vllm_r16_h100_2026-11-27/`)",
     "rollout_14b_h100.json": "bf16 vs NVFP4 on Qwen2.5-14B shapes, LoRA rank 0 and 32, batch 8, 256 + 2048 tokens "
                              "(`dev/sweeps/rollout_14b_gpu.sh`; summary recomputed by `--merge`)",
     "rollout_h200_final.json": "bf16 vs NVFP4 on Qwen2.5-7B/32B shapes, batch 8, 256 + 2048 tokens",
@@ -260,33 +266,52 @@ def _rollout_14b_row(results_dir) -> tuple:
             f"{_x(p_fp / p_bf)})", device_name(doc, file), file)
 
 
-def _vllm_rows(results_dir) -> list[tuple]:
-    """The kit's engine against vLLM in the same run: fixed lengths per batch, NVFP4/bf16 in each, uneven rollout."""
-    file = "rollout_vllm_h100.json"
+def _fixed_rows(results_dir, file: str):
+    """(every row, the fixed-length rows, device, tok/s lookup, gen_len) of one engine-vs-vLLM results file."""
     doc = load_result(results_dir, file)
     every = _rows(doc, file, ROLLOUT_KEYS + ("workload", "prompts", "scheduling"))
     rows = [r for r in every if r["workload"] == "fixed" and r["prompts"] is None]
-    dev = device_name(doc, file)
-    batches = sorted({r["batch"] for r in rows if r["engine"] == "vllm"})
     gen = fastest(rows, file, engine="vllm")["gen_len"]
     common = dict(model="qwen2.5-7b", rank=16, prompt_len=256, gen_len=gen)
 
     def tok(engine, weights, batch):
         return fastest(rows, file, engine=engine, weights=weights, batch=batch, **common)["tok_s"]
+    return every, rows, device_name(doc, file), tok, gen
 
+
+def _batches(rows: list[dict], engine: str, weights: str) -> list[int]:
+    return sorted({r["batch"] for r in rows if r["engine"] == engine and r["weights"] == weights and r["rank"] == 16})
+
+
+def _vllm_rows(results_dir) -> list[tuple]:
+    """The kit's engine against vLLM in the same run: fixed lengths per batch, NVFP4/bf16 in each, uneven rollout.
+    NVFP4 + r16 and the kit's NVFP4 / bf16 come from the newer run (``rollout_vllm_r16_h100.json``); bf16 + r16, vLLM's
+    NVFP4 / bf16 and the uneven rollout from the earlier full set (``rollout_vllm_h100.json``)."""
     def ratios(pairs):
         return " / ".join(_x(a / b) for a, b in pairs)
 
-    where = f"batch {' / '.join(map(str, batches))}, 256 + {gen} tokens"
+    def where(batches, gen):
+        return f"batch {' / '.join(map(str, batches))}, 256 + {gen} tokens"
+
+    new = "rollout_vllm_r16_h100.json"
+    _, rows_new, dev_new, tok_new, gen_new = _fixed_rows(results_dir, new)
+    b_new = _batches(rows_new, "vllm", "nvfp4")
+    b_ratio = sorted(set(_batches(rows_new, "qerl", "nvfp4")) & set(_batches(rows_new, "qerl", "bf16")))
+    file = "rollout_vllm_h100.json"
+    every, rows, dev, tok, gen = _fixed_rows(results_dir, file)
+    batches = _batches(rows, "vllm", "bf16")
+    lead = "kit engine / vLLM 0.24, same run, same Qwen2.5-7B-shaped checkpoint, prompts and adapters"
+    out = [(f"{lead}, NVFP4 + LoRA r16, {where(b_new, gen_new)}",
+            ratios((tok_new("qerl", "nvfp4", b), tok_new("vllm", "nvfp4", b)) for b in b_new)
+            + f" (kit {' / '.join(_tok(tok_new('qerl', 'nvfp4', b)) for b in b_new)} tok/s)", dev_new, new),
+           (f"{lead}, bf16 + LoRA r16, {where(batches, gen)}",
+            ratios((tok("qerl", "bf16", b), tok("vllm", "bf16", b)) for b in batches)
+            + f" (kit {' / '.join(_tok(tok('qerl', 'bf16', b)) for b in batches)} tok/s)", dev, file),
+           (f"NVFP4 / bf16 with LoRA r16, kit engine, same run, {where(b_ratio, gen_new)}",
+            ratios((tok_new("qerl", "nvfp4", b), tok_new("qerl", "bf16", b)) for b in b_ratio), dev_new, new),
+           (f"NVFP4 / bf16 with LoRA r16, vLLM 0.24 (Marlin FP4), same run, {where(batches, gen)}",
+            ratios((tok("vllm", "nvfp4", b), tok("vllm", "bf16", b)) for b in batches), dev, file)]
     label = {"nvfp4": "NVFP4", "bf16": "bf16"}
-    out = [(f"kit engine / vLLM 0.24, same run, same Qwen2.5-7B-shaped checkpoint, prompts and adapters, {label[weights]} + "
-            f"LoRA r16, {where}",
-            ratios((tok("qerl", weights, b), tok("vllm", weights, b)) for b in batches)
-            + f" (kit {' / '.join(_tok(tok('qerl', weights, b)) for b in batches)} tok/s)", dev, file)
-           for weights in ("nvfp4", "bf16")]
-    out.append((f"NVFP4 / bf16 with LoRA r16, {where}: kit engine; vLLM (Marlin FP4)",
-                f"{ratios((tok('qerl', 'nvfp4', b), tok('qerl', 'bf16', b)) for b in batches)}; "
-                f"{ratios((tok('vllm', 'nvfp4', b), tok('vllm', 'bf16', b)) for b in batches)}", dev, file))
     uneven = [r for r in every if r["workload"] != "fixed"]
     cont = fastest(uneven, file, engine="qerl", scheduling="continuous")
     static = fastest(uneven, file, engine="qerl", scheduling="static", batch=cont["batch"], rank=cont["rank"])
