@@ -106,7 +106,8 @@ class ProducerConfig:
     thread of the producer's warpgroup gets through ``setmaxnreg`` (``producer_registers``, a multiple of 8 in
     24-56; the consumers get Triton's share of the rest: 232 at 40, 224 at 56; from 64 on, ptxas serializes
     the wgmmas for want of registers, its C7512), the consumer ``warpgroups`` (1 or 2, 64 weight rows each),
-    the persistent ``programs_per_sm`` (1-4; their rings must fit an SM's shared memory together) and ``split_k``
+    the persistent ``programs_per_sm`` (1-4; their rings must fit an SM's shared memory together; four programs, or
+    two of two warpgroups, leave so few registers that ptxas serializes the wgmmas, C7512) and ``split_k``
     K-slices (1-16, as ``k_slices`` rounds them), whose fp32 partials the caller's ``reduce_splits`` sums."""
 
     block_m: int = 256
