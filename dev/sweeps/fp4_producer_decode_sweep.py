@@ -15,6 +15,7 @@ variant).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import time
@@ -27,7 +28,7 @@ import fp4_kernel_sweep as sweep  # noqa: E402  (opens $OUT/sweep.jsonl)
 from qerl_lib.bench.gemm import mean_relative_error, rotation_copies, time_graph  # noqa: E402
 from qerl_lib.kernels import fp4_wgmma_producer as pc  # noqa: E402
 from qerl_lib.kernels.fp4_gemm import _reduce_splits, fp4_linear, planned_launch, prepare_fp4_weights  # noqa: E402
-from qerl_lib.kernels.fp4_wgmma import WgmmaConfig  # noqa: E402
+from qerl_lib.kernels.fp4_wgmma import WgmmaConfig, permute_x  # noqa: E402
 from qerl_lib.kernels.launch_rule import path_name  # noqa: E402
 from qerl_lib.quant.nvfp4 import reference_matmul  # noqa: E402
 
@@ -39,13 +40,13 @@ SHAPES = [s for s in ALL_SHAPES if s[0] in os.environ.get("SHAPES", "7b.gate_up,
 MS = [int(v) for v in os.environ.get("MS", "16,32,64,128").split(",")]
 CONFIGS = os.environ.get("CONFIGS", "64/4/1/2,64/3/1/3,32/4/1/2,32/3/1/3,128/3/1/2,128/3/2/1").split(",")
 CHECK_CASES = [(1, 128, 256), (16, 200, 768), (33, 320, 512), (64, 4608, 3584), (100, 1000, 1024),
-               (128, 3584, 18944), (24, 5120, 27648)]  # M, N, K (K % 256 == 0)
+               (128, 3584, 18944), (24, 5120, 27648), (64, 37888, 3584), (32, 18944, 3584)]  # M, N, K (K % 256 == 0)
 REF_WG = WgmmaConfig(256, 2, 1, 3)
 PART = os.environ.get("PART", "check,time")
 
 
 def config(spec: str) -> pc.ProducerConfig:
-    bm, st, wg, pps, *split = (int(v) for v in spec.split("/"))
+    bm, st, wg, pps, *split = (int(v) for v in spec.lstrip("T").split("/"))
     return pc.ProducerConfig(bm, st, 40 if pps <= 2 else 24, wg, pps, split[0] if split else 1)
 
 
@@ -53,8 +54,20 @@ def prepared(q):
     return prepare_fp4_weights(q.weight_packed, q.weight_scale, q.weight_global_scale)
 
 
-def run_pc(x, w, bias, out, cfg):
-    pc.linear(x, w.words, w.scales, w.global_scale, bias, out, cfg, reduce_splits=_reduce_splits)
+def run_pc(x, w, bias, out, cfg, tail=False):
+    if not tail:
+        pc.linear(x, w.words, w.scales, w.global_scale, bias, out, cfg, reduce_splits=_reduce_splits)
+        return
+    # "T" specs (LOG 37, after run 7): the whole waves of output tiles unsplit, the tail's tiles in K-slices
+    xp, n, k = permute_x(x), w.words.shape[0], x.shape[1]
+    slots, tiles = 132 * cfg.programs_per_sm, -(-n // cfg.block_n)
+    head = (tiles // slots) * slots * cfg.block_n if tiles > slots and tiles % slots else n
+    pc.linear(xp, w.words[:head], w.scales[:head], w.global_scale, None if bias is None else bias[:head],
+              out[:, :head], cfg, permuted=True, reduce_splits=_reduce_splits)
+    if head < n:
+        split = max(1, min(slots // (tiles % slots), k // 256, 8))
+        pc.linear(xp, w.words[head:], w.scales[head:], w.global_scale, None if bias is None else bias[head:],
+                  out[:, head:], dataclasses.replace(cfg, split_k=split), permuted=True, reduce_splits=_reduce_splits)
 
 
 def correctness():
@@ -72,8 +85,8 @@ def correctness():
                 cfg = config(spec)
                 out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
                 out2 = torch.empty_like(out)
-                run_pc(x, w, b, out, cfg)
-                run_pc(x, w, b, out2, cfg)
+                run_pc(x, w, b, out, cfg, spec.startswith("T"))
+                run_pc(x, w, b, out2, cfg, spec.startswith("T"))
                 torch.cuda.synchronize()
                 rec = {"kind": "correct", "m": m, "n": n, "k": k, "bias": with_bias, "config": spec,
                        "nan": int(torch.isnan(out).sum()),
@@ -106,7 +119,8 @@ def timing(l2):
                 label = f"pc{spec}"
                 try:
                     cfg = config(spec)
-                    t = time_graph([(lambda s=s, c=cfg: run_pc(s[0], s[1], None, s[2], c)) for s in sets])
+                    tail = spec.startswith("T")
+                    t = time_graph([(lambda s=s, c=cfg, tl=tail: run_pc(s[0], s[1], None, s[2], c, tl)) for s in sets])
                     rows.append((label, t.median_ms * 1e3))
                 except Exception as e:  # a launch that fails is a finding, not a crash
                     rows.append((label, float("nan")))
