@@ -58,11 +58,12 @@ Dispatch: CUDA calls with M <= 8 and K % 128 == 0 (the decode step) run the ``mm
 where it can run (sm_90+ and NVRTC; faster than this one, dev/LOG.md); ``fp4_linear``'s ``small_m_backend`` ("auto",
 "mma", "triton") chooses, else ``QERL_FP4_SMALL_M`` read at each call (default "auto"); that kernel can also add a
 projection group's LoRA adapters (``lora=``). On an H100/H200 the Gluon kernels run where ``launch_rule`` picks them:
-``kernels/fp4_wgmma.py`` at 25-128 rows, ``kernels/fp4_wgmma_producer.py`` at most 24-96-row calls (its decode spans),
-on gate/up at 193-2048 and down at 193-512 rows (``QERL_FP4_WGMMA=0`` turns both off, ``QERL_FP4_PRODUCER=0`` the second). Other CUDA calls run the Triton kernel
-(or dequantize + cuBLAS for large M); CPU tensors run the plain-torch oracles (``nvfp4.reference_matmul``) unless
-``impl="triton"`` forces the kernels, which then need ``TRITON_INTERPRET=1`` set before Triton is imported; the
-interpreter cannot run PTX and mishandles bf16 (``_interpreted``), so the kernels multiply in fp32: identical bits.
+``kernels/fp4_wgmma.py`` at 25-128 rows, ``kernels/fp4_wgmma_producer.py`` at most 24-96-row calls (its decode
+spans), on gate/up at 193-2048 and down at 193-512 rows (``QERL_FP4_WGMMA=0`` turns both off, ``QERL_FP4_PRODUCER=0``
+the second). Other CUDA calls run the Triton kernel (or dequantize + cuBLAS for large M); CPU tensors run the
+plain-torch oracles (``nvfp4.reference_matmul``) unless ``impl="triton"`` forces the kernels, which then need
+``TRITON_INTERPRET=1`` set before Triton is imported; the interpreter cannot run PTX and mishandles bf16
+(``_interpreted``), so the kernels multiply in fp32: identical bits.
 """
 
 from __future__ import annotations

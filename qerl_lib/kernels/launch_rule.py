@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -205,18 +205,22 @@ PRODUCER_DECODE_MAX_SPLIT = 4
 def pick_producer_decode_config(m: int, n: int, k: int, num_sms: int = 132) -> ProducerConfig | None:
     """The producer kernel's launch at decode batch sizes (``PRODUCER_DECODE_SPANS`` below ``PRODUCER_LONG_K``,
     ``PRODUCER_DECODE_LONG_K_SPANS`` with K-slices from it; K a multiple of 256), else None."""
+    def launch(block_m: int) -> ProducerConfig:
+        return ProducerConfig(block_m, stages=5, warpgroups=1, programs_per_sm=2)
+
     if not fp4_wgmma_producer.supported_problem(k):
         return None
     if k >= PRODUCER_LONG_K and n >= PRODUCER_DECODE_MIN_N:
         for first, last, block_m in PRODUCER_DECODE_LONG_K_SPANS:
             if first <= m <= last:
-                tiles = math.ceil(m / block_m) * math.ceil(n / 64)
-                split = max(1, min(PRODUCER_DECODE_MAX_SPLIT, 2 * num_sms // tiles))
-                return ProducerConfig(block_m, stages=5, warpgroups=1, programs_per_sm=2, split_k=split)
+                cfg = launch(block_m)
+                tiles = math.ceil(m / block_m) * math.ceil(n / cfg.block_n)
+                slots = cfg.programs_per_sm * num_sms
+                return replace(cfg, split_k=max(1, min(PRODUCER_DECODE_MAX_SPLIT, slots // tiles)))
         return None
     for first, last, block_m, min_n in PRODUCER_DECODE_SPANS:
         if first <= m <= last and n >= min_n:
-            return ProducerConfig(block_m, stages=5, warpgroups=1, programs_per_sm=2)
+            return launch(block_m)
     return None
 
 
