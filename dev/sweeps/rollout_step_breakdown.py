@@ -5,6 +5,9 @@ LoRA rank asked for (default batch 8, no adapter).
     python3 dev/sweeps/rollout_step_breakdown.py --models qwen2.5-7b --weights nvfp4,bf16 \
         --contexts 256,1280,2240 [--batch 8,32,64 --lora-rank 16] --json dev/runs/NAME.json
 
+``--skip-permute``: a timing probe, not a result (wrong outputs): the Gluon kernels take ``x`` as if it were
+already in their K relabeling, so the per-call permute launch is left out (dev/LOG.md section 38).
+
 The JSON goes where ``--json`` says: records are kept in dev/runs/ (the one the README quotes is
 results/rollout_step_breakdown_h200.json).
 
@@ -33,7 +36,10 @@ from qerl_lib.io import provenance
 CATEGORIES = (  # first match wins
     ("lora (shrink, expand)", ("_shrink_kernel", "_expand_kernel")),
     ("fp4 gemm (mma)", ("qerl_fp4",)),
-    ("fp4 gemm (triton)", ("_fp4_gemm", "_splitk_reduce")),
+    ("fp4 gemm (gluon)", ("_fp4_wgmma",)),  # fp4_wgmma's and the producer kernel's
+    ("fp4 permute x", ("_permute_x",)),
+    ("fp4 split-K reduce", ("_splitk_reduce",)),
+    ("fp4 gemm (triton)", ("_fp4_gemm",)),
     ("attention", ("_decode_attention", "_merge_splits")),
     ("rope + cache write", ("_rope_cache",)),
     ("rmsnorm (+residual)", ("triton_red_fused", "_rms_norm_kernel")),  # torch.compile's, engine/glue.py's
@@ -125,7 +131,11 @@ def main() -> None:
     p.add_argument("--contexts", default="256,1280,2240")
     p.add_argument("--steps", type=int, default=48)
     p.add_argument("--json", required=True)
+    p.add_argument("--skip-permute", action="store_true", help="probe: leave out the Gluon kernels' permute of x")
     args = p.parse_args()
+    if args.skip_permute:
+        from qerl_lib.kernels import fp4_wgmma, fp4_wgmma_producer
+        fp4_wgmma.permute_x = fp4_wgmma_producer.permute_x = lambda x2: x2
     device = torch.device("cuda")
     doc = {"provenance": provenance(), "config": vars(args), "rows": []}
     for name in args.models.split(","):
