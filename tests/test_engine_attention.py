@@ -97,6 +97,18 @@ INTERP_SCRIPT = textwrap.dedent("""
     other = decode_attention(rope_and_cache(q, k, v, cos, sin, kc1, vc1, column), kc1[:, :, :col + 30],
                              vc1[:, :, :col + 30], pad, column, 0.2, launch=AttentionLaunch(block=32, programs=12))
     out["other_launch_shape"] = float((other - two).abs().max())
+    # the relabeled second output (the FP4 GEMM's K relabeling): permute_x of the output, bit for bit; D = 32
+    # puts four heads in one 128-column block, so stores cross heads
+    from qerl_lib.kernels.fp4_wgmma import permute_x
+    g = torch.Generator().manual_seed(8)
+    b, h, kv, d, length, col = 2, 8, 2, 32, 150, 97
+    q, k, v = torch.randn(b, h, d, generator=g), torch.randn(b, kv, length, d), torch.randn(b, kv, length, d)
+    relabeled = []
+    for splits in (1, 3):
+        o_r = torch.full((b, h * d), float("nan"))
+        o = decode_attention(q, k, v, torch.tensor([0, 9]), torch.tensor([col]), 0.2, splits=splits, out_relabeled=o_r)
+        relabeled.append(bool(torch.equal(o_r, permute_x(o.reshape(b, h * d)))))
+    out["relabeled_equal"] = relabeled
     # the engine with the kernel vs the engine with SDPA, float32 tiny Qwen2 model
     from qerl_lib.engine.rollout import RolloutEngine
     from tests.test_engine import PROMPTS, tiny_model
@@ -112,6 +124,17 @@ INTERP_SCRIPT = textwrap.dedent("""
 @pytest.fixture(scope="module")
 def interpreted():
     return run_triton_interpreter(INTERP_SCRIPT, CASES, timeout=600)
+
+
+def test_interpreted_kernel_writes_the_relabeled_copy_bit_for_bit(interpreted):
+    assert interpreted["relabeled_equal"] == [True, True]  # one slice (the kernel stores), three (the merge does)
+
+
+def test_relabeled_output_of_the_wrong_shape_is_refused():
+    q, k = torch.zeros(2, 8, 32), torch.zeros(2, 2, 64, 32)
+    with pytest.raises(ValueError, match="out_relabeled must be a contiguous \\[2, 256\\]"):
+        decode_attention(q, k, k, torch.zeros(2, dtype=torch.long), torch.tensor([3]), 0.2,
+                         out_relabeled=torch.zeros(2, 255))
 
 
 @pytest.mark.parametrize("i", range(len(CASES)), ids=lambda i: "B{}_H{}_KV{}_L{}_D{}_col{}_pad{}_splits{}".format(*CASES[i]))

@@ -43,6 +43,20 @@ INTERP_SCRIPT = textwrap.dedent("""
         fused = torch.randn(3, 1, 2 * width, generator=g).to(dt)
         gate, up = fused[..., :width], fused[..., width:]
         a, a0 = glue.silu_mul(torch.nn.SiLU(), gate, up), gated_act(torch.nn.SiLU(), gate, up)
+        if width % 128 == 0:  # the relabeled second outputs: permute_x of the first, bit for bit
+            from qerl_lib.kernels.fp4_wgmma import permute_x
+            flat = lambda t: t.reshape(-1, width)
+            _, h_r, hr = glue.residual_rms_norm(x, d, w, 1e-6, relabeled=True)
+            h1_r, h1r = glue.rms_norm(x, w, 1e-5, relabeled=True)
+            a_r, ar = glue.silu_mul(torch.nn.SiLU(), gate, up, relabeled=True)
+            out[f"relabeled-{dtype_name}-{width}"] = [bool(torch.equal(r, permute_x(flat(t))))
+                                                      for r, t in ((hr, h_r), (h1r, h1_r), (ar, a_r))]
+        else:
+            try:
+                glue.silu_mul(torch.nn.SiLU(), gate, up, relabeled=True)
+                out[f"relabeled-{dtype_name}-{width}"] = "accepted"
+            except ValueError as e:
+                out[f"relabeled-{dtype_name}-{width}"] = str(e)
         rel = lambda u, v: float(((u.double() - v.double()).abs() / v.double().abs().clamp_min(1e-3)).max())
         out[f"{dtype_name}-{width}"] = {
             "sum_equal": bool(torch.equal(s, s0)), "norm_rel": rel(h, h0), "plain_norm_rel": rel(h1, h10),
@@ -72,12 +86,22 @@ def test_glue_kernels_match_torch_in_the_interpreter(interpreted, dtype, width):
         assert r["differ"] < 0.01, r
 
 
+@pytest.mark.parametrize("dtype,width", CASES)
+def test_glue_kernels_write_the_relabeled_copy_in_the_interpreter(interpreted, dtype, width):
+    r = interpreted[f"relabeled-{dtype}-{width}"]
+    if width % 128 == 0:  # norm after a residual add, plain norm, SiLU x up: each copy is permute_x(output)
+        assert r == [True, True, True]
+    else:
+        assert "multiple of 128" in r
+
+
 # (rows, K, [(width, rank or 0, scale)] for gate and up)
 FOLD_CASES = [
     (8, 256, [(192, 16, 2.0), (192, 16, 2.0)]),
     (17, 2500, [(300, 8, 1.0), (300, 0, 1.0)]),      # up without an adapter; 5 K slices summed by the reader
     (70, 1100, [(130, 0, 0.0), (130, 33, 0.25)]),    # gate without one; rank 33 pads to 64; two row blocks
     (5, 1300, [(100, 40, 1.0), (100, 40, 0.5)]),     # rank 40 at M <= 8: the shrink sums the partials
+    (20, 512, [(256, 16, 1.0), (256, 8, 0.5)]),      # widths of 128-column blocks: the relabeled copy too
 ]
 
 FOLD_SCRIPT = textwrap.dedent("""
@@ -94,6 +118,11 @@ FOLD_SCRIPT = textwrap.dedent("""
         width = members[0][0]
         kept = base.clone()
         got = glue.silu_mul(torch.nn.SiLU(), base[:, :width], base[:, width:], lora=lk.shrink_(x, plan))
+        if width % 128 == 0:
+            from qerl_lib.kernels.fp4_wgmma import permute_x
+            got2, got_r = glue.silu_mul(torch.nn.SiLU(), base[:, :width], base[:, width:], lora=lk.shrink_(x, plan),
+                                        relabeled=True)
+            out[f"relabeled-{i}"] = bool(torch.equal(got2, got) and torch.equal(got_r, permute_x(got)))
         full = lk.reference_apply(base.clone(), x, plan)
         ref = gated_act(torch.nn.SiLU(), full[:, :width], full[:, width:])
         plain = gated_act(torch.nn.SiLU(), base[:, :width], base[:, width:])
@@ -115,6 +144,8 @@ def test_silu_mul_with_lora_matches_the_reference_in_the_interpreter(interpreted
     assert r["effect"] > 0.05, "the adapters must change the activation for the test to mean anything"
     assert r["err"] <= 1e-5, r
     assert r["output_untouched"]
+    if FOLD_CASES[i][2][0][0] % 128 == 0:
+        assert interpreted_fold[f"relabeled-{i}"]  # same output, and its copy is permute_x of it
 
 
 def test_silu_mul_with_lora_refuses_a_split_it_does_not_cover():

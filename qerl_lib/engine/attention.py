@@ -46,6 +46,9 @@ except ImportError:  # pragma: no cover
 
 from qerl_lib.kernels import pdl
 
+if triton is not None:
+    from qerl_lib.kernels.fp4_decode import relabeled_column
+
 
 @dataclass(frozen=True)
 class AttentionLaunch:
@@ -112,7 +115,8 @@ def num_splits(batch: int, kv_heads: int, kv_len: int, block: int | None = None,
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pad: torch.Tensor, column: torch.Tensor,
                      scaling: float, out: torch.Tensor | None = None, splits: int | None = None,
-                     launch: AttentionLaunch | None = None, _rope: tuple | None = None) -> torch.Tensor:
+                     launch: AttentionLaunch | None = None, _rope: tuple | None = None,
+                     out_relabeled: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of one query token per row over the cache, on the GPU (or the Triton interpreter).
 
     ``q [B, H, D]`` (any strides with unit last stride), ``k, v [B, KV, L, D]`` cache views (the
@@ -137,6 +141,11 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pad: tor
     per_split = triton.cdiv(triton.cdiv(length, splits), launch.block) * launch.block
     splits = triton.cdiv(length, per_split)
     out = torch.empty(b, h, d, dtype=q.dtype, device=q.device) if out is None else out
+    relabeled = out_relabeled is not None
+    if relabeled and (out_relabeled.shape != (b, h * d) or not out_relabeled.is_contiguous() or (h * d) % 128):
+        raise ValueError(f"decode_attention: out_relabeled must be a contiguous [{b}, {h * d}] tensor with a width "
+                         f"that is a multiple of 128, got {list(out_relabeled.shape)}")
+    outr = out_relabeled if relabeled else out  # (unused without RELABELED)
     interpreted = not q.is_cuda
     early = pdl.use_for(q.device)  # programmatic dependent launch (qerl_lib.kernels.pdl)
     if splits == 1:
@@ -146,24 +155,24 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pad: tor
         part_ml = torch.empty(b, h, splits, 2, dtype=torch.float32, device=q.device)
     k_new, v_new, cos, sin = _rope if _rope is not None else (k, v, q, q)  # (unused without ROPE)
     _decode_attention_kernel[(b, kv, splits)](
-        q, k, v, pad, column, out, part_acc, part_ml, scaling, length, per_split,
+        q, k, v, pad, column, out, outr, part_acc, part_ml, scaling, length, per_split,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         out.stride(0), out.stride(1), k_new, v_new, cos, sin, k_new.stride(0), k_new.stride(1), v_new.stride(0),
         v_new.stride(1), cos.stride(0), sin.stride(0),
         GROUPS=groups, GROUPS_P=max(16, triton.next_power_of_2(groups)), D=d, BLOCK=launch.block, SPLIT=splits > 1,
-        ROPE=_rope is not None, INTERPRETED=interpreted, PDL=early, launch_pdl=early, num_warps=launch.warps,
-        num_stages=launch.stages)
+        ROPE=_rope is not None, RELABELED=relabeled, INTERPRETED=interpreted, PDL=early, launch_pdl=early,
+        num_warps=launch.warps, num_stages=launch.stages)
     if splits > 1:
-        _merge_splits_kernel[(b, h)](part_acc, part_ml, out, out.stride(0), out.stride(1), h,
-                                     SPLITS=splits, SPLITS_P=triton.next_power_of_2(splits), D=d, PDL=early,
-                                     launch_pdl=early, num_warps=4)
+        _merge_splits_kernel[(b, h)](part_acc, part_ml, out, outr, out.stride(0), out.stride(1), h,
+                                     SPLITS=splits, SPLITS_P=triton.next_power_of_2(splits), D=d, RELABELED=relabeled,
+                                     PDL=early, launch_pdl=early, num_warps=4)
     return out
 
 
 def rope_cache_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                          k_cache: torch.Tensor, v_cache: torch.Tensor, pad: torch.Tensor, column: torch.Tensor,
-                         scaling: float, splits: int | None = None, launch: AttentionLaunch | None = None
-                         ) -> torch.Tensor:
+                         scaling: float, splits: int | None = None, launch: AttentionLaunch | None = None,
+                         out_relabeled: torch.Tensor | None = None) -> torch.Tensor:
     """``rope_and_cache`` and ``decode_attention`` in one kernel launch (what the engine runs): each
     program rotates its own query heads; the program whose slice holds ``column`` also rotates the
     new key, writes it and the new value into the cache, and uses them for that column directly.
@@ -171,12 +180,12 @@ def rope_cache_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos:
 
     ``q [B, H, 1, D]``, ``k, v [B, KV, 1, D]`` (un-rotated views with unit last stride), ``cos, sin
     [B, 1, D]``, caches ``[B, KV, L, D]`` (the first ``L`` columns are attended). Returns ``[B, H, D]``.
-    ``splits`` and ``launch`` as for ``decode_attention``.
+    ``splits``, ``launch`` and ``out_relabeled`` as for ``decode_attention``.
     """
     if q.shape[-1] % 2 or k.stride(-1) != 1 or v.stride(-1) != 1 or cos.stride(-1) != 1 or sin.stride(-1) != 1:
         raise ValueError("rope_cache_attention: head_dim must be even and every last dimension unit-stride")
     return decode_attention(q[:, :, 0], k_cache, v_cache, pad, column, scaling, splits=splits, launch=launch,
-                            _rope=(k[:, :, 0], v[:, :, 0], cos[:, 0], sin[:, 0]))
+                            _rope=(k[:, :, 0], v[:, :, 0], cos[:, 0], sin[:, 0]), out_relabeled=out_relabeled)
 
 
 def rope_and_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -239,15 +248,18 @@ if triton is not None:
             tl.store(vc_ptr + b * svcb + j * svch + col * svcl + d, tl.load(v_ptr + b * svb + j * svh + d))
 
     @triton.jit
-    def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, pad_ptr, col_ptr, out_ptr, acc_ptr, ml_ptr, scaling, L, per_split,
+    def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, pad_ptr, col_ptr, out_ptr, or_ptr, acc_ptr, ml_ptr, scaling, L,
+                                 per_split,
                                  sqb, sqh, skb, skh, skl, svb, svh, svl, sob, soh,
                                  kn_ptr, vn_ptr, cos_ptr, sin_ptr, sknb, sknh, svnb, svnh, scb, ssb,
                                  GROUPS: tl.constexpr, GROUPS_P: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
-                                 SPLIT: tl.constexpr, ROPE: tl.constexpr, INTERPRETED: tl.constexpr, PDL: tl.constexpr):
+                                 SPLIT: tl.constexpr, ROPE: tl.constexpr, RELABELED: tl.constexpr,
+                                 INTERPRETED: tl.constexpr, PDL: tl.constexpr):
         """Program (row b, KV head j, slice s): the GROUPS query heads of KV head j over columns
         [s * per_split, (s + 1) * per_split) intersected with [pad[b], column]. With ROPE, q is
         rotated here, and the slice holding the column writes the rotated new key and the new value
-        into the cache and uses them for that column (the rope_cache kernel's arithmetic)."""
+        into the cache and uses them for that column (the rope_cache kernel's arithmetic). With RELABELED the
+        output is also stored in row b of contiguous ``or [B, H * D]`` at the FP4 GEMM's relabeled columns."""
         if PDL:  # launched early: wait for the previous kernel, then let the next one launch
             gdc_wait()
             gdc_launch_dependents()
@@ -310,14 +322,17 @@ if triton is not None:
             tl.store(ml_ptr + row * 2, m_i, mask=g_ok)
             tl.store(ml_ptr + row * 2 + 1, l_i, mask=g_ok)
         else:
-            o = acc / l_i[:, None]
-            tl.store(out_ptr + b * sob + heads[:, None] * soh + dd[None, :], o.to(out_ptr.dtype.element_ty),
-                     mask=g_ok[:, None])
+            o = (acc / l_i[:, None]).to(out_ptr.dtype.element_ty)
+            tl.store(out_ptr + b * sob + heads[:, None] * soh + dd[None, :], o, mask=g_ok[:, None])
+            if RELABELED:
+                flat = heads[:, None] * D + dd[None, :]
+                tl.store(or_ptr + b * (tl.num_programs(1) * GROUPS * D) + relabeled_column(flat), o, mask=g_ok[:, None])
 
     @triton.jit
-    def _merge_splits_kernel(acc_ptr, ml_ptr, out_ptr, sob, soh, H, SPLITS: tl.constexpr, SPLITS_P: tl.constexpr,
-                             D: tl.constexpr, PDL: tl.constexpr):
-        """out[b, h] = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s (empty slices: m = -inf, l = 0)."""
+    def _merge_splits_kernel(acc_ptr, ml_ptr, out_ptr, or_ptr, sob, soh, H, SPLITS: tl.constexpr,
+                             SPLITS_P: tl.constexpr, D: tl.constexpr, RELABELED: tl.constexpr, PDL: tl.constexpr):
+        """out[b, h] = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s (empty slices: m = -inf, l = 0); with
+        RELABELED also stored in contiguous ``or [B, H * D]`` at the FP4 GEMM's relabeled columns."""
         if PDL:
             gdc_wait()
             gdc_launch_dependents()
@@ -331,5 +346,7 @@ if triton is not None:
         top = tl.max(m, axis=0)
         w = tl.where(m == float("-inf"), 0.0, tl.exp(m - top))
         acc = tl.load(acc_ptr + row[:, None] * D + dd[None, :], mask=ok[:, None], other=0.0)
-        o = tl.sum(acc * w[:, None], axis=0) / tl.sum(l_s * w, axis=0)
-        tl.store(out_ptr + b * sob + h * soh + dd, o.to(out_ptr.dtype.element_ty))
+        o = (tl.sum(acc * w[:, None], axis=0) / tl.sum(l_s * w, axis=0)).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + b * sob + h * soh + dd, o)
+        if RELABELED:
+            tl.store(or_ptr + b * H * D + relabeled_column(h * D + dd), o)

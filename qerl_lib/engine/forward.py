@@ -54,10 +54,17 @@ weight-bound matmuls of an NVFP4 model. The ``Glue`` functions are written so th
 asked (``fuse_elementwise``), prefill and CPU runs the plain ones. With ``glue_kernels`` (the CUDA
 default) the norms and SiLU * up run as ``engine/glue.py``'s Triton kernels instead, which let the
 next NVFP4 matmul launch while they run (programmatic dependent launch).
+
+Where an NVFP4 projection's GEMM runs a Gluon kernel (``fp4_gemm.takes_relabeled_x``: 25-128 rows of x on
+the Qwen2.5 shapes, decode batches 32-128), that kernel reads x in its own K relabeling. The kernel that
+produced x (the norms and SiLU * up above, the decode attention for o) then also stores that relabeled copy
+(``relabeled=``, ``out_relabeled=``), so the GEMM needs no permute launch of its own: 2-4 launches fewer per
+layer (``QERL_FP4_RELABEL_X=0`` turns this off; dev/LOG.md section 38).
 """
 
 from __future__ import annotations
 
+import os
 from typing import Callable, NamedTuple
 
 import torch
@@ -68,6 +75,9 @@ from qerl_lib.engine.attention import AttentionLaunch, rope_cache_attention
 from qerl_lib.engine.adapters import LoraAdapter, LoraBuffers, canonical_name, lora_signature, unwrap_model
 from qerl_lib.kernels import lora as lora_kernels_mod
 from qerl_lib.models.fused import PARENT, PROJECTION_GROUPS, PROJECTIONS, fuse_group
+from qerl_lib.models.nvfp4_linear import NVFP4Linear, resolve_impl
+
+RELABEL_ENV = "QERL_FP4_RELABEL_X"  # "0": the Gluon FP4 launches permute x themselves (module docstring)
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
 DECODE_ATTENTION = ("sdpa", "matmul", "kernel")
@@ -272,6 +282,9 @@ class ForwardPass:
                     gated=engine_glue.silu_mul if silu else self.decode_ops.gated)
         self._columns = torch.arange(0, dtype=torch.long, device=view.device)
         self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None
+        # (layer, group, rows) -> whether the group's GEMM reads a relabeled copy of x (module docstring)
+        self.relabel_x = os.environ.get(RELABEL_ENV, "1") != "0" and view.device.type == "cuda"
+        self._relabel_plan: dict[tuple[int, str, int], bool] = {}
 
     def reserve_columns(self, length: int) -> None:
         """Allocate, before any capture (not inside one), the column index used by decode masks and
@@ -329,13 +342,41 @@ class ForwardPass:
         the LoRA kernels, the glue kernels and fused gate/up all apply)."""
         return self.lora_fold if self.lora_fold is not None else rows > lora_kernels_mod.FEW_ROWS
 
-    def _project(self, layer: int, group: str, x: torch.Tensor) -> list[torch.Tensor]:
-        return self._project_parts(layer, group, x)[0]
+    def takes_relabeled(self, layer: int, group: str, rows: int) -> bool:
+        """Whether the group's GEMM, at ``rows`` rows of x, reads a relabeled copy of x (module docstring):
+        an NVFP4 group (fused, or one ``NVFP4Linear`` on the kernel path) whose launch is a Gluon one."""
+        key = (layer, group, rows)
+        if key not in self._relabel_plan:
+            self._relabel_plan[key] = self._plan_relabeled(layer, group, rows)
+        return self._relabel_plan[key]
 
-    def _project_parts(self, layer: int, group: str, x: torch.Tensor, defer: bool = False):
+    def _plan_relabeled(self, layer: int, group: str, rows: int) -> bool:
+        from qerl_lib.kernels.fp4_gemm import takes_relabeled_x
+
+        if not self.relabel_x:
+            return False
+        fused, members = self._fused[layer][group], self._groups[layer][group]
+        if fused is not None:
+            if fused.kind != "nvfp4":
+                return False
+            prepared = fused.prepared
+        elif len(members) == 1 and type(members[0]) is NVFP4Linear \
+                and resolve_impl(members[0].impl, self.view.device) == "kernel":
+            prepared = members[0].prepare_kernel()
+        else:
+            return False
+        return prepared.shape[1] % 128 == 0 and takes_relabeled_x(rows, prepared, self.view.device,
+                                                                  members[0].small_m_backend)
+
+    def _project(self, layer: int, group: str, x: torch.Tensor, x_relabeled: torch.Tensor | None = None):
+        return self._project_parts(layer, group, x, x_relabeled=x_relabeled)[0]
+
+    def _project_parts(self, layer: int, group: str, x: torch.Tensor, defer: bool = False,
+                       x_relabeled: torch.Tensor | None = None):
         """``(outputs of the group's members, None)``; with ``defer``, where the LoRA kernels take the group,
         only their shrink runs and the second item is its ``kernels/lora.Shrunk``: the outputs then lack the
-        adapters, and the caller's consumer kernel must add the expand (``glue.silu_mul(..., lora=)``)."""
+        adapters, and the caller's consumer kernel must add the expand (``glue.silu_mul(..., lora=)``).
+        ``x_relabeled``: x's relabeled copy, where ``takes_relabeled`` says the group's GEMM reads one."""
         fused = self._fused[layer][group]
         entry = self.lora.layout.get((layer, group)) if self.lora is not None else None
         plan = self.lora.plans.get((layer, group)) if entry is not None and self.lora_kernels else None
@@ -343,10 +384,17 @@ class ForwardPass:
             epilogue = plan.epilogue() if plan is not None and self.lora_in_gemm else None
             if epilogue is not None and not fused.adds_lora(x, epilogue):
                 epilogue = None
-            full = fused.full(x, lora=epilogue)
+            full = fused.full(x, lora=epilogue, x_relabeled=x_relabeled)
             outs = list(full.split(fused.splits, dim=-1))
             if epilogue is not None:  # the GEMM has added the adapters
                 return outs, None
+        elif x_relabeled is not None:  # one NVFP4Linear (takes_relabeled): its forward, given the copy
+            from qerl_lib.kernels.fp4_gemm import fp4_linear
+
+            (m,) = self._groups[layer][group]
+            outs = [fp4_linear(x, m.prepare_kernel(), m.bias, small_m_backend=m.small_m_backend, mma_rule=m.mma_rule,
+                               x_relabeled=x_relabeled)]
+            full = outs[0]
         else:
             outs = [module(x) for module in self._groups[layer][group]]
             full = outs[0] if len(outs) == 1 else None
@@ -369,36 +417,65 @@ class ForwardPass:
                     outs[j] = torch.addmm(o2, xa[:, start:end], b.t(), alpha=scale).view(o.shape)
         return outs, None
 
-    def _decoder(self, x: torch.Tensor, cos, sin, attend, ops: "Glue") -> torch.Tensor:
+    def _decoder(self, x: torch.Tensor, cos, sin, attend, ops: "Glue", attend_relabels: bool = False) -> torch.Tensor:
         """All layers, then the final norm: ``x [B, T, hidden]`` -> normed hidden states.
 
         HF's order per layer: ``h = n1(x); x = x + o_proj(attn(h)); h = n2(x); x = x + mlp(h)``.
         Written so that each residual add is fused with the norm that follows it (the next layer's
-        input norm, or the final norm after the last layer)."""
+        input norm, or the final norm after the last layer). With the glue kernels, a kernel whose output
+        feeds a GEMM that ``takes_relabeled`` also writes x's relabeled copy (``attend_relabels``: so can
+        ``attend(..., relabeled=True)``, returning ``(attention, copy)``)."""
         view, w = self.view, self.norm_weights
         bsz, seq, _ = x.shape
-        h = ops.norm(x, w[0], view.eps[0][0])
+        rows = bsz * seq
+        glue = ops.residual_norm is engine_glue.residual_rms_norm and ops.norm is engine_glue.rms_norm
+
+        def relabels(i: int, group: str) -> bool:
+            return glue and self.takes_relabeled(i, group, rows)
+
+        hr = None
+        if relabels(0, "qkv"):
+            h, hr = ops.norm(x, w[0], view.eps[0][0], relabeled=True)
+        else:
+            h = ops.norm(x, w[0], view.eps[0][0])
         # lora_fold: the gate/up group's expand runs inside the SiLU x up kernel (glue.silu_mul's lora=)
-        fold = self.folds_gate_up(bsz * seq) and ops.gated is engine_glue.silu_mul
+        silu_glue = ops.gated is engine_glue.silu_mul
+        fold = self.folds_gate_up(rows) and silu_glue
         for i in range(view.n_layers):
-            q, k, v = self._project(i, "qkv", h)
+            q, k, v = self._project(i, "qkv", h, hr)
             q = q.view(bsz, seq, -1, view.head_dim).transpose(1, 2)
             k = k.view(bsz, seq, -1, view.head_dim).transpose(1, 2)
             v = v.view(bsz, seq, -1, view.head_dim).transpose(1, 2)
             q, k = ops.rope(q, k, cos, sin)
-            attn = attend(i, q, k, v, ops).transpose(1, 2).reshape(bsz, seq, -1)
-            (o,) = self._project(i, "o", attn)
-            x, h = ops.residual_norm(x, o, w[2 * i + 1], view.eps[i][1])
+            attn_r = None
+            if attend_relabels and relabels(i, "o"):
+                attn, attn_r = attend(i, q, k, v, ops, relabeled=True)
+            else:
+                attn = attend(i, q, k, v, ops)
+            attn = attn.transpose(1, 2).reshape(bsz, seq, -1)
+            (o,) = self._project(i, "o", attn, attn_r)
+            hr = None
+            if relabels(i, "gate_up"):
+                x, h, hr = ops.residual_norm(x, o, w[2 * i + 1], view.eps[i][1], relabeled=True)
+            else:
+                x, h = ops.residual_norm(x, o, w[2 * i + 1], view.eps[i][1])
             defer = fold and self._fused[i]["gate_up"] is not None
-            (gate, up), shrunk = self._project_parts(i, "gate_up", h, defer=defer)
-            if shrunk is not None:
+            (gate, up), shrunk = self._project_parts(i, "gate_up", h, defer=defer, x_relabeled=hr)
+            act_r = None
+            if (shrunk is not None or silu_glue) and relabels(i, "down"):
+                act_in, act_r = engine_glue.silu_mul(self._act, gate, up, lora=shrunk, relabeled=True)
+            elif shrunk is not None:
                 act_in = engine_glue.silu_mul(self._act, gate, up, lora=shrunk)
             else:
                 act_in = ops.gated(self._act, gate, up)
-            (down,) = self._project(i, "down", act_in)
+            (down,) = self._project(i, "down", act_in, act_r)
             last = i == view.n_layers - 1
-            x, h = ops.residual_norm(x, down, w[-1] if last else w[2 * i + 2],
-                                     view.final_eps if last else view.eps[i + 1][0])
+            weight, eps = (w[-1], view.final_eps) if last else (w[2 * i + 2], view.eps[i + 1][0])
+            hr = None
+            if not last and relabels(i + 1, "qkv"):
+                x, h, hr = ops.residual_norm(x, down, weight, eps, relabeled=True)
+            else:
+                x, h = ops.residual_norm(x, down, weight, eps)
         return h
 
     def prefill(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None, cache,
@@ -445,12 +522,15 @@ class ForwardPass:
             idx = self._columns[:kv_len][None, :]
             mask = ((idx >= pad[:, None]) & (idx <= column))[:, None, None, :]
 
-        def attend(i, q, k, v, ops):
+        def attend(i, q, k, v, ops, relabeled=False):
             k_all, v_all = cache.k[i, :bsz], cache.v[i, :bsz]
             if self.decode_attention == "kernel":  # q, k arrive un-rotated (see below): one kernel does
                 # RoPE, the cache write and the attention (attention.rope_cache_attention)
-                return rope_cache_attention(q, k, v, cos, sin, k_all[:, :, :kv_len], v_all[:, :, :kv_len], pad,
-                                            column, self.view.scaling, launch=self.attention_launch)[:, :, None]
+                out_r = torch.empty(bsz, q.shape[1] * q.shape[-1], dtype=q.dtype, device=q.device) if relabeled else None
+                out = rope_cache_attention(q, k, v, cos, sin, k_all[:, :, :kv_len], v_all[:, :, :kv_len], pad,
+                                           column, self.view.scaling, launch=self.attention_launch,
+                                           out_relabeled=out_r)[:, :, None]
+                return (out, out_r) if relabeled else out
             k_all.index_copy_(2, column, k)
             v_all.index_copy_(2, column, v)
             k_all, v_all = k_all[:, :, :kv_len], v_all[:, :, :kv_len]
@@ -461,7 +541,7 @@ class ForwardPass:
         ops = self.decode_ops
         if self.decode_attention == "kernel":  # RoPE happens in the attention kernel, fused with the cache write
             ops = ops._replace(rope=_rope_in_attention)
-        h = self._decoder(x, cos, sin, attend, ops)
+        h = self._decoder(x, cos, sin, attend, ops, attend_relabels=self.decode_attention == "kernel")
         return self.view.lm_head(h)[:, -1].float()
 
 

@@ -43,28 +43,47 @@ except ImportError:  # pragma: no cover
 from qerl_lib.kernels import lora as lora_kernels
 from qerl_lib.kernels import pdl
 
+if triton is not None:
+    from qerl_lib.kernels.fp4_decode import relabeled_column
+
 SILU_BLOCK = 2048
 LORA_BLOCK_N = 128  # columns of gate (and of up) per program of the SiLU x up kernel that adds the LoRA
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``forward.rms_norm`` as one kernel: ``x [..., H]`` -> normed ``[..., H]``."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, relabeled: bool = False):
+    """``forward.rms_norm`` as one kernel: ``x [..., H]`` -> normed ``[..., H]``. ``relabeled``: also return
+    a copy in the FP4 GEMM's K relabeling (``relabeled_copy``): ``(normed, copy)``."""
     h = torch.empty_like(x)
-    _launch_norm(x, None, weight, eps, None, h)
-    return h
+    hr = relabeled_copy(x) if relabeled else None
+    _launch_norm(x, None, weight, eps, None, h, hr)
+    return (h, hr) if relabeled else h
 
 
-def residual_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float):
-    """``forward.residual_rms_norm`` as one kernel: returns ``(x + delta, rms_norm(x + delta))``."""
+def residual_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float, relabeled: bool = False):
+    """``forward.residual_rms_norm`` as one kernel: returns ``(x + delta, rms_norm(x + delta))``, and with
+    ``relabeled`` a third item, the normed rows in the FP4 GEMM's K relabeling (``relabeled_copy``)."""
     summed, h = torch.empty_like(x), torch.empty_like(x)
-    _launch_norm(x, delta, weight, eps, summed, h)
-    return summed, h
+    hr = relabeled_copy(x) if relabeled else None
+    _launch_norm(x, delta, weight, eps, summed, h, hr)
+    return (summed, h, hr) if relabeled else (summed, h)
 
 
-def silu_mul(act, gate: torch.Tensor, up: torch.Tensor, lora: "lora_kernels.Shrunk | None" = None) -> torch.Tensor:
+def relabeled_copy(like: torch.Tensor) -> torch.Tensor:
+    """An empty contiguous ``[rows, width]`` tensor for a glue kernel's second output: its rows in the Gluon FP4
+    kernels' K relabeling (``fp4_decode.relabeled_column``), which ``fp4_linear(..., x_relabeled=)`` reads
+    instead of launching ``fp4_wgmma.permute_x``. The width must be a multiple of 128."""
+    width = like.shape[-1]
+    if width % 128:
+        raise ValueError(f"relabeled copy: the width must be a multiple of 128 (the relabeling's block), got {width}")
+    return torch.empty(like.numel() // width, width, dtype=like.dtype, device=like.device)
+
+
+def silu_mul(act, gate: torch.Tensor, up: torch.Tensor, lora: "lora_kernels.Shrunk | None" = None,
+             relabeled: bool = False):
     """``forward.gated_act`` for SiLU as one kernel (``act`` is the model's SiLU module). ``lora``: the
     gate/up group's ``kernels/lora.shrink_`` result, whose expand this kernel adds to gate and up first;
-    gate and up must then be the two halves of the group's fused output (columns ``[0, I)`` and ``[I, 2I)``)."""
+    gate and up must then be the two halves of the group's fused output (columns ``[0, I)`` and ``[I, 2I)``).
+    ``relabeled``: return ``(out, copy)``, the copy in the FP4 GEMM's K relabeling (``relabeled_copy``)."""
     if gate.shape != up.shape:
         raise ValueError(f"silu_mul: gate {list(gate.shape)} and up {list(up.shape)} differ")
     width = gate.shape[-1]
@@ -72,17 +91,20 @@ def silu_mul(act, gate: torch.Tensor, up: torch.Tensor, lora: "lora_kernels.Shru
     if g2.stride(-1) != 1 or u2.stride(-1) != 1:
         raise ValueError("silu_mul: gate and up need a unit stride in their last dimension")
     out = torch.empty(g2.shape, dtype=gate.dtype, device=gate.device)
+    outr = relabeled_copy(out) if relabeled else None
     if lora is not None:
-        _silu_mul_lora(g2, u2, out, lora)
-        return out.view(gate.shape)
-    grid = (g2.shape[0], triton.cdiv(width, SILU_BLOCK))
-    early = pdl.use_for(gate.device)
-    _silu_mul_kernel[grid](g2, u2, out, width, g2.stride(0), u2.stride(0), out.stride(0), BLOCK=SILU_BLOCK,
-                           PDL=early, launch_pdl=early, num_warps=4)
-    return out.view(gate.shape)
+        _silu_mul_lora(g2, u2, out, lora, outr)
+    else:
+        grid = (g2.shape[0], triton.cdiv(width, SILU_BLOCK))
+        early = pdl.use_for(gate.device)
+        _silu_mul_kernel[grid](g2, u2, out, out if outr is None else outr, width, g2.stride(0), u2.stride(0),
+                               out.stride(0), BLOCK=SILU_BLOCK, RELABELED=relabeled, PDL=early, launch_pdl=early,
+                               num_warps=4)
+    return (out.view(gate.shape), outr) if relabeled else out.view(gate.shape)
 
 
-def _silu_mul_lora(g2: torch.Tensor, u2: torch.Tensor, out: torch.Tensor, lora: "lora_kernels.Shrunk") -> None:
+def _silu_mul_lora(g2: torch.Tensor, u2: torch.Tensor, out: torch.Tensor, lora: "lora_kernels.Shrunk",
+                   outr: torch.Tensor | None) -> None:
     plan, (m, width) = lora.plan, g2.shape
     if plan.n_total != 2 * width or lora.m != m or u2.data_ptr() - g2.data_ptr() != width * g2.element_size():
         raise ValueError(f"silu_mul: with lora=, gate and up must be the halves of one [{m}, {plan.n_total}] group "
@@ -91,13 +113,13 @@ def _silu_mul_lora(g2: torch.Tensor, u2: torch.Tensor, out: torch.Tensor, lora: 
     r_up, rank_up, scale_up = lora.member(width)
     grid = (triton.cdiv(width, LORA_BLOCK_N), triton.cdiv(m, lora.block_m))
     _silu_mul_lora_kernel[grid](
-        g2, u2, out, lora.src, plan.b_cat, width, m, plan.a_cat.shape[0], g2.stride(0), u2.stride(0), out.stride(0),
-        plan.b_cat.stride(0), r_gate, rank_gate, scale_gate, r_up, rank_up, scale_up, SPLITS=lora.splits,
-        BLOCK_M=lora.block_m, BLOCK_N=LORA_BLOCK_N, RP=plan.padded_rank, PRECISION=lora.precision, PDL=lora.early,
-        launch_pdl=lora.early, num_warps=lora_kernels.EXPAND_WARPS)
+        g2, u2, out, out if outr is None else outr, lora.src, plan.b_cat, width, m, plan.a_cat.shape[0], g2.stride(0),
+        u2.stride(0), out.stride(0), plan.b_cat.stride(0), r_gate, rank_gate, scale_gate, r_up, rank_up, scale_up,
+        SPLITS=lora.splits, BLOCK_M=lora.block_m, BLOCK_N=LORA_BLOCK_N, RP=plan.padded_rank, PRECISION=lora.precision,
+        RELABELED=outr is not None, PDL=lora.early, launch_pdl=lora.early, num_warps=lora_kernels.EXPAND_WARPS)
 
 
-def _launch_norm(x, delta, weight, eps, summed, h) -> None:
+def _launch_norm(x, delta, weight, eps, summed, h, hr=None) -> None:
     width = x.shape[-1]
     x2, h2 = x.reshape(-1, width), h.view(-1, width)
     d2 = delta.reshape(-1, width) if delta is not None else x2
@@ -106,17 +128,19 @@ def _launch_norm(x, delta, weight, eps, summed, h) -> None:
         raise ValueError("rms_norm: inputs need a unit stride in their last dimension")
     block = triton.next_power_of_2(width)
     early = pdl.use_for(x.device)
-    _rms_norm_kernel[(x2.shape[0],)](x2, d2, weight, s2, h2, float(eps), width, x2.stride(0), d2.stride(0),
-                                     s2.stride(0), h2.stride(0), HAS_DELTA=delta is not None, BLOCK=block,
+    _rms_norm_kernel[(x2.shape[0],)](x2, d2, weight, s2, h2, h2 if hr is None else hr, float(eps), width,
+                                     x2.stride(0), d2.stride(0), s2.stride(0), h2.stride(0),
+                                     HAS_DELTA=delta is not None, BLOCK=block, RELABELED=hr is not None,
                                      PDL=early, launch_pdl=early, num_warps=8 if block >= 4096 else 4)
 
 
 if triton is not None:
 
     @triton.jit
-    def _rms_norm_kernel(x_ptr, d_ptr, w_ptr, s_ptr, h_ptr, eps, width, sx, sd, ss, sh,
-                         HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-        """One program per row: (x + delta) and its RMSNorm times the weight."""
+    def _rms_norm_kernel(x_ptr, d_ptr, w_ptr, s_ptr, h_ptr, hr_ptr, eps, width, sx, sd, ss, sh,
+                         HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr, RELABELED: tl.constexpr, PDL: tl.constexpr):
+        """One program per row: (x + delta) and its RMSNorm times the weight (with RELABELED also stored
+        at the FP4 GEMM's relabeled columns of contiguous ``hr``)."""
         if PDL:  # launched early: wait for the previous kernel, then let the next one launch
             gdc_wait()
             gdc_launch_dependents()
@@ -132,12 +156,16 @@ if triton is not None:
         variance = tl.sum(hf * hf, axis=0) / width
         normed = (hf * (1.0 / tl.sqrt_rn(variance + eps))).to(x_ptr.dtype.element_ty)
         w = tl.load(w_ptr + cols, mask=ok, other=0.0)
-        tl.store(h_ptr + row * sh + cols, (w.to(tl.float32) * normed.to(tl.float32)).to(h_ptr.dtype.element_ty),
-                 mask=ok)
+        h = (w.to(tl.float32) * normed.to(tl.float32)).to(h_ptr.dtype.element_ty)
+        tl.store(h_ptr + row * sh + cols, h, mask=ok)
+        if RELABELED:
+            tl.store(hr_ptr + row * width + relabeled_column(cols), h, mask=ok)
 
     @triton.jit
-    def _silu_mul_kernel(g_ptr, u_ptr, o_ptr, width, sg, su, so, BLOCK: tl.constexpr, PDL: tl.constexpr):
-        """Program (row, block of columns): silu(gate) rounded, times up, rounded."""
+    def _silu_mul_kernel(g_ptr, u_ptr, o_ptr, or_ptr, width, sg, su, so, BLOCK: tl.constexpr, RELABELED: tl.constexpr,
+                         PDL: tl.constexpr):
+        """Program (row, block of columns): silu(gate) rounded, times up, rounded (with RELABELED also stored at
+        the FP4 GEMM's relabeled columns of contiguous ``or``)."""
         if PDL:
             gdc_wait()
             gdc_launch_dependents()
@@ -147,13 +175,16 @@ if triton is not None:
         g = tl.load(g_ptr + row * sg + cols, mask=ok, other=0.0).to(tl.float32)
         u = tl.load(u_ptr + row * su + cols, mask=ok, other=0.0)
         a = (g / (1.0 + tl.exp(-g))).to(o_ptr.dtype.element_ty)
-        tl.store(o_ptr + row * so + cols, (a.to(tl.float32) * u.to(tl.float32)).to(o_ptr.dtype.element_ty), mask=ok)
+        o = (a.to(tl.float32) * u.to(tl.float32)).to(o_ptr.dtype.element_ty)
+        tl.store(o_ptr + row * so + cols, o, mask=ok)
+        if RELABELED:
+            tl.store(or_ptr + row * width + relabeled_column(cols), o, mask=ok)
 
     @triton.jit
-    def _silu_mul_lora_kernel(g_ptr, u_ptr, o_ptr, xa_ptr, b_ptr, width, M, R, sg, su, so, sb,
+    def _silu_mul_lora_kernel(g_ptr, u_ptr, o_ptr, or_ptr, xa_ptr, b_ptr, width, M, R, sg, su, so, sb,
                               r_gate, rank_gate, scale_gate, r_up, rank_up, scale_up, SPLITS: tl.constexpr,
                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, RP: tl.constexpr, PRECISION: tl.constexpr,
-                              PDL: tl.constexpr):
+                              RELABELED: tl.constexpr, PDL: tl.constexpr):
         """Program (block of columns, block of rows): gate and up each plus its adapter's
         ``scale * xa @ B^T`` (rounded once, as the expand kernel does), then silu(gate) rounded, times up, rounded.
         A member without an adapter has rank 0 and zero ``B`` rows: it adds exactly nothing."""
@@ -178,4 +209,7 @@ if triton is not None:
         g = (g + scale_gate * tl.dot(xa_gate, tl.trans(b_gate), input_precision=PRECISION)).to(dtype).to(tl.float32)
         u = (u + scale_up * tl.dot(xa_up, tl.trans(b_up), input_precision=PRECISION)).to(dtype)
         a = (g / (1.0 + tl.exp(-g))).to(dtype)
-        tl.store(o_ptr + rows[:, None] * so + cols[None, :], (a.to(tl.float32) * u.to(tl.float32)).to(dtype), mask=ok)
+        o = (a.to(tl.float32) * u.to(tl.float32)).to(dtype)
+        tl.store(o_ptr + rows[:, None] * so + cols[None, :], o, mask=ok)
+        if RELABELED:
+            tl.store(or_ptr + rows[:, None] * width + relabeled_column(cols)[None, :], o, mask=ok)

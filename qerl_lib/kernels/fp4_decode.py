@@ -11,6 +11,10 @@ word, code ``i`` in bits ``4i..4i+3``) at once: one mask keeps the two nibbles, 
 ``2^a + 2^b`` makes the two shifted copies a code needs (its sign and its magnitude move by different
 amounts), one mask keeps the right bits. Code ``I`` ends in the low half, code ``I + 4`` in the high half.
 Shared by the Triton kernels (``fp4_gemm``) and the Gluon kernel (``fp4_wgmma``), which can call it.
+
+``relabeled_column(c)`` is where natural column ``c`` of ``x`` sits in the Gluon kernels' K relabeling
+(``fp4_wgmma.permute_x``'s copy): the kernels that produce ``x`` in the decode step (``engine/glue``,
+``engine/attention``) store a second, relabeled copy through it, so the GEMM needs no permute launch.
 """
 
 from __future__ import annotations
@@ -36,3 +40,10 @@ if triton is not None:
         else:  # sign stays, magnitude >>6
             p = (q & 0x80008000) | ((q >> 6) & 0x01C001C0)
         return p
+
+    @triton.jit
+    def relabeled_column(c):
+        """Position of natural column ``c = 128 B + 32 a + 8 b + 4 z + 2 d + e`` in ``fp4_wgmma.permute_x``'s
+        copy: ``128 B + 32 b + 16 e + 8 d + 2 a + z`` (a permutation inside each block of 128 columns)."""
+        return ((c & ~127) | (((c >> 3) & 3) << 5) | ((c & 1) << 4) | (((c >> 1) & 1) << 3) | (((c >> 5) & 3) << 1)
+                | ((c >> 2) & 1))

@@ -164,14 +164,16 @@ def fp4_linear(x: torch.Tensor, weight: PreparedFP4Weight, bias: torch.Tensor | 
                impl: str = "auto", out: torch.Tensor | None = None,
                config: KernelConfig | fp4_wgmma.WgmmaConfig | fp4_wgmma_producer.ProducerConfig | None = None,
                small_m_backend: str | None = None, mma_rule: Callable[[int, int, int], mma.MmaConfig] | None = None,
-               lora: mma.LoraEpilogue | None = None) -> torch.Tensor:
+               lora: mma.LoraEpilogue | None = None, x_relabeled: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ W.T (+ bias)`` for a ``prepare_fp4_weights`` result; the path ``NVFP4Linear`` uses.
     ``out``: optional bf16 ``[..., N]`` contiguous tensor to write into. ``config`` forces one launch of the
     Triton kernel (``KernelConfig``) or a Gluon one (``fp4_wgmma.WgmmaConfig``, ``fp4_wgmma_producer.ProducerConfig``).
     ``small_m_backend``: which kernel runs M <= 8 ("auto", "mma", "triton"; None: ``QERL_FP4_SMALL_M``,
     default "auto"). ``mma_rule``: the mma.sync kernel's launch shape as a function
     of ``(m, n, k)`` (None: ``pick_mma_config``). ``lora``: adapters the mma.sync kernel adds itself;
-    only where ``uses_mma`` (else a ValueError)."""
+    only where ``uses_mma`` (else a ValueError). ``x_relabeled``: the same ``x`` already in the Gluon kernels'
+    K relabeling (``fp4_wgmma.permute_x``'s layout, contiguous ``[M, K]``; the decode step's glue kernels write
+    it), which a Gluon launch then reads instead of permuting ``x`` itself; other launches ignore it."""
     impl = _resolve_impl(impl, x)
     if not isinstance(weight, PreparedFP4Weight):
         raise ValueError(f"fp4_linear: weight must be a PreparedFP4Weight (use prepare_fp4_weights), got {type(weight).__name__}")
@@ -180,11 +182,24 @@ def fp4_linear(x: torch.Tensor, weight: PreparedFP4Weight, bias: torch.Tensor | 
     out = _check_out(out, x, n)
     if lora is not None and (impl == "reference" or config is not None or not uses_mma(x.numel() // k, k, x.device, small_m_backend)):
         raise ValueError("fp4_linear: a LoRA epilogue runs only on the mma.sync path (check uses_mma first)")
+    xr = x_relabeled
+    if xr is not None and (xr.shape != (x.numel() // k, k) or not xr.is_contiguous() or xr.dtype != x.dtype):
+        raise ValueError(f"fp4_linear: x_relabeled must be a contiguous {x.dtype} [{x.numel() // k}, {k}] tensor "
+                         f"(x's rows in fp4_wgmma.permute_x's layout), got {xr.dtype} {list(xr.shape)}")
     if impl == "reference":
         res = reference_matmul(x, weight.to_compressed_tensors(), bias)
         return res if out is None else out.copy_(res)
     return _triton_linear(x, weight, bias, out, allow_cublas=True, config=config, small_m_backend=small_m_backend,
-                          mma_rule=mma_rule, lora=lora)
+                          mma_rule=mma_rule, lora=lora, x_relabeled=x_relabeled)
+
+
+def takes_relabeled_x(m: int, weight: PreparedFP4Weight, device: torch.device,
+                      small_m_backend: str | None = None) -> bool:
+    """Whether ``fp4_linear`` of ``m`` rows runs a Gluon launch, which reads ``x_relabeled`` instead of permuting x."""
+    n, k = weight.shape
+    if m == 0 or uses_mma(m, k, device, small_m_backend):
+        return False
+    return isinstance(planned_launch(m, weight, device), (fp4_wgmma.WgmmaConfig, fp4_wgmma_producer.ProducerConfig))
 
 
 def fp4_grad_input(grad_out: torch.Tensor, weight: PreparedFP4Weight, *, impl: str = "auto",
@@ -307,7 +322,8 @@ def _interpreted(t: torch.Tensor) -> bool:
 
 def _triton_linear(x: torch.Tensor, weight: PreparedFP4Weight, bias: torch.Tensor | None,
                    out: torch.Tensor | None, allow_cublas: bool, config=None,
-                   small_m_backend: str | None = None, mma_rule=None, lora=None) -> torch.Tensor:
+                   small_m_backend: str | None = None, mma_rule=None, lora=None,
+                   x_relabeled: torch.Tensor | None = None) -> torch.Tensor:
     n, k = weight.shape
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)
@@ -324,11 +340,13 @@ def _triton_linear(x: torch.Tensor, weight: PreparedFP4Weight, bias: torch.Tenso
         return out.reshape(*lead, n)
     config = config or planned_launch(m, weight, x2.device, allow_cublas)
     if isinstance(config, fp4_wgmma_producer.ProducerConfig):  # the producer-warp Gluon kernel (rule's or forced)
-        fp4_wgmma_producer.linear(x2, weight.words, weight.scales, weight.global_scale, bias, out, config,
+        fp4_wgmma_producer.linear(x2 if x_relabeled is None else x_relabeled, weight.words, weight.scales,
+                                  weight.global_scale, bias, out, config, permuted=x_relabeled is not None,
                                   reduce_splits=_reduce_splits)
         return out.reshape(*lead, n)
     if isinstance(config, fp4_wgmma.WgmmaConfig):  # the Gluon kernel (the rule's or forced)
-        fp4_wgmma.linear(x2, weight.words, weight.scales, weight.global_scale, bias, out, config, _reduce_splits)
+        fp4_wgmma.linear(x2 if x_relabeled is None else x_relabeled, weight.words, weight.scales, weight.global_scale,
+                         bias, out, config, _reduce_splits, permuted=x_relabeled is not None)
         return out.reshape(*lead, n)
     cfg = config
     if cfg.cublas:

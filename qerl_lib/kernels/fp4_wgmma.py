@@ -199,14 +199,16 @@ def wave_plan(m: int, n: int, k: int, config: WgmmaConfig) -> list[tuple[int, in
 
 
 def linear(x2: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor,
-           bias: torch.Tensor | None, out: torch.Tensor, config: WgmmaConfig, reduce_splits) -> None:
+           bias: torch.Tensor | None, out: torch.Tensor, config: WgmmaConfig, reduce_splits,
+           permuted: bool = False) -> None:
     """``out = x2 @ W.T (+ bias)`` by this kernel, in the launches of ``wave_plan``; a launch with several
     K-slices writes its fp32 partials to a temporary workspace that ``reduce_splits(ws, global_scale, bias,
-    out)`` sums (``fp4_gemm``'s fixed-order reduction). Raises a ValueError if K is not a multiple of 128."""
+    out)`` sums (``fp4_gemm``'s fixed-order reduction). ``permuted``: ``x2`` is already ``permute_x``'s copy.
+    Raises a ValueError if K is not a multiple of 128."""
     m, k = x2.shape
     if not supported_problem(k):
         raise ValueError(f"fp4_wgmma: K must be a positive multiple of {BLOCK_K}, got {k}; use a KernelConfig instead")
-    xp = permute_x(x2)
+    xp = x2 if permuted else permute_x(x2)
     for row0, rows, split_k in wave_plan(m, words.shape[0], k, config):
         cfg = config if split_k == config.split_k else dataclasses.replace(config, split_k=split_k)
         part = slice(row0, row0 + rows)
