@@ -44,7 +44,7 @@ from qerl_lib.kernels import lora as lora_kernels
 from qerl_lib.kernels import pdl
 
 if triton is not None:
-    from qerl_lib.kernels.fp4_decode import relabeled_column
+    from qerl_lib.kernels.fp4_decode import relabel_tile
 
 SILU_BLOCK = 2048
 LORA_BLOCK_N = 128  # columns of gate (and of up) per program of the SiLU x up kernel that adds the LoRA
@@ -158,8 +158,9 @@ if triton is not None:
         w = tl.load(w_ptr + cols, mask=ok, other=0.0)
         h = (w.to(tl.float32) * normed.to(tl.float32)).to(h_ptr.dtype.element_ty)
         tl.store(h_ptr + row * sh + cols, h, mask=ok)
-        if RELABELED:
-            tl.store(hr_ptr + row * width + relabeled_column(cols), h, mask=ok)
+        if RELABELED:  # the row's blocks of 128 columns permuted in registers, stored contiguously
+            tl.store(hr_ptr + row * width + cols, tl.reshape(relabel_tile(tl.reshape(h, [1, BLOCK]), 1, BLOCK // 128),
+                                                             [BLOCK]), mask=ok)
 
     @triton.jit
     def _silu_mul_kernel(g_ptr, u_ptr, o_ptr, or_ptr, width, sg, su, so, BLOCK: tl.constexpr, RELABELED: tl.constexpr,
@@ -178,7 +179,8 @@ if triton is not None:
         o = (a.to(tl.float32) * u.to(tl.float32)).to(o_ptr.dtype.element_ty)
         tl.store(o_ptr + row * so + cols, o, mask=ok)
         if RELABELED:
-            tl.store(or_ptr + row * width + relabeled_column(cols), o, mask=ok)
+            tl.store(or_ptr + row * width + cols, tl.reshape(relabel_tile(tl.reshape(o, [1, BLOCK]), 1, BLOCK // 128),
+                                                             [BLOCK]), mask=ok)
 
     @triton.jit
     def _silu_mul_lora_kernel(g_ptr, u_ptr, o_ptr, or_ptr, xa_ptr, b_ptr, width, M, R, sg, su, so, sb,
@@ -212,4 +214,4 @@ if triton is not None:
         o = (a.to(tl.float32) * u.to(tl.float32)).to(dtype)
         tl.store(o_ptr + rows[:, None] * so + cols[None, :], o, mask=ok)
         if RELABELED:
-            tl.store(or_ptr + rows[:, None] * width + relabeled_column(cols)[None, :], o, mask=ok)
+            tl.store(or_ptr + rows[:, None] * width + cols[None, :], relabel_tile(o, BLOCK_M, BLOCK_N // 128), mask=ok)

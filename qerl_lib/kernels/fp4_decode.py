@@ -13,8 +13,11 @@ amounts), one mask keeps the right bits. Code ``I`` ends in the low half, code `
 Shared by the Triton kernels (``fp4_gemm``) and the Gluon kernel (``fp4_wgmma``), which can call it.
 
 ``relabeled_column(c)`` is where natural column ``c`` of ``x`` sits in the Gluon kernels' K relabeling
-(``fp4_wgmma.permute_x``'s copy): the kernels that produce ``x`` in the decode step (``engine/glue``,
-``engine/attention``) store a second, relabeled copy through it, so the GEMM needs no permute launch.
+(``fp4_wgmma.permute_x``'s copy), and ``relabel_tile`` moves a whole tile of columns there in registers:
+the kernels that produce ``x`` in the decode step (``engine/glue``, ``engine/attention``) store a second,
+relabeled copy with them, so the GEMM needs no permute launch. A store through ``relabeled_column`` scatters
+2-byte elements; where the tile's layout came out of a ``tl.dot`` that measured 4-6x slower than the whole
+kernel without it (dev/LOG.md section 38), so the glue kernels permute the tile and store rows contiguously.
 """
 
 from __future__ import annotations
@@ -47,3 +50,10 @@ if triton is not None:
         copy: ``128 B + 32 b + 16 e + 8 d + 2 a + z`` (a permutation inside each block of 128 columns)."""
         return ((c & ~127) | (((c >> 3) & 3) << 5) | ((c & 1) << 4) | (((c >> 1) & 1) << 3) | (((c >> 5) & 3) << 1)
                 | ((c >> 2) & 1))
+
+    @triton.jit
+    def relabel_tile(v, ROWS: tl.constexpr, BLOCKS: tl.constexpr):
+        """A ``[ROWS, 128 BLOCKS]`` tile whose columns start on a 128-column boundary, permuted so that column
+        ``p`` holds the natural column that ``relabeled_column`` sends to ``p`` (``_permute_x_kernel``'s move)."""
+        v = tl.reshape(v, [ROWS, BLOCKS, 4, 4, 2, 2, 2])
+        return tl.reshape(tl.permute(v, [0, 1, 3, 6, 5, 2, 4]), [ROWS, BLOCKS * 128])
