@@ -104,10 +104,13 @@ INTERP_SCRIPT = textwrap.dedent("""
     b, h, kv, d, length, col = 2, 8, 2, 32, 150, 97
     q, k, v = torch.randn(b, h, d, generator=g), torch.randn(b, kv, length, d), torch.randn(b, kv, length, d)
     relabeled = []
-    for splits in (1, 3):
-        o_r = torch.full((b, h * d), float("nan"))
-        o = decode_attention(q, k, v, torch.tensor([0, 9]), torch.tensor([col]), 0.2, splits=splits, out_relabeled=o_r)
-        relabeled.append(bool(torch.equal(o_r, permute_x(o.reshape(b, h * d)))))
+    for h, kv, d in ((8, 2, 32), (7, 1, 128)):  # D = 128: each head one block, permuted in registers
+        q, k, v = torch.randn(b, h, d, generator=g), torch.randn(b, kv, length, d), torch.randn(b, kv, length, d)
+        for splits in (1, 3):
+            o_r = torch.full((b, h * d), float("nan"))
+            o = decode_attention(q, k, v, torch.tensor([0, 9]), torch.tensor([col]), 0.2, splits=splits,
+                                 out_relabeled=o_r)
+            relabeled.append(bool(torch.equal(o_r, permute_x(o.reshape(b, h * d)))))
     out["relabeled_equal"] = relabeled
     # the engine with the kernel vs the engine with SDPA, float32 tiny Qwen2 model
     from qerl_lib.engine.rollout import RolloutEngine
@@ -127,7 +130,8 @@ def interpreted():
 
 
 def test_interpreted_kernel_writes_the_relabeled_copy_bit_for_bit(interpreted):
-    assert interpreted["relabeled_equal"] == [True, True]  # one slice (the kernel stores), three (the merge does)
+    # D = 32 (scattered stores) and D = 128 (whole blocks), one slice (the kernel stores) and three (the merge does)
+    assert interpreted["relabeled_equal"] == [True, True, True, True]
 
 
 def test_relabeled_output_of_the_wrong_shape_is_refused():

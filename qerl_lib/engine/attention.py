@@ -47,7 +47,7 @@ except ImportError:  # pragma: no cover
 from qerl_lib.kernels import pdl
 
 if triton is not None:
-    from qerl_lib.kernels.fp4_decode import relabeled_column
+    from qerl_lib.kernels.fp4_decode import relabel_tile, relabeled_column
 
 
 @dataclass(frozen=True)
@@ -325,8 +325,12 @@ if triton is not None:
             o = (acc / l_i[:, None]).to(out_ptr.dtype.element_ty)
             tl.store(out_ptr + b * sob + heads[:, None] * soh + dd[None, :], o, mask=g_ok[:, None])
             if RELABELED:
-                flat = heads[:, None] * D + dd[None, :]
-                tl.store(or_ptr + b * (tl.num_programs(1) * GROUPS * D) + relabeled_column(flat), o, mask=g_ok[:, None])
+                row_r = or_ptr + b * (tl.num_programs(1) * GROUPS * D)
+                if D % 128 == 0:  # each head's columns are whole blocks: permuted in registers, stored contiguously
+                    tl.store(row_r + heads[:, None] * D + dd[None, :], relabel_tile(o, GROUPS_P, D // 128),
+                             mask=g_ok[:, None])
+                else:  # a block spans several heads: each element to its relabeled column
+                    tl.store(row_r + relabeled_column(heads[:, None] * D + dd[None, :]), o, mask=g_ok[:, None])
 
     @triton.jit
     def _merge_splits_kernel(acc_ptr, ml_ptr, out_ptr, or_ptr, sob, soh, H, SPLITS: tl.constexpr,
@@ -349,4 +353,7 @@ if triton is not None:
         o = (tl.sum(acc * w[:, None], axis=0) / tl.sum(l_s * w, axis=0)).to(out_ptr.dtype.element_ty)
         tl.store(out_ptr + b * sob + h * soh + dd, o)
         if RELABELED:
-            tl.store(or_ptr + b * H * D + relabeled_column(h * D + dd), o)
+            if D % 128 == 0:
+                tl.store(or_ptr + b * H * D + h * D + dd, tl.reshape(relabel_tile(tl.reshape(o, [1, D]), 1, D // 128), [D]))
+            else:
+                tl.store(or_ptr + b * H * D + relabeled_column(h * D + dd), o)
