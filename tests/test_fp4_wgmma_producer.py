@@ -248,7 +248,7 @@ def test_cuda_k_slices_match_the_oracle(m, n, k, cfg):
     as the unsplit launch to fp32 rounding."""
     import dataclasses
 
-    from qerl_lib.kernels.fp4_gemm import _reduce_splits
+    from qerl_lib.kernels.fp4_gemm import reduce_splits
 
     q, w, g = cuda_nvfp4_weights(n, k, seed=m + n + k)
     x = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
@@ -259,7 +259,7 @@ def test_cuda_k_slices_match_the_oracle(m, n, k, cfg):
         outs = []
         for c in (cfg, cfg, dataclasses.replace(cfg, split_k=1)):
             out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
-            pc.linear(x, w.words, w.scales, w.global_scale, b, out, c, reduce_splits=_reduce_splits)
+            pc.linear(x, w.words, w.scales, w.global_scale, b, out, c, reduce_splits=reduce_splits)
             outs.append(out)
         torch.cuda.synchronize()
         assert not torch.isnan(outs[0]).any()

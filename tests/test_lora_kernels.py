@@ -51,6 +51,19 @@ INTERP_SCRIPT = textwrap.dedent("""
         out[f"{i}_counters_reset"] = bool((plan.counters == 0).all())
         again = lk.apply_(base.clone(), x, plan)  # a second call on the same counters: the same bits
         out[f"{i}_repeatable"] = bool(torch.equal(again, got))
+        if plan.covers_all():  # the expand summing a K-split GEMM's partials = reduce_splits, then the expand
+            from qerl_lib.kernels.fp4_gemm import reduce_splits
+            g = torch.Generator().manual_seed(50 + i)
+            ws = torch.randn(3 + i % 3, m, base.shape[1], generator=g) * 100.0
+            gs, bias = torch.tensor([448.0 * 6.0 / 3.7]), torch.randn(base.shape[1], generator=g)
+            eq = []
+            for b in (None, bias):
+                reduced = torch.full_like(base, float("nan"))
+                reduce_splits(ws, gs, b, reduced)
+                two = lk.apply_(reduced, x, plan)
+                one = lk.apply_(torch.full_like(base, float("nan")), x, plan, base=lk.SplitBase(ws, gs, b))
+                eq.append(bool(torch.equal(one, two)) and bool(torch.isfinite(one).all()))
+            out[f"{i}_split_base_equal"] = eq
     # the engine: kernels vs the torch path, every projection adapted, q/k/v and gate/up fused
     from qerl_lib.engine.rollout import LoraAdapter, RolloutEngine
     from tests.test_engine import PROMPTS, tiny_model
@@ -108,6 +121,41 @@ def test_interpreted_kernels_match_the_reference(interpreted, i):
     assert interpreted[f"{i}_changed"] > 0.1, "the adapter must change the output for the test to mean anything"
     assert interpreted[str(i)] <= 1e-5
     assert interpreted[f"{i}_counters_reset"] and interpreted[f"{i}_repeatable"]
+
+
+@pytest.mark.parametrize("i", [i for i, c in enumerate(CASES) if all(r for _, r, _ in c[2])])
+def test_interpreted_expand_sums_split_partials_as_the_reduction_does(interpreted, i):
+    assert interpreted[f"{i}_split_base_equal"] == [True, True]  # without and with a bias
+
+
+def test_split_base_needs_every_column_adapted_and_matching_partials():
+    plan, x, base = make_group(4, 64, [(32, 4, 1.0), (32, 0, 1.0)], torch.float32, "cpu")
+    assert not plan.covers_all()
+    shrunk = lk.Shrunk(torch.zeros(4, 16), 1, 4, plan, 16, "ieee", False)
+    with pytest.raises(ValueError, match="must cover every output column"):
+        lk.expand_(base, shrunk, lk.SplitBase(torch.zeros(2, 4, 64), torch.ones(1), None))
+    full, _, base = make_group(4, 64, [(32, 4, 1.0), (32, 4, 1.0)], torch.float32, "cpu")
+    with pytest.raises(ValueError, match="must be contiguous"):
+        lk.expand_(base, lk.Shrunk(torch.zeros(4, 16), 1, 4, full, 16, "ieee", False),
+                   lk.SplitBase(torch.zeros(2, 4, 63), torch.ones(1), None))
+
+
+def test_split_base_takes_one_reduction_over_all_of_out_and_runs_the_others():
+    out = torch.zeros(4, 64)
+    ws = torch.zeros(2, 4, 64)
+    assert lk.split_base([], out) is None and lk.split_base(None, out) is None
+    got = lk.split_base([(ws, torch.ones(1), None, out)], out)
+    assert isinstance(got, lk.SplitBase) and got.ws is ws
+    ran = []
+    import qerl_lib.kernels.fp4_gemm as fg
+    real = fg.reduce_splits
+    try:
+        fg.reduce_splits = lambda *job: ran.append(job)
+        halves = [(ws[:, :, :32], torch.ones(1), None, out[:, :32]), (ws[:, :, 32:], torch.ones(1), None, out[:, 32:])]
+        assert lk.split_base(halves, out) is None and len(ran) == 2  # two launches: reduced here
+        assert lk.split_base([(ws, torch.ones(1), None, out)], None) is None and len(ran) == 3  # no expand to take it
+    finally:
+        fg.reduce_splits = real
 
 
 def test_interpreted_engine_with_kernels_equals_torch_path(interpreted):

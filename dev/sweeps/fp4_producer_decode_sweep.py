@@ -27,7 +27,7 @@ import fp4_kernel_sweep as sweep  # noqa: E402  (opens $OUT/sweep.jsonl)
 
 from qerl_lib.bench.gemm import mean_relative_error, rotation_copies, time_graph  # noqa: E402
 from qerl_lib.kernels import fp4_wgmma_producer as pc  # noqa: E402
-from qerl_lib.kernels.fp4_gemm import _reduce_splits, fp4_linear, planned_launch, prepare_fp4_weights  # noqa: E402
+from qerl_lib.kernels.fp4_gemm import reduce_splits, fp4_linear, planned_launch, prepare_fp4_weights  # noqa: E402
 from qerl_lib.kernels.fp4_wgmma import WgmmaConfig, permute_x  # noqa: E402
 from qerl_lib.kernels.launch_rule import path_name  # noqa: E402
 from qerl_lib.quant.nvfp4 import reference_matmul  # noqa: E402
@@ -56,18 +56,18 @@ def prepared(q):
 
 def run_pc(x, w, bias, out, cfg, tail=False):
     if not tail:
-        pc.linear(x, w.words, w.scales, w.global_scale, bias, out, cfg, reduce_splits=_reduce_splits)
+        pc.linear(x, w.words, w.scales, w.global_scale, bias, out, cfg, reduce_splits=reduce_splits)
         return
     # "T" specs (LOG 37, after run 7): the whole waves of output tiles unsplit, the tail's tiles in K-slices
     xp, n, k = permute_x(x), w.words.shape[0], x.shape[1]
     slots, tiles = 132 * cfg.programs_per_sm, -(-n // cfg.block_n)
     head = (tiles // slots) * slots * cfg.block_n if tiles > slots and tiles % slots else n
     pc.linear(xp, w.words[:head], w.scales[:head], w.global_scale, None if bias is None else bias[:head],
-              out[:, :head], cfg, permuted=True, reduce_splits=_reduce_splits)
+              out[:, :head], cfg, permuted=True, reduce_splits=reduce_splits)
     if head < n:
         split = max(1, min(slots // (tiles % slots), k // 256, 8))
         pc.linear(xp, w.words[head:], w.scales[head:], w.global_scale, None if bias is None else bias[head:],
-                  out[:, head:], dataclasses.replace(cfg, split_k=split), permuted=True, reduce_splits=_reduce_splits)
+                  out[:, head:], dataclasses.replace(cfg, split_k=split), permuted=True, reduce_splits=reduce_splits)
 
 
 def correctness():

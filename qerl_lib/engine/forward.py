@@ -59,7 +59,10 @@ Where an NVFP4 projection's GEMM runs a Gluon kernel (``fp4_gemm.takes_relabeled
 the Qwen2.5 shapes, decode batches 32-128), that kernel reads x in its own K relabeling. The kernel that
 produced x (the norms and SiLU * up above, the decode attention for o) then also stores that relabeled copy
 (``relabeled=``, ``out_relabeled=``), so the GEMM needs no permute launch of its own: 2-4 launches fewer per
-layer (``QERL_FP4_RELABEL_X=0`` turns this off; dev/LOG.md section 38).
+layer (``QERL_FP4_RELABEL_X=0`` turns this off; dev/LOG.md section 38). And where such a GEMM splits K (9-64
+rows), a group with adapters on every member has its LoRA expand kernel sum the GEMM's fp32 partials
+(``kernels/lora.expand_(..., base=)``, same bits), one reduction launch fewer per group
+(``QERL_LORA_SUMS_SPLITS=0`` turns this off).
 """
 
 from __future__ import annotations
@@ -78,6 +81,7 @@ from qerl_lib.models.fused import PARENT, PROJECTION_GROUPS, PROJECTIONS, fuse_g
 from qerl_lib.models.nvfp4_linear import NVFP4Linear, resolve_impl
 
 RELABEL_ENV = "QERL_FP4_RELABEL_X"  # "0": the Gluon FP4 launches permute x themselves (module docstring)
+SPLIT_FOLD_ENV = "QERL_LORA_SUMS_SPLITS"  # "0": a K-split FP4 GEMM sums its partials itself (module docstring)
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
 DECODE_ATTENTION = ("sdpa", "matmul", "kernel")
@@ -284,6 +288,7 @@ class ForwardPass:
         self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None
         # (layer, group, rows) -> whether the group's GEMM reads a relabeled copy of x (module docstring)
         self.relabel_x = os.environ.get(RELABEL_ENV, "1") != "0" and view.device.type == "cuda"
+        self.lora_sums_splits = os.environ.get(SPLIT_FOLD_ENV, "1") != "0" and view.device.type == "cuda"
         self._relabel_plan: dict[tuple[int, str, int], bool] = {}
 
     def reserve_columns(self, length: int) -> None:
@@ -353,20 +358,22 @@ class ForwardPass:
     def _plan_relabeled(self, layer: int, group: str, rows: int) -> bool:
         from qerl_lib.kernels.fp4_gemm import takes_relabeled_x
 
-        if not self.relabel_x:
-            return False
-        fused, members = self._fused[layer][group], self._groups[layer][group]
-        if fused is not None:
-            if fused.kind != "nvfp4":
-                return False
-            prepared = fused.prepared
-        elif len(members) == 1 and type(members[0]) is NVFP4Linear \
-                and resolve_impl(members[0].impl, self.view.device) == "kernel":
-            prepared = members[0].prepare_kernel()
-        else:
+        prepared = self._fp4_weight(layer, group)
+        if not self.relabel_x or prepared is None:
             return False
         return prepared.shape[1] % 128 == 0 and takes_relabeled_x(rows, prepared, self.view.device,
-                                                                  members[0].small_m_backend)
+                                                                  self._groups[layer][group][0].small_m_backend)
+
+    def _fp4_weight(self, layer: int, group: str):
+        """The group's ``PreparedFP4Weight`` where one ``fp4_linear`` call runs it (a fused NVFP4 group, or one
+        ``NVFP4Linear`` on the kernel path), else None."""
+        fused, members = self._fused[layer][group], self._groups[layer][group]
+        if fused is not None:
+            return fused.prepared if fused.kind == "nvfp4" else None
+        if len(members) == 1 and type(members[0]) is NVFP4Linear \
+                and resolve_impl(members[0].impl, self.view.device) == "kernel":
+            return members[0].prepare_kernel()
+        return None
 
     def _project(self, layer: int, group: str, x: torch.Tensor, x_relabeled: torch.Tensor | None = None):
         return self._project_parts(layer, group, x, x_relabeled=x_relabeled)[0]
@@ -380,20 +387,23 @@ class ForwardPass:
         fused = self._fused[layer][group]
         entry = self.lora.layout.get((layer, group)) if self.lora is not None else None
         plan = self.lora.plans.get((layer, group)) if entry is not None and self.lora_kernels else None
+        # the expand kernel may sum a K-split GEMM's partials (module docstring): collect them instead of reducing
+        splits = [] if (plan is not None and not defer and self.lora_sums_splits and plan.covers_all()
+                        and self._fp4_weight(layer, group) is not None) else None
         if fused is not None:
             epilogue = plan.epilogue() if plan is not None and self.lora_in_gemm else None
             if epilogue is not None and not fused.adds_lora(x, epilogue):
                 epilogue = None
-            full = fused.full(x, lora=epilogue, x_relabeled=x_relabeled)
+            full = fused.full(x, lora=epilogue, x_relabeled=x_relabeled, defer_reduce=splits)
             outs = list(full.split(fused.splits, dim=-1))
             if epilogue is not None:  # the GEMM has added the adapters
                 return outs, None
-        elif x_relabeled is not None:  # one NVFP4Linear (takes_relabeled): its forward, given the copy
+        elif x_relabeled is not None or splits is not None:  # one NVFP4Linear (takes_relabeled): its forward
             from qerl_lib.kernels.fp4_gemm import fp4_linear
 
             (m,) = self._groups[layer][group]
             outs = [fp4_linear(x, m.prepare_kernel(), m.bias, small_m_backend=m.small_m_backend, mma_rule=m.mma_rule,
-                               x_relabeled=x_relabeled)]
+                               x_relabeled=x_relabeled, defer_reduce=splits)]
             full = outs[0]
         else:
             outs = [module(x) for module in self._groups[layer][group]]
@@ -404,8 +414,10 @@ class ForwardPass:
                 if defer:
                     lora_kernels_mod.check_shapes(full2, x2, plan)
                     return outs, lora_kernels_mod.shrink_(x2, plan)
-                lora_kernels_mod.apply_(full2, x2, plan)  # in place: the members' outputs are views of it
+                base = lora_kernels_mod.split_base(splits, full2)  # None: nothing deferred, or reduced just now
+                lora_kernels_mod.apply_(full2, x2, plan, base=base)  # in place: the outputs are views of it
                 return outs, None
+        lora_kernels_mod.split_base(splits, None)  # not taken by an expand: reduce the partials now
         if entry is not None:
             a_cat, slots = entry
             xa = x.reshape(-1, x.shape[-1]) @ a_cat.t()  # all members' A at once: [tokens, sum of ranks]

@@ -57,3 +57,12 @@ if triton is not None:
         ``p`` holds the natural column that ``relabeled_column`` sends to ``p`` (``_permute_x_kernel``'s move)."""
         v = tl.reshape(v, [ROWS, BLOCKS, 4, 4, 2, 2, 2])
         return tl.reshape(tl.permute(v, [0, 1, 3, 6, 5, 2, 4]), [ROWS, BLOCKS * 128])
+
+    @triton.jit
+    def round_bf16(v, INTERPRETED: tl.constexpr):
+        """fp32 -> bf16, round-to-nearest-even (the interpreter truncates: round the bits by hand, finite values only)."""
+        if INTERPRETED:
+            bits = v.to(tl.uint32, bitcast=True)
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+            return bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        return v.to(tl.bfloat16)

@@ -78,6 +78,7 @@ import torch
 
 from qerl_lib.kernels import fp4_wgmma, fp4_wgmma_producer, mma
 from qerl_lib.kernels.fp4_decode import code_pair_bits
+from qerl_lib.kernels.fp4_decode import round_bf16 as _round_bf16
 from qerl_lib.kernels.fp4_wgmma import num_sms as _num_sms
 from qerl_lib.kernels.launch_rule import (SMALL_M_BACKENDS, SMALL_M_ENV, KernelConfig, pick_config,  # noqa: F401
                                           plan_launch, resolve_small_m_backend, uses_mma)
@@ -164,7 +165,8 @@ def fp4_linear(x: torch.Tensor, weight: PreparedFP4Weight, bias: torch.Tensor | 
                impl: str = "auto", out: torch.Tensor | None = None,
                config: KernelConfig | fp4_wgmma.WgmmaConfig | fp4_wgmma_producer.ProducerConfig | None = None,
                small_m_backend: str | None = None, mma_rule: Callable[[int, int, int], mma.MmaConfig] | None = None,
-               lora: mma.LoraEpilogue | None = None, x_relabeled: torch.Tensor | None = None) -> torch.Tensor:
+               lora: mma.LoraEpilogue | None = None, x_relabeled: torch.Tensor | None = None,
+               defer_reduce: list | None = None) -> torch.Tensor:
     """``x @ W.T (+ bias)`` for a ``prepare_fp4_weights`` result; the path ``NVFP4Linear`` uses.
     ``out``: optional bf16 ``[..., N]`` contiguous tensor to write into. ``config`` forces one launch of the
     Triton kernel (``KernelConfig``) or a Gluon one (``fp4_wgmma.WgmmaConfig``, ``fp4_wgmma_producer.ProducerConfig``).
@@ -173,7 +175,10 @@ def fp4_linear(x: torch.Tensor, weight: PreparedFP4Weight, bias: torch.Tensor | 
     of ``(m, n, k)`` (None: ``pick_mma_config``). ``lora``: adapters the mma.sync kernel adds itself;
     only where ``uses_mma`` (else a ValueError). ``x_relabeled``: the same ``x`` already in the Gluon kernels'
     K relabeling (``fp4_wgmma.permute_x``'s layout, contiguous ``[M, K]``; the decode step's glue kernels write
-    it), which a Gluon launch then reads instead of permuting ``x`` itself; other launches ignore it."""
+    it), which a Gluon launch then reads instead of permuting ``x`` itself; other launches ignore it.
+    ``defer_reduce``: a list that takes ``(ws, global_scale, bias, out)`` for each K-split reduction instead of
+    running it (``out``, or its columns, then unwritten until the caller sums ``ws`` with ``reduce_splits`` or
+    ``kernels/lora.expand_(..., base=)``, which adds the adapters in the same pass)."""
     impl = _resolve_impl(impl, x)
     if not isinstance(weight, PreparedFP4Weight):
         raise ValueError(f"fp4_linear: weight must be a PreparedFP4Weight (use prepare_fp4_weights), got {type(weight).__name__}")
@@ -190,7 +195,8 @@ def fp4_linear(x: torch.Tensor, weight: PreparedFP4Weight, bias: torch.Tensor | 
         res = reference_matmul(x, weight.to_compressed_tensors(), bias)
         return res if out is None else out.copy_(res)
     return _triton_linear(x, weight, bias, out, allow_cublas=True, config=config, small_m_backend=small_m_backend,
-                          mma_rule=mma_rule, lora=lora, x_relabeled=x_relabeled)
+                          mma_rule=mma_rule, lora=lora, x_relabeled=x_relabeled,
+                          reduce=reduce_splits if defer_reduce is None else lambda *job: defer_reduce.append(job))
 
 
 def takes_relabeled_x(m: int, weight: PreparedFP4Weight, device: torch.device,
@@ -323,8 +329,9 @@ def _interpreted(t: torch.Tensor) -> bool:
 def _triton_linear(x: torch.Tensor, weight: PreparedFP4Weight, bias: torch.Tensor | None,
                    out: torch.Tensor | None, allow_cublas: bool, config=None,
                    small_m_backend: str | None = None, mma_rule=None, lora=None,
-                   x_relabeled: torch.Tensor | None = None) -> torch.Tensor:
+                   x_relabeled: torch.Tensor | None = None, reduce=None) -> torch.Tensor:
     n, k = weight.shape
+    reduce = reduce or reduce_splits  # (or fp4_linear's defer_reduce)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1 or x2.data_ptr() % 16 or (x2.shape[0] > 1 and x2.stride(0) % 8):
@@ -342,11 +349,11 @@ def _triton_linear(x: torch.Tensor, weight: PreparedFP4Weight, bias: torch.Tenso
     if isinstance(config, fp4_wgmma_producer.ProducerConfig):  # the producer-warp Gluon kernel (rule's or forced)
         fp4_wgmma_producer.linear(x2 if x_relabeled is None else x_relabeled, weight.words, weight.scales,
                                   weight.global_scale, bias, out, config, permuted=x_relabeled is not None,
-                                  reduce_splits=_reduce_splits)
+                                  reduce_splits=reduce)
         return out.reshape(*lead, n)
     if isinstance(config, fp4_wgmma.WgmmaConfig):  # the Gluon kernel (the rule's or forced)
         fp4_wgmma.linear(x2 if x_relabeled is None else x_relabeled, weight.words, weight.scales, weight.global_scale,
-                         bias, out, config, _reduce_splits, permuted=x_relabeled is not None)
+                         bias, out, config, reduce, permuted=x_relabeled is not None)
         return out.reshape(*lead, n)
     cfg = config
     if cfg.cublas:
@@ -371,11 +378,11 @@ def _triton_linear(x: torch.Tensor, weight: PreparedFP4Weight, bias: torch.Tenso
         INTERPRETED=_interpreted(x2), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if split > 1:
-        _reduce_splits(ws, weight.global_scale, bias, out)
+        reduce(ws, weight.global_scale, bias, out)
     return out.reshape(*lead, n)
 
 
-def _reduce_splits(ws: torch.Tensor, global_scale: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> None:
+def reduce_splits(ws: torch.Tensor, global_scale: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> None:
     """out (rows ``out.stride(0)`` apart) = bf16(sum of the fp32 partials ``ws [S, M, N]`` * 2^8/gs) (+ bias), in order."""
     split, m, n = ws.shape
     _splitk_reduce_kernel[(triton.cdiv(m * n, 1024),)](
@@ -419,15 +426,6 @@ if triton is not None:
         if INTERPRETED:
             return tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), acc, input_precision="ieee")
         return tl.dot(a, tl.trans(b), acc)
-
-    @triton.jit
-    def _round_bf16(v, INTERPRETED: tl.constexpr):
-        """fp32 -> bf16, round-to-nearest-even (the interpreter truncates: round the bits by hand, finite values only)."""
-        if INTERPRETED:
-            bits = v.to(tl.uint32, bitcast=True)
-            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-            return bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
-        return v.to(tl.bfloat16)
 
     @triton.jit
     def _bitreverse_k(t, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr):

@@ -22,6 +22,11 @@ How (``apply_``)
   the last slice of a block to arrive (an atomic counter, reset by that program) adds them once and
   writes ``xa``. Either way in slice order (deterministic bits) and rounded to the activation dtype,
   as the torch path's ``xa`` tensor is.
+* Where the group's FP4 GEMM split K (decode rows 9-64 on the Qwen2.5 shapes), the expand can also finish
+  that GEMM (``expand_(..., base=SplitBase)``, from ``fp4_gemm.fp4_linear(..., defer_reduce=)``): each program
+  sums its tile's fp32 partials exactly as ``fp4_gemm.reduce_splits`` does (slice order, ``* 2^8/gs``, one
+  rounding, bias, one rounding) before adding the adapters, so the GEMM's reduction launch is saved and the
+  bits are the same (dev/LOG.md section 38). Only where the adapters cover every output column.
 * ``_expand_kernel``: programs tile the output columns, one member per tile (the member's rank
   offset, rank and scale come from small per-tile tables); each multiplies ``xa`` by its ``B``
   tile and adds ``scale *`` that to ``out`` in fp32, rounding once (as ``addmm`` does). All members
@@ -79,6 +84,9 @@ except ImportError:  # pragma: no cover
     gdc_launch_dependents = gdc_wait = None
 
 from qerl_lib.kernels import pdl
+
+if triton is not None:
+    from qerl_lib.kernels.fp4_decode import round_bf16
 
 MAX_M = 256  # rows above this (prefill) take the torch path: compute-bound matmuls, launches do not matter
 RANK_BLOCK = 16  # ranks per shrink program, and the minimum padded rank (tensor-core tile)
@@ -138,6 +146,10 @@ class GroupPlan:
     @property
     def padded_rank(self) -> int:
         return self.b_cat.shape[1]
+
+    def covers_all(self) -> bool:
+        """Whether the members with adapters cover every output column (``expand_``'s ``base`` needs it)."""
+        return sum(n1 - n0 for n0, n1, _, _, _ in self.members) == self.n_total
 
     def b_view(self, i: int) -> torch.Tensor:
         """Member ``i``'s ``B [n_end - n_start, rank]`` as a view of ``b_cat``."""
@@ -204,6 +216,33 @@ def split_rule(m: int, k: int, padded_rank: int) -> tuple[int, int, bool]:
     return splits, k_per, splits > 1 and m <= FEW_ROWS and padded_rank > EXPAND_SUMS_UP_TO_RANK
 
 
+@dataclass(frozen=True)
+class SplitBase:
+    """A base GEMM's output still as fp32 K-slice partials (``fp4_gemm.fp4_linear``'s ``defer_reduce`` entry):
+    ``ws [S, M, N]``, the weights' device global scale, the bias or None; ``expand_`` sums them."""
+
+    ws: torch.Tensor
+    global_scale: torch.Tensor
+    bias: torch.Tensor | None
+
+
+def split_base(deferred: list | None, out: torch.Tensor | None) -> SplitBase | None:
+    """``fp4_linear``'s ``defer_reduce`` list -> the ``base`` of an expand writing ``out``, where one deferred
+    reduction covers all of ``out``; any other deferred reductions (several launches, part of the columns, or no
+    ``out`` to take them) run here instead, and the result is None."""
+    if not deferred:
+        return None
+    if out is not None and len(deferred) == 1:
+        ws, gs, bias, target = deferred[0]
+        if target.data_ptr() == out.data_ptr() and target.shape == out.shape and target.stride() == out.stride():
+            return SplitBase(ws, gs, bias)
+    from qerl_lib.kernels.fp4_gemm import reduce_splits
+
+    for job in deferred:
+        reduce_splits(*job)
+    return None
+
+
 @dataclass
 class Shrunk:
     """What ``shrink_`` leaves for the expand step: ``xa = x @ A_cat^T`` of ``m`` rows, either summed
@@ -253,26 +292,37 @@ def shrink_(x: torch.Tensor, plan: GroupPlan, use_pdl: bool | None = None) -> Sh
     return Shrunk(xa if summed else partial, 1 if summed else splits, m, plan, block_m, precision, early)
 
 
-def expand_(out: torch.Tensor, shrunk: Shrunk) -> torch.Tensor:
-    """The second launch of ``apply_``: ``out += each member's scale * xa @ B^T``, in place."""
+def expand_(out: torch.Tensor, shrunk: Shrunk, base: SplitBase | None = None) -> torch.Tensor:
+    """The second launch of ``apply_``: ``out += each member's scale * xa @ B^T``, in place. ``base``: ``out``
+    is not written yet; its values are ``fp4_gemm.reduce_splits`` of these partials, which this launch sums."""
     plan, m = shrunk.plan, shrunk.m
+    ws = bias = gs = out  # (unused without a base)
+    slices = 0
+    if base is not None:
+        if tuple(base.ws.shape[1:]) != (m, plan.n_total) or not base.ws.is_contiguous() or not plan.covers_all():
+            raise ValueError(f"kernels/lora.expand_: base partials {list(base.ws.shape)} must be contiguous "
+                             f"[S, {m}, {plan.n_total}] and the adapters must cover every output column")
+        ws, gs, slices = base.ws, base.global_scale, base.ws.shape[0]
+        bias = base.bias if base.bias is not None else out
     _expand_kernel[(plan.tiles.shape[0], triton.cdiv(m, shrunk.block_m))](
-        shrunk.src, plan.b_cat, out, plan.tiles, plan.r_start, plan.rank, plan.scale, m, plan.a_cat.shape[0],
-        out.stride(0), plan.b_cat.stride(0), SPLITS=shrunk.splits, BLOCK_M=shrunk.block_m, BLOCK_N=BLOCK_N,
-        RP=plan.padded_rank, PRECISION=shrunk.precision, PDL=shrunk.early, launch_pdl=shrunk.early,
-        num_warps=EXPAND_WARPS)
+        shrunk.src, plan.b_cat, out, plan.tiles, plan.r_start, plan.rank, plan.scale, ws, gs, bias, m,
+        plan.a_cat.shape[0], plan.n_total, out.stride(0), plan.b_cat.stride(0), SPLITS=shrunk.splits,
+        BLOCK_M=shrunk.block_m, BLOCK_N=BLOCK_N, RP=plan.padded_rank, PRECISION=shrunk.precision,
+        BASE_SLICES=slices, HAS_BIAS=base is not None and base.bias is not None, INTERPRETED=not out.is_cuda,
+        PDL=shrunk.early, launch_pdl=shrunk.early, num_warps=EXPAND_WARPS)
     return out
 
 
-def apply_(out: torch.Tensor, x: torch.Tensor, plan: GroupPlan, use_pdl: bool | None = None) -> torch.Tensor:
+def apply_(out: torch.Tensor, x: torch.Tensor, plan: GroupPlan, use_pdl: bool | None = None,
+           base: SplitBase | None = None) -> torch.Tensor:
     """In place: ``out [M, N] += each member's scale * (x [M, K] @ A^T) @ B^T`` (two launches:
     ``shrink_``, then ``expand_``; or ``shrink_`` and a kernel that reads ``out`` and adds the expand
     itself, as ``engine/glue.py``'s SiLU x up does).
 
     Call it right after the GEMM that wrote ``out`` (see the module docstring); ``use_pdl=False``
-    launches both kernels plainly, for any other order. Check ``supported`` first."""
+    launches both kernels plainly, for any other order. Check ``supported`` first. ``base``: ``expand_``'s."""
     check_shapes(out, x, plan)
-    return expand_(out, shrink_(x, plan, use_pdl))
+    return expand_(out, shrink_(x, plan, use_pdl), base)
 
 
 def interpreting() -> bool:
@@ -338,11 +388,14 @@ if triton is not None:
         return xa
 
     @triton.jit
-    def _expand_kernel(xa_ptr, b_ptr, out_ptr, tiles_ptr, r_start_ptr, rank_ptr, scale_ptr, M, R, so, sb,
-                       SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, RP: tl.constexpr, PRECISION: tl.constexpr,
-                       PDL: tl.constexpr):
+    def _expand_kernel(xa_ptr, b_ptr, out_ptr, tiles_ptr, r_start_ptr, rank_ptr, scale_ptr, ws_ptr, gs_ptr, bias_ptr,
+                       M, R, N, so, sb, SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       RP: tl.constexpr, PRECISION: tl.constexpr, BASE_SLICES: tl.constexpr, HAS_BIAS: tl.constexpr,
+                       INTERPRETED: tl.constexpr, PDL: tl.constexpr):
         """Program (column tile of one member, row block): out[rows, tile] += scale * xa @ B[tile]^T, with
-        ``xa`` given (``SPLITS`` = 1) or the sum of ``SPLITS`` fp32 partials, rounded to the activation dtype."""
+        ``xa`` given (``SPLITS`` = 1) or the sum of ``SPLITS`` fp32 partials, rounded to the activation dtype.
+        With ``BASE_SLICES`` > 0 the tile's ``out`` is first made from the base GEMM's fp32 partials ``ws [S, M, N]``
+        as ``fp4_gemm.reduce_splits`` makes it (``_splitk_reduce_kernel``'s arithmetic, in its order)."""
         t, pid_m = tl.program_id(0), tl.program_id(1)
         n0 = tl.load(tiles_ptr + 3 * t)
         n1 = tl.load(tiles_ptr + 3 * t + 1)
@@ -363,5 +416,14 @@ if triton is not None:
         delta = tl.dot(xa, tl.trans(b), input_precision=PRECISION)
         ptrs = out_ptr + rows[:, None] * so + cols[None, :]
         ok = ok_m[:, None] & ok_n[None, :]
-        o = tl.load(ptrs, mask=ok, other=0.0)
+        if BASE_SLICES > 0:
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for s in tl.static_range(BASE_SLICES):
+                acc += tl.load(ws_ptr + (s * M + rows[:, None]) * N + cols[None, :], mask=ok, other=0.0)
+            o = round_bf16(acc * tl.math.div_rn(256.0, tl.load(gs_ptr)), INTERPRETED)
+            if HAS_BIAS:
+                bias = tl.load(bias_ptr + cols, mask=ok_n, other=0.0)
+                o = round_bf16(o.to(tl.float32) + bias.to(tl.float32)[None, :], INTERPRETED)
+        else:
+            o = tl.load(ptrs, mask=ok, other=0.0)
         tl.store(ptrs, (o.to(tl.float32) + scale * delta).to(out_ptr.dtype.element_ty), mask=ok)

@@ -84,16 +84,17 @@ class FusedProjection:
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
         return list(self.full(x).split(self.splits, dim=-1))
 
-    def full(self, x: torch.Tensor, lora=None, x_relabeled: torch.Tensor | None = None) -> torch.Tensor:
+    def full(self, x: torch.Tensor, lora=None, x_relabeled: torch.Tensor | None = None,
+             defer_reduce: list | None = None) -> torch.Tensor:
         """The members' outputs side by side, ``[..., sum of N]`` (what ``__call__`` splits); ``lora``: a
-        ``kernels.mma.LoraEpilogue`` the GEMM adds itself (only where ``adds_lora`` says so); ``x_relabeled``:
-        NVFP4 only, ``fp4_linear``'s argument of that name."""
+        ``kernels.mma.LoraEpilogue`` the GEMM adds itself (only where ``adds_lora`` says so); ``x_relabeled``,
+        ``defer_reduce``: NVFP4 only, ``fp4_linear``'s arguments of those names."""
         if self.kind == "nvfp4":
             from qerl_lib.kernels.fp4_gemm import fp4_linear
 
             first = self.members[0]  # the small-M kernel choice of the group's first member
             out = fp4_linear(x, self.prepared, self.tensors.get("bias"), small_m_backend=first.small_m_backend,
-                             mma_rule=first.mma_rule, lora=lora, x_relabeled=x_relabeled)
+                             mma_rule=first.mma_rule, lora=lora, x_relabeled=x_relabeled, defer_reduce=defer_reduce)
         else:
             out = F.linear(x, self.tensors["weight"], self.tensors.get("bias"))
         return out

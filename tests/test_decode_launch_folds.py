@@ -1,12 +1,15 @@
-"""x handed to the Gluon FP4 GEMMs already in their K relabeling (``fp4_linear(..., x_relabeled=)``; the decode
-step's norms, SiLU x up and attention write that copy, ``engine/forward.py``'s docstring).
+"""Two launches the decode step folds into its neighbours (``engine/forward.py``'s docstring): x handed to the
+Gluon FP4 GEMMs already in their K relabeling (``fp4_linear(..., x_relabeled=)``; the norms, SiLU x up and
+attention write that copy), and a K-split FP4 GEMM's partials summed by the LoRA expand kernel
+(``fp4_linear(..., defer_reduce=)``, ``kernels/lora.expand_(..., base=)``).
 
 * CPU: ``fp4_linear`` refuses a copy of the wrong shape with a message; ``takes_relabeled_x`` says no where
   no Gluon launch runs (the mma.sync rows, no GPU).
 * CUDA (Hopper, Gluon): on Qwen2.5-7B shapes at the decode rows where Gluon launches run, the GEMM given the
-  copy is bit-equal to the GEMM that permutes x itself; the engine's greedy rollouts at batch 32 and 64, with
-  LoRA r16 adapters, are bit-identical with the copies on and off (``QERL_FP4_RELABEL_X``), and with them on
-  the engine launches fewer permutes.
+  copy is bit-equal to the GEMM that permutes x itself; the GEMM whose partials the expand sums gives the bits
+  of the GEMM + reduction + expand; the engine's greedy rollouts at batch 32 and 64, with LoRA r16 adapters,
+  are bit-identical with either fold on or off (``QERL_FP4_RELABEL_X``, ``QERL_LORA_SUMS_SPLITS``), and with
+  them on the engine launches fewer permutes and reductions.
 """
 
 from __future__ import annotations
@@ -65,6 +68,29 @@ def test_cuda_gemm_given_the_copy_equals_the_gemm_that_permutes(rows, n, k):
     assert not torch.equal(fp4_linear(x, w, x_relabeled=x.contiguous()), plain)  # the copy is what it reads
 
 
+@pytest.mark.cuda
+@needs_gluon
+@pytest.mark.parametrize("rows", [16, 24, 32, 48, 64])
+@pytest.mark.parametrize("members,k", [((3584, 512, 512), 3584), ((3584,), 3584), ((3584,), 18944)],
+                         ids=["qkv", "o", "down"])
+def test_cuda_expand_summing_the_partials_equals_reduction_then_expand(rows, members, k):
+    from qerl_lib.kernels import lora as lk
+    from qerl_lib.kernels.fp4_gemm import fp4_linear
+    from tests.test_lora_kernels import make_group
+
+    plan, x, _ = make_group(rows, k, [(n, 16, 2.0) for n in members], torch.bfloat16, "cuda", seed=rows)
+    w = _weight(sum(members), k, "cuda", seed=rows + k)
+    deferred = []
+    out = fp4_linear(x, w, defer_reduce=deferred)
+    ref = lk.apply_(fp4_linear(x, w), x, plan)
+    base = lk.split_base(deferred, out)
+    assert base is not None or not deferred  # one launch: its reduction goes to the expand
+    got = lk.apply_(out, x, plan, base=base)
+    assert torch.equal(got, ref)
+    if rows in (32, 64) and k == 18944:
+        assert base is not None, "the down projection splits K at 32 and 64 rows"
+
+
 def _qwen7b_layers_nvfp4(layers: int = 2):
     """Random-weight Qwen2.5-7B shapes (hidden 3584, 28 heads, 4 KV heads, intermediate 18944), ``layers`` deep,
     NVFP4 on the GPU: the shapes where the decode rule runs the Gluon kernels."""
@@ -84,7 +110,7 @@ def _qwen7b_layers_nvfp4(layers: int = 2):
 @pytest.mark.cuda
 @needs_gluon
 @pytest.mark.parametrize("batch", [32, 64])
-def test_cuda_engine_rollouts_equal_with_and_without_relabeled_copies(monkeypatch, batch):
+def test_cuda_engine_rollouts_equal_with_and_without_the_folds(monkeypatch, batch):
     from qerl_lib.engine.rollout import RolloutEngine
     from tests.test_lora_kernels import cuda_adapters
 
@@ -92,24 +118,34 @@ def test_cuda_engine_rollouts_equal_with_and_without_relabeled_copies(monkeypatc
     adapters = cuda_adapters(model, 16)
     g = torch.Generator().manual_seed(batch)
     prompts = [torch.randint(3, 512, (int(n),), generator=g).tolist() for n in torch.randint(4, 40, (batch,), generator=g)]
-    permutes = {"n": 0}
-    real = fp4_wgmma.permute_x
+    from qerl_lib.kernels import fp4_gemm
 
-    def counting(x2):
-        permutes["n"] += 1
-        return real(x2)
+    calls = {"permute": 0, "reduce": 0}
+    real_permute, real_reduce = fp4_wgmma.permute_x, fp4_gemm.reduce_splits
 
-    monkeypatch.setattr(fp4_wgmma, "permute_x", counting)
-    monkeypatch.setattr("qerl_lib.kernels.fp4_wgmma_producer.permute_x", counting)
+    def permute(x2):
+        calls["permute"] += 1
+        return real_permute(x2)
+
+    def reduce(*job):
+        calls["reduce"] += 1
+        return real_reduce(*job)
+
+    monkeypatch.setattr(fp4_wgmma, "permute_x", permute)
+    monkeypatch.setattr("qerl_lib.kernels.fp4_wgmma_producer.permute_x", permute)
+    monkeypatch.setattr(fp4_gemm, "reduce_splits", reduce)
     runs, counts = {}, {}
-    for setting in ("1", "0"):
-        monkeypatch.setenv("QERL_FP4_RELABEL_X", setting)
-        permutes["n"] = 0
+    for relabel, sums in (("1", "1"), ("0", "1"), ("1", "0")):
+        monkeypatch.setenv("QERL_FP4_RELABEL_X", relabel)
+        monkeypatch.setenv("QERL_LORA_SUMS_SPLITS", sums)
+        calls.update(permute=0, reduce=0)
         engine = RolloutEngine(model)
-        runs[setting] = engine.generate(prompts, 16, temperature=0, stop_token_ids=[], lora=adapters)
-        assert engine._forward.takes_relabeled(0, "gate_up", batch) == (setting == "1")
-        counts[setting] = permutes["n"]
+        runs[relabel + sums] = engine.generate(prompts, 16, temperature=0, stop_token_ids=[], lora=adapters)
+        assert engine._forward.takes_relabeled(0, "gate_up", batch) == (relabel == "1")
+        counts[relabel + sums] = dict(calls)
         engine.release()
-    for a, b in zip(runs["1"], runs["0"]):
-        assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
-    assert counts["1"] < counts["0"], counts
+    for other in ("01", "10"):
+        for a, b in zip(runs["11"], runs[other]):
+            assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
+    assert counts["11"]["permute"] < counts["01"]["permute"], counts
+    assert counts["11"]["reduce"] < counts["10"]["reduce"], counts
