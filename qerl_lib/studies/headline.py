@@ -50,6 +50,9 @@ RESULT_FILES = {
                               "NVFP4 + r16 on 256 GSM8K-like completions of <= 1024 tokens over 64 rows (kit static "
                               "and continuous, vLLM); three runs merged (2026-11-25: the kit's NVFP4 rows predate the "
                               "producer kernel at decode sizes, see `rollout_vllm_r16_h100.json`)",
+    "rollout_r16_h100.json": "the kit's engine alone, NVFP4 and bf16 with LoRA r16 in one process, batch 32/64, "
+                             "256 + 1024 tokens, with the glue kernels writing the FP4 GEMMs' relabeled x (dev/LOG.md "
+                             "section 38; `rollout_r16_run3.json` in `dev/runs/decode_launches_h100_2026-11-27/`)",
     "rollout_vllm_r16_h100.json": "the kit's engine and vLLM 0.24.0 in one run, as `rollout_vllm_h100.json`, with the "
                                   "decode-size producer kernel (dev/LOG.md section 37): NVFP4 + LoRA r16 at batch "
                                   "8/32/64/128, kit and vLLM; the kit's bf16 + r16 at batch 32/64; 256 + 1024 tokens "
@@ -271,7 +274,7 @@ def _fixed_rows(results_dir, file: str):
     doc = load_result(results_dir, file)
     every = _rows(doc, file, ROLLOUT_KEYS + ("workload", "prompts", "scheduling"))
     rows = [r for r in every if r["workload"] == "fixed" and r["prompts"] is None]
-    gen = fastest(rows, file, engine="vllm")["gen_len"]
+    gen = fastest(rows, file, engine="qerl")["gen_len"]
     common = dict(model="qwen2.5-7b", rank=16, prompt_len=256, gen_len=gen)
 
     def tok(engine, weights, batch):
@@ -285,8 +288,9 @@ def _batches(rows: list[dict], engine: str, weights: str) -> list[int]:
 
 def _vllm_rows(results_dir) -> list[tuple]:
     """The kit's engine against vLLM in the same run: fixed lengths per batch, NVFP4/bf16 in each, uneven rollout.
-    NVFP4 + r16 and the kit's NVFP4 / bf16 come from the newer run (``rollout_vllm_r16_h100.json``); bf16 + r16, vLLM's
-    NVFP4 / bf16 and the uneven rollout from the earlier full set (``rollout_vllm_h100.json``)."""
+    NVFP4 + r16 comes from the newer run (``rollout_vllm_r16_h100.json``), the kit's NVFP4 / bf16 from the newest
+    kit-only run (``rollout_r16_h100.json``); bf16 + r16, vLLM's NVFP4 / bf16 and the uneven rollout from the earlier
+    full set (``rollout_vllm_h100.json``)."""
     def ratios(pairs):
         return " / ".join(_x(a / b) for a, b in pairs)
 
@@ -296,7 +300,9 @@ def _vllm_rows(results_dir) -> list[tuple]:
     new = "rollout_vllm_r16_h100.json"
     _, rows_new, dev_new, tok_new, gen_new = _fixed_rows(results_dir, new)
     b_new = _batches(rows_new, "vllm", "nvfp4")
-    b_ratio = sorted(set(_batches(rows_new, "qerl", "nvfp4")) & set(_batches(rows_new, "qerl", "bf16")))
+    kit_file = "rollout_r16_h100.json"
+    _, rows_kit, dev_kit, tok_kit, gen_kit = _fixed_rows(results_dir, kit_file)
+    b_ratio = sorted(set(_batches(rows_kit, "qerl", "nvfp4")) & set(_batches(rows_kit, "qerl", "bf16")))
     file = "rollout_vllm_h100.json"
     every, rows, dev, tok, gen = _fixed_rows(results_dir, file)
     batches = _batches(rows, "vllm", "bf16")
@@ -307,8 +313,9 @@ def _vllm_rows(results_dir) -> list[tuple]:
            (f"{lead}, bf16 + LoRA r16, {where(batches, gen)}",
             ratios((tok("qerl", "bf16", b), tok("vllm", "bf16", b)) for b in batches)
             + f" (kit {' / '.join(_tok(tok('qerl', 'bf16', b)) for b in batches)} tok/s)", dev, file),
-           (f"NVFP4 / bf16 with LoRA r16, kit engine, same run, {where(b_ratio, gen_new)}",
-            ratios((tok_new("qerl", "nvfp4", b), tok_new("qerl", "bf16", b)) for b in b_ratio), dev_new, new),
+           (f"NVFP4 / bf16 with LoRA r16, kit engine, same run, {where(b_ratio, gen_kit)}",
+            ratios((tok_kit("qerl", "nvfp4", b), tok_kit("qerl", "bf16", b)) for b in b_ratio)
+            + f" (NVFP4 {' / '.join(_tok(tok_kit('qerl', 'nvfp4', b)) for b in b_ratio)} tok/s)", dev_kit, kit_file),
            (f"NVFP4 / bf16 with LoRA r16, vLLM 0.24 (Marlin FP4), same run, {where(batches, gen)}",
             ratios((tok("vllm", "nvfp4", b), tok("vllm", "bf16", b)) for b in batches), dev, file)]
     label = {"nvfp4": "NVFP4", "bf16": "bf16"}
