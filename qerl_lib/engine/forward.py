@@ -287,10 +287,10 @@ class ForwardPass:
                     gated=engine_glue.silu_mul if silu else self.decode_ops.gated)
         self._columns = torch.arange(0, dtype=torch.long, device=view.device)
         self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None
-        # (layer, group, rows) -> whether the group's GEMM reads a relabeled copy of x (module docstring)
+        # the decode step's launch folds (module docstring), read from the environment once per forward pass
         self.relabel_x = os.environ.get(RELABEL_ENV, "1") != "0" and view.device.type == "cuda"
         self.lora_sums_splits = os.environ.get(SPLIT_FOLD_ENV, "0") == "1" and view.device.type == "cuda"
-        self._relabel_plan: dict[tuple[int, str, int], bool] = {}
+        self._relabel_plan: dict[tuple[int, str, int], bool] = {}  # (layer, group, rows) -> takes_relabeled
 
     def reserve_columns(self, length: int) -> None:
         """Allocate, before any capture (not inside one), the column index used by decode masks and

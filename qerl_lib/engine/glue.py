@@ -20,6 +20,12 @@ arithmetic (one fp32 sum, rounded to the activation dtype) without its launch an
 the group's output back. The engine does this above 8 rows (``lora_fold``): on an H100 it saved
 0.7-1.3 points of step time at batch 32 / 64 and cost 6 at batch 8 (dev/LOG.md section 29).
 
+The norms and SiLU x up can also store their output a second time in the Gluon FP4 GEMMs' K relabeling
+(``relabeled=True``; ``kernels/fp4_decode.relabel_tile`` permutes each 128-column block in registers, then the
+rows are stored contiguously), which the next GEMM reads instead of launching its own permute of x. Storing
+each element at its relabeled column directly (a 2-byte scatter) measured 4-6x slower in the LoRA variant of
+SiLU x up on an H100 (dev/LOG.md section 38).
+
 Numerics follow ``engine/forward.py``'s functions (transformers' order): ``x + delta`` rounded to the
 activation dtype; RMSNorm in float32 on that, rounded, *then* times the weight (one more rounding);
 SiLU in float32 rounded to the activation dtype, times ``up`` rounded. Sums run in a different
