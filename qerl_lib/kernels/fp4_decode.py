@@ -16,8 +16,9 @@ Shared by the Triton kernels (``fp4_gemm``) and the Gluon kernel (``fp4_wgmma``)
 (``fp4_wgmma.permute_x``'s copy), and ``relabel_tile`` moves a whole tile of columns there in registers:
 the kernels that produce ``x`` in the decode step (``engine/glue``, ``engine/attention``) store a second,
 relabeled copy with them, so the GEMM needs no permute launch. A store through ``relabeled_column`` scatters
-2-byte elements; where the tile's layout came out of a ``tl.dot`` that measured 4-6x slower than the whole
-kernel without it (dev/LOG.md section 38), so the glue kernels permute the tile and store rows contiguously.
+2-byte elements: in a kernel whose tile came out of a ``tl.dot`` (SiLU x up with the LoRA expand) that made the
+whole kernel 4-6x slower on an H100 (dev/LOG.md section 38), so the glue kernels use ``relabel_tile`` and store
+rows contiguously.
 """
 
 from __future__ import annotations
