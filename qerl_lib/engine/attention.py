@@ -47,7 +47,7 @@ except ImportError:  # pragma: no cover
 from qerl_lib.kernels import pdl
 
 if triton is not None:
-    from qerl_lib.kernels.fp4_decode import relabel_tile, relabeled_column
+    from qerl_lib.kernels.fp4_decode import relabel_row, relabel_tile, relabeled_column
 
 
 @dataclass(frozen=True)
@@ -354,6 +354,6 @@ if triton is not None:
         tl.store(out_ptr + b * sob + h * soh + dd, o)
         if RELABELED:
             if D % 128 == 0:
-                tl.store(or_ptr + b * H * D + h * D + dd, tl.reshape(relabel_tile(tl.reshape(o, [1, D]), 1, D // 128), [D]))
+                tl.store(or_ptr + b * H * D + h * D + dd, relabel_row(o, D))
             else:
                 tl.store(or_ptr + b * H * D + relabeled_column(h * D + dd), o)

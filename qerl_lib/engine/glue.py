@@ -50,7 +50,7 @@ from qerl_lib.kernels import lora as lora_kernels
 from qerl_lib.kernels import pdl
 
 if triton is not None:
-    from qerl_lib.kernels.fp4_decode import relabel_tile
+    from qerl_lib.kernels.fp4_decode import relabel_row, relabel_tile
 
 SILU_BLOCK = 2048
 LORA_BLOCK_N = 128  # columns of gate (and of up) per program of the SiLU x up kernel that adds the LoRA
@@ -165,8 +165,7 @@ if triton is not None:
         h = (w.to(tl.float32) * normed.to(tl.float32)).to(h_ptr.dtype.element_ty)
         tl.store(h_ptr + row * sh + cols, h, mask=ok)
         if RELABELED:  # the row's blocks of 128 columns permuted in registers, stored contiguously
-            tl.store(hr_ptr + row * width + cols, tl.reshape(relabel_tile(tl.reshape(h, [1, BLOCK]), 1, BLOCK // 128),
-                                                             [BLOCK]), mask=ok)
+            tl.store(hr_ptr + row * width + cols, relabel_row(h, BLOCK), mask=ok)
 
     @triton.jit
     def _silu_mul_kernel(g_ptr, u_ptr, o_ptr, or_ptr, width, sg, su, so, BLOCK: tl.constexpr, RELABELED: tl.constexpr,
@@ -185,8 +184,7 @@ if triton is not None:
         o = (a.to(tl.float32) * u.to(tl.float32)).to(o_ptr.dtype.element_ty)
         tl.store(o_ptr + row * so + cols, o, mask=ok)
         if RELABELED:
-            tl.store(or_ptr + row * width + cols, tl.reshape(relabel_tile(tl.reshape(o, [1, BLOCK]), 1, BLOCK // 128),
-                                                             [BLOCK]), mask=ok)
+            tl.store(or_ptr + row * width + cols, relabel_row(o, BLOCK), mask=ok)
 
     @triton.jit
     def _silu_mul_lora_kernel(g_ptr, u_ptr, o_ptr, or_ptr, xa_ptr, b_ptr, width, M, R, sg, su, so, sb,

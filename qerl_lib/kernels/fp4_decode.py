@@ -60,6 +60,11 @@ if triton is not None:
         return tl.reshape(tl.permute(v, [0, 1, 3, 6, 5, 2, 4]), [ROWS, BLOCKS * 128])
 
     @triton.jit
+    def relabel_row(v, WIDTH: tl.constexpr):
+        """``relabel_tile`` for one row ``[WIDTH]`` (a multiple of 128, starting on a 128-column boundary)."""
+        return tl.reshape(relabel_tile(tl.reshape(v, [1, WIDTH]), 1, WIDTH // 128), [WIDTH])
+
+    @triton.jit
     def round_bf16(v, INTERPRETED: tl.constexpr):
         """fp32 -> bf16, round-to-nearest-even (the interpreter truncates: round the bits by hand, finite values only)."""
         if INTERPRETED:
