@@ -35,8 +35,8 @@ K (split-K, below). Per K-step of 128:
    so no host sync is needed and the call can be captured in a CUDA graph.
 
 Parallelism. Small M gives only ``N / BLOCK_N`` programs (28 for a 3584-wide output), too few for 132 SMs, so K
-is split into slices that write fp32 partials; ``_splitk_reduce_kernel`` sums them in a fixed order (deterministic,
-no atomics) and runs the epilogue. ``launch_rule.pick_config`` picks tile width and slices (about 2 programs per SM
+is split into slices that write fp32 partials, summed in a fixed order (deterministic) before the epilogue: by
+the last slice to finish each tile, or by a second launch (``kernels/splitk.py``). ``launch_rule.pick_config`` picks tile width and slices (about 2 programs per SM
 for 2 <= M <= 16, measured best on an H100).
 
 Large M (prefill, training forward) is compute-bound. Mostly fastest: one exact ``_fp4_dequant_kernel`` pass to bf16
@@ -76,12 +76,12 @@ from dataclasses import dataclass
 
 import torch
 
-from qerl_lib.kernels import fp4_wgmma, fp4_wgmma_producer, mma
+from qerl_lib.kernels import fp4_wgmma, fp4_wgmma_producer, mma, splitk
 from qerl_lib.kernels.fp4_decode import code_pair_bits
-from qerl_lib.kernels.fp4_decode import round_bf16 as _round_bf16
 from qerl_lib.kernels.fp4_wgmma import num_sms as _num_sms
 from qerl_lib.kernels.launch_rule import (SMALL_M_BACKENDS, SMALL_M_ENV, KernelConfig, pick_config,  # noqa: F401
                                           plan_launch, resolve_small_m_backend, uses_mma)
+from qerl_lib.kernels.splitk import reduce_splits  # noqa: F401 (callers and tests reach it here)
 from qerl_lib.quant.nvfp4 import GROUP_SIZE, NVFP4Weight, reference_grad_input, reference_matmul
 
 try:  # Triton is optional: the CPU reference path works without it.
@@ -196,7 +196,7 @@ def fp4_linear(x: torch.Tensor, weight: PreparedFP4Weight, bias: torch.Tensor | 
         return res if out is None else out.copy_(res)
     return _triton_linear(x, weight, bias, out, allow_cublas=True, config=config, small_m_backend=small_m_backend,
                           mma_rule=mma_rule, lora=lora, x_relabeled=x_relabeled,
-                          reduce=reduce_splits if defer_reduce is None else lambda *job: defer_reduce.append(job))
+                          reduce=None if defer_reduce is None else lambda *job: defer_reduce.append(job))
 
 
 def takes_relabeled_x(m: int, weight: PreparedFP4Weight, device: torch.device,
@@ -331,6 +331,7 @@ def _triton_linear(x: torch.Tensor, weight: PreparedFP4Weight, bias: torch.Tenso
                    small_m_backend: str | None = None, mma_rule=None, lora=None,
                    x_relabeled: torch.Tensor | None = None, reduce=None) -> torch.Tensor:
     n, k = weight.shape
+    summed_in_kernel = reduce is None and splitk.in_kernel()  # else a launch sums the slices (or the caller's hook)
     reduce = reduce or reduce_splits  # (or fp4_linear's defer_reduce)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)
@@ -349,7 +350,7 @@ def _triton_linear(x: torch.Tensor, weight: PreparedFP4Weight, bias: torch.Tenso
     if isinstance(config, fp4_wgmma_producer.ProducerConfig):  # the producer-warp Gluon kernel (rule's or forced)
         fp4_wgmma_producer.linear(x2 if x_relabeled is None else x_relabeled, weight.words, weight.scales,
                                   weight.global_scale, bias, out, config, permuted=x_relabeled is not None,
-                                  reduce_splits=reduce)
+                                  reduce_splits=reduce, summed_in_kernel=summed_in_kernel)
         return out.reshape(*lead, n)
     if isinstance(config, fp4_wgmma.WgmmaConfig):  # the Gluon kernel (the rule's or forced)
         fp4_wgmma.linear(x2 if x_relabeled is None else x_relabeled, weight.words, weight.scales, weight.global_scale,
@@ -369,29 +370,24 @@ def _triton_linear(x: torch.Tensor, weight: PreparedFP4Weight, bias: torch.Tenso
     split = triton.cdiv(k_iters, iters_per_split)
     ws = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
     grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m), split)
+    serial = split > 1 and summed_in_kernel
+    counters = splitk.tile_counters(x2.device, grid[0] * grid[1]) if serial else ws
     bias_arg = bias if bias is not None else out  # never read when HAS_BIAS is False
     _fp4_gemm_kernel[grid](
-        x2, weight.words, weight.scales, weight.global_scale, bias_arg, out, ws,
+        x2, weight.words, weight.scales, weight.global_scale, bias_arg, out, ws, counters,
         m, n, k, x2.stride(0), weight.words.stride(0), weight.scales.stride(0), out.stride(0), iters_per_split,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=split > 1, EVEN_K=k % cfg.block_k == 0,
-        SWAP_AB=cfg.swap_ab, HAS_BIAS=bias is not None, FRAG=cfg.fragment, PREFETCH=cfg.prefetch,
-        INTERPRETED=_interpreted(x2), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=split > 1, SERIAL=serial,
+        EVEN_K=k % cfg.block_k == 0, SWAP_AB=cfg.swap_ab, HAS_BIAS=bias is not None, FRAG=cfg.fragment,
+        PREFETCH=cfg.prefetch, INTERPRETED=_interpreted(x2), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    if split > 1:
+    if split > 1 and not serial:
         reduce(ws, weight.global_scale, bias, out)
     return out.reshape(*lead, n)
 
 
-def reduce_splits(ws: torch.Tensor, global_scale: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> None:
-    """out (rows ``out.stride(0)`` apart) = bf16(sum of the fp32 partials ``ws [S, M, N]`` * 2^8/gs) (+ bias), in order."""
-    split, m, n = ws.shape
-    _splitk_reduce_kernel[(triton.cdiv(m * n, 1024),)](
-        ws, global_scale, bias if bias is not None else out, out, m * n, n, out.stride(0), SPLIT=split,
-        HAS_BIAS=bias is not None, BLOCK=1024, INTERPRETED=_interpreted(out), num_warps=4)
-
-
 # ============================================================================ Triton kernels
 if triton is not None:
+    from qerl_lib.kernels.splitk import epilogue, last_slice_sums
 
     @triton.jit
     def _scaled_codes(q, s_byte, BLOCK_N: tl.constexpr, WORDS: tl.constexpr, INTERPRETED: tl.constexpr):
@@ -502,10 +498,10 @@ if triton is not None:
 
     @triton.jit
     def _fp4_gemm_kernel(
-        x_ptr, w_ptr, s_ptr, gs_ptr, bias_ptr, out_ptr, ws_ptr,
+        x_ptr, w_ptr, s_ptr, gs_ptr, bias_ptr, out_ptr, ws_ptr, counter_ptr,
         M, N, K, stride_xm, stride_wn, stride_sn, stride_om, iters_per_split,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
-        EVEN_K: tl.constexpr, SWAP_AB: tl.constexpr,
+        SERIAL: tl.constexpr, EVEN_K: tl.constexpr, SWAP_AB: tl.constexpr,
         HAS_BIAS: tl.constexpr, INTERPRETED: tl.constexpr, FRAG: tl.constexpr = False, PREFETCH: tl.constexpr = True,
     ):
         """One (BLOCK_N x BLOCK_M) output tile over one K-slice. FRAG: the small-M fragment path (module docstring).
@@ -546,36 +542,14 @@ if triton is not None:
         res = tl.trans(acc) if SWAP_AB else acc  # [BLOCK_M, BLOCK_N]
         out_mask = m_mask[:, None] & (offs_n < N)[None, :]
         tile_offs = offs_m[:, None] * N + offs_n[None, :]
-        if SPLIT:
+        if SPLIT:  # SERIAL: the tile's last slice to finish sums the partials (kernels/splitk.py), else a launch does
             tl.store(ws_ptr + pid_k * M * N + tile_offs, res, mask=out_mask)
+            if SERIAL:
+                last_slice_sums(ws_ptr, counter_ptr + pid_m * tl.num_programs(0) + pid_n, tl.num_programs(2), M * N,
+                                tile_offs, out_mask, res, gs_ptr, bias_ptr, out_ptr, offs_m, offs_n, N, stride_om,
+                                HAS_BIAS, INTERPRETED)
         else:
-            _store_output(res, gs_ptr, bias_ptr, out_ptr, offs_m, offs_n, out_mask, N, stride_om, HAS_BIAS, INTERPRETED)
-
-    @triton.jit
-    def _store_output(res, gs_ptr, bias_ptr, out_ptr, offs_m, offs_n, out_mask, N, stride_om,
-                      HAS_BIAS: tl.constexpr, INTERPRETED: tl.constexpr):
-        """Epilogue: bf16(acc * 2^8/gs) (2^8 undoes the W' scaling), then + bias after the cast."""
-        factor = tl.math.div_rn(256.0, tl.load(gs_ptr))  # correctly rounded, as the oracle's 1/gs
-        y = _round_bf16(res * factor, INTERPRETED)
-        if HAS_BIAS:
-            b = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0)
-            y = _round_bf16(y.to(tl.float32) + b.to(tl.float32)[None, :], INTERPRETED)
-        tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], y, mask=out_mask)
-
-    @triton.jit
-    def _splitk_reduce_kernel(ws_ptr, gs_ptr, bias_ptr, out_ptr, MN, N, stride_om, SPLIT: tl.constexpr,
-                              HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, INTERPRETED: tl.constexpr):
-        """out = bf16(sum over K-slices of the fp32 partials * 2^8/gs) (+ bias); fixed order."""
-        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < MN
-        acc = tl.zeros([BLOCK], dtype=tl.float32)
-        for s in tl.static_range(SPLIT):
-            acc += tl.load(ws_ptr + s * MN + offs, mask=mask, other=0.0)
-        y = _round_bf16(acc * tl.math.div_rn(256.0, tl.load(gs_ptr)), INTERPRETED)
-        if HAS_BIAS:
-            b = tl.load(bias_ptr + offs % N, mask=mask, other=0.0)
-            y = _round_bf16(y.to(tl.float32) + b.to(tl.float32), INTERPRETED)
-        tl.store(out_ptr + (offs // N) * stride_om + offs % N, y, mask=mask)  # out: [M, N] rows, stride_om apart
+            epilogue(res, gs_ptr, bias_ptr, out_ptr, offs_m, offs_n, out_mask, N, stride_om, HAS_BIAS, INTERPRETED)
 
     @triton.jit
     def _fp4_dequant_kernel(w_ptr, s_ptr, out_ptr, N, K, stride_wn, stride_sn, stride_on,
