@@ -376,7 +376,7 @@ def _triton_linear(x: torch.Tensor, weight: PreparedFP4Weight, bias: torch.Tenso
     _fp4_gemm_kernel[grid](
         x2, weight.words, weight.scales, weight.global_scale, bias_arg, out, ws, counters,
         m, n, k, x2.stride(0), weight.words.stride(0), weight.scales.stride(0), out.stride(0), iters_per_split,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=split > 1, SERIAL=serial,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=split > 1, SERIAL=split if serial else 0,
         EVEN_K=k % cfg.block_k == 0, SWAP_AB=cfg.swap_ab, HAS_BIAS=bias is not None, FRAG=cfg.fragment,
         PREFETCH=cfg.prefetch, INTERPRETED=_interpreted(x2), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
@@ -542,12 +542,13 @@ if triton is not None:
         res = tl.trans(acc) if SWAP_AB else acc  # [BLOCK_M, BLOCK_N]
         out_mask = m_mask[:, None] & (offs_n < N)[None, :]
         tile_offs = offs_m[:, None] * N + offs_n[None, :]
-        if SPLIT:  # SERIAL: the tile's last slice to finish sums the partials (kernels/splitk.py), else a launch does
+        if SPLIT:  # SERIAL (the slice count, or 0): the tile's last slice to finish sums the partials
+            # (kernels/splitk.py), else a launch does
             tl.store(ws_ptr + pid_k * M * N + tile_offs, res, mask=out_mask)
             if SERIAL:
-                last_slice_sums(ws_ptr, counter_ptr + pid_m * tl.num_programs(0) + pid_n, tl.num_programs(2), M * N,
-                                tile_offs, out_mask, res, gs_ptr, bias_ptr, out_ptr, offs_m, offs_n, N, stride_om,
-                                HAS_BIAS, INTERPRETED)
+                last_slice_sums(ws_ptr, counter_ptr + pid_m * tl.num_programs(0) + pid_n, M * N, tile_offs, out_mask,
+                                res, gs_ptr, bias_ptr, out_ptr, offs_m, offs_n, N, stride_om, SERIAL, HAS_BIAS,
+                                INTERPRETED)
         else:
             epilogue(res, gs_ptr, bias_ptr, out_ptr, offs_m, offs_n, out_mask, N, stride_om, HAS_BIAS, INTERPRETED)
 

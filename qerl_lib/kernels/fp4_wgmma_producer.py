@@ -209,7 +209,7 @@ def linear(x2: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, global_s
         x_desc, w_desc, s_desc, global_scale, bias if bias is not None else out, out, ws if ws is not None else out,
         counters if counters is not None else global_scale, m, n, k, out.stride(0), int(bias is not None), per, slices,
         BLOCK_M=config.block_m, STAGES=config.stages, PRODUCER_REGS=config.producer_registers, WG=config.warpgroups,
-        SERIAL=counters is not None, num_warps=4 * config.warpgroups,
+        SERIAL=slices if counters is not None else 0, num_warps=4 * config.warpgroups,
         **({"maxnreg": config.max_registers} if config.max_registers else {}))
     if ws is not None and counters is None:
         reduce_splits(ws, global_scale, bias, out)
@@ -302,14 +302,15 @@ if gluon is not None:
             offs_m = (t % tiles_m) * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma_l))
             mask = (offs_n < N)[:, None] & (offs_m < M)[None, :]
             if slices > 1:  # the slice's raw fp32 partial, summed (then scaled, rounded, biased) in slice order by
-                # the tile's last slice to finish (SERIAL; kernels/splitk.py) or by the caller's reduction launch
+                # the tile's last slice to finish (SERIAL: the slice count, or 0; kernels/splitk.py) or by the
+                # caller's reduction launch
                 gl.store(ws_ptr + (slice_ * M + offs_m[None, :]) * N + offs_n[:, None], acc, mask=mask)
                 if SERIAL:
                     counter = counter_ptr + (t // tiles_m // slices) * tiles_m + t % tiles_m
                     gl.thread_barrier()  # the partition's partial is stored before the ticket is taken
-                    if gl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == slices - 1:
+                    if gl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == SERIAL - 1:
                         total = gl.zeros([BN, BLOCK_M], gl.float32, layout=mma_l)
-                        for s in range(0, slices):
+                        for s in gl.static_range(SERIAL):  # unrolled: every slice's loads in flight at once
                             total += gl.load(ws_ptr + (s * M + offs_m[None, :]) * N + offs_n[:, None], mask=mask,
                                              other=0.0, cache_modifier=".cg")
                         gl.atomic_xchg(counter, 0)  # as found, for the next launch

@@ -97,18 +97,18 @@ if triton is not None:
         tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], y, mask=out_mask)
 
     @triton.jit
-    def last_slice_sums(ws_ptr, counter_ptr, slices, slice_stride, tile_offs, out_mask, layout_like,
-                        gs_ptr, bias_ptr, out_ptr, offs_m, offs_n, N, stride_om,
+    def last_slice_sums(ws_ptr, counter_ptr, slice_stride, tile_offs, out_mask, layout_like,
+                        gs_ptr, bias_ptr, out_ptr, offs_m, offs_n, N, stride_om, SLICES: tl.constexpr,
                         HAS_BIAS: tl.constexpr, INTERPRETED: tl.constexpr):
         """Call after storing this program's partial at ``ws_ptr + s * slice_stride + tile_offs``: take a ticket
-        from the tile's counter; the last of the ``slices`` programs sums all partials in slice order (as
+        from the tile's counter; the last of the ``SLICES`` programs sums all partials in slice order (as
         ``reduce_splits``), writes the epilogue and resets the counter (module docstring, way 2).
         ``layout_like``: an fp32 tensor of the tile's shape (the accumulator), for the zeros the sum starts from."""
         tl.debug_barrier()  # every thread's partial is stored before the ticket is taken
         ticket = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
-        if ticket == slices - 1:
+        if ticket == SLICES - 1:
             total = tl.zeros_like(layout_like)
-            for s in range(0, slices):
+            for s in tl.static_range(SLICES):  # unrolled: every slice's loads in flight at once
                 total += tl.load(ws_ptr + s * slice_stride + tile_offs, mask=out_mask, other=0.0,
                                  cache_modifier=".cg")
             tl.atomic_xchg(counter_ptr, 0)  # as found, for the next launch
