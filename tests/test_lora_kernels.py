@@ -154,6 +154,8 @@ def test_split_base_takes_one_reduction_over_all_of_out_and_runs_the_others():
         halves = [(ws[:, :, :32], torch.ones(1), None, out[:, :32]), (ws[:, :, 32:], torch.ones(1), None, out[:, 32:])]
         assert lk.split_base(halves, out) is None and len(ran) == 2  # two launches: reduced here
         assert lk.split_base([(ws, torch.ones(1), None, out)], None) is None and len(ran) == 3  # no expand to take it
+        many = torch.zeros(lk.EXPAND_SUMS_SLICES_UP_TO + 1, 4, 64)
+        assert lk.split_base([(many, torch.ones(1), None, out)], out) is None and len(ran) == 4  # too many slices
     finally:
         fg.reduce_splits = real
 

@@ -63,7 +63,7 @@ layer (``QERL_FP4_RELABEL_X=0`` turns this off; H100, 7B + LoRA r16: +2.0% / +3.
 dev/LOG.md section 38). ``QERL_LORA_SUMS_SPLITS=1`` (off by default) also has a K-split FP4 GEMM's fp32 partials
 summed by the group's LoRA expand kernel (``kernels/lora.expand_(..., base=)``, same bits), one reduction launch
 fewer per group: on the H100 that lost 3.8% at batch 32 (the expand's few programs summing 7-10 slices) and gained
-0.5% at 64. Without it, the GEMMs sum their own slices (``kernels/splitk.py``), again with the same bits.
+0.5% at 64.
 """
 
 from __future__ import annotations

@@ -35,8 +35,8 @@ K (split-K, below). Per K-step of 128:
    so no host sync is needed and the call can be captured in a CUDA graph.
 
 Parallelism. Small M gives only ``N / BLOCK_N`` programs (28 for a 3584-wide output), too few for 132 SMs, so K
-is split into slices that write fp32 partials, summed in a fixed order (deterministic) before the epilogue: by
-the last slice to finish each tile, or by a second launch (``kernels/splitk.py``). ``launch_rule.pick_config`` picks tile width and slices (about 2 programs per SM
+is split into slices that write fp32 partials; ``splitk.reduce_splits`` sums them in a fixed order (deterministic,
+no atomics) and runs the epilogue. ``launch_rule.pick_config`` picks tile width and slices (about 2 programs per SM
 for 2 <= M <= 16, measured best on an H100).
 
 Large M (prefill, training forward) is compute-bound. Mostly fastest: one exact ``_fp4_dequant_kernel`` pass to bf16
@@ -76,7 +76,7 @@ from dataclasses import dataclass
 
 import torch
 
-from qerl_lib.kernels import fp4_wgmma, fp4_wgmma_producer, mma, splitk
+from qerl_lib.kernels import fp4_wgmma, fp4_wgmma_producer, mma
 from qerl_lib.kernels.fp4_decode import code_pair_bits
 from qerl_lib.kernels.fp4_wgmma import num_sms as _num_sms
 from qerl_lib.kernels.launch_rule import (SMALL_M_BACKENDS, SMALL_M_ENV, KernelConfig, pick_config,  # noqa: F401
@@ -196,7 +196,7 @@ def fp4_linear(x: torch.Tensor, weight: PreparedFP4Weight, bias: torch.Tensor | 
         return res if out is None else out.copy_(res)
     return _triton_linear(x, weight, bias, out, allow_cublas=True, config=config, small_m_backend=small_m_backend,
                           mma_rule=mma_rule, lora=lora, x_relabeled=x_relabeled,
-                          reduce=None if defer_reduce is None else lambda *job: defer_reduce.append(job))
+                          reduce=reduce_splits if defer_reduce is None else lambda *job: defer_reduce.append(job))
 
 
 def takes_relabeled_x(m: int, weight: PreparedFP4Weight, device: torch.device,
@@ -331,7 +331,6 @@ def _triton_linear(x: torch.Tensor, weight: PreparedFP4Weight, bias: torch.Tenso
                    small_m_backend: str | None = None, mma_rule=None, lora=None,
                    x_relabeled: torch.Tensor | None = None, reduce=None) -> torch.Tensor:
     n, k = weight.shape
-    summed_in_kernel = reduce is None and splitk.in_kernel()  # else a launch sums the slices (or the caller's hook)
     reduce = reduce or reduce_splits  # (or fp4_linear's defer_reduce)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)
@@ -350,7 +349,7 @@ def _triton_linear(x: torch.Tensor, weight: PreparedFP4Weight, bias: torch.Tenso
     if isinstance(config, fp4_wgmma_producer.ProducerConfig):  # the producer-warp Gluon kernel (rule's or forced)
         fp4_wgmma_producer.linear(x2 if x_relabeled is None else x_relabeled, weight.words, weight.scales,
                                   weight.global_scale, bias, out, config, permuted=x_relabeled is not None,
-                                  reduce_splits=reduce, summed_in_kernel=summed_in_kernel)
+                                  reduce_splits=reduce)
         return out.reshape(*lead, n)
     if isinstance(config, fp4_wgmma.WgmmaConfig):  # the Gluon kernel (the rule's or forced)
         fp4_wgmma.linear(x2 if x_relabeled is None else x_relabeled, weight.words, weight.scales, weight.global_scale,
@@ -370,24 +369,22 @@ def _triton_linear(x: torch.Tensor, weight: PreparedFP4Weight, bias: torch.Tenso
     split = triton.cdiv(k_iters, iters_per_split)
     ws = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
     grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m), split)
-    serial = split > 1 and summed_in_kernel
-    counters = splitk.tile_counters(x2.device, grid[0] * grid[1]) if serial else ws
     bias_arg = bias if bias is not None else out  # never read when HAS_BIAS is False
     _fp4_gemm_kernel[grid](
-        x2, weight.words, weight.scales, weight.global_scale, bias_arg, out, ws, counters,
+        x2, weight.words, weight.scales, weight.global_scale, bias_arg, out, ws,
         m, n, k, x2.stride(0), weight.words.stride(0), weight.scales.stride(0), out.stride(0), iters_per_split,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=split > 1, SERIAL=split if serial else 0,
-        EVEN_K=k % cfg.block_k == 0, SWAP_AB=cfg.swap_ab, HAS_BIAS=bias is not None, FRAG=cfg.fragment,
-        PREFETCH=cfg.prefetch, INTERPRETED=_interpreted(x2), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=split > 1, EVEN_K=k % cfg.block_k == 0,
+        SWAP_AB=cfg.swap_ab, HAS_BIAS=bias is not None, FRAG=cfg.fragment, PREFETCH=cfg.prefetch,
+        INTERPRETED=_interpreted(x2), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    if split > 1 and not serial:
+    if split > 1:
         reduce(ws, weight.global_scale, bias, out)
     return out.reshape(*lead, n)
 
 
 # ============================================================================ Triton kernels
 if triton is not None:
-    from qerl_lib.kernels.splitk import epilogue, last_slice_sums
+    from qerl_lib.kernels.splitk import epilogue
 
     @triton.jit
     def _scaled_codes(q, s_byte, BLOCK_N: tl.constexpr, WORDS: tl.constexpr, INTERPRETED: tl.constexpr):
@@ -498,10 +495,10 @@ if triton is not None:
 
     @triton.jit
     def _fp4_gemm_kernel(
-        x_ptr, w_ptr, s_ptr, gs_ptr, bias_ptr, out_ptr, ws_ptr, counter_ptr,
+        x_ptr, w_ptr, s_ptr, gs_ptr, bias_ptr, out_ptr, ws_ptr,
         M, N, K, stride_xm, stride_wn, stride_sn, stride_om, iters_per_split,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
-        SERIAL: tl.constexpr, EVEN_K: tl.constexpr, SWAP_AB: tl.constexpr,
+        EVEN_K: tl.constexpr, SWAP_AB: tl.constexpr,
         HAS_BIAS: tl.constexpr, INTERPRETED: tl.constexpr, FRAG: tl.constexpr = False, PREFETCH: tl.constexpr = True,
     ):
         """One (BLOCK_N x BLOCK_M) output tile over one K-slice. FRAG: the small-M fragment path (module docstring).
@@ -542,13 +539,8 @@ if triton is not None:
         res = tl.trans(acc) if SWAP_AB else acc  # [BLOCK_M, BLOCK_N]
         out_mask = m_mask[:, None] & (offs_n < N)[None, :]
         tile_offs = offs_m[:, None] * N + offs_n[None, :]
-        if SPLIT:  # SERIAL (the slice count, or 0): the tile's last slice to finish sums the partials
-            # (kernels/splitk.py), else a launch does
+        if SPLIT:  # the slice's raw partial: reduce_splits sums the slices (kernels/splitk.py)
             tl.store(ws_ptr + pid_k * M * N + tile_offs, res, mask=out_mask)
-            if SERIAL:
-                last_slice_sums(ws_ptr, counter_ptr + pid_m * tl.num_programs(0) + pid_n, M * N, tile_offs, out_mask,
-                                res, gs_ptr, bias_ptr, out_ptr, offs_m, offs_n, N, stride_om, SERIAL, HAS_BIAS,
-                                INTERPRETED)
         else:
             epilogue(res, gs_ptr, bias_ptr, out_ptr, offs_m, offs_n, out_mask, N, stride_om, HAS_BIAS, INTERPRETED)
 

@@ -68,7 +68,6 @@ from dataclasses import dataclass
 
 import torch
 
-from qerl_lib.kernels import splitk
 from qerl_lib.kernels.fp4_wgmma import available, num_sms, permute_x  # noqa: F401  (same needs: Gluon, Hopper)
 from qerl_lib.kernels.fp4_wgmma_ws import aligned  # TMA reads 16-byte starts and row strides
 
@@ -173,14 +172,13 @@ def k_slices(k: int, split_k: int) -> tuple[int, int]:
 
 def linear(x2: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor,
            bias: torch.Tensor | None, out: torch.Tensor, config: ProducerConfig | None = None,
-           permuted: bool = False, reduce_splits=None, summed_in_kernel: bool = False) -> None:
+           permuted: bool = False, reduce_splits=None) -> None:
     """``out[M, N] = x2[M, K] @ W.T (+ bias)`` for the compressed-tensors bytes ``words`` (int32 ``[N, K/8]``)
     and ``scales`` (``[N, K/16]`` E4M3 bytes) of ``W``, global scale ``gs`` on device. ``x2`` and ``out`` bf16
     with unit column stride (``out``'s rows ``out.stride(0)`` apart); ``permuted``: ``x2`` is already
-    ``fp4_wgmma.permute_x``'s copy. With K-slices the kernel writes fp32 partials to a temporary workspace,
-    summed in slice order by each tile's last slice to finish (``summed_in_kernel``, ``kernels/splitk.py``) or else by
-    ``reduce_splits(ws, global_scale, bias, out)`` (``fp4_gemm``'s fixed-order reduction launch, as for
-    ``fp4_wgmma``): the same bits. Raises a ValueError for a K this kernel cannot run or a tensor TMA cannot read."""
+    ``fp4_wgmma.permute_x``'s copy. With K-slices the kernel writes fp32 partials to a temporary workspace
+    that ``reduce_splits(ws, global_scale, bias, out)`` sums (``fp4_gemm``'s fixed-order reduction, as for
+    ``fp4_wgmma``). Raises a ValueError for a K this kernel cannot run or a tensor TMA cannot read."""
     config = config or ProducerConfig()
     m, k = x2.shape
     n = words.shape[0]
@@ -196,22 +194,19 @@ def linear(x2: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, global_s
     w_desc = TensorDescriptor(words, [n, k // 8], [words.stride(0), 1], [bn, BLOCK_K // 8], W_SMEM_LAYOUT)
     s_desc = TensorDescriptor(scales, [n, k // 16], [scales.stride(0), 1], [bn, SCALE_BOX], SCALES_SMEM_LAYOUT)
     per, slices = k_slices(k, config.split_k)
-    ws = counters = None
-    out_tiles = triton.cdiv(m, config.block_m) * triton.cdiv(n, bn)
+    ws = None
     if slices > 1:
-        if reduce_splits is None and not summed_in_kernel:
-            raise ValueError("fp4_wgmma_producer.linear: a config with K-slices needs reduce_splits (fp4_gemm's) "
-                             "or summed_in_kernel=True")
+        if reduce_splits is None:
+            raise ValueError("fp4_wgmma_producer.linear: a config with K-slices needs reduce_splits (fp4_gemm's)")
         ws = torch.empty(slices, m, n, dtype=torch.float32, device=x2.device)
-        counters = splitk.tile_counters(x2.device, out_tiles) if summed_in_kernel else None
-    grid = (min(out_tiles * slices, num_sms(x2.device) * config.programs_per_sm),)  # persistent
+    tiles = triton.cdiv(m, config.block_m) * triton.cdiv(n, bn) * slices
+    grid = (min(tiles, num_sms(x2.device) * config.programs_per_sm),)  # persistent
     _fp4_wgmma_producer_kernel[grid](
         x_desc, w_desc, s_desc, global_scale, bias if bias is not None else out, out, ws if ws is not None else out,
-        counters if counters is not None else global_scale, m, n, k, out.stride(0), int(bias is not None), per, slices,
+        m, n, k, out.stride(0), int(bias is not None), per, slices,
         BLOCK_M=config.block_m, STAGES=config.stages, PRODUCER_REGS=config.producer_registers, WG=config.warpgroups,
-        SERIAL=slices if counters is not None else 0, num_warps=4 * config.warpgroups,
-        **({"maxnreg": config.max_registers} if config.max_registers else {}))
-    if ws is not None and counters is None:
+        num_warps=4 * config.warpgroups, **({"maxnreg": config.max_registers} if config.max_registers else {}))
+    if ws is not None:
         reduce_splits(ws, global_scale, bias, out)
 
 
@@ -262,9 +257,8 @@ if gluon is not None:
         return acc, a
 
     @gluon.jit
-    def _consumers(x_smem, w_smem, s_smem, ready, empty, gs_ptr, bias_ptr, out_ptr, ws_ptr, counter_ptr, M, N,
-                   stride_om, tiles_m, num_tiles, total_steps, per, slices, has_bias, BLOCK_M: gl.constexpr,
-                   WG: gl.constexpr, SERIAL: gl.constexpr):
+    def _consumers(x_smem, w_smem, s_smem, ready, empty, gs_ptr, bias_ptr, out_ptr, ws_ptr, M, N, stride_om,
+                   tiles_m, num_tiles, total_steps, per, slices, has_bias, BLOCK_M: gl.constexpr, WG: gl.constexpr):
         """The default partition, ``WG`` warpgroups of 64 weight rows each, over the program's tiles (module
         docstring)."""
         STAGES: gl.constexpr = x_smem.type.shape[0]
@@ -301,36 +295,19 @@ if gluon is not None:
             offs_n = (t // tiles_m // slices) * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, mma_l))
             offs_m = (t % tiles_m) * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma_l))
             mask = (offs_n < N)[:, None] & (offs_m < M)[None, :]
-            if slices > 1:  # the slice's raw fp32 partial, summed (then scaled, rounded, biased) in slice order by
-                # the tile's last slice to finish (SERIAL: the slice count, or 0; kernels/splitk.py) or by the
-                # caller's reduction launch
+            if slices > 1:  # the slice's raw fp32 partial: the caller's reduction scales, rounds and adds the bias
                 gl.store(ws_ptr + (slice_ * M + offs_m[None, :]) * N + offs_n[:, None], acc, mask=mask)
-                if SERIAL:
-                    counter = counter_ptr + (t // tiles_m // slices) * tiles_m + t % tiles_m
-                    gl.thread_barrier()  # the partition's partial is stored before the ticket is taken
-                    if gl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == SERIAL - 1:
-                        total = gl.zeros([BN, BLOCK_M], gl.float32, layout=mma_l)
-                        for s in gl.static_range(SERIAL):  # unrolled: every slice's loads in flight at once
-                            total += gl.load(ws_ptr + (s * M + offs_m[None, :]) * N + offs_n[:, None], mask=mask,
-                                             other=0.0, cache_modifier=".cg")
-                        gl.atomic_xchg(counter, 0)  # as found, for the next launch
-                        _store_tile(total, inv_gs, bias_ptr, out_ptr, offs_m, offs_n, mask, N, stride_om, has_bias)
             else:
-                _store_tile(acc, inv_gs, bias_ptr, out_ptr, offs_m, offs_n, mask, N, stride_om, has_bias)
+                y = (acc * inv_gs).to(gl.bfloat16)
+                if has_bias != 0:
+                    b = gl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0)
+                    y = (y.to(gl.float32) + b.to(gl.float32)[:, None]).to(gl.bfloat16)
+                gl.store(out_ptr + offs_m[None, :] * stride_om + offs_n[:, None], y, mask=mask)
 
     @gluon.jit
-    def _store_tile(acc, inv_gs, bias_ptr, out_ptr, offs_m, offs_n, mask, N, stride_om, has_bias):
-        """Epilogue of a [weight rows, rows of x] fp32 tile: ``bf16(acc * 2^8/gs)``, then ``+ bias`` after the cast."""
-        y = (acc * inv_gs).to(gl.bfloat16)
-        if has_bias != 0:
-            b = gl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0)
-            y = (y.to(gl.float32) + b.to(gl.float32)[:, None]).to(gl.bfloat16)
-        gl.store(out_ptr + offs_m[None, :] * stride_om + offs_n[:, None], y, mask=mask)
-
-    @gluon.jit
-    def _fp4_wgmma_producer_kernel(x_desc, w_desc, s_desc, gs_ptr, bias_ptr, out_ptr, ws_ptr, counter_ptr, M, N, K,
-                                   stride_om, has_bias, per, slices, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-                                   PRODUCER_REGS: gl.constexpr, WG: gl.constexpr, SERIAL: gl.constexpr):
+    def _fp4_wgmma_producer_kernel(x_desc, w_desc, s_desc, gs_ptr, bias_ptr, out_ptr, ws_ptr, M, N, K, stride_om,
+                                   has_bias, per, slices, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+                                   PRODUCER_REGS: gl.constexpr, WG: gl.constexpr):
         """[64 x WG weight rows, BLOCK_M rows of x] output tiles, each over one of ``slices`` K-slices of ``per``
         steps, tile ``t`` of the grid's stride (rows of x fastest, then slices; module docstring)."""
         tiles_m = gl.cdiv(M, BLOCK_M)
@@ -346,8 +323,8 @@ if gluon is not None:
             mbarrier.init(empty.index(i), count=1)  # the consumers' partition arrives once (after its own barrier)
         fence_async_shared()
         gl.warp_specialize([
-            (_consumers, (x_smem, w_smem, s_smem, ready, empty, gs_ptr, bias_ptr, out_ptr, ws_ptr, counter_ptr, M, N,
-                          stride_om, tiles_m, num_tiles, total_steps, per, slices, has_bias, BLOCK_M, WG, SERIAL)),
+            (_consumers, (x_smem, w_smem, s_smem, ready, empty, gs_ptr, bias_ptr, out_ptr, ws_ptr, M, N, stride_om,
+                          tiles_m, num_tiles, total_steps, per, slices, has_bias, BLOCK_M, WG)),
             (_producer, (x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, ready, empty, tiles_m, num_tiles, total_steps,
                          per, slices)),
         ], [1], [PRODUCER_REGS])

@@ -26,9 +26,10 @@ How (``apply_``)
   that GEMM (``expand_(..., base=SplitBase)``, from ``fp4_gemm.fp4_linear(..., defer_reduce=)``): each program
   sums its tile's fp32 partials exactly as ``fp4_gemm.reduce_splits`` does (slice order, ``* 2^8/gs``, one
   rounding, bias, one rounding) before adding the adapters, so the GEMM's reduction launch is saved and the
-  bits are the same. Only where the adapters cover every output column. The engine leaves it off by default
-  (``QERL_LORA_SUMS_SPLITS``): on an H100 it lost 3.8% of tokens/s at batch 32, where q/k/v's and o's 28-36
-  expand programs each add 7-10 slices that the reduction spread over 144 programs (dev/LOG.md section 38).
+  bits are the same. Only where the adapters cover every output column, and the GEMM cut K into at most
+  ``EXPAND_SUMS_SLICES_UP_TO`` slices: on an H100 the fold lost 3.8% of tokens/s at batch 32, where q/k/v's and
+  o's 28-36 expand programs each added 7-10 slices that the reduction spread over 144 programs (dev/LOG.md
+  section 38). The engine's switch: ``QERL_LORA_SUMS_SPLITS``.
 * ``_expand_kernel``: programs tile the output columns, one member per tile (the member's rank
   offset, rank and scale come from small per-tile tables); each multiplies ``xa`` by its ``B``
   tile and adds ``scale *`` that to ``out`` in fp32, rounding once (as ``addmm`` does). All members
@@ -111,6 +112,10 @@ SHRINK_WARPS_FEW_ROWS = 1  # at most FEW_ROWS rows
 # (K_PER_SPLIT_MANY_ROWS: rank 16 +16.7% / +18.9% vs +21.7% / +23.3%; rank 64 +22.9% / +24.9% vs +25.9% / +27.1%).
 EXPAND_SUMS_UP_TO_RANK = 32
 EXPAND_WARPS = 8
+# The most K-slices of the group's FP4 GEMM that the expand kernel sums itself (``split_base``); more go to the
+# reduction launch. H100, 7B + r16 (dev/LOG.md section 38): with 7-10 slices (q/k/v and o at batch 32) the expand's
+# 28-36 programs summing them cost 3.8% of the step; with the down projection's 4 (batch 64) it gained 0.5%.
+EXPAND_SUMS_SLICES_UP_TO = 4
 
 
 @dataclass
@@ -230,13 +235,15 @@ class SplitBase:
 
 def split_base(deferred: list | None, out: torch.Tensor | None) -> SplitBase | None:
     """``fp4_linear``'s ``defer_reduce`` list -> the ``base`` of an expand writing ``out``, where one deferred
-    reduction covers all of ``out``; any other deferred reductions (several launches, part of the columns, or no
-    ``out`` to take them) run here instead, and the result is None."""
+    reduction of at most ``EXPAND_SUMS_SLICES_UP_TO`` slices covers all of ``out``; any other deferred reductions
+    (more slices, several launches, part of the columns, or no ``out`` to take them) run here instead, and the
+    result is None."""
     if not deferred:
         return None
     if out is not None and len(deferred) == 1:
         ws, gs, bias, target = deferred[0]
-        if target.data_ptr() == out.data_ptr() and target.shape == out.shape and target.stride() == out.stride():
+        if (ws.shape[0] <= EXPAND_SUMS_SLICES_UP_TO and target.data_ptr() == out.data_ptr()
+                and target.shape == out.shape and target.stride() == out.stride()):
             return SplitBase(ws, gs, bias)
     from qerl_lib.kernels.fp4_gemm import reduce_splits
 
