@@ -83,8 +83,12 @@ def test_cuda_expand_summing_the_partials_equals_reduction_then_expand(rows, mem
     deferred = []
     out = fp4_linear(x, w, defer_reduce=deferred)
     ref = lk.apply_(fp4_linear(x, w), x, plan)
-    base = lk.split_base(deferred, out)
-    assert base is not None or not deferred  # one launch: its reduction goes to the expand
+    one_launch = len(deferred) == 1
+    if one_launch:  # the expand sums any number of slices with the reduction's bits (7-10 at q/k/v, o)
+        ws, gs, bias, _ = deferred[0]
+        assert torch.equal(lk.apply_(torch.empty_like(out), x, plan, base=lk.SplitBase(ws, gs, bias)), ref)
+    base = lk.split_base(deferred, out)  # the engine's rule: the expand takes at most EXPAND_SUMS_SLICES_UP_TO
+    assert (base is not None) == (one_launch and deferred[0][0].shape[0] <= lk.EXPAND_SUMS_SLICES_UP_TO)
     got = lk.apply_(out, x, plan, base=base)
     assert torch.equal(got, ref)
     if rows in (32, 64) and k == 18944:

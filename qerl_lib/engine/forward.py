@@ -60,10 +60,11 @@ the Qwen2.5 shapes, decode batches 32-128), that kernel reads x in its own K rel
 produced x (the norms and SiLU * up above, the decode attention for o) then also stores that relabeled copy
 (``relabeled=``, ``out_relabeled=``), so the GEMM needs no permute launch of its own: 2-4 launches fewer per
 layer (``QERL_FP4_RELABEL_X=0`` turns this off; H100, 7B + LoRA r16: +2.0% / +3.0% tokens/s at batch 32 / 64,
-dev/LOG.md section 38). ``QERL_LORA_SUMS_SPLITS=1`` (off by default) also has a K-split FP4 GEMM's fp32 partials
-summed by the group's LoRA expand kernel (``kernels/lora.expand_(..., base=)``, same bits), one reduction launch
-fewer per group: on the H100 that lost 3.8% at batch 32 (the expand's few programs summing 7-10 slices) and gained
-0.5% at 64.
+dev/LOG.md section 38). Where a group's FP4 GEMM cuts K into at most 4 slices (the down projection at 24-64 rows),
+the group's LoRA expand kernel sums its fp32 partials (``kernels/lora.expand_(..., base=)``, same bits): one
+reduction launch fewer per layer, +0.9% / +0.4% tokens/s at batch 32 / 64 (H100, 7B + r16, dev/LOG.md section
+39); with more slices (q/k/v and o at batch 16-32) the expand's few programs summing them lost 3.8%, so the
+reduction launch sums those. ``QERL_LORA_SUMS_SPLITS=0`` turns the fold off.
 """
 
 from __future__ import annotations
@@ -82,7 +83,7 @@ from qerl_lib.models.fused import PARENT, PROJECTION_GROUPS, PROJECTIONS, fuse_g
 from qerl_lib.models.nvfp4_linear import NVFP4Linear, resolve_impl
 
 RELABEL_ENV = "QERL_FP4_RELABEL_X"  # "0": the Gluon FP4 launches permute x themselves (module docstring)
-SPLIT_FOLD_ENV = "QERL_LORA_SUMS_SPLITS"  # "1": the LoRA expand sums a K-split FP4 GEMM's partials (module docstring)
+SPLIT_FOLD_ENV = "QERL_LORA_SUMS_SPLITS"  # "0": never let the LoRA expand sum a K-split GEMM's partials (docstring)
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
 DECODE_ATTENTION = ("sdpa", "matmul", "kernel")
@@ -289,7 +290,7 @@ class ForwardPass:
         self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None
         # the decode step's launch folds (module docstring), read from the environment once per forward pass
         self.relabel_x = os.environ.get(RELABEL_ENV, "1") != "0" and view.device.type == "cuda"
-        self.lora_sums_splits = os.environ.get(SPLIT_FOLD_ENV, "0") == "1" and view.device.type == "cuda"
+        self.lora_sums_splits = os.environ.get(SPLIT_FOLD_ENV, "1") == "1" and view.device.type == "cuda"
         self._relabel_plan: dict[tuple[int, str, int], bool] = {}  # (layer, group, rows) -> takes_relabeled
 
     def reserve_columns(self, length: int) -> None:
