@@ -6,7 +6,8 @@ One call: correctness of the new launches (poisoned outputs, bias, determinism, 
 bit-equality with ``fp4_wgmma`` 256 x 2), then device time per (shape, M) with the benchmark's CUDA-graph +
 L2-rotation timer, the permute of x included. ``PART``: ``check``, ``time`` (default both); ``MS`` the rows of x;
 ``CONFIGS`` producer launches as ``block_m/stages/warpgroups/programs_per_sm[/split_k]`` items (producer registers
-40 at one or two programs per SM, 24 from three). With K-slices the bits differ from ``fp4_wgmma`` 256 x 2 (another
+40 at one or two programs per SM, 24 from three); ``PERMUTED=1`` hands them x already relabeled (the engine's
+decode step since section 38), so the permute is not timed. With K-slices the bits differ from ``fp4_wgmma`` 256 x 2 (another
 summation order): ``equal_wgmma_256x2`` is then expected false. Writes $OUT/sweep.jsonl; one line per (shape, M,
 variant).
 
@@ -43,6 +44,7 @@ CHECK_CASES = [(1, 128, 256), (16, 200, 768), (33, 320, 512), (64, 4608, 3584), 
                (128, 3584, 18944), (24, 5120, 27648), (64, 37888, 3584), (32, 18944, 3584)]  # M, N, K (K % 256 == 0)
 REF_WG = WgmmaConfig(256, 2, 1, 3)
 PART = os.environ.get("PART", "check,time")
+PERMUTED = os.environ.get("PERMUTED", "0") == "1"  # time the producer launches on x already relabeled (LOG 39)
 
 
 def config(spec: str) -> pc.ProducerConfig:
@@ -54,9 +56,9 @@ def prepared(q):
     return prepare_fp4_weights(q.weight_packed, q.weight_scale, q.weight_global_scale)
 
 
-def run_pc(x, w, bias, out, cfg, tail=False):
+def run_pc(x, w, bias, out, cfg, tail=False, permuted=False):
     if not tail:
-        pc.linear(x, w.words, w.scales, w.global_scale, bias, out, cfg, reduce_splits=reduce_splits)
+        pc.linear(x, w.words, w.scales, w.global_scale, bias, out, cfg, reduce_splits=reduce_splits, permuted=permuted)
         return
     # "T" specs (LOG 37, after run 7): the whole waves of output tiles unsplit, the tail's tiles in K-slices
     xp, n, k = permute_x(x), w.words.shape[0], x.shape[1]
@@ -120,7 +122,9 @@ def timing(l2):
                 try:
                     cfg = config(spec)
                     tail = spec.startswith("T")
-                    t = time_graph([(lambda s=s, c=cfg, tl=tail: run_pc(s[0], s[1], None, s[2], c, tl)) for s in sets])
+                    xs = [permute_x(s[0]) if PERMUTED and not tail else s[0] for s in sets]
+                    t = time_graph([(lambda s=s, c=cfg, tl=tail, xx=xx: run_pc(xx, s[1], None, s[2], c, tl, PERMUTED and not tl))
+                                    for s, xx in zip(sets, xs)])
                     rows.append((label, t.median_ms * 1e3))
                 except Exception as e:  # a launch that fails is a finding, not a crash
                     rows.append((label, float("nan")))
