@@ -102,7 +102,9 @@ def test_aligned_wants_16_byte_starts_and_row_strides():
     (33, 4608, 3584, ProducerConfig(64, 5, 40, 1, 2)), (64, 3584, 3584, ProducerConfig(64, 5, 40, 1, 2)),
     (65, 37888, 3584, ProducerConfig(32, 5, 40, 1, 2)), (96, 7168, 5120, ProducerConfig(32, 5, 40, 1, 2)),
     (23, 37888, 3584, None), (97, 37888, 3584, None), (128, 37888, 3584, None),  # outside the measured spans
-    (32, 4608, 3584, None), (32, 5120, 5120, None),  # q/k/v and o lost with 32-row tiles at 24-32 rows
+    (24, 4608, 3584, None), (32, 5120, 5120, None), (32, 7168, 5120, None),  # q/k/v at 24; 14B/32B not measured
+    # 7B q/k/v and o at 25-32 rows, x relabeled (LOG 39): three programs per SM, 4 K-slices
+    (32, 4608, 3584, ProducerConfig(32, 4, 24, 1, 3, 4)), (25, 3584, 3584, ProducerConfig(32, 4, 24, 1, 3, 4)),
     # long-K down: K-slices filling one wave of 2 x 132 slots, at most 4 (7B: 56 tiles x 4, 32B: 80 x 3)
     (64, 3584, 18944, ProducerConfig(64, 5, 40, 1, 2, 4)), (48, 5120, 27648, ProducerConfig(64, 5, 40, 1, 2, 3)),
     (24, 3584, 18944, ProducerConfig(32, 5, 40, 1, 2, 4)), (65, 3584, 18944, None), (23, 5120, 27648, None),
@@ -120,6 +122,15 @@ def test_tile_height_weighs_empty_rows_idle_sms_and_128_row_speed():
     assert producer_block_m(384, 37888) == 128  # 2 x 256 rows for 384: a quarter of the work is padding
     assert producer_block_m(512, 3584) == 128  # 56 programs of 256 rows would leave 76 of 132 SMs idle
     assert producer_block_m(512, 3584, num_sms=56) == 256  # ... unless there are only 56 SMs
+
+
+def test_narrow_span_can_be_turned_off(monkeypatch):
+    from qerl_lib.kernels.launch_rule import PRODUCER_NARROW_ENV
+
+    assert pick_producer_config(32, 4608, 3584) is not None
+    monkeypatch.setenv(PRODUCER_NARROW_ENV, "0")
+    assert pick_producer_config(32, 4608, 3584) is None
+    assert pick_producer_config(32, 37888, 3584) is not None  # gate/up keeps its span
 
 
 def test_rule_can_be_turned_off(monkeypatch):
