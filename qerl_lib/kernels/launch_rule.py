@@ -190,7 +190,8 @@ PRODUCER_ENV = "QERL_FP4_PRODUCER"  # "0": never pick it (read at each call; def
 # per SM, 5 stages, against the rule before (fp4_wgmma with one warpgroup, or the Triton fragment kernel). Spans of
 # rows (first, last, tile height, least N): 64-row tiles at 33-64 rows win on the K < 16384 shapes of Qwen2.5-7B/32B
 # with N >= 3584 (1.03-1.26x on gate/up, 1.04-1.75x on q/k/v and o); 32-row tiles at 24-32 rows only on gate/up
-# (1.11-1.35x; q/k/v and o lose there) and at 65-96 rows in three tiles (1.02-1.32x). The separate k and v
+# (1.11-1.35x; q/k/v and o lost there with the permute and no K-slices: PRODUCER_NARROW_SPAN below) and at 65-96 rows
+# in three tiles (1.02-1.32x). The separate k and v
 # projections (N = 512 / 1024: 8-16 output tiles) lose (7B at 64 rows: 13.1 against 6.8 us, `qerl bench gemm`).
 # The long-K down shapes (56-80 output tiles) need K-slices: as many as fill the two programs per SM of
 # one wave, at most 4; 32-row tiles at 24-32 rows (1.00-1.30x), 64-row ones at 33-64 (1.06-1.25x); from 65 rows

@@ -113,8 +113,9 @@ SHRINK_WARPS_FEW_ROWS = 1  # at most FEW_ROWS rows
 EXPAND_SUMS_UP_TO_RANK = 32
 EXPAND_WARPS = 8
 # The most K-slices of the group's FP4 GEMM that the expand kernel sums itself (``split_base``); more go to the
-# reduction launch. H100, 7B + r16 (dev/LOG.md section 38): with 7-10 slices (q/k/v and o at batch 32) the expand's
-# 28-36 programs summing them cost 3.8% of the step; with the down projection's 4 (batch 64) it gained 0.5%.
+# reduction launch. H100, 7B + r16 (dev/LOG.md sections 38-39): with 7-10 slices (q/k/v and o on the Triton kernel
+# at batch 32 then) the expand's 28-36 programs summing them cost 3.8% of the step; with the down projection's 4 the
+# fold gained 0.9% / 0.4% at batch 32 / 64.
 EXPAND_SUMS_SLICES_UP_TO = 4
 
 
