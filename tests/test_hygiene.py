@@ -206,6 +206,20 @@ def test_readme_tree_lists_every_module_and_notebook():
         assert nb.name in readme, f"README does not describe {nb.name}"
 
 
+def test_readme_lists_every_environment_switch():
+    readme = (ROOT / "README.md").read_text()
+    table = readme[readme.index("## Environment switches"):]
+    table = table[:table.index("\n## ")]
+    read = set()
+    for path in MODULES:
+        read |= set(re.findall(r"[\"'](QERL_[A-Z0-9_]+)[\"']", path.read_text()))
+    assert read, "no QERL_ variable found: the pattern is stale"
+    for name in sorted(read):
+        assert f"| `{name}` |" in table, f"README's environment switches table does not list {name}"
+    for name in re.findall(r"^\| `(QERL_[A-Z0-9_]+)` \|", table, flags=re.M):
+        assert name in read, f"README lists {name}, which the library does not read"
+
+
 def test_readme_figures_name_their_source_notebook():
     readme = (ROOT / "README.md").read_text()
     for m in re.finditer(r"figures/([\w.-]+\.png)", readme):
