@@ -102,9 +102,10 @@ def test_aligned_wants_16_byte_starts_and_row_strides():
     (33, 4608, 3584, ProducerConfig(64, 5, 40, 1, 2)), (64, 3584, 3584, ProducerConfig(64, 5, 40, 1, 2)),
     (65, 37888, 3584, ProducerConfig(32, 5, 40, 1, 2)), (96, 7168, 5120, ProducerConfig(32, 5, 40, 1, 2)),
     (23, 37888, 3584, None), (97, 37888, 3584, None), (128, 37888, 3584, None),  # outside the measured spans
-    (24, 4608, 3584, None), (32, 5120, 5120, None), (32, 7168, 5120, None),  # q/k/v at 24; 14B/32B not measured
-    # 7B q/k/v and o at 25-32 rows, x relabeled (LOG 39): three programs per SM, 4 K-slices
+    (24, 4608, 3584, None), (24, 7168, 5120, None), (32, 8192, 8192, None),  # below 25 rows; a 72B-sized o
+    # q/k/v and o at 25-32 rows, x relabeled (LOG 39): three programs per SM, the most of 4 / 2 / 1 K-slices in a wave
     (32, 4608, 3584, ProducerConfig(32, 4, 24, 1, 3, 4)), (25, 3584, 3584, ProducerConfig(32, 4, 24, 1, 3, 4)),
+    (32, 7168, 5120, ProducerConfig(32, 4, 24, 1, 3, 2)), (32, 5120, 5120, ProducerConfig(32, 4, 24, 1, 3, 4)),
     # long-K down: K-slices filling one wave of 2 x 132 slots, at most 4 (7B: 56 tiles x 4, 32B: 80 x 3)
     (64, 3584, 18944, ProducerConfig(64, 5, 40, 1, 2, 4)), (48, 5120, 27648, ProducerConfig(64, 5, 40, 1, 2, 3)),
     (24, 3584, 18944, ProducerConfig(32, 5, 40, 1, 2, 4)), (65, 3584, 18944, None), (23, 5120, 27648, None),
@@ -252,7 +253,10 @@ def test_cuda_fp4_linear_routes_the_rules_problems_to_the_kernel(monkeypatch, ba
 @pytest.mark.parametrize("m, n, k, cfg", [(24, 3584, 18944, ProducerConfig(32, 5, 40, 1, 2, 4)),
                                           (64, 5120, 27648, ProducerConfig(64, 5, 40, 1, 2, 3)),
                                           (77, 320, 3584, ProducerConfig(32, 5, 40, 1, 2, 5)),
-                                          (1, 200, 512, ProducerConfig(64, 2, 40, 1, 2, 16))])
+                                          (1, 200, 512, ProducerConfig(64, 2, 40, 1, 2, 16)),
+                                          (32, 7168, 5120, ProducerConfig(32, 4, 24, 1, 3, 2)),  # the narrow span
+                                          (25, 5120, 5120, ProducerConfig(32, 4, 24, 1, 3, 4)),
+                                          (32, 4608, 3584, ProducerConfig(32, 4, 24, 1, 3, 4))])
 def test_cuda_k_slices_match_the_oracle(m, n, k, cfg):
     """K-slices: fp32 partials summed by ``fp4_gemm``'s fixed-order reduction; every output written, within 1e-3
     mean relative error of ``reference_matmul`` with and without bias, the same bits twice, and the same values

@@ -201,20 +201,22 @@ PRODUCER_DECODE_SPANS = ((24, 32, 32, PRODUCER_MIN_N), (33, 64, 64, PRODUCER_DEC
                          (65, 96, 32, PRODUCER_DECODE_MIN_N))
 PRODUCER_DECODE_LONG_K_SPANS = ((24, 32, 32), (33, 64, 64))  # N >= PRODUCER_DECODE_MIN_N too
 PRODUCER_DECODE_MAX_SPLIT = 4
-# The 7B q/k/v and o shapes (<= PRODUCER_NARROW_MAX_WEIGHTS; 14B/32B's not measured) at 25-32 rows, with x handed
-# over already relabeled (no permute, dev/LOG.md section 39): 32-row tiles, 4 stages, three programs per SM and as
-# many K-slices as fill them, at most 4 (4 on both): o 8.0 against the Triton rule's 9.0 us at 32 rows (1.12x), 8.2
-# against 8.7 at 24; q/k/v 9.9 against 10.1 at 32 (1.02x), but 10.1 against 9.0 at 24, so the span starts at 25.
-# With LoRA the engine's expand also sums those <= 4 slices (kernels/lora.EXPAND_SUMS_SLICES_UP_TO), which the
-# Triton rule's 7 / 10 slices are too many for. QERL_FP4_PRODUCER_NARROW=0 keeps the Triton rule there.
+# The q/k/v and o shapes of Qwen2.5-7B/14B/32B (N >= 3584, <= PRODUCER_NARROW_MAX_WEIGHTS) at 25-32 rows, with x
+# handed over already relabeled (no permute, dev/LOG.md section 39): 32-row tiles, 4 stages, three programs per SM,
+# and the most K-slices of 4, 2, 1 whose programs fit one wave of them (7B q/k/v, 7B o, 32B o: 4; 32B q/k/v: 2, which
+# measured faster than 3 or 4 there). Against the Triton rule at 32 rows: 7B o 8.0 / 9.0 us (1.12x), 7B q/k/v 9.9 /
+# 10.1 (1.02x), 32B o 11.4 / 13.6 (1.19x), 32B q/k/v 13.2 / 18.6 (1.41x; 14B has the same shapes). At 24 rows the 32B
+# shapes won too (1.14x / 1.28x) but 7B q/k/v lost (10.1 / 9.0), so the span starts at 25. With LoRA the engine's
+# expand also sums those <= 4 slices (kernels/lora.EXPAND_SUMS_SLICES_UP_TO), which the Triton rule's 7-10 slices
+# are too many for. QERL_FP4_PRODUCER_NARROW=0 keeps the Triton rule there.
 PRODUCER_NARROW_SPAN = (25, 32)
-PRODUCER_NARROW_MAX_WEIGHTS = 20_000_000
+PRODUCER_NARROW_MAX_WEIGHTS = 40_000_000
 PRODUCER_NARROW_ENV = "QERL_FP4_PRODUCER_NARROW"
 
 
 def pick_producer_decode_config(m: int, n: int, k: int, num_sms: int = 132) -> ProducerConfig | None:
     """The producer kernel's launch at decode batch sizes (``PRODUCER_DECODE_SPANS`` below ``PRODUCER_LONG_K``,
-    ``PRODUCER_DECODE_LONG_K_SPANS`` with K-slices from it, ``PRODUCER_NARROW_SPAN`` with K-slices on the small
+    ``PRODUCER_DECODE_LONG_K_SPANS`` with K-slices from it, ``PRODUCER_NARROW_SPAN`` with K-slices on the
     q/k/v and o shapes; K a multiple of 256), else None."""
     def launch(block_m: int) -> ProducerConfig:
         return ProducerConfig(block_m, stages=5, warpgroups=1, programs_per_sm=2)
@@ -235,7 +237,9 @@ def pick_producer_decode_config(m: int, n: int, k: int, num_sms: int = 132) -> P
             return launch(block_m)
     if (PRODUCER_NARROW_SPAN[0] <= m <= PRODUCER_NARROW_SPAN[1] and PRODUCER_DECODE_MIN_N <= n
             and n * k <= PRODUCER_NARROW_MAX_WEIGHTS and os.environ.get(PRODUCER_NARROW_ENV, "1") != "0"):
-        return sliced(ProducerConfig(32, stages=4, producer_registers=24, warpgroups=1, programs_per_sm=3))
+        cfg = ProducerConfig(32, stages=4, producer_registers=24, warpgroups=1, programs_per_sm=3)
+        tiles = math.ceil(m / cfg.block_m) * math.ceil(n / cfg.block_n)
+        return replace(cfg, split_k=next(s for s in (4, 2, 1) if tiles * s <= cfg.programs_per_sm * num_sms or s == 1))
     return None
 
 
