@@ -60,8 +60,8 @@ the Qwen2.5 shapes, decode batches 32-128), that kernel reads x in its own K rel
 produced x (the norms and SiLU * up above, the decode attention for o) then also stores that relabeled copy
 (``relabeled=``, ``out_relabeled=``), so the GEMM needs no permute launch of its own: 2-4 launches fewer per
 layer (``QERL_FP4_RELABEL_X=0`` turns this off; H100, 7B + LoRA r16: +2.0% / +3.0% tokens/s at batch 32 / 64,
-dev/LOG.md section 38). Where a group's FP4 GEMM cuts K into at most 4 slices (down at 24-64 rows, the 7B q/k/v
-and o at 25-32), the group's LoRA expand kernel sums its fp32 partials (``kernels/lora.expand_(..., base=)``, same
+dev/LOG.md section 38). Where a group's FP4 GEMM cuts K into at most 4 slices (down at 24-64 rows, q/k/v and o
+at 25-32), the group's LoRA expand kernel sums its fp32 partials (``kernels/lora.expand_(..., base=)``, same
 bits): one reduction launch fewer per group (H100, 7B + r16: +0.9% / +0.4% tokens/s at batch 32 / 64 for down,
 dev/LOG.md section 39); more slices (the Triton kernel's 7-10 below 25 rows) go to the reduction launch, as the
 expand's few programs summing them lost 3.8%. ``QERL_LORA_SUMS_SPLITS=0`` turns the fold off.
