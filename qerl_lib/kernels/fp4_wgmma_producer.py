@@ -58,8 +58,8 @@ launch or the Triton fragment kernel on most Qwen2.5 shapes; the long-K down sha
 to fill the SMs, take K-slices (``split_k``: slices of an even number of steps, starting on an even step, because a
 scale box holds two; fp32 partials summed by the caller's fixed-order reduction), and so do the small q/k/v and o
 shapes at 25-32 rows, there with three programs per SM (given ``x`` already relabeled: 1.02-1.41x of the Triton
-kernel on Qwen2.5-7B/32B, section 39). Two consumer warpgroups sharing the ``x`` tile were slower, and so were three programs per SM
-(136 consumer registers) on the shapes with enough output tiles. Forward layout only
+kernel on Qwen2.5-7B/32B, dev/LOG.md section 39). Two consumer warpgroups sharing the ``x`` tile were slower, and
+so were three programs per SM (136 consumer registers) on the shapes with enough output tiles. Forward layout only
 (``x @ W.T``); K a multiple of 256. Gluon is experimental in Triton 3.6: this module imports without it
 (``available()`` is then False).
 """
