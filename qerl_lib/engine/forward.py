@@ -447,6 +447,11 @@ class ForwardPass:
         def relabels(i: int, group: str) -> bool:
             return glue and self.takes_relabeled(i, group, rows)
 
+        def residual_norm(x, delta, weight, eps, copy: bool):  # (x + delta, its norm, the relabeled copy or None)
+            if copy:
+                return ops.residual_norm(x, delta, weight, eps, relabeled=True)
+            return (*ops.residual_norm(x, delta, weight, eps), None)
+
         hr = None
         if relabels(0, "qkv"):
             h, hr = ops.norm(x, w[0], view.eps[0][0], relabeled=True)
@@ -468,11 +473,7 @@ class ForwardPass:
                 attn = attend(i, q, k, v, ops)
             attn = attn.transpose(1, 2).reshape(bsz, seq, -1)
             (o,) = self._project(i, "o", attn, attn_r)
-            hr = None
-            if relabels(i, "gate_up"):
-                x, h, hr = ops.residual_norm(x, o, w[2 * i + 1], view.eps[i][1], relabeled=True)
-            else:
-                x, h = ops.residual_norm(x, o, w[2 * i + 1], view.eps[i][1])
+            x, h, hr = residual_norm(x, o, w[2 * i + 1], view.eps[i][1], relabels(i, "gate_up"))
             defer = fold and self._fused[i]["gate_up"] is not None
             (gate, up), shrunk = self._project_parts(i, "gate_up", h, defer=defer, x_relabeled=hr)
             act_r = None
@@ -485,11 +486,7 @@ class ForwardPass:
             (down,) = self._project(i, "down", act_in, act_r)
             last = i == view.n_layers - 1
             weight, eps = (w[-1], view.final_eps) if last else (w[2 * i + 2], view.eps[i + 1][0])
-            hr = None
-            if not last and relabels(i + 1, "qkv"):
-                x, h, hr = ops.residual_norm(x, down, weight, eps, relabeled=True)
-            else:
-                x, h = ops.residual_norm(x, down, weight, eps)
+            x, h, hr = residual_norm(x, down, weight, eps, not last and relabels(i + 1, "qkv"))
         return h
 
     def prefill(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None, cache,

@@ -89,7 +89,7 @@ except ImportError:  # pragma: no cover
 from qerl_lib.kernels import pdl
 
 if triton is not None:
-    from qerl_lib.kernels.fp4_decode import round_bf16
+    from qerl_lib.kernels.splitk import finish, summed_slices
 
 MAX_M = 256  # rows above this (prefill) take the torch path: compute-bound matmuls, launches do not matter
 RANK_BLOCK = 16  # ranks per shrink program, and the minimum padded rank (tensor-core tile)
@@ -426,14 +426,9 @@ if triton is not None:
         delta = tl.dot(xa, tl.trans(b), input_precision=PRECISION)
         ptrs = out_ptr + rows[:, None] * so + cols[None, :]
         ok = ok_m[:, None] & ok_n[None, :]
-        if BASE_SLICES > 0:
-            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            for s in tl.static_range(BASE_SLICES):
-                acc += tl.load(ws_ptr + (s * M + rows[:, None]) * N + cols[None, :], mask=ok, other=0.0)
-            o = round_bf16(acc * tl.math.div_rn(256.0, tl.load(gs_ptr)), INTERPRETED)
-            if HAS_BIAS:
-                bias = tl.load(bias_ptr + cols, mask=ok_n, other=0.0)
-                o = round_bf16(o.to(tl.float32) + bias.to(tl.float32)[None, :], INTERPRETED)
+        if BASE_SLICES > 0:  # reduce_splits' sum and epilogue, for this tile
+            acc = summed_slices(ws_ptr, rows[:, None] * N + cols[None, :], ok, M * N, BASE_SLICES)
+            o = finish(acc, gs_ptr, bias_ptr, cols[None, :], ok_n[None, :], HAS_BIAS, INTERPRETED)
         else:
             o = tl.load(ptrs, mask=ok, other=0.0)
         tl.store(ptrs, (o.to(tl.float32) + scale * delta).to(out_ptr.dtype.element_ty), mask=ok)

@@ -38,15 +38,30 @@ def reduce_splits(ws: torch.Tensor, global_scale: torch.Tensor, bias: torch.Tens
 if triton is not None:
 
     @triton.jit
+    def finish(acc, gs_ptr, bias_ptr, bias_offs, bias_mask, HAS_BIAS: tl.constexpr, INTERPRETED: tl.constexpr):
+        """``bf16(acc * 2^8/gs)`` (2^8 undoes the decoded weights' scaling; one rounding, as the oracle), then
+        ``+ bias`` after the cast, rounded again; the bias read at ``bias_offs`` (shaped to broadcast against acc)."""
+        y = _round_bf16(acc * tl.math.div_rn(256.0, tl.load(gs_ptr)), INTERPRETED)  # div_rn: the oracle's 1/gs
+        if HAS_BIAS:
+            b = tl.load(bias_ptr + bias_offs, mask=bias_mask, other=0.0)
+            y = _round_bf16(y.to(tl.float32) + b.to(tl.float32), INTERPRETED)
+        return y
+
+    @triton.jit
+    def summed_slices(ws_ptr, offs, mask, slice_stride, SLICES: tl.constexpr):
+        """The fp32 partials at ``offs`` of slices ``0 .. SLICES-1`` (``slice_stride`` apart), added from zero in
+        that order: the fixed order every sum of a K-split GEMM's slices uses, so all of them give the same bits."""
+        acc = tl.zeros(offs.shape, dtype=tl.float32)
+        for s in tl.static_range(SLICES):
+            acc += tl.load(ws_ptr + s * slice_stride + offs, mask=mask, other=0.0)
+        return acc
+
+    @triton.jit
     def epilogue(acc, gs_ptr, bias_ptr, out_ptr, offs_m, offs_n, out_mask, N, stride_om,
                  HAS_BIAS: tl.constexpr, INTERPRETED: tl.constexpr):
-        """Store ``bf16(acc * 2^8/gs)`` (2^8 undoes the decoded weights' scaling), then ``+ bias`` after the cast,
-        for an ``[rows, cols]`` fp32 tile at ``offs_m x offs_n`` of ``out`` (rows ``stride_om`` apart)."""
-        factor = tl.math.div_rn(256.0, tl.load(gs_ptr))  # correctly rounded, as the oracle's 1/gs
-        y = _round_bf16(acc * factor, INTERPRETED)
-        if HAS_BIAS:
-            b = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0)
-            y = _round_bf16(y.to(tl.float32) + b.to(tl.float32)[None, :], INTERPRETED)
+        """Store ``finish(acc)`` for an ``[rows, cols]`` fp32 tile at ``offs_m x offs_n`` of ``out`` (rows
+        ``stride_om`` apart)."""
+        y = finish(acc, gs_ptr, bias_ptr, offs_n[None, :], (offs_n < N)[None, :], HAS_BIAS, INTERPRETED)
         tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], y, mask=out_mask)
 
     @triton.jit
@@ -55,11 +70,6 @@ if triton is not None:
         """out = bf16(sum over K-slices of the fp32 partials * 2^8/gs) (+ bias); fixed order."""
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < MN
-        acc = tl.zeros([BLOCK], dtype=tl.float32)
-        for s in tl.static_range(SPLIT):
-            acc += tl.load(ws_ptr + s * MN + offs, mask=mask, other=0.0)
-        y = _round_bf16(acc * tl.math.div_rn(256.0, tl.load(gs_ptr)), INTERPRETED)
-        if HAS_BIAS:
-            b = tl.load(bias_ptr + offs % N, mask=mask, other=0.0)
-            y = _round_bf16(y.to(tl.float32) + b.to(tl.float32), INTERPRETED)
+        y = finish(summed_slices(ws_ptr, offs, mask, MN, SPLIT), gs_ptr, bias_ptr, offs % N, mask, HAS_BIAS,
+                   INTERPRETED)
         tl.store(out_ptr + (offs // N) * stride_om + offs % N, y, mask=mask)  # out: [M, N] rows, stride_om apart
