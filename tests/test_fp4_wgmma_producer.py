@@ -153,17 +153,18 @@ def test_rule_can_be_turned_off(monkeypatch):
                          ids=_config_id)
 def test_offline_compile_keeps_one_wgmma_in_flight(tmp_path, cfg):
     """sm_90a, as the launch compiles it: no spills, no C75xx 'wgmma serialized' warning, waits that leave one
-    wgmma group in flight, four TMA copies per step in the producer, and register budgets set per partition."""
+    wgmma group in flight, four TMA copies per step in the producer (the x tile's only after the PDL wait), and
+    register budgets set per partition."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
     names = ["x_desc", "w_desc", "s_desc", "gs_ptr", "bias_ptr", "out_ptr", "ws_ptr", "M", "N", "K", "stride_om",
-             "has_bias", "per", "slices"]
+             "has_bias", "per", "slices", "early"]
     types = [f"tensordesc<bf16[{cfg.block_m}, 128],{pc.X_SMEM_LAYOUT!r}>",
              f"tensordesc<i32[{cfg.block_n}, 16],{pc.W_SMEM_LAYOUT!r}>",
              f"tensordesc<u8[{cfg.block_n}, {pc.SCALE_BOX}],{pc.SCALES_SMEM_LAYOUT!r}>",
-             "*fp32", "*bf16", "*bf16", "*fp32"] + ["i32"] * 7
+             "*fp32", "*bf16", "*bf16", "*fp32"] + ["i32"] * 8
     consts = {"BLOCK_M": cfg.block_m, "STAGES": cfg.stages, "PRODUCER_REGS": cfg.producer_registers,
               "WG": cfg.warpgroups}
     signature = {**dict(zip(names, types)), **{c: "constexpr" for c in consts}}
@@ -173,8 +174,12 @@ def test_offline_compile_keeps_one_wgmma_in_flight(tmp_path, cfg):
     options = {"num_warps": 4 * cfg.warpgroups, **({"maxnreg": cfg.max_registers} if cfg.max_registers else {})}
     ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
     assert "wgmma.wait_group.sync.aligned 1;" in ptx
-    # per step: x in two 64-column halves (the 128-byte swizzle's width), the words, the scale box
-    assert len(re.findall(r"cp\.async\.bulk\.tensor\.2d", ptx)) == 4
+    # per step: x in two 64-column halves (the 128-byte swizzle's width), the words, the scale box; and under PDL
+    # the first stages' words and scale boxes once more, before the one grid-dependency wait (x only after it)
+    assert len(re.findall(r"cp\.async\.bulk\.tensor\.2d", ptx)) == 6
+    assert ptx.count("griddepcontrol.wait;") == 1 and ptx.count("griddepcontrol.launch_dependents;") == 1
+    before_wait = ptx[:ptx.index("griddepcontrol.wait;")]
+    assert len(re.findall(r"cp\.async\.bulk\.tensor\.2d", before_wait)) == 2
     assert re.search(rf"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+{cfg.producer_registers};", ptx)  # the producer's
     (tmp_path / "k.ptx").write_text(ptx)
     res = subprocess.run([sm90_ptxas(), "-arch=sm_90a", "-v", str(tmp_path / "k.ptx"), "-o", str(tmp_path / "k.cubin")],
@@ -300,3 +305,52 @@ def test_cuda_linear_refuses_what_it_cannot_run():
     scales = torch.zeros(256, 48, dtype=torch.uint8, device="cuda")[:, 8:40]  # starts 8 bytes into each row
     with pytest.raises(ValueError, match="must start on 16 bytes"):
         pc.linear(torch.zeros(8, 512, dtype=torch.bfloat16, device="cuda"), w.words, scales, w.global_scale, None, out)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_PC, reason="needs a Hopper GPU (sm_90) and Triton's Gluon")
+@pytest.mark.parametrize("m, n, k, cfg", [(32, 4608, 3584, ProducerConfig(32, 4, 24, 1, 3, 4)),  # q/k/v, 4 slices
+                                          (32, 37888, 3584, ProducerConfig(32, 5, 40, 1, 2)),  # 2 tiles a program
+                                          (64, 3584, 18944, ProducerConfig(64, 5, 40, 1, 2, 4)),
+                                          (48, 1024, 256, ProducerConfig(64, 5, 40, 1, 2))])  # 2 steps < 5 stages
+def test_cuda_pdl_launch_after_a_glue_kernel_in_a_graph(m, n, k, cfg):
+    """Launched with PDL right after the engine's norm kernel (which lets its successor launch at once) and
+    replayed in a CUDA graph on new inputs: the weights go out before the grid-dependency wait and x after it,
+    so every replay equals the launch without PDL bit for bit and the oracle on that replay's rows (a kernel
+    that read x before the wait would see the previous replay's)."""
+    from qerl_lib.engine import glue
+    from qerl_lib.kernels import pdl
+    from qerl_lib.kernels.fp4_gemm import reduce_splits
+
+    assert pdl.use_for(torch.device("cuda")), "PDL must be on for this test (QERL_PDL unset or 1)"
+    q, w, g = cuda_nvfp4_weights(n, k, seed=m + n)
+    norm_w = torch.ones(k, dtype=torch.bfloat16, device="cuda")
+    x = torch.empty(m, k, dtype=torch.bfloat16, device="cuda")
+    inputs = [torch.randn(m, k, generator=g, device="cuda").to(torch.bfloat16) * (i + 1) for i in range(3)]
+    outs = {}
+    for early in (False, True):
+        out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+
+        def step():
+            h, hr = glue.rms_norm(x, norm_w, 1e-6, relabeled=True)
+            pc.linear(hr, w.words, w.scales, w.global_scale, None, out, cfg, permuted=True,
+                      reduce_splits=reduce_splits, pdl=early)
+            return h
+
+        x.copy_(inputs[0])
+        step()  # compile outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            h = step()
+        got = []
+        for new_x in inputs:
+            x.copy_(new_x)
+            graph.replay()
+            got.append((out.clone(), h.clone()))
+        outs[early] = got
+    torch.cuda.synchronize()
+    for (plain, _), (early_out, h) in zip(outs[False], outs[True]):
+        assert torch.equal(plain, early_out)
+        ref = reference_matmul(h, q)
+        rel = float((early_out.float() - ref.float()).abs().mean() / ref.float().abs().mean())
+        assert rel < 1e-3, rel

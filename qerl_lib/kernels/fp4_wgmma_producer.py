@@ -72,6 +72,7 @@ import torch
 
 from qerl_lib.kernels.fp4_wgmma import available, num_sms, permute_x  # noqa: F401  (same needs: Gluon, Hopper)
 from qerl_lib.kernels.fp4_wgmma_ws import aligned  # TMA reads 16-byte starts and row strides
+from qerl_lib.kernels import pdl as pdl_switch
 
 try:  # Gluon ships with Triton >= 3.5; the CPU reference paths never need it
     import triton
@@ -174,14 +175,18 @@ def k_slices(k: int, split_k: int) -> tuple[int, int]:
 
 def linear(x2: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor,
            bias: torch.Tensor | None, out: torch.Tensor, config: ProducerConfig | None = None,
-           permuted: bool = False, reduce_splits=None) -> None:
+           permuted: bool = False, reduce_splits=None, pdl: bool | None = None) -> None:
     """``out[M, N] = x2[M, K] @ W.T (+ bias)`` for the compressed-tensors bytes ``words`` (int32 ``[N, K/8]``)
     and ``scales`` (``[N, K/16]`` E4M3 bytes) of ``W``, global scale ``gs`` on device. ``x2`` and ``out`` bf16
     with unit column stride (``out``'s rows ``out.stride(0)`` apart); ``permuted``: ``x2`` is already
     ``fp4_wgmma.permute_x``'s copy. With K-slices the kernel writes fp32 partials to a temporary workspace
     that ``reduce_splits(ws, global_scale, bias, out)`` sums (``fp4_gemm``'s fixed-order reduction, as for
-    ``fp4_wgmma``). Raises a ValueError for a K this kernel cannot run or a tensor TMA cannot read."""
+    ``fp4_wgmma``). ``pdl``: launch with programmatic dependent launch (None: ``kernels/pdl.py``'s switch for
+    this device); the kernel then reads the weights, their scales and ``gs`` before its grid-dependency wait,
+    so they must not be written by the kernel just before it (true of a prepared weight). Raises a ValueError
+    for a K this kernel cannot run or a tensor TMA cannot read."""
     config = config or ProducerConfig()
+    early = pdl_switch.use_for(x2.device) if pdl is None else bool(pdl) and pdl_switch.use_for(x2.device)
     m, k = x2.shape
     n = words.shape[0]
     if not supported_problem(k):
@@ -205,9 +210,10 @@ def linear(x2: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, global_s
     grid = (min(tiles, num_sms(x2.device) * config.programs_per_sm),)  # persistent
     _fp4_wgmma_producer_kernel[grid](
         x_desc, w_desc, s_desc, global_scale, bias if bias is not None else out, out, ws if ws is not None else out,
-        m, n, k, out.stride(0), int(bias is not None), per, slices,
+        m, n, k, out.stride(0), int(bias is not None), per, slices, int(early),
         BLOCK_M=config.block_m, STAGES=config.stages, PRODUCER_REGS=config.producer_registers, WG=config.warpgroups,
-        num_warps=4 * config.warpgroups, **({"maxnreg": config.max_registers} if config.max_registers else {}))
+        num_warps=4 * config.warpgroups, launch_pdl=early,
+        **({"maxnreg": config.max_registers} if config.max_registers else {}))
     if ws is not None:
         reduce_splits(ws, global_scale, bias, out)
 
@@ -216,14 +222,36 @@ def linear(x2: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, global_s
 if gluon is not None:
 
     @gluon.jit
+    def _grid_dependency_wait_then_release():
+        """``griddepcontrol.wait`` (the previous kernel has finished and its writes are visible), then
+        ``griddepcontrol.launch_dependents`` (the next kernel may launch); both no-ops without PDL."""
+        gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
+                                  is_pure=False, pack=1)
+
+    @gluon.jit
     def _producer(x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, ready, empty, tiles_m, num_tiles, total_steps,
-                  per, slices):
+                  per, slices, early):
         """1 warp: for each K-step of each of the program's tiles (an output tile and a K-slice), wait until its
         stage is empty, then TMA the x tile, the words and the scale box (the box of steps 2j and 2j + 1 for
-        either of them)."""
+        either of them). ``early`` (launched with PDL): the words and scale boxes of the first tile's first
+        ``STAGES`` steps are issued before the grid-dependency wait, the x tiles only after it."""
         STAGES: gl.constexpr = x_smem.type.shape[0]  # worker arguments carry no constexprs: read them off types
         BLOCK_M: gl.constexpr = x_smem.type.shape[1]
         BN: gl.constexpr = w_smem.type.shape[1]
+        nbytes: gl.constexpr = x_desc.block_type.nbytes + w_desc.block_type.nbytes + s_desc.block_type.nbytes
+        ahead = 0  # ring stages whose weights went out before the wait (the grid never exceeds the tiles)
+        if early != 0:
+            t = gl.program_id(0)
+            off_n = (t // tiles_m // slices) * BN
+            k0 = ((t // tiles_m) % slices) * per
+            ahead = gl.minimum(gl.minimum(k0 + per, total_steps) - k0, STAGES)
+            for j in range(0, ahead):  # fresh stages: nothing to wait for
+                bar = ready.index(j)
+                mbarrier.expect(bar, nbytes)  # the x tile's bytes too: the stage completes when it lands
+                _tma_load(w_desc, [off_n, (k0 + j) * 16], bar, w_smem.index(j))
+                _tma_load(s_desc, [off_n, ((k0 + j) // 2) * 16], bar, s_smem.index(j))
+            _grid_dependency_wait_then_release()
         c = 0  # K-steps issued by this program so far: the ring position
         for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
             off_m = (t % tiles_m) * BLOCK_M
@@ -231,12 +259,13 @@ if gluon is not None:
             k0 = ((t // tiles_m) % slices) * per  # the slice's first K-step (even)
             for i in range(k0, gl.minimum(k0 + per, total_steps)):
                 s = c % STAGES
-                mbarrier.wait(empty.index(s), ((c // STAGES) & 1) ^ 1)  # a fresh barrier passes parity 1 at once
                 bar = ready.index(s)
-                mbarrier.expect(bar, x_desc.block_type.nbytes + w_desc.block_type.nbytes + s_desc.block_type.nbytes)
+                if c >= ahead:
+                    mbarrier.wait(empty.index(s), ((c // STAGES) & 1) ^ 1)  # a fresh barrier passes parity 1 at once
+                    mbarrier.expect(bar, nbytes)
+                    _tma_load(w_desc, [off_n, i * 16], bar, w_smem.index(s))
+                    _tma_load(s_desc, [off_n, (i // 2) * 16], bar, s_smem.index(s))
                 _tma_load(x_desc, [off_m, i * 128], bar, x_smem.index(s))
-                _tma_load(w_desc, [off_n, i * 16], bar, w_smem.index(s))
-                _tma_load(s_desc, [off_n, (i // 2) * 16], bar, s_smem.index(s))
                 c += 1
 
     @gluon.jit
@@ -308,7 +337,7 @@ if gluon is not None:
 
     @gluon.jit
     def _fp4_wgmma_producer_kernel(x_desc, w_desc, s_desc, gs_ptr, bias_ptr, out_ptr, ws_ptr, M, N, K, stride_om,
-                                   has_bias, per, slices, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+                                   has_bias, per, slices, early, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
                                    PRODUCER_REGS: gl.constexpr, WG: gl.constexpr):
         """[64 x WG weight rows, BLOCK_M rows of x] output tiles, each over one of ``slices`` K-slices of ``per``
         steps, tile ``t`` of the grid's stride (rows of x fastest, then slices; module docstring)."""
@@ -328,5 +357,5 @@ if gluon is not None:
             (_consumers, (x_smem, w_smem, s_smem, ready, empty, gs_ptr, bias_ptr, out_ptr, ws_ptr, M, N, stride_om,
                           tiles_m, num_tiles, total_steps, per, slices, has_bias, BLOCK_M, WG)),
             (_producer, (x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, ready, empty, tiles_m, num_tiles, total_steps,
-                         per, slices)),
+                         per, slices, early)),
         ], [1], [PRODUCER_REGS])
