@@ -95,7 +95,8 @@ def test_linear_writes_each_launch_into_its_columns(monkeypatch):
     words = q.weight_packed.view(torch.int32)
     calls = []
 
-    def fake_launch(xp, wd, sc, gs, b, out, ws, cfg, permuted=False):
+    def fake_launch(xp, wd, sc, gs, b, out, ws, cfg, permuted=False, pdl=None):
+        assert pdl is None  # linear's default, passed on: the launch decides
         rows = wd.shape[0]
         r0 = (wd.data_ptr() - words.data_ptr()) // words.stride(0) // 4
         assert permuted and sc.shape[0] == rows and out.shape == (m, rows) and (b is None or b.shape == (rows,))
@@ -203,13 +204,14 @@ def test_emulation_notices_a_wrong_relabeling():
 # ============================================================================ offline compile (no GPU)
 @pytest.mark.skipif(fp4_wgmma.gluon is None or sm90_ptxas() is None,
                     reason="needs Triton's Gluon and its bundled ptxas to compile for sm_90a offline")
-@pytest.mark.parametrize("block_m, wg, split, stages", [(64, 2, True, 4), (128, 2, False, 4), (64, 4, False, 6),
-                                                    (256, 2, False, 3)])
-def test_offline_compile_keeps_the_mma_in_flight(tmp_path, block_m, wg, split, stages):
+@pytest.mark.parametrize("block_m, wg, split, stages, pdl", [(64, 2, True, 4, True), (128, 2, False, 4, False),
+                                                         (64, 4, False, 6, True), (256, 2, False, 3, True)])
+def test_offline_compile_keeps_the_mma_in_flight(tmp_path, block_m, wg, split, stages, pdl):
     """The point of the kernel: one wgmma group stays in flight across the loop (wait_group 1), and ptxas
     does not serialize the MMAs (its C7515 notice), which a change to the loop or epilogue can cause.
     (That the A registers of an MMA in flight are not rewritten is a property of the loop's structure,
-    checked on the GPU: the PTX cannot show it.)"""
+    checked on the GPU: the PTX cannot show it.) Under PDL, the first stages' weight copies come before the one
+    grid-dependency wait and every x copy after it."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -219,7 +221,7 @@ def test_offline_compile_keeps_the_mma_in_flight(tmp_path, block_m, wg, split, s
              "stride_om", "iters_per_split"]
     types = [f"tensordesc<bf16[{block_m}, 128],{x_layout!r}>", f"tensordesc<i32[{64 * wg}, 16],{w_layout!r}>",
              "*u8", "*fp32", "*bf16", "*bf16", "*fp32"] + ["i32"] * 6
-    consts = {"BLOCK_M": block_m, "WG": wg, "SPLIT": split, "HAS_BIAS": not split, "STAGES": stages}
+    consts = {"BLOCK_M": block_m, "WG": wg, "SPLIT": split, "HAS_BIAS": not split, "STAGES": stages, "PDL": pdl}
     signature = {**dict(zip(names, types)), **{c: "constexpr" for c in consts}}
     aligned = {"N", "K", "stride_sn", "stride_om"}  # as the runtime marks them
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n.endswith("_ptr") or n in aligned}
@@ -229,6 +231,9 @@ def test_offline_compile_keeps_the_mma_in_flight(tmp_path, block_m, wg, split, s
     assert "wgmma.wait_group.sync.aligned 1;" in ptx
     # 8 MMAs of k16 per K-step of 128; three K-steps in the code (the loop unrolled by two, and the tail)
     assert len(re.findall(r"wgmma\.mma_async", ptx)) == 24
+    assert ptx.count("griddepcontrol.wait;") == ptx.count("griddepcontrol.launch_dependents;") == int(pdl)
+    if pdl:
+        assert len(re.findall(r"cp\.async\.bulk\.tensor", ptx[:ptx.index("griddepcontrol.wait;")])) == stages - 1
     (tmp_path / "k.ptx").write_text(ptx)
     res = subprocess.run([sm90_ptxas(), "-arch=sm_90a", "-v", str(tmp_path / "k.ptx"), "-o", str(tmp_path / "k.cubin")],
                          capture_output=True, text=True, check=True)
@@ -345,3 +350,52 @@ def test_rule_wave_balancing_switches_off_by_environment(monkeypatch):
 
     monkeypatch.setenv(WAVE_SPLIT_ENV, "0")
     assert pick_wgmma_config(64, 37888, 3584).wave_slots == 0
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_WGMMA, reason="needs a Hopper GPU (sm_90) and Triton's Gluon")
+@pytest.mark.parametrize("m, n, k, cfg", [(128, 4608, 3584, WgmmaConfig(128, 1, 4, 3, None, 264)),  # q/k/v at 128 rows
+                                          (128, 37888, 3584, WgmmaConfig(128, 1, 1, 3, None, 264)),  # gate/up: waves
+                                          (100, 3584, 18944, WgmmaConfig(128, 1, 5, 3, None, 264))])
+def test_cuda_pdl_launches_after_a_glue_kernel_in_a_graph(m, n, k, cfg):
+    """The permute of x, the GEMM and the split-K reduction, each launched with PDL right after the engine's norm
+    kernel (which lets its successor launch at once), replayed in a CUDA graph on new inputs: every replay equals
+    the GEMM launched without PDL bit for bit, and the oracle on that replay's rows (a kernel that read its input
+    before its grid-dependency wait would see the previous replay's)."""
+    from qerl_lib.engine import glue
+    from qerl_lib.kernels import pdl
+    from qerl_lib.kernels.fp4_gemm import prepare_fp4_weights, reduce_splits
+
+    assert pdl.use_for(torch.device("cuda")), "PDL must be on for this test (QERL_PDL unset or 1)"
+    q, _ = _make(1, n, k, seed=m + n)
+    w = prepare_fp4_weights(q.weight_packed, q.weight_scale, q.weight_global_scale)
+    g = torch.Generator(device="cuda").manual_seed(k)
+    norm_w = torch.ones(k, dtype=torch.bfloat16, device="cuda")
+    x = torch.empty(m, k, dtype=torch.bfloat16, device="cuda")
+    inputs = [torch.randn(m, k, generator=g, device="cuda").to(torch.bfloat16) * (i + 1) for i in range(3)]
+    outs = {}
+    for early in (False, True):
+        out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+
+        def step():
+            h = glue.rms_norm(x, norm_w, 1e-6)
+            fp4_wgmma.linear(h, w.words, w.scales, w.global_scale, None, out, cfg, reduce_splits, pdl=early)
+            return h
+
+        x.copy_(inputs[0])
+        step()  # compile outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            h = step()
+        got = []
+        for new_x in inputs:
+            x.copy_(new_x)
+            graph.replay()
+            got.append((out.clone(), h.clone()))
+        outs[early] = got
+    torch.cuda.synchronize()
+    for (plain, _), (early_out, h) in zip(outs[False], outs[True]):
+        assert torch.equal(plain, early_out)
+        ref = reference_matmul(h, q)
+        rel = float((early_out.float() - ref.float()).abs().mean() / ref.float().abs().mean())
+        assert rel < 1e-3, rel

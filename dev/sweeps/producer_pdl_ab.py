@@ -1,10 +1,11 @@
-"""A/B switch for the producer-warp FP4 GEMM's programmatic dependent launch (dev/LOG.md section 40).
+"""A/B switches for the NVFP4 GEMM launches' programmatic dependent launch (dev/LOG.md section 40).
 
-    PRODUCER_PDL=0 python3 dev/sweeps/producer_pdl_ab.py bench rollout ...   # the GEMM launched plainly
-    PRODUCER_PDL=1 python3 dev/sweeps/producer_pdl_ab.py bench rollout ...   # as the library does (default)
+    PRODUCER_PDL=0 python3 dev/sweeps/producer_pdl_ab.py bench rollout ...   # the producer GEMM launched plainly
+    OTHER_PDL=0 python3 dev/sweeps/producer_pdl_ab.py bench rollout ...      # fp4_wgmma, its permute, the split-K sum
+    python3 dev/sweeps/producer_pdl_ab.py bench rollout ...                  # as the library does (both 1)
 
-Runs the ``qerl`` CLI with the rest of the arguments. With ``PRODUCER_PDL=0`` the producer kernel's launches
-(``fp4_wgmma_producer.linear``) see PDL as off, as before section 40; every other kernel keeps ``QERL_PDL``.
+Runs the ``qerl`` CLI with the rest of the arguments. A switch at 0 makes those launches see PDL as off, as
+before section 40 (run 1: the producer kernel; run 2: the others); every other kernel keeps ``QERL_PDL``.
 A measurement switch only: the library's own switch is ``QERL_PDL``, which covers every decode kernel.
 """
 from __future__ import annotations
@@ -14,10 +15,15 @@ import sys
 import types
 
 from qerl_lib.cli import main
-from qerl_lib.kernels import fp4_wgmma_producer
+from qerl_lib.kernels import fp4_wgmma, fp4_wgmma_producer, splitk
 
+OFF = types.SimpleNamespace(use_for=lambda device: False)
 if os.environ.get("PRODUCER_PDL", "1") == "0":
-    fp4_wgmma_producer.pdl_switch = types.SimpleNamespace(use_for=lambda device: False)
+    fp4_wgmma_producer.pdl_switch = OFF
     print("producer_pdl_ab: the producer kernel launches without PDL", file=sys.stderr)
+if os.environ.get("OTHER_PDL", "1") == "0":
+    fp4_wgmma.pdl_switch = OFF
+    splitk.pdl = OFF
+    print("producer_pdl_ab: fp4_wgmma, its permute and the split-K sum launch without PDL", file=sys.stderr)
 
 raise SystemExit(main(sys.argv[1:]))

@@ -70,6 +70,8 @@ from dataclasses import dataclass
 
 import torch
 
+from qerl_lib.kernels import pdl as pdl_switch
+
 try:  # Gluon ships with Triton >= 3.5; the CPU reference paths never need it
     import triton
     import triton.language as tl
@@ -79,6 +81,7 @@ try:  # Gluon ships with Triton >= 3.5; the CPU reference paths never need it
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                   warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 except ImportError:  # pragma: no cover - exercised only on installs without Gluon
     gluon = None
 else:  # names that changed after Triton 3.6 (the GPU image's): gl.thread_barrier -> gl.barrier,
@@ -200,11 +203,11 @@ def wave_plan(m: int, n: int, k: int, config: WgmmaConfig) -> list[tuple[int, in
 
 def linear(x2: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor,
            bias: torch.Tensor | None, out: torch.Tensor, config: WgmmaConfig, reduce_splits,
-           permuted: bool = False) -> None:
+           permuted: bool = False, pdl: bool | None = None) -> None:
     """``out = x2 @ W.T (+ bias)`` by this kernel, in the launches of ``wave_plan``; a launch with several
     K-slices writes its fp32 partials to a temporary workspace that ``reduce_splits(ws, global_scale, bias,
     out)`` sums (``fp4_gemm``'s fixed-order reduction). ``permuted``: ``x2`` is already ``permute_x``'s copy.
-    Raises a ValueError if K is not a multiple of 128."""
+    ``pdl``: as ``launch``'s. Raises a ValueError if K is not a multiple of 128."""
     m, k = x2.shape
     if not supported_problem(k):
         raise ValueError(f"fp4_wgmma: K must be a positive multiple of {BLOCK_K}, got {k}; use a KernelConfig instead")
@@ -215,7 +218,7 @@ def linear(x2: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, global_s
         w, s, o, b = words[part], scales[part], out[:, part], None if bias is None else bias[part]
         slices = k_slices(k, split_k)[1]
         ws = torch.empty(slices, m, rows, dtype=torch.float32, device=x2.device) if slices > 1 else None
-        launch(xp, w, s, global_scale, b, o, ws, cfg, permuted=True)
+        launch(xp, w, s, global_scale, b, o, ws, cfg, permuted=True, pdl=pdl)
         if ws is not None:
             reduce_splits(ws, global_scale, b, o)
 
@@ -233,17 +236,23 @@ def permute_x(x2: torch.Tensor) -> torch.Tensor:
         return x2.reshape(m, k // 128, 4, 4, 2, 2, 2).permute(0, 1, 3, 6, 5, 2, 4).reshape(m, k)
     out = torch.empty(m, k, dtype=x2.dtype, device=x2.device)
     if m:
-        _permute_x_kernel[(triton.cdiv(m, PERMUTE_BLOCK_M), k // 128)](x2, out, m, x2.stride(0), BLOCK_M=PERMUTE_BLOCK_M)
+        early = pdl_switch.use_for(x2.device)
+        _permute_x_kernel[(triton.cdiv(m, PERMUTE_BLOCK_M), k // 128)](x2, out, m, x2.stride(0), BLOCK_M=PERMUTE_BLOCK_M,
+                                                                        PDL=early, launch_pdl=early)
     return out
 
 
 def launch(x2: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor,
            bias: torch.Tensor | None, out: torch.Tensor, workspace: torch.Tensor | None, config: WgmmaConfig,
-           permuted: bool = False) -> None:
+           permuted: bool = False, pdl: bool | None = None) -> None:
     """Run the kernel for ``out[M, N] = x2[M, K] @ W.T``: writes ``out`` (bf16, epilogue applied; rows
     ``out.stride(0)`` apart) when ``config.split_k`` gives one slice, else ``workspace`` (fp32 ``[slices, M, N]``,
-    raw partials; the caller sums them). ``permuted``: ``x2`` is already ``permute_x``'s copy. Shapes and
-    alignment are the caller's to check (``fp4_gemm._triton_linear``)."""
+    raw partials; the caller sums them). ``permuted``: ``x2`` is already ``permute_x``'s copy. ``pdl``: launch
+    with programmatic dependent launch (None: ``kernels/pdl.py``'s switch for this device); the kernel then
+    reads the weights, their scales and ``gs`` before its grid-dependency wait, so they must not be written by
+    the kernel just before it (true of a prepared weight). Shapes and alignment are the caller's to check
+    (``fp4_gemm._triton_linear``)."""
+    early = pdl_switch.use_for(x2.device) if pdl is None else bool(pdl) and pdl_switch.use_for(x2.device)
     m, k = x2.shape
     n = words.shape[0]
     per, slices = k_slices(k, config.split_k)
@@ -259,16 +268,20 @@ def launch(x2: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, global_s
         x_desc, w_desc, scales, global_scale, bias if bias is not None else out, out, workspace if split else out,
         m, n, k, scales.stride(0), out.stride(0), per,
         BLOCK_M=config.block_m, WG=config.warpgroups, SPLIT=split, HAS_BIAS=bias is not None, STAGES=config.stages,
-        num_warps=config.num_warps, **({} if config.max_registers is None else {"maxnreg": config.max_registers}))
+        PDL=early, num_warps=config.num_warps, launch_pdl=early,
+        **({} if config.max_registers is None else {"maxnreg": config.max_registers}))
 
 
 # ============================================================================ Gluon kernel
 if gluon is not None:
 
     @triton.jit
-    def _permute_x_kernel(x_ptr, out_ptr, M, stride_xm, BLOCK_M: tl.constexpr):
+    def _permute_x_kernel(x_ptr, out_ptr, M, stride_xm, BLOCK_M: tl.constexpr, PDL: tl.constexpr):
         """``permute_x`` for one [BLOCK_M, 128] tile: natural column ``32a + 8b + 4c + 2d + e`` goes to position
         ``32b + 16e + 8d + 2a + c`` (the same permute as the torch view, done in registers). ``out`` is contiguous."""
+        if PDL:  # launched early: wait for x, then let the next kernel launch
+            gdc_wait()
+            gdc_launch_dependents()
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = tl.program_id(1) * 128 + tl.arange(0, 128)
         mask = (rows < M)[:, None]
@@ -320,16 +333,28 @@ if gluon is not None:
         return gl.convert_layout(w.to(gl.bfloat16, bitcast=True), a_layout, assert_trivial=True)
 
     @gluon.jit
+    def grid_dependency_wait_then_release():
+        """``griddepcontrol.wait`` (the previous kernel has finished and its writes are visible), then
+        ``griddepcontrol.launch_dependents`` (the next kernel may launch); both no-ops without PDL."""
+        gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
+                                  is_pure=False, pack=1)
+
+    @gluon.jit
     def _issue_loads(x_desc, w_desc, x_smem, w_smem, bars, step, it_begin, it_end, off_m, off_n,
-                     STAGES: gl.constexpr):
+                     STAGES: gl.constexpr, X: gl.constexpr = True, W: gl.constexpr = True, EXPECT: gl.constexpr = True):
         """TMA copies of K-step ``step``'s x tile and weight words into stage ``(step - it_begin) % STAGES``
-        (nothing past the slice's last step)."""
+        (nothing past the slice's last step); ``X`` / ``W`` / ``EXPECT`` pick the parts (the stage's barrier
+        always expects both copies' bytes)."""
         slot = (step - it_begin) % STAGES
         ok = step < it_end
         bar = bars.index(slot)
-        mbarrier.expect(bar, x_desc.block_type.nbytes + w_desc.block_type.nbytes, pred=ok)
-        _tma_load(x_desc, [off_m, step * 128], bar, x_smem.index(slot), pred=ok)
-        _tma_load(w_desc, [off_n, step * 16], bar, w_smem.index(slot), pred=ok)
+        if EXPECT:
+            mbarrier.expect(bar, x_desc.block_type.nbytes + w_desc.block_type.nbytes, pred=ok)
+        if X:
+            _tma_load(x_desc, [off_m, step * 128], bar, x_smem.index(slot), pred=ok)
+        if W:
+            _tma_load(w_desc, [off_n, step * 16], bar, w_smem.index(slot), pred=ok)
 
     @gluon.jit
     def _mma_step(x_desc, w_desc, x_smem, w_smem, bars, sb, acc, a_prev, step, it_begin, it_end, off_m, off_n,
@@ -357,8 +382,9 @@ if gluon is not None:
     def _fp4_wgmma_kernel(x_desc, w_desc, s_ptr, gs_ptr, bias_ptr, out_ptr, ws_ptr,
                           M, N, K, stride_sn, stride_om, iters_per_split,
                           BLOCK_M: gl.constexpr, WG: gl.constexpr, SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr,
-                          STAGES: gl.constexpr):
-        """One [64 WG weight rows, BLOCK_M rows of x] output tile over one K-slice (module docstring)."""
+                          STAGES: gl.constexpr, PDL: gl.constexpr):
+        """One [64 WG weight rows, BLOCK_M rows of x] output tile over one K-slice (module docstring); ``PDL``:
+        the first stages' weights go out before the grid-dependency wait, their x tiles after it."""
         BN: gl.constexpr = 64 * WG
         NW: gl.constexpr = 4 * WG
         wl: gl.constexpr = _words_layout(WG)
@@ -381,8 +407,18 @@ if gluon is not None:
         for i in gl.static_range(STAGES):
             mbarrier.init(bars.index(i), count=1)
         fence_async_shared()
-        for i in gl.static_range(STAGES - 1):
-            _issue_loads(x_desc, w_desc, x_smem, w_smem, bars, it_begin + i, it_begin, it_end, off_m, off_n, STAGES)
+        if PDL:
+            for i in gl.static_range(STAGES - 1):
+                _issue_loads(x_desc, w_desc, x_smem, w_smem, bars, it_begin + i, it_begin, it_end, off_m, off_n,
+                             STAGES, X=False)
+            grid_dependency_wait_then_release()
+            for i in gl.static_range(STAGES - 1):
+                _issue_loads(x_desc, w_desc, x_smem, w_smem, bars, it_begin + i, it_begin, it_end, off_m, off_n,
+                             STAGES, W=False, EXPECT=False)
+        else:
+            for i in gl.static_range(STAGES - 1):
+                _issue_loads(x_desc, w_desc, x_smem, w_smem, bars, it_begin + i, it_begin, it_end, off_m, off_n,
+                             STAGES)
 
         # scale bytes: a register ring two steps deep (clamped rows: the extra rows are never stored)
         rows_s = gl.minimum(off_n + gl.arange(0, BN, layout=gl.SliceLayout(1, sl)), N - 1)

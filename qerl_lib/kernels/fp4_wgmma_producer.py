@@ -76,7 +76,8 @@ from qerl_lib.kernels import pdl as pdl_switch
 
 try:  # Gluon ships with Triton >= 3.5; the CPU reference paths never need it
     import triton
-    from qerl_lib.kernels.fp4_wgmma import W_SMEM_LAYOUT, X_SMEM_LAYOUT, _decode, _scales_layout, _words_layout
+    from qerl_lib.kernels.fp4_wgmma import (W_SMEM_LAYOUT, X_SMEM_LAYOUT, _decode, _scales_layout, _words_layout,
+                                            grid_dependency_wait_then_release)
     from qerl_lib.kernels.fp4_wgmma_ws import SCALES_SMEM_LAYOUT
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
@@ -222,14 +223,6 @@ def linear(x2: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, global_s
 if gluon is not None:
 
     @gluon.jit
-    def _grid_dependency_wait_then_release():
-        """``griddepcontrol.wait`` (the previous kernel has finished and its writes are visible), then
-        ``griddepcontrol.launch_dependents`` (the next kernel may launch); both no-ops without PDL."""
-        gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
-        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
-                                  is_pure=False, pack=1)
-
-    @gluon.jit
     def _producer(x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, ready, empty, tiles_m, num_tiles, total_steps,
                   per, slices, early):
         """1 warp: for each K-step of each of the program's tiles (an output tile and a K-slice), wait until its
@@ -251,7 +244,7 @@ if gluon is not None:
                 mbarrier.expect(bar, nbytes)  # the x tile's bytes too: the stage completes when it lands
                 _tma_load(w_desc, [off_n, (k0 + j) * 16], bar, w_smem.index(j))
                 _tma_load(s_desc, [off_n, ((k0 + j) // 2) * 16], bar, s_smem.index(j))
-            _grid_dependency_wait_then_release()
+            grid_dependency_wait_then_release()
         c = 0  # K-steps issued by this program so far: the ring position
         for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
             off_m = (t % tiles_m) * BLOCK_M
