@@ -358,8 +358,8 @@ def test_rule_wave_balancing_switches_off_by_environment(monkeypatch):
                                           (128, 37888, 3584, WgmmaConfig(128, 1, 1, 3, None, 264)),  # gate/up: waves
                                           (100, 3584, 18944, WgmmaConfig(128, 1, 5, 3, None, 264))])
 def test_cuda_pdl_launches_after_a_glue_kernel_in_a_graph(m, n, k, cfg):
-    """The permute of x, the GEMM and the split-K reduction, each launched with PDL right after the engine's norm
-    kernel (which lets its successor launch at once), replayed in a CUDA graph on new inputs: every replay equals
+    """The permute of x and the GEMM, each launched with PDL right after the engine's norm kernel (which lets its
+    successor launch at once), then the split-K sum, replayed in a CUDA graph on new inputs: every replay equals
     the GEMM launched without PDL bit for bit, and the oracle on that replay's rows (a kernel that read its input
     before its grid-dependency wait would see the previous replay's)."""
     from qerl_lib.engine import glue

@@ -3,6 +3,7 @@
 #   run 1: CUDA tests, then the producer GEMM's PDL A/B in the 7B engine (batch 32 / 64, LoRA r16, 256 + 1024)
 #   run 2: CUDA tests, then the A/B of fp4_wgmma's, the permute's and the split-K sum's PDL (batch 32 / 64 / 128,
 #          r0 and r16, 256 + 512, one repeat)
+#   run 3: the final code (the split-K sum plain again): CUDA tests, then OTHER_PDL 1 / 0 at batch 32 / 128, r0 / r16
 set -u
 case "${1:-run1}" in
 run1)
@@ -30,4 +31,17 @@ run2)
     grep -E "^ +qwen" "$OUT/ab2_${i}_$s.log" >> "$OUT/ab2.log"
   done
   cd "$OUT" && tar czf run2.tgz ./*.log ./*.json device.txt ;;
+run3)
+  python3 -m pytest -q -m cuda tests/test_fp4_wgmma.py tests/test_fp4_wgmma_producer.py -k "pdl or k_slices or oracle" \
+    > "$OUT/cuda_tests3.log" 2>&1
+  i=0
+  for s in 1 0 1 0; do
+    i=$((i + 1))
+    echo "OTHER_PDL=$s" >> "$OUT/ab3.log"
+    OTHER_PDL=$s python3 dev/sweeps/producer_pdl_ab.py bench rollout --models qwen2.5-7b --no-hf-baseline \
+      --repeats 1 --batch 32,128 --gen-len 512 --lora-rank 0,16 --weights nvfp4 --json "$OUT/ab3_${i}_$s.json" \
+      > "$OUT/ab3_${i}_$s.log" 2>&1
+    grep -E "^ +qwen" "$OUT/ab3_${i}_$s.log" | awk '!seen[$0]++' >> "$OUT/ab3.log"
+  done
+  cd "$OUT" && tar czf run3.tgz ./*.log ./*.json device.txt ;;
 esac

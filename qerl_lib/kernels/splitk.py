@@ -11,13 +11,14 @@ Two other homes for that sum, measured on an H100 (dev/LOG.md sections 38-39): t
 same projection group (``kernels/lora``, ``QERL_LORA_SUMS_SPLITS``), and the GEMM itself, with the last slice to
 finish each tile summing the others' partials after an atomic ticket (CUTLASS's "serial" split-K). The second
 was bit-equal to the launch and 3.8% / 1.9% slower per decode step at batch 32 / 64, and is not kept.
+The sum is a plain launch, not a PDL one (``kernels/pdl.py``): launched early after its GEMM it measured
+0.5% slower per decode step at batch 32 and 64 without adapters (dev/LOG.md section 40).
 """
 
 from __future__ import annotations
 
 import torch
 
-from qerl_lib.kernels import pdl
 from qerl_lib.kernels.fp4_decode import round_bf16 as _round_bf16
 
 try:
@@ -26,20 +27,14 @@ try:
 except ImportError:  # pragma: no cover - exercised only on installs without triton
     triton = None
     tl = None
-try:  # programmatic dependent launch (Triton >= 3.4)
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-except ImportError:  # pragma: no cover
-    gdc_launch_dependents = gdc_wait = None
 
 
 def reduce_splits(ws: torch.Tensor, global_scale: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> None:
-    """out (rows ``out.stride(0)`` apart) = bf16(sum of the fp32 partials ``ws [S, M, N]`` * 2^8/gs) (+ bias), in order.
-    Launched with PDL where ``kernels/pdl.py`` allows it (it waits for the GEMM before reading anything)."""
+    """out (rows ``out.stride(0)`` apart) = bf16(sum of the fp32 partials ``ws [S, M, N]`` * 2^8/gs) (+ bias), in order."""
     split, m, n = ws.shape
-    early = pdl.use_for(out.device)
     _splitk_reduce_kernel[(triton.cdiv(m * n, 1024),)](
         ws, global_scale, bias if bias is not None else out, out, m * n, n, out.stride(0), SPLIT=split,
-        HAS_BIAS=bias is not None, BLOCK=1024, INTERPRETED=not out.is_cuda, PDL=early, launch_pdl=early, num_warps=4)
+        HAS_BIAS=bias is not None, BLOCK=1024, INTERPRETED=not out.is_cuda, num_warps=4)
 
 
 if triton is not None:
@@ -73,12 +68,8 @@ if triton is not None:
 
     @triton.jit
     def _splitk_reduce_kernel(ws_ptr, gs_ptr, bias_ptr, out_ptr, MN, N, stride_om, SPLIT: tl.constexpr,
-                              HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, INTERPRETED: tl.constexpr,
-                              PDL: tl.constexpr):
+                              HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, INTERPRETED: tl.constexpr):
         """out = bf16(sum over K-slices of the fp32 partials * 2^8/gs) (+ bias); fixed order."""
-        if PDL:  # launched early: wait for the GEMM's partials, then let the next kernel launch
-            gdc_wait()
-            gdc_launch_dependents()
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < MN
         y = finish(summed_slices(ws_ptr, offs, mask, MN, SPLIT), gs_ptr, bias_ptr, offs % N, mask, HAS_BIAS,
