@@ -40,6 +40,10 @@ Gluon (``triton.experimental.gluon``, Triton's tile language with explicit layou
 5. **Waves balanced** (``wave_slots``, set by the launch rule): when the output tiles overflow the last
    whole wave of resident programs, ``wave_plan`` runs the whole waves unsplit and the leftover tiles in
    K-slices that fill one more wave (H100: 7B gate/up at 128 rows -6%, at 32 rows -4%, at 64 rows no gain).
+6. **Programmatic dependent launch** (``kernels/pdl.py``; ``PDL``): the prologue copies the weight words of
+   the first ``STAGES - 1`` steps, waits for the previous kernel (``grid_dependency_wait_then_release``, which
+   also lets the next one launch), then copies their x tiles; ``permute_x``'s kernel waits first. On an H100
+   the 7B decode step at batch 128 gained 1-2% (dev/LOG.md section 40).
 
 Where it runs (H100, dev/LOG.md sections 32-33): at 65-128 rows of ``x`` it is 1.1-1.9x faster than the
 Triton kernel on the Qwen2.5-7B/32B shapes, at 25-64 rows on the large ones only; on small shapes at
