@@ -74,9 +74,9 @@ from dataclasses import dataclass
 
 import torch
 
+from qerl_lib.kernels import pdl as pdl_switch
 from qerl_lib.kernels.fp4_wgmma import available, num_sms, permute_x  # noqa: F401  (same needs: Gluon, Hopper)
 from qerl_lib.kernels.fp4_wgmma_ws import aligned  # TMA reads 16-byte starts and row strides
-from qerl_lib.kernels import pdl as pdl_switch
 
 try:  # Gluon ships with Triton >= 3.5; the CPU reference paths never need it
     import triton
