@@ -51,8 +51,8 @@ RESULT_FILES = {
                               "and continuous, vLLM); three runs merged (2026-11-25: the kit's NVFP4 rows predate the "
                               "producer kernel at decode sizes, see `rollout_vllm_r16_h100.json`)",
     "rollout_r16_h100.json": "the kit's engine alone, NVFP4 and bf16 with LoRA r16 in one process, batch 32/64, "
-                             "256 + 1024 tokens, with the glue kernels writing the FP4 GEMMs' relabeled x (dev/LOG.md "
-                             "section 38; `rollout_r16_run3.json` in `dev/runs/decode_launches_h100_2026-11-27/`)",
+                             "256 + 1024 tokens, with every NVFP4 GEMM of the decode step a PDL launch (dev/LOG.md "
+                             "section 40; `ab_1_1.json` in `dev/runs/producer_pdl_h100_2026-11-28/`)",
     "rollout_vllm_r16_h100.json": "the kit's engine and vLLM 0.24.0 in one run, as `rollout_vllm_h100.json`, with the "
                                   "decode-size producer kernel (dev/LOG.md section 37): NVFP4 + LoRA r16 at batch "
                                   "8/32/64/128, kit and vLLM; the kit's bf16 + r16 at batch 32/64; 256 + 1024 tokens "
