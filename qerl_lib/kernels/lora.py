@@ -122,8 +122,8 @@ EXPAND_WARPS = 8
 # at batch 32 then) the expand's 28-36 programs summing them cost 3.8% of the step; with the down projection's 4 the
 # fold gained 0.9% / 0.4% at batch 32 / 64.
 EXPAND_SUMS_SLICES_UP_TO = 4
-# One launch for the shrink and the expand (``apply_one_launch_``) up to this many rows; 0: never (the default until
-# it is measured on a GPU, dev/LOG.md section 40). The launch's warps per program, for both roles.
+# One launch for the shrink and the expand (``apply_one_launch_``) up to this many rows (at most FEW_ROWS); 0: never
+# (the default until it is measured on a GPU, dev/LOG.md section 40). The launch's warps per program, for both roles.
 ONE_LAUNCH_UP_TO_ROWS = 0
 ONE_LAUNCH_WARPS = 2
 
@@ -347,7 +347,7 @@ def apply_(out: torch.Tensor, x: torch.Tensor, plan: GroupPlan, use_pdl: bool | 
     launches both kernels plainly, for any other order. Check ``supported`` first. ``base``: ``expand_``'s.
     Up to ``ONE_LAUNCH_UP_TO_ROWS`` rows and without a ``base``, ``apply_one_launch_`` runs instead (same bits)."""
     check_shapes(out, x, plan)
-    if base is None and x.shape[0] <= ONE_LAUNCH_UP_TO_ROWS:
+    if base is None and x.shape[0] <= min(ONE_LAUNCH_UP_TO_ROWS, FEW_ROWS):
         return apply_one_launch_(out, x, plan, use_pdl)
     return expand_(out, shrink_(x, plan, use_pdl), base)
 
