@@ -135,3 +135,50 @@ def cuda_nvfp4_weights(n: int, k: int, seed: int):
     g = torch.Generator(device="cuda").manual_seed(seed)
     q = quantize((torch.randn(n, k, device="cuda", generator=g) * 0.02).to(torch.bfloat16))
     return q, prepare_fp4_weights(q.weight_packed, q.weight_scale, q.weight_global_scale), g
+
+
+def check_gemm_after_norm_in_a_graph(q, m: int, gemm, g, relabeled: bool = False) -> None:
+    """The engine's norm kernel (a PDL launch that lets its successor launch at once) on ``x [m, K]``, then
+    ``gemm(h, out, early)`` on its output (``relabeled``: the norm's relabeled copy), captured in a CUDA graph and
+    replayed on three new inputs drawn from ``g``, with ``early`` False and True. Every replay's output must be
+    equal bit for bit between the two, and within 1e-3 mean relative error of ``reference_matmul(h, q)`` on that
+    replay's normed rows (a kernel that read its input before its grid-dependency wait would see the previous
+    replay's). ``q``: the NVFP4 weight ``[N, K]``."""
+    from qerl_lib.engine import glue
+    from qerl_lib.kernels import pdl
+    from qerl_lib.quant.nvfp4 import reference_matmul
+
+    assert pdl.use_for(torch.device("cuda")), "PDL must be on for this test (QERL_PDL unset or 1)"
+    n, k = q.weight_packed.shape[0], q.weight_packed.shape[1] * 2
+    norm_w = torch.ones(k, dtype=torch.bfloat16, device="cuda")
+    x = torch.empty(m, k, dtype=torch.bfloat16, device="cuda")
+    inputs = [torch.randn(m, k, generator=g, device="cuda").to(torch.bfloat16) * (i + 1) for i in range(3)]
+    outs = {}
+    for early in (False, True):
+        out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+
+        def step():
+            if relabeled:
+                h, hr = glue.rms_norm(x, norm_w, 1e-6, relabeled=True)
+            else:
+                h = hr = glue.rms_norm(x, norm_w, 1e-6)
+            gemm(hr, out, early)
+            return h
+
+        x.copy_(inputs[0])
+        step()  # compile outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            h = step()
+        got = []
+        for new_x in inputs:
+            x.copy_(new_x)
+            graph.replay()
+            got.append((out.clone(), h.clone()))
+        outs[early] = got
+    torch.cuda.synchronize()
+    for (plain, _), (early_out, h) in zip(outs[False], outs[True]):
+        assert torch.equal(plain, early_out)
+        ref = reference_matmul(h, q)
+        rel = float((early_out.float() - ref.float()).abs().mean() / ref.float().abs().mean())
+        assert rel < 1e-3, rel

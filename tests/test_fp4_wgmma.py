@@ -19,7 +19,7 @@ import torch
 from qerl_lib.kernels import fp4_wgmma
 from qerl_lib.kernels.fp4_wgmma import WgmmaConfig, k_slices
 from qerl_lib.quant.nvfp4 import dequantize, quantize, reference_matmul
-from tests.conftest import sm90_ptxas
+from tests.conftest import check_gemm_after_norm_in_a_graph, sm90_ptxas
 
 HAS_WGMMA = fp4_wgmma.available()
 
@@ -362,40 +362,11 @@ def test_cuda_pdl_launches_after_a_glue_kernel_in_a_graph(m, n, k, cfg):
     successor launch at once), then the split-K sum, replayed in a CUDA graph on new inputs: every replay equals
     the GEMM launched without PDL bit for bit, and the oracle on that replay's rows (a kernel that read its input
     before its grid-dependency wait would see the previous replay's)."""
-    from qerl_lib.engine import glue
-    from qerl_lib.kernels import pdl
     from qerl_lib.kernels.fp4_gemm import prepare_fp4_weights, reduce_splits
 
-    assert pdl.use_for(torch.device("cuda")), "PDL must be on for this test (QERL_PDL unset or 1)"
     q, _ = _make(1, n, k, seed=m + n)
     w = prepare_fp4_weights(q.weight_packed, q.weight_scale, q.weight_global_scale)
-    g = torch.Generator(device="cuda").manual_seed(k)
-    norm_w = torch.ones(k, dtype=torch.bfloat16, device="cuda")
-    x = torch.empty(m, k, dtype=torch.bfloat16, device="cuda")
-    inputs = [torch.randn(m, k, generator=g, device="cuda").to(torch.bfloat16) * (i + 1) for i in range(3)]
-    outs = {}
-    for early in (False, True):
-        out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
-
-        def step():
-            h = glue.rms_norm(x, norm_w, 1e-6)
-            fp4_wgmma.linear(h, w.words, w.scales, w.global_scale, None, out, cfg, reduce_splits, pdl=early)
-            return h
-
-        x.copy_(inputs[0])
-        step()  # compile outside the capture
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            h = step()
-        got = []
-        for new_x in inputs:
-            x.copy_(new_x)
-            graph.replay()
-            got.append((out.clone(), h.clone()))
-        outs[early] = got
-    torch.cuda.synchronize()
-    for (plain, _), (early_out, h) in zip(outs[False], outs[True]):
-        assert torch.equal(plain, early_out)
-        ref = reference_matmul(h, q)
-        rel = float((early_out.float() - ref.float()).abs().mean() / ref.float().abs().mean())
-        assert rel < 1e-3, rel
+    check_gemm_after_norm_in_a_graph(
+        q, m, lambda h, out, early: fp4_wgmma.linear(h, w.words, w.scales, w.global_scale, None, out, cfg,
+                                                     reduce_splits, pdl=early),
+        torch.Generator(device="cuda").manual_seed(k))

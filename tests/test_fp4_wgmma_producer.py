@@ -20,7 +20,7 @@ from qerl_lib.kernels import fp4_wgmma_producer as pc
 from qerl_lib.kernels.fp4_wgmma_producer import ProducerConfig
 from qerl_lib.kernels.launch_rule import PRODUCER_ENV, pick_producer_config, plan_launch, producer_block_m
 from qerl_lib.quant.nvfp4 import reference_matmul
-from tests.conftest import cuda_nvfp4_weights, sm90_ptxas
+from tests.conftest import check_gemm_after_norm_in_a_graph, cuda_nvfp4_weights, sm90_ptxas
 
 HAS_PC = pc.available()
 
@@ -318,39 +318,10 @@ def test_cuda_pdl_launch_after_a_glue_kernel_in_a_graph(m, n, k, cfg):
     replayed in a CUDA graph on new inputs: the weights go out before the grid-dependency wait and x after it,
     so every replay equals the launch without PDL bit for bit and the oracle on that replay's rows (a kernel
     that read x before the wait would see the previous replay's)."""
-    from qerl_lib.engine import glue
-    from qerl_lib.kernels import pdl
     from qerl_lib.kernels.fp4_gemm import reduce_splits
 
-    assert pdl.use_for(torch.device("cuda")), "PDL must be on for this test (QERL_PDL unset or 1)"
     q, w, g = cuda_nvfp4_weights(n, k, seed=m + n)
-    norm_w = torch.ones(k, dtype=torch.bfloat16, device="cuda")
-    x = torch.empty(m, k, dtype=torch.bfloat16, device="cuda")
-    inputs = [torch.randn(m, k, generator=g, device="cuda").to(torch.bfloat16) * (i + 1) for i in range(3)]
-    outs = {}
-    for early in (False, True):
-        out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
-
-        def step():
-            h, hr = glue.rms_norm(x, norm_w, 1e-6, relabeled=True)
-            pc.linear(hr, w.words, w.scales, w.global_scale, None, out, cfg, permuted=True,
-                      reduce_splits=reduce_splits, pdl=early)
-            return h
-
-        x.copy_(inputs[0])
-        step()  # compile outside the capture
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            h = step()
-        got = []
-        for new_x in inputs:
-            x.copy_(new_x)
-            graph.replay()
-            got.append((out.clone(), h.clone()))
-        outs[early] = got
-    torch.cuda.synchronize()
-    for (plain, _), (early_out, h) in zip(outs[False], outs[True]):
-        assert torch.equal(plain, early_out)
-        ref = reference_matmul(h, q)
-        rel = float((early_out.float() - ref.float()).abs().mean() / ref.float().abs().mean())
-        assert rel < 1e-3, rel
+    check_gemm_after_norm_in_a_graph(
+        q, m, lambda hr, out, early: pc.linear(hr, w.words, w.scales, w.global_scale, None, out, cfg, permuted=True,
+                                               reduce_splits=reduce_splits, pdl=early),
+        g, relabeled=True)

@@ -411,18 +411,14 @@ if gluon is not None:
         for i in gl.static_range(STAGES):
             mbarrier.init(bars.index(i), count=1)
         fence_async_shared()
+        for i in gl.static_range(STAGES - 1):  # the weights first (constants), x after the wait under PDL
+            _issue_loads(x_desc, w_desc, x_smem, w_smem, bars, it_begin + i, it_begin, it_end, off_m, off_n, STAGES,
+                         X=False)
         if PDL:
-            for i in gl.static_range(STAGES - 1):
-                _issue_loads(x_desc, w_desc, x_smem, w_smem, bars, it_begin + i, it_begin, it_end, off_m, off_n,
-                             STAGES, X=False)
             grid_dependency_wait_then_release()
-            for i in gl.static_range(STAGES - 1):
-                _issue_loads(x_desc, w_desc, x_smem, w_smem, bars, it_begin + i, it_begin, it_end, off_m, off_n,
-                             STAGES, W=False, EXPECT=False)
-        else:
-            for i in gl.static_range(STAGES - 1):
-                _issue_loads(x_desc, w_desc, x_smem, w_smem, bars, it_begin + i, it_begin, it_end, off_m, off_n,
-                             STAGES)
+        for i in gl.static_range(STAGES - 1):
+            _issue_loads(x_desc, w_desc, x_smem, w_smem, bars, it_begin + i, it_begin, it_end, off_m, off_n, STAGES,
+                         W=False, EXPECT=False)
 
         # scale bytes: a register ring two steps deep (clamped rows: the extra rows are never stored)
         rows_s = gl.minimum(off_n + gl.arange(0, BN, layout=gl.SliceLayout(1, sl)), N - 1)

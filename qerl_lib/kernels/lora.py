@@ -444,15 +444,18 @@ if triton is not None:
         return acc
 
     @triton.jit
-    def member_xa(xa_ptr, rows, ok_m, r0, rank, M, R, SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, RP: tl.constexpr):
+    def member_xa(xa_ptr, rows, ok_m, r0, rank, M, R, SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, RP: tl.constexpr,
+                  CACHE: tl.constexpr = ""):
         """fp32 ``xa [rows, RP]`` of one member (ranks ``r0 .. r0 + rank``, zero above): ``SPLITS`` = 1 reads the
         summed ``xa``, else adds that many fp32 K-slice partials in slice order (deterministic bits). Round it to
-        the activation dtype before use, as the torch path's ``xa`` tensor is."""
+        the activation dtype before use, as the torch path's ``xa`` tensor is. ``CACHE``: the loads' cache
+        modifier (``".cg"``: through L2, for partials other programs of the same launch wrote)."""
         rr = tl.arange(0, RP)
         ok_xa = ok_m[:, None] & (rr < rank)[None, :]
         xa = tl.zeros((BLOCK_M, RP), dtype=tl.float32)
         for s in range(SPLITS):
-            xa += tl.load(xa_ptr + (s * M + rows[:, None]) * R + r0 + rr[None, :], mask=ok_xa, other=0.0).to(tl.float32)
+            xa += tl.load(xa_ptr + (s * M + rows[:, None]) * R + r0 + rr[None, :], mask=ok_xa, other=0.0,
+                          cache_modifier=CACHE).to(tl.float32)
         return xa
 
     @triton.jit
@@ -536,12 +539,7 @@ if triton is not None:
             done = tl.atomic_add(tickets_ptr + 1, 0, sem="acquire")
             while done < SHRINK_PROGRAMS:  # programs with earlier tickets, already running, that never wait
                 done = tl.atomic_add(tickets_ptr + 1, 0, sem="acquire")
-            rr = tl.arange(0, RP)
-            ok_xa = ok_m[:, None] & (rr < rank)[None, :]
-            xa = tl.zeros((BLOCK_M, RP), dtype=tl.float32)
-            for s in range(SPLITS):  # slice order, as member_xa: the same bits as two launches
-                xa += tl.load(p_ptr + (s * M + rows[:, None]) * R + r0 + rr[None, :], mask=ok_xa, other=0.0,
-                              cache_modifier=".cg")
+            xa = member_xa(p_ptr, rows, ok_m, r0, rank, M, R, SPLITS, BLOCK_M, RP, ".cg")  # as two launches add them
             expand_tile_add(xa.to(out_ptr.dtype.element_ty), b, scale, out_ptr, rows, ok_m, cols, ok_n, so, out_ptr,
                             out_ptr, out_ptr, M, N, PRECISION, 0, False, False)
             tl.debug_barrier()  # the whole program is done before it counts itself

@@ -12,7 +12,7 @@ same projection group (``kernels/lora``, ``QERL_LORA_SUMS_SPLITS``), and the GEM
 finish each tile summing the others' partials after an atomic ticket (CUTLASS's "serial" split-K). The second
 was bit-equal to the launch and 3.8% / 1.9% slower per decode step at batch 32 / 64, and is not kept.
 The sum is a plain launch, not a PDL one (``kernels/pdl.py``): launched early after its GEMM it measured
-0.5% slower per decode step at batch 32 and 64 without adapters (dev/LOG.md section 40).
+0.6% slower per decode step at batch 32 and 64 without adapters (dev/LOG.md section 40).
 """
 
 from __future__ import annotations
