@@ -445,11 +445,12 @@ if triton is not None:
 
     @triton.jit
     def member_xa(xa_ptr, rows, ok_m, r0, rank, M, R, SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, RP: tl.constexpr,
-                  CACHE: tl.constexpr = ""):
+                  CACHE: tl.constexpr):
         """fp32 ``xa [rows, RP]`` of one member (ranks ``r0 .. r0 + rank``, zero above): ``SPLITS`` = 1 reads the
         summed ``xa``, else adds that many fp32 K-slice partials in slice order (deterministic bits). Round it to
         the activation dtype before use, as the torch path's ``xa`` tensor is. ``CACHE``: the loads' cache
-        modifier (``".cg"``: through L2, for partials other programs of the same launch wrote)."""
+        modifier (``""``: the default; ``".cg"``: through L2, for partials other programs of the same launch
+        wrote). Callers pass it: Triton 3.6 on a GPU does not take a string default of a nested jit function."""
         rr = tl.arange(0, RP)
         ok_xa = ok_m[:, None] & (rr < rank)[None, :]
         xa = tl.zeros((BLOCK_M, RP), dtype=tl.float32)
@@ -475,7 +476,7 @@ if triton is not None:
             gdc_launch_dependents()
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         ok_m = rows < M
-        xa = member_xa(xa_ptr, rows, ok_m, r0, rank, M, R, SPLITS, BLOCK_M, RP).to(out_ptr.dtype.element_ty)
+        xa = member_xa(xa_ptr, rows, ok_m, r0, rank, M, R, SPLITS, BLOCK_M, RP, "").to(out_ptr.dtype.element_ty)
         expand_tile_add(xa, b, scale, out_ptr, rows, ok_m, cols, ok_n, so, ws_ptr, gs_ptr, bias_ptr, M, N, PRECISION,
                         BASE_SLICES, HAS_BIAS, INTERPRETED)
 
