@@ -51,10 +51,6 @@ INTERP_SCRIPT = textwrap.dedent("""
         out[f"{i}_counters_reset"] = bool((plan.counters == 0).all())
         again = lk.apply_(base.clone(), x, plan)  # a second call on the same counters: the same bits
         out[f"{i}_repeatable"] = bool(torch.equal(again, got))
-        if m <= lk.FEW_ROWS:  # the shrink and the expand in one launch: the same bits, counters back at zero
-            one = [lk.apply_one_launch_(base.clone(), x, plan) for _ in range(2)]
-            out[f"{i}_one_launch_equal"] = bool(torch.equal(one[0], got)) and bool(torch.equal(one[1], got))
-            out[f"{i}_one_launch_reset"] = bool((plan.tickets == 0).all())
         if plan.covers_all():  # the expand summing a K-split GEMM's partials = reduce_splits, then the expand
             from qerl_lib.kernels.fp4_gemm import reduce_splits
             g = torch.Generator().manual_seed(50 + i)
@@ -84,12 +80,6 @@ INTERP_SCRIPT = textwrap.dedent("""
         engine = RolloutEngine(model, fuse_projections=True, lora_kernels=use)
         runs[use] = engine.generate(PROMPTS, 6, temperature=0, stop_token_ids=[], lora=adapters)
         used[use] = engine._forward.lora_kernels and engine._forward.fused_groups() > 0
-    lk.ONE_LAUNCH_UP_TO_ROWS = lk.FEW_ROWS  # the decode steps' adapters in one launch each
-    one = RolloutEngine(model, fuse_projections=True, lora_kernels=True).generate(PROMPTS, 6, temperature=0,
-                                                                              stop_token_ids=[], lora=adapters)
-    lk.ONE_LAUNCH_UP_TO_ROWS = 0
-    out["engine_one_launch_equal"] = ([c.token_ids for c in one] == [c.token_ids for c in runs[True]]
-                                      and [c.logprobs for c in one] == [c.logprobs for c in runs[True]])
     base = RolloutEngine(model, fuse_projections=True).generate(PROMPTS, 6, temperature=0, stop_token_ids=[])
     out["engine_used_kernels"] = used[True] and not used[False]
     out["engine_tokens_equal"] = [c.token_ids for c in runs[True]] == [c.token_ids for c in runs[False]]
@@ -131,23 +121,6 @@ def test_interpreted_kernels_match_the_reference(interpreted, i):
     assert interpreted[f"{i}_changed"] > 0.1, "the adapter must change the output for the test to mean anything"
     assert interpreted[str(i)] <= 1e-5
     assert interpreted[f"{i}_counters_reset"] and interpreted[f"{i}_repeatable"]
-
-
-@pytest.mark.parametrize("i", [i for i, c in enumerate(CASES) if c[0] <= lk.FEW_ROWS])
-def test_interpreted_one_launch_equals_two_launches(interpreted, i):
-    """``apply_one_launch_`` (shrink and expand programs by ticket, in one launch) gives ``apply_``'s bits, twice
-    on the same counters, and leaves them at zero; also the case where the two-launch shrink sums (rank 40)."""
-    assert interpreted[f"{i}_one_launch_equal"] and interpreted[f"{i}_one_launch_reset"]
-
-
-def test_interpreted_engine_with_one_launch_equals_two_launches(interpreted):
-    assert interpreted["engine_one_launch_equal"]
-
-
-def test_one_launch_refuses_more_rows_than_its_buffer():
-    plan, x, base = make_group(lk.FEW_ROWS + 1, 256, [(64, 4, 1.0)], torch.float32, "cpu")
-    with pytest.raises(ValueError, match="at most 8 rows"):
-        lk.apply_one_launch_(base, x, plan)
 
 
 @pytest.mark.parametrize("i", [i for i, c in enumerate(CASES) if all(r for _, r, _ in c[2])])
@@ -310,24 +283,6 @@ def test_cuda_kernels_match_the_reference_bf16(rank, rows, pdl_on):
         assert err <= 2 ** -7 * delta + 2 ** -7 * ref.float().abs().max(), (group, float(err), float(delta))
 
 
-@pytest.mark.cuda
-@pytest.mark.parametrize("rank", [16, 64, 128])
-@pytest.mark.parametrize("rows", [1, 5, 8])
-@pytest.mark.parametrize("pdl_on", [True, False], ids=["pdl", "plain"])
-def test_cuda_one_launch_equals_two_launches(rank, rows, pdl_on):
-    """Qwen2.5-7B group shapes in bf16: ``apply_one_launch_`` against ``apply_`` in two launches, bit for bit
-    (the same fp32 partials added in the same order), three calls on the same counters, which end at zero."""
-    for group, (k, widths) in QWEN7B_GROUPS.items():
-        members = [(w, rank, 2.0) for w, _ in widths]
-        plan, x, base = make_group(rows, k, members, torch.bfloat16, "cuda", seed=rank + rows)
-        two = lk.apply_(base.clone(), x, plan, use_pdl=pdl_on)
-        for _ in range(3):
-            one = lk.apply_one_launch_(base.clone(), x, plan, use_pdl=pdl_on)
-            torch.cuda.synchronize()
-            assert torch.equal(one, two), group
-        assert (plan.tickets == 0).all(), group
-
-
 def cuda_adapters(model, rank: int) -> dict:
     """Rank-``rank`` bf16 adapters (A and B ~ N(0, 0.1^2), scale 2) on all seven projections of every layer,
     on the GPU, from a fixed seed."""
@@ -427,24 +382,3 @@ def assert_rollouts_agree(fast, fast_plain, reference, new_tokens: int) -> None:
                 break
     assert len(diffs) >= new_tokens, f"the rollouts share only {len(diffs)} tokens"
     assert sorted(diffs)[len(diffs) // 2] < 0.05 and max(diffs) < 0.5, (sorted(diffs)[len(diffs) // 2], max(diffs))
-
-
-@pytest.mark.cuda
-@pytest.mark.parametrize("weights", ["bf16", "nvfp4"])
-def test_cuda_engine_one_launch_equals_two_launches(weights, monkeypatch):
-    """Greedy rollouts through CUDA graphs with each decode step's adapters in one launch per group
-    (``ONE_LAUNCH_UP_TO_ROWS``): the same bits as two launches, with PDL on and off."""
-    from qerl_lib.engine.rollout import RolloutEngine
-    from tests.test_engine import PROMPTS
-
-    assert len(PROMPTS) <= lk.FEW_ROWS
-    model, adapters = _tiny_cuda_with_adapters(weights)
-    runs = {}
-    for rows, early in ((0, "1"), (lk.FEW_ROWS, "1"), (lk.FEW_ROWS, "0")):
-        monkeypatch.setattr(lk, "ONE_LAUNCH_UP_TO_ROWS", rows)
-        monkeypatch.setenv("QERL_PDL", early)
-        engine = RolloutEngine(model, lora_kernels=True)
-        runs[rows, early] = engine.generate(PROMPTS, 24, temperature=0, stop_token_ids=[], lora=adapters)
-    for key in ((lk.FEW_ROWS, "1"), (lk.FEW_ROWS, "0")):
-        for c, e in zip(runs[key], runs[0, "1"]):
-            assert c.token_ids == e.token_ids and c.logprobs == e.logprobs, key

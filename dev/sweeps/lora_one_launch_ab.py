@@ -4,6 +4,8 @@
 
 Runs the ``qerl`` CLI with the rest of the arguments, with ``kernels/lora.ONE_LAUNCH_UP_TO_ROWS`` and
 ``ONE_LAUNCH_WARPS`` set from the environment (unset: the library's values). A measurement switch only.
+The one-launch path was removed from the library after dev/LOG.md section 41 measured it slower; this script
+and ``lora_one_launch_gpu*.sh`` ran at commits 6ef0a72 (run 1) and 937838a (run 2).
 """
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # dev/LOG.md section 41: the batch-8 adapters in one launch per group. Run through gpu_job.sh; writes to $OUT.
+# (Ran at commit 6ef0a72; the one-launch path it switches was removed after section 41.)
 # 1. CUDA tests: the LoRA kernels (one launch = two launches, engine) and the two PDL graph tests that the review
 #    after section 40 moved into tests/conftest.py.
 # 2. 7B NVFP4 batch 8, 256 + 2048, r0 / r16 / r64: four processes alternating ONE_LAUNCH_ROWS 8 / 0 (the first also

@@ -3,6 +3,7 @@
 # refused by Triton 3.6). Run through gpu_job.sh; writes to $OUT. The LoRA CUDA tests, then in the 7B engine,
 # batch 8, 256 + 2048, one repeat: two launches (r0 / r16 / r64, NVFP4 and bf16), one launch at 4 and 2 warps
 # (r16 / r64), two launches again (r16 / r64); then 14B two launches (r0 / r32).
+# (Ran at commit 937838a; the one-launch path it switches was removed after this run.)
 set -u
 timeout 420 python3 -m pytest -q -m cuda tests/test_lora_kernels.py > "$OUT/cuda_tests.log" 2>&1
 echo "exit $?" >> "$OUT/cuda_tests.log"

@@ -207,8 +207,8 @@ if triton is not None:
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         ok_m = rows < M
         dtype = o_ptr.dtype.element_ty
-        xa_gate = lora_kernels.member_xa(xa_ptr, rows, ok_m, r_gate, rank_gate, M, R, SPLITS, BLOCK_M, RP, "").to(dtype)
-        xa_up = lora_kernels.member_xa(xa_ptr, rows, ok_m, r_up, rank_up, M, R, SPLITS, BLOCK_M, RP, "").to(dtype)
+        xa_gate = lora_kernels.member_xa(xa_ptr, rows, ok_m, r_gate, rank_gate, M, R, SPLITS, BLOCK_M, RP).to(dtype)
+        xa_up = lora_kernels.member_xa(xa_ptr, rows, ok_m, r_up, rank_up, M, R, SPLITS, BLOCK_M, RP).to(dtype)
         ok = ok_m[:, None] & ok_n[None, :]
         g = tl.load(g_ptr + rows[:, None] * sg + cols[None, :], mask=ok, other=0.0).to(tl.float32)
         u = tl.load(u_ptr + rows[:, None] * su + cols[None, :], mask=ok, other=0.0).to(tl.float32)

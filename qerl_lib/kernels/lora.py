@@ -34,15 +34,12 @@ How (``apply_``)
   offset, rank and scale come from small per-tile tables); each multiplies ``xa`` by its ``B``
   tile and adds ``scale *`` that to ``out`` in fp32, rounding once (as ``addmm`` does). All members
   of a group share one launch: 2 launches per group instead of 1 + members.
-* ``apply_one_launch_`` (at most ``FEW_ROWS`` rows; ``apply_`` takes it up to ``ONE_LAUNCH_UP_TO_ROWS``, 0 by
-  default): both kernels' programs in one launch, roles by an atomic ticket, the expand's programs waiting on a
-  counter for the shrink's slices (its docstring argues why that wait always ends). It saves one of the two
-  hops between kernels after the GEMM; the same bits as two launches (interpreter and CUDA tests). Built in
-  dev/LOG.md section 40 and not yet timed on a GPU, so the engine does not use it yet.
 * ``apply_`` is ``shrink_`` then ``expand_``. A kernel that reads the group's output anyway may take
   ``shrink_``'s result (``Shrunk``) and add the expand itself with ``member_xa``: the engine's SiLU x up
   does so for gate/up above ``FEW_ROWS`` rows (``engine/glue.py``). Folding o's and down's expands into
-  the residual + RMSNorm kernel (one program per row) measured slower (dev/LOG.md section 29).
+  the residual + RMSNorm kernel (one program per row) measured slower (dev/LOG.md section 29), and so did
+  the shrink and the expand in one launch at batch 8 (roles by an atomic ticket, the expand's programs spinning
+  until the shrink's slices are done): 12-30% fewer tokens/s than two launches (section 41).
 * ``B`` lives in one zero-padded buffer per group, ``[N, RP]`` with ``RP`` the largest rank
   rounded up to a power of two (>= 16, the tensor-core minimum); the engine's per-member ``B``
   buffers are views into it, so refreshing the adapters each call updates both paths.
@@ -122,10 +119,6 @@ EXPAND_WARPS = 8
 # at batch 32 then) the expand's 28-36 programs summing them cost 3.8% of the step; with the down projection's 4 the
 # fold gained 0.9% / 0.4% at batch 32 / 64.
 EXPAND_SUMS_SLICES_UP_TO = 4
-# One launch for the shrink and the expand (``apply_one_launch_``) up to this many rows (at most FEW_ROWS); 0: never
-# (the default until it is measured on a GPU, dev/LOG.md section 40). The launch's warps per program, for both roles.
-ONE_LAUNCH_UP_TO_ROWS = 0
-ONE_LAUNCH_WARPS = 2
 
 
 @dataclass
@@ -149,8 +142,6 @@ class GroupPlan:
     counters: torch.Tensor  # int32, one per (row block, rank block) of the shrink; zero between calls
     bounds: torch.Tensor  # int32 [members, 4]: (n_start, n_end, r_start, rank), for the GEMM's LoRA epilogue
     sync: torch.Tensor  # int32 [4 + rank blocks of 16]: that epilogue's counters, zero between calls
-    partials: torch.Tensor  # fp32, the one-launch path's K-slice partials at <= FEW_ROWS rows (a persistent buffer)
-    tickets: torch.Tensor  # int32 [3]: the one-launch path's ticket, finished-shrink and finished-expand counts
 
     def epilogue(self):
         """These adapters as the mma.sync GEMM's ``LoraEpilogue`` (added by the group's base GEMM itself)."""
@@ -197,10 +188,7 @@ def build_plan(a_cat: torch.Tensor, n_total: int, members, block_n: int = BLOCK_
                      torch.zeros(_cdiv(MAX_M, RANK_BLOCK) * _cdiv(a_cat.shape[0], RANK_BLOCK),
                                  dtype=torch.int32, device=device),
                      torch.tensor([m[:4] for m in members], dtype=torch.int32, device=device),
-                     torch.zeros(4 + _cdiv(a_cat.shape[0], RANK_BLOCK), dtype=torch.int32, device=device),
-                     torch.empty(split_rule(FEW_ROWS, a_cat.shape[1], padded)[0] * FEW_ROWS * a_cat.shape[0],
-                                 dtype=torch.float32, device=device),
-                     torch.zeros(3, dtype=torch.int32, device=device))
+                     torch.zeros(4 + _cdiv(a_cat.shape[0], RANK_BLOCK), dtype=torch.int32, device=device))
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -344,46 +332,9 @@ def apply_(out: torch.Tensor, x: torch.Tensor, plan: GroupPlan, use_pdl: bool | 
     itself, as ``engine/glue.py``'s SiLU x up does).
 
     Call it right after the GEMM that wrote ``out`` (see the module docstring); ``use_pdl=False``
-    launches both kernels plainly, for any other order. Check ``supported`` first. ``base``: ``expand_``'s.
-    Up to ``ONE_LAUNCH_UP_TO_ROWS`` rows and without a ``base``, ``apply_one_launch_`` runs instead (same bits)."""
+    launches both kernels plainly, for any other order. Check ``supported`` first. ``base``: ``expand_``'s."""
     check_shapes(out, x, plan)
-    if base is None and x.shape[0] <= min(ONE_LAUNCH_UP_TO_ROWS, FEW_ROWS):
-        return apply_one_launch_(out, x, plan, use_pdl)
     return expand_(out, shrink_(x, plan, use_pdl), base)
-
-
-def apply_one_launch_(out: torch.Tensor, x: torch.Tensor, plan: GroupPlan, use_pdl: bool | None = None) -> torch.Tensor:
-    """``apply_`` in one launch, for at most ``FEW_ROWS`` rows: the same sums in the same order, so the same bits.
-
-    Each program first takes a ticket (an atomic counter). The first tickets are the shrink's programs: a K-slice
-    of ``x @ A_cat^T`` each, written as fp32 partials to ``plan.partials`` and counted as done; they read ``x``
-    (as ``shrink_`` does, module docstring) and never wait, not even for the GEMM before them, which is safe
-    because ``plan.partials`` is the plan's own buffer, never memory the GEMM may free. The later tickets are
-    the expand's programs: each loads its ``B`` tile, waits for the GEMM (PDL's wait), then until every shrink
-    program has counted itself done, adds the partials in slice order and adds ``scale * xa @ B^T`` to ``out``.
-    An expand program waits only on tickets handed out before its own, to programs already running, so the
-    wait ends whatever order the GPU starts programs in. The last expand program to finish resets the counters.
-    What it saves against two launches: the shrink's own completion and the expand's wait for it, one of the
-    two hops between kernels after the GEMM."""
-    m, k = x.shape
-    if m > FEW_ROWS:
-        raise ValueError(f"kernels/lora.apply_one_launch_: at most {FEW_ROWS} rows (its partials buffer), got {m}")
-    check_shapes(out, x, plan)
-    r_total = plan.a_cat.shape[0]
-    splits, k_per, _ = split_rule(m, k, plan.padded_rank)
-    block_m = 16
-    rank_blocks = triton.cdiv(r_total, RANK_BLOCK)
-    shrink_programs = rank_blocks * splits
-    expand_programs = plan.tiles.shape[0]
-    early = pdl.use_for(x.device) if use_pdl is None else (bool(use_pdl) and pdl.use_for(x.device))
-    precision = "ieee" if x.dtype == torch.float32 else "tf32"
-    _one_launch_kernel[(shrink_programs + expand_programs,)](
-        x, plan.a_cat, plan.partials, plan.tickets, plan.b_cat, out, plan.tiles, plan.r_start, plan.rank, plan.scale,
-        m, k, r_total, plan.n_total, k_per, x.stride(0), plan.a_cat.stride(0), out.stride(0), plan.b_cat.stride(0),
-        shrink_programs, expand_programs, rank_blocks, SPLITS=splits, BLOCK_M=block_m, BLOCK_R=RANK_BLOCK,
-        BLOCK_K=BLOCK_K, BLOCK_N=BLOCK_N, RP=plan.padded_rank, PRECISION=precision, PDL=early, launch_pdl=early,
-        num_warps=ONE_LAUNCH_WARPS)
-    return out
 
 
 def interpreting() -> bool:
@@ -408,8 +359,15 @@ if triton is not None:
         ranks = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
         ok_m, ok_r = rows < M, ranks < R
         ok = ok_m[:, None] & ok_r[None, :]
-        acc = shrink_partial(x_ptr, a_ptr, rows, ranks, ok_m, ok_r, pid_s * k_per, k_per, K, sx, sa, BLOCK_M, BLOCK_R,
-                             BLOCK_K, PRECISION)
+        acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+        k_lo = pid_s * k_per
+        for k0 in range(k_lo, k_lo + k_per, BLOCK_K):
+            cols = k0 + tl.arange(0, BLOCK_K)
+            ok_k = cols < K
+            xk = tl.load(x_ptr + rows[:, None] * sx + cols[None, :], mask=ok_m[:, None] & ok_k[None, :], other=0.0,
+                         cache_modifier=".cg")
+            ak = tl.load(a_ptr + ranks[:, None] * sa + cols[None, :], mask=ok_r[:, None] & ok_k[None, :], other=0.0)
+            acc = tl.dot(xk, tl.trans(ak), acc, input_precision=PRECISION)
         if PDL:  # write only once the GEMM has finished: its freed workspace may share our output's memory,
             gdc_wait()  # and "shrink done" then implies "GEMM done" for the expand kernel's wait
         xa_ptrs = xa_ptr + rows[:, None] * R + ranks[None, :]
@@ -430,33 +388,15 @@ if triton is not None:
                 tl.atomic_xchg(counter, 0)  # ready for the next call (and for a replayed graph)
 
     @triton.jit
-    def shrink_partial(x_ptr, a_ptr, rows, ranks, ok_m, ok_r, k_lo, k_per, K, sx, sa, BLOCK_M: tl.constexpr,
-                       BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
-        """fp32 ``x[rows, k_lo : k_lo + k_per] @ A[ranks, same]^T`` (``x`` read through L2: module docstring)."""
-        acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-        for k0 in range(k_lo, k_lo + k_per, BLOCK_K):
-            cols = k0 + tl.arange(0, BLOCK_K)
-            ok_k = cols < K
-            xk = tl.load(x_ptr + rows[:, None] * sx + cols[None, :], mask=ok_m[:, None] & ok_k[None, :], other=0.0,
-                         cache_modifier=".cg")
-            ak = tl.load(a_ptr + ranks[:, None] * sa + cols[None, :], mask=ok_r[:, None] & ok_k[None, :], other=0.0)
-            acc = tl.dot(xk, tl.trans(ak), acc, input_precision=PRECISION)
-        return acc
-
-    @triton.jit
-    def member_xa(xa_ptr, rows, ok_m, r0, rank, M, R, SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, RP: tl.constexpr,
-                  CACHE: tl.constexpr):
+    def member_xa(xa_ptr, rows, ok_m, r0, rank, M, R, SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, RP: tl.constexpr):
         """fp32 ``xa [rows, RP]`` of one member (ranks ``r0 .. r0 + rank``, zero above): ``SPLITS`` = 1 reads the
         summed ``xa``, else adds that many fp32 K-slice partials in slice order (deterministic bits). Round it to
-        the activation dtype before use, as the torch path's ``xa`` tensor is. ``CACHE``: the loads' cache
-        modifier (``""``: the default; ``".cg"``: through L2, for partials other programs of the same launch
-        wrote). Callers pass it: Triton 3.6 on a GPU does not take a string default of a nested jit function."""
+        the activation dtype before use, as the torch path's ``xa`` tensor is."""
         rr = tl.arange(0, RP)
         ok_xa = ok_m[:, None] & (rr < rank)[None, :]
         xa = tl.zeros((BLOCK_M, RP), dtype=tl.float32)
         for s in range(SPLITS):
-            xa += tl.load(xa_ptr + (s * M + rows[:, None]) * R + r0 + rr[None, :], mask=ok_xa, other=0.0,
-                          cache_modifier=CACHE).to(tl.float32)
+            xa += tl.load(xa_ptr + (s * M + rows[:, None]) * R + r0 + rr[None, :], mask=ok_xa, other=0.0).to(tl.float32)
         return xa
 
     @triton.jit
@@ -469,37 +409,22 @@ if triton is not None:
         With ``BASE_SLICES`` > 0 the tile's ``out`` is first made from the base GEMM's fp32 partials ``ws [S, M, N]``
         as ``fp4_gemm.reduce_splits`` makes it (``_splitk_reduce_kernel``'s arithmetic, in its order)."""
         t, pid_m = tl.program_id(0), tl.program_id(1)
-        cols, ok_n, r0, rank, scale, b = expand_tile_setup(b_ptr, tiles_ptr, r_start_ptr, rank_ptr, scale_ptr, sb, t,
-                                                          BLOCK_N, RP)  # constants: before the wait
+        n0 = tl.load(tiles_ptr + 3 * t)
+        n1 = tl.load(tiles_ptr + 3 * t + 1)
+        j = tl.load(tiles_ptr + 3 * t + 2)
+        r0 = tl.load(r_start_ptr + j)
+        rank = tl.load(rank_ptr + j)
+        scale = tl.load(scale_ptr + j)
+        cols = n0 + tl.arange(0, BLOCK_N)
+        ok_n = cols < n1
+        rr = tl.arange(0, RP)
+        b = tl.load(b_ptr + cols[:, None] * sb + rr[None, :], mask=ok_n[:, None], other=0.0)  # constant: before the wait
         if PDL:
             gdc_wait()
             gdc_launch_dependents()
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         ok_m = rows < M
-        xa = member_xa(xa_ptr, rows, ok_m, r0, rank, M, R, SPLITS, BLOCK_M, RP, "").to(out_ptr.dtype.element_ty)
-        expand_tile_add(xa, b, scale, out_ptr, rows, ok_m, cols, ok_n, so, ws_ptr, gs_ptr, bias_ptr, M, N, PRECISION,
-                        BASE_SLICES, HAS_BIAS, INTERPRETED)
-
-    @triton.jit
-    def expand_tile_setup(b_ptr, tiles_ptr, r_start_ptr, rank_ptr, scale_ptr, sb, t, BLOCK_N: tl.constexpr,
-                          RP: tl.constexpr):
-        """Expand tile ``t``: its columns and their mask, its member's rank offset, rank and scale, and its ``B``
-        tile ``[BLOCK_N, RP]`` (all constant during a rollout)."""
-        n0 = tl.load(tiles_ptr + 3 * t)
-        n1 = tl.load(tiles_ptr + 3 * t + 1)
-        j = tl.load(tiles_ptr + 3 * t + 2)
-        cols = n0 + tl.arange(0, BLOCK_N)
-        ok_n = cols < n1
-        rr = tl.arange(0, RP)
-        b = tl.load(b_ptr + cols[:, None] * sb + rr[None, :], mask=ok_n[:, None], other=0.0)
-        return cols, ok_n, tl.load(r_start_ptr + j), tl.load(rank_ptr + j), tl.load(scale_ptr + j), b
-
-    @triton.jit
-    def expand_tile_add(xa, b, scale, out_ptr, rows, ok_m, cols, ok_n, so, ws_ptr, gs_ptr, bias_ptr, M, N,
-                        PRECISION: tl.constexpr, BASE_SLICES: tl.constexpr, HAS_BIAS: tl.constexpr,
-                        INTERPRETED: tl.constexpr):
-        """``out[rows, cols] += scale * xa @ b^T`` in fp32, one rounding; with ``BASE_SLICES`` > 0 the tile's ``out``
-        is first made from the base GEMM's fp32 partials ``ws [S, M, N]`` as ``reduce_splits`` makes it."""
+        xa = member_xa(xa_ptr, rows, ok_m, r0, rank, M, R, SPLITS, BLOCK_M, RP).to(out_ptr.dtype.element_ty)
         delta = tl.dot(xa, tl.trans(b), input_precision=PRECISION)
         ptrs = out_ptr + rows[:, None] * so + cols[None, :]
         ok = ok_m[:, None] & ok_n[None, :]
@@ -509,42 +434,3 @@ if triton is not None:
         else:
             o = tl.load(ptrs, mask=ok, other=0.0)
         tl.store(ptrs, (o.to(tl.float32) + scale * delta).to(out_ptr.dtype.element_ty), mask=ok)
-
-    @triton.jit
-    def _one_launch_kernel(x_ptr, a_ptr, p_ptr, tickets_ptr, b_ptr, out_ptr, tiles_ptr, r_start_ptr, rank_ptr,
-                           scale_ptr, M, K, R, N, k_per, sx, sa, so, sb, SHRINK_PROGRAMS, EXPAND_PROGRAMS, RANK_BLOCKS,
-                           SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-                           BLOCK_N: tl.constexpr, RP: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
-        """``apply_one_launch_``: ticket ``< SHRINK_PROGRAMS``: (rank block, K slice) of the shrink, written as an
-        fp32 partial and counted done; else expand tile ``ticket - SHRINK_PROGRAMS`` once every slice is done."""
-        ticket = tl.atomic_add(tickets_ptr, 1, sem="relaxed")  # uniqueness is all it needs
-        rows = tl.arange(0, BLOCK_M)
-        ok_m = rows < M
-        if ticket < SHRINK_PROGRAMS:
-            if PDL:  # x is visible already (module docstring); this program writes only its own buffer
-                gdc_launch_dependents()
-            pid_r, pid_s = ticket % RANK_BLOCKS, ticket // RANK_BLOCKS
-            ranks = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
-            ok_r = ranks < R
-            acc = shrink_partial(x_ptr, a_ptr, rows, ranks, ok_m, ok_r, pid_s * k_per, k_per, K, sx, sa, BLOCK_M,
-                                 BLOCK_R, BLOCK_K, PRECISION)
-            tl.store(p_ptr + (pid_s * M + rows[:, None]) * R + ranks[None, :], acc, mask=ok_m[:, None] & ok_r[None, :])
-            tl.debug_barrier()  # every thread's partial is written before the program counts itself done
-            tl.atomic_add(tickets_ptr + 1, 1, sem="release")
-        else:
-            cols, ok_n, r0, rank, scale, b = expand_tile_setup(b_ptr, tiles_ptr, r_start_ptr, rank_ptr, scale_ptr, sb,
-                                                              ticket - SHRINK_PROGRAMS, BLOCK_N, RP)
-            if PDL:  # the GEMM before this launch wrote out
-                gdc_wait()
-                gdc_launch_dependents()
-            done = tl.atomic_add(tickets_ptr + 1, 0, sem="acquire")
-            while done < SHRINK_PROGRAMS:  # programs with earlier tickets, already running, that never wait
-                done = tl.atomic_add(tickets_ptr + 1, 0, sem="acquire")
-            xa = member_xa(p_ptr, rows, ok_m, r0, rank, M, R, SPLITS, BLOCK_M, RP, ".cg")  # as two launches add them
-            expand_tile_add(xa.to(out_ptr.dtype.element_ty), b, scale, out_ptr, rows, ok_m, cols, ok_n, so, out_ptr,
-                            out_ptr, out_ptr, M, N, PRECISION, 0, False, False)
-            tl.debug_barrier()  # the whole program is done before it counts itself
-            if tl.atomic_add(tickets_ptr + 2, 1, sem="acq_rel") == EXPAND_PROGRAMS - 1:  # the last: reset for next time
-                tl.atomic_xchg(tickets_ptr + 1, 0)
-                tl.atomic_xchg(tickets_ptr + 2, 0)
-                tl.atomic_xchg(tickets_ptr, 0)

@@ -41,7 +41,8 @@ RESULT_FILES = {
                          "`figures/03_gemm_speedup.png`, `figures/03_gemm_bandwidth.png`",
     "rollout_h100.json": "rollout engine: engine vs `transformers.generate` (SmolLM2 bf16, batch 64, "
                          "256 + 512 tokens); bf16 vs NVFP4 on Qwen2.5-7B/32B shapes (batch 8, 256 + 2048 tokens); 7B at "
-                         "LoRA rank 0/16/64 with the engine's LoRA kernels (`kernels/lora.py`, four runs merged). "
+                         "bf16 and NVFP4 at LoRA rank 0/16/64 with the engine's LoRA kernels (`kernels/lora.py`; 2026-11-28, "
+                         "dev/LOG.md section 41, `dev/runs/lora_one_launch_h100_2026-11-28/run3/`); three runs merged. "
                          "Notebook 03; `figures/03_rollout.png`",
     "rollout_vllm_h100.json": "the kit's engine and vLLM 0.24.0 (Marlin FP4, punica LoRA, CUDA graphs; version in the "
                               "rows' `backend`, logs in `dev/runs/fp4_wgmma_mid_h100_2026-11-25/engine_vllm/`) one after "
@@ -58,7 +59,8 @@ RESULT_FILES = {
                                   "8/32/64/128, kit and vLLM; the kit's bf16 + r16 at batch 32/64; 256 + 1024 tokens "
                                   "(logs in `dev/runs/vllm_r16_h100_2026-11-27/`)",
     "rollout_14b_h100.json": "bf16 vs NVFP4 on Qwen2.5-14B shapes, LoRA rank 0 and 32, batch 8, 256 + 2048 tokens "
-                             "(`dev/sweeps/rollout_14b_gpu.sh`; summary recomputed by `--merge`)",
+                             "(2026-11-28, dev/LOG.md section 41, `dev/runs/lora_one_launch_h100_2026-11-28/run3/`; summary "
+                             "recomputed by `--merge`)",
     "rollout_h200_final.json": "bf16 vs NVFP4 on Qwen2.5-7B/32B shapes, batch 8, 256 + 2048 tokens",
     "rollout_h200_smollm2_final.json": "engine vs `transformers.generate`, SmolLM2 bf16, batch 64, 256 + 512 tokens",
     "rollout_step_breakdown_h200.json": "where a 7B decode step's time goes (kernel time per category, idle time, "
