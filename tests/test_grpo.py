@@ -443,6 +443,27 @@ def test_mismatch_forward_off_skips_the_extra_forward_at_mu_one(tiny_model_dir, 
         tiny_config(tiny_model_dir, "lora", is_correction=True, mismatch_forward=False)
 
 
+def test_the_trainer_recomputes_only_the_first_layers_at_every_step(tiny_model_dir, tmp_path):
+    """A real two-step run with the μ = 1 mismatch forward (TRL turns checkpointing off and on around it): with
+    ``checkpoint_layers=1`` the first decoder layer still runs its forward again in each backward, the others
+    run fewer forwards than with every layer recomputing."""
+    from qerl_lib.train.checkpointing import checkpointed_layers
+    from qerl_lib.train.grpo import build_trainer
+    from tests.test_checkpointing import count_forwards
+
+    calls = {}
+    for n in (None, 1):
+        config = tiny_config(tiny_model_dir, "lora", steps=2, gradient_checkpointing=True, checkpoint_layers=n,
+                             mismatch_forward=True)
+        trainer = build_trainer(config, tmp_path / str(n), extra_rewards=[("toy", toy_reward, 1.0)], quiet=True)
+        layers = checkpointed_layers(trainer.model)
+        assert len(layers) >= 2
+        calls[n] = count_forwards(layers)
+        trainer.train()
+    assert calls[None][0] == calls[None][1] == calls[1][0], calls  # every layer recomputes, or only the first
+    assert all(c < calls[None][1] for c in calls[1][1:]), calls
+
+
 def test_memory_accounting_adds_up(tiny_model_dir, tmp_path):
     """Each step's row accounts for what the step holds: the frozen base, the LoRA parameters (r x (in + out)
     per targeted Linear, counted here from the model's shapes), their gradients, AdamW's two moments, and the

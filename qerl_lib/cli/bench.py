@@ -8,14 +8,19 @@ import json
 import sys
 
 
-def _int_list(text: str) -> list[int]:
+def _int_list(text: str, least: int = 1) -> list[int]:
     try:
         values = [int(v) for v in text.split(",") if v.strip()]
     except ValueError:
         raise ValueError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or any(v < 1 for v in values):
-        raise ValueError(f"expected positive integers, got {text!r}")
+    if not values or any(v < least for v in values):
+        raise ValueError(f"expected integers >= {least}, got {text!r}")
     return values
+
+
+def _count_list(text: str) -> list[int]:
+    """Comma-separated counts, 0 included (e.g. decoder layers)."""
+    return _int_list(text, least=0)
 
 
 def _str_list(text: str) -> list[str]:
@@ -57,6 +62,9 @@ def register(sub) -> None:
     p.add_argument("--num-gpus", type=_int_list, default=[1],
                    help="comma-separated data-parallel process counts, e.g. 1,2 (rows get speedup_vs_1gpu)")
     p.add_argument("--no-gradient-checkpointing", action="store_true")
+    p.add_argument("--checkpoint-layers", type=_count_list, default=None,
+                   help="comma-separated counts of decoder layers that recompute under checkpointing, one case each "
+                        "(e.g. 28,14,0; the others keep their activations); default all")
     p.add_argument("--mismatch-forward", action="store_true", help="also run the μ = 1 mismatch forward")
     p.add_argument("--preset-settings", action="store_true",
                    help="run each model's qwen2.5-SIZE-gsm8k preset as `qerl train` would (its batch, lengths, "
@@ -80,7 +88,8 @@ def _train(args) -> int:
     if args.preset_settings:
         changed = [f"--{k.replace('_', '-')}" for k, default in (("batches", [8]), ("prompt_len", 256),
                    ("gen_len", 2048), ("lora_rank", 32), ("micro_batch", None), ("groups", 1), ("num_gpus", [1]),
-                   ("no_gradient_checkpointing", False), ("mismatch_forward", False)) if getattr(args, k) != default]
+                   ("no_gradient_checkpointing", False), ("mismatch_forward", False), ("checkpoint_layers", None))
+                   if getattr(args, k) != default]
         if changed:
             raise UserError(f"--preset-settings runs the preset's own settings: drop {', '.join(changed)}")
         cases = [TrainCase.from_preset(m, mode, steps=args.steps, num_iterations=args.num_iterations)
@@ -90,8 +99,9 @@ def _train(args) -> int:
                            steps=args.steps, lora_rank=args.lora_rank, micro_batch=args.micro_batch,
                            gradient_checkpointing=not args.no_gradient_checkpointing,
                            mismatch_forward=args.mismatch_forward, groups=args.groups, num_gpus=n,
-                           num_iterations=args.num_iterations or 1)
-                 for m in args.models for b in args.batches for mode in args.modes for n in args.num_gpus]
+                           num_iterations=args.num_iterations or 1, checkpoint_layers=c)
+                 for m in args.models for b in args.batches for mode in args.modes for n in args.num_gpus
+                 for c in (args.checkpoint_layers or [None])]
     record = run_bench(cases)
     record["provenance"]["command"] = " ".join(["qerl", *sys.argv[1:]])
     print(format_bench(record))

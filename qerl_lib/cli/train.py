@@ -39,6 +39,9 @@ def register(sub) -> None:
                    help="prompts per optimizer step, over all processes (default: the preset's)")
     p.add_argument("--micro-batch", type=int, default=None,
                    help="completions per forward/backward on each process (default: the preset's)")
+    p.add_argument("--checkpoint-layers", type=int, default=None,
+                   help="with gradient checkpointing: how many decoder layers recompute in the backward (the others "
+                        "keep their activations: faster, more memory); default all")
     p.add_argument("--report-to", choices=REPORT_TO, default=None,
                    help="also send the step metrics (kit names) to a tracker, offline, under --out: tensorboard "
                         "(OUT/tensorboard), trackio (OUT/trackio), wandb (WANDB_MODE=offline unless set); default none")
@@ -77,7 +80,8 @@ def _train(args) -> int:
                  "aqn_target": args.aqn, "aqn_schedule": args.schedule, "sigma_start": args.sigma_start,
                  "sigma_end": args.sigma_end, "aqn_stages": args.aqn_stages, "lr": args.lr,
                  "lora_rank": args.lora_rank, "data_level": args.level, "report_to": args.report_to,
-                 "prompts_per_step": args.prompts_per_step, "micro_batch": args.micro_batch}
+                 "prompts_per_step": args.prompts_per_step, "micro_batch": args.micro_batch,
+                 "checkpoint_layers": args.checkpoint_layers}
     if args.is_correction is not None:
         overrides["is_correction"] = args.is_correction == "on"
     config = make_config(args.preset, mode=args.mode, steps=args.steps, seed=args.seed,

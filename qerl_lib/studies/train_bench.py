@@ -58,6 +58,7 @@ class TrainCase:
     steps: int = 3
     lora_rank: int = 32
     gradient_checkpointing: bool = True
+    checkpoint_layers: int | None = None  # with checkpointing: decoder layers that recompute (None: all)
     mismatch_forward: bool = False
     micro_batch: int | None = None  # None: each process's share of the batch in one forward/backward
     groups: int = 1  # prompts per step (the batch is groups x completions per prompt)
@@ -93,6 +94,9 @@ class TrainCase:
                self.num_iterations, self.rollout_batch or 1) < 1:
             raise UserError("batch, prompt_len, gen_len, lora_rank, groups, num_gpus, num_iterations and "
                             "rollout_batch must be >= 1")
+        if self.checkpoint_layers is not None and (self.checkpoint_layers < 0 or not self.gradient_checkpointing):
+            raise UserError(f"checkpoint_layers={self.checkpoint_layers}: a non-negative number of layers, and only "
+                            "with gradient checkpointing on")
         if self.batch % self.groups or self.num_gpus > self.groups or self.groups % self.num_gpus:
             raise UserError(f"batch {self.batch} over {self.groups} group(s) on {self.num_gpus} GPU(s): the groups "
                             "must divide the batch, and the GPUs the groups")
@@ -120,7 +124,8 @@ def case_config(case: TrainCase):
                        num_generations=case.batch // case.groups, micro_batch=micro,
                        num_iterations=case.num_iterations, max_prompt_tokens=case.prompt_len, max_completion_length=case.gen_len,
                        lora_rank=case.lora_rank, lora_alpha=2 * case.lora_rank,
-                       gradient_checkpointing=case.gradient_checkpointing, mismatch_forward=case.mismatch_forward,
+                       gradient_checkpointing=case.gradient_checkpointing, checkpoint_layers=case.checkpoint_layers,
+                       mismatch_forward=case.mismatch_forward,
                        mask_truncated_completions=False, accuracy_weight=0.0, format_weight=0.0,
                        save_steps=10 * case.steps, device=case.device,
                        rollout_batch=case.rollout_batch or case.batch, **cpu)
@@ -192,8 +197,9 @@ def run_bench(cases: list[TrainCase], progress: bool = True) -> dict:
     rows = []
     for i, case in enumerate(cases):
         if progress:
+            recompute = "" if case.checkpoint_layers is None else f", {case.checkpoint_layers} layers recompute"
             print(f"[{i + 1}/{len(cases)}] {case.model} {case.mode} batch {case.batch}, {case.prompt_len} + "
-                  f"{case.gen_len} tokens ...", flush=True)
+                  f"{case.gen_len} tokens{recompute} ...", flush=True)
         rows.append(run_case(case))
         if progress:
             r = rows[-1]
@@ -209,7 +215,7 @@ def add_speedups(rows: list[dict]) -> None:
     one-GPU row of the same case (in place)."""
     def key(r, *extra):
         return (r["model"], r["batch"], r.get("groups", 1), r["prompt_len"], r["gen_len"], r["gradient_checkpointing"],
-                *extra)
+                r.get("checkpoint_layers"), *extra)
 
     lora = {key(r, r.get("num_gpus", 1)): r["step_s"] for r in rows if r["mode"] == "lora" and not r.get("error")}
     one = {key(r, r["mode"]): r["step_s"] for r in rows if r.get("num_gpus", 1) == 1 and not r.get("error")}
@@ -221,6 +227,7 @@ def add_speedups(rows: list[dict]) -> None:
 
 
 COLUMNS = (("model", "", 12), ("mode", "", 6), ("batch", "d", 5), ("num_gpus", "d", 8), ("gen_len", "d", 7),
+           ("checkpoint_layers", "d", 17),
            ("num_iterations", "d", 14),
            ("completion_len", ".0f", 14),
            ("rollout_s", ".2f", 9), ("train_s", ".2f", 8), ("step_s", ".2f", 7), ("peak_gib", ".1f", 8),

@@ -463,7 +463,8 @@ def build_trainer(config: TrainConfig, out_dir: str | os.PathLike, extra_rewards
             model=policy, reward_funcs=funcs, args=grpo_args(config, out / "checkpoints", device, weights),
             train_dataset=dataset, processing_class=tokenizer,
             callbacks=[RunMetrics(out, config, funcs, rollout, quiet=quiet), *(callbacks or [])],
-            rollout=rollout, is_correction=config.is_correction, is_cap=config.is_cap)
+            rollout=rollout, is_correction=config.is_correction, is_cap=config.is_cap,
+            checkpoint_layers=config.checkpoint_layers)
     for cb in (PrinterCallback, ProgressCallback):  # our callback prints one line per step instead
         trainer.remove_callback(cb)
     return trainer

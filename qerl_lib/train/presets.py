@@ -155,6 +155,9 @@ class TrainConfig:
     seed: int = 0
     device: str = "auto"
     gradient_checkpointing: bool = False  # paper: off for 3B/7B, on for 14B/32B; the kit's Qwen presets: on (_qwen)
+    # with gradient_checkpointing: how many decoder layers recompute in the backward (the first ones); the others keep
+    # their activations (faster, more memory; train/checkpointing.py). None: all of them
+    checkpoint_layers: int | None = None
     save_steps: int = 25
     save_total_limit: int = 2
     release_engine_cache: bool = True  # free the engine's KV cache after each rollout, before the backward (grpo.py)
@@ -227,6 +230,14 @@ class TrainConfig:
         if self.is_correction and self.num_iterations == 1 and not self.mismatch_forward:
             raise UserError("is_correction needs the engine-vs-trainer log-probs: with num_iterations=1 keep "
                             "mismatch_forward on (or turn is_correction off)")
+        if self.checkpoint_layers is not None:
+            if isinstance(self.checkpoint_layers, bool) or not isinstance(self.checkpoint_layers, int) \
+                    or self.checkpoint_layers < 0:
+                raise UserError(f"checkpoint_layers={self.checkpoint_layers!r}: must be a non-negative number of "
+                                "decoder layers (or None: all)")
+            if not self.gradient_checkpointing:
+                raise UserError("checkpoint_layers chooses which layers recompute under gradient checkpointing, which "
+                                "is off: turn gradient_checkpointing on or drop checkpoint_layers")
         if self.noise_target == "both" and self.num_iterations != 1:
             raise UserError("aqn_target='both' needs one rollout per optimizer step (num_iterations=1), so the trainer "
                             "can score the exact noisy policy that sampled")

@@ -10,6 +10,9 @@ What the subclass adds, and why (the full reasoning is in ``qerl_lib/train/grpo.
 * with ``is_correction`` each token's advantage is multiplied by min(π_trainer / π_engine, C), the
   truncated importance weight, through TRL's (B, T)-advantage path (TRL's own correction is only
   wired for vLLM);
+* with ``checkpoint_layers`` (and gradient checkpointing on) only the first that many decoder layers
+  recompute their forward in the backward pass; the others keep their activations
+  (``train/checkpointing.py``);
 * with AQN target "both" the trainer's forward and backward run with the rollout's noisy norm
   weights, so the trainer scores exactly the policy that sampled;
 * before TRL averages a step's metrics and hands them to the callbacks, its key names are changed
@@ -50,14 +53,17 @@ def trainer_class():
     from trl import GRPOTrainer
     from trl.models.utils import disable_gradient_checkpointing
 
+    from qerl_lib.train.checkpointing import recompute_only
     from qerl_lib.train.metrics import RENAMES
 
     class QeRLGRPOTrainer(GRPOTrainer):
         """TRL's GRPOTrainer plus what QeRL adds: mismatch metrics, optional truncated IS, AQN in the trainer,
         the kit's metric names and trackers under the run folder."""
 
-        def __init__(self, *args, rollout, is_correction: bool = False, is_cap: float = 2.0, **kwargs):
+        def __init__(self, *args, rollout, is_correction: bool = False, is_cap: float = 2.0,
+                     checkpoint_layers: int | None = None, **kwargs):
             self.qerl_rollout, self.is_correction, self.is_cap = rollout, is_correction, is_cap
+            self.checkpoint_layers = checkpoint_layers
             if kwargs.get("args") is not None:  # before TRL builds (and imports) the trackers
                 tracker_environment(kwargs["args"].report_to, run_folder(kwargs["args"].output_dir))
             super().__init__(*args, rollout_func=rollout, **kwargs)
@@ -74,6 +80,8 @@ def trainer_class():
             super().log(logs, start_time)
 
         def training_step(self, model, inputs, num_items_in_batch):
+            if self.checkpoint_layers is not None and self.args.gradient_checkpointing:  # TRL's no-grad forwards
+                recompute_only(self.accelerator.unwrap_model(self.model), self.checkpoint_layers)  # re-enable all
             aqn = self.qerl_rollout.aqn
             if aqn is None or aqn.config.target != "both":
                 return super().training_step(model, inputs, num_items_in_batch)

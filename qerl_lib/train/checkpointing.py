@@ -1,0 +1,50 @@
+"""Partial gradient checkpointing: recompute only some decoder layers in the backward pass.
+
+With gradient checkpointing a decoder layer keeps only its input from the forward pass and runs its
+forward again inside the backward pass to rebuild the activations its gradients need. That costs one
+more forward per layer (on a quantized base, one more dequantization of each weight too) and saves
+the layer's activations, which at RL's long completions are gigabytes per layer. Checkpointing every
+layer is the safe default; where memory is left over, some layers can keep their activations and skip
+the recompute. A 4-bit base leaves more memory over than a bf16 one, so under one memory budget it can
+recompute fewer layers: the memory-for-speed trade behind the paper's single-GPU claims (Sec. 1),
+measured here per phase (``qerl bench train --checkpoint-layers``, dev/LOG.md section 42).
+
+``recompute_only(model, n)`` leaves checkpointing on for the first ``n`` decoder layers and off for
+the rest (the last layers' backward runs first, so their kept activations are freed first). It acts
+on transformers' ``GradientCheckpointingLayer`` modules, whose flag ``gradient_checkpointing`` the
+model-wide ``gradient_checkpointing_enable`` sets on every layer; TRL turns checkpointing off and on
+around its no-grad forwards, which sets every flag again, so the trainer calls this before each
+training step. Numerically nothing changes: a recomputed forward gives the same values.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from qerl_lib.errors import UserError
+
+__all__ = ["checkpointed_layers", "recompute_only"]
+
+
+def checkpointed_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's decoder layers that support gradient checkpointing, in forward order."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+
+
+def recompute_only(model: torch.nn.Module, n: int | None) -> int:
+    """Keep gradient checkpointing on for the first ``n`` decoder layers only (``None``: leave every layer as it
+    is). Layers whose checkpointing is off stay off. Returns how many layers now recompute."""
+    layers = checkpointed_layers(model)
+    if n is None:
+        return sum(bool(layer.gradient_checkpointing) for layer in layers)
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise UserError(f"checkpoint_layers={n!r}: must be a non-negative number of decoder layers (or None: all)")
+    if not layers:
+        raise UserError("checkpoint_layers is set, but the model has no decoder layers with gradient checkpointing "
+                        "(transformers' GradientCheckpointingLayer): unset it")
+    for i, layer in enumerate(layers):
+        if i >= n:
+            layer.gradient_checkpointing = False
+    return sum(bool(layer.gradient_checkpointing) for layer in layers)
