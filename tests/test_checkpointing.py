@@ -95,6 +95,6 @@ def test_train_config_checks_checkpoint_layers():
 def test_bench_case_refuses_checkpoint_layers_without_checkpointing():
     from qerl_lib.studies.train_bench import TrainCase
 
-    with pytest.raises(UserError, match="only with gradient checkpointing"):
+    with pytest.raises(UserError, match="gradient checkpointing, which is off"):
         TrainCase(gradient_checkpointing=False, checkpoint_layers=4)
 

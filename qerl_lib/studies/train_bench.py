@@ -35,6 +35,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from qerl_lib.errors import UserError
+from qerl_lib.train.checkpointing import check_layer_count
 
 MODES = ("lora", "qlora", "nvfp4", "qerl")
 # The paper's end-to-end numbers (QeRL Tab. 3: step-time speedup over 16-bit LoRA, 256 + 2048 tokens, first 30
@@ -94,9 +95,7 @@ class TrainCase:
                self.num_iterations, self.rollout_batch or 1) < 1:
             raise UserError("batch, prompt_len, gen_len, lora_rank, groups, num_gpus, num_iterations and "
                             "rollout_batch must be >= 1")
-        if self.checkpoint_layers is not None and (self.checkpoint_layers < 0 or not self.gradient_checkpointing):
-            raise UserError(f"checkpoint_layers={self.checkpoint_layers}: a non-negative number of layers, and only "
-                            "with gradient checkpointing on")
+        check_layer_count(self.checkpoint_layers, self.gradient_checkpointing)
         if self.batch % self.groups or self.num_gpus > self.groups or self.groups % self.num_gpus:
             raise UserError(f"batch {self.batch} over {self.groups} group(s) on {self.num_gpus} GPU(s): the groups "
                             "must divide the batch, and the GPUs the groups")

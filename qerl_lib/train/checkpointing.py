@@ -19,11 +19,25 @@ training step. Numerically nothing changes: a recomputed forward gives the same 
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
 from qerl_lib.errors import UserError
 
-__all__ = ["checkpointed_layers", "recompute_only"]
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["check_layer_count", "checkpointed_layers", "recompute_only"]
+
+
+def check_layer_count(n, gradient_checkpointing: bool = True) -> None:
+    """A one-line error unless ``n`` is None or a count of layers >= 0, with gradient checkpointing on."""
+    if n is None:
+        return
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise UserError(f"checkpoint_layers={n!r}: must be a non-negative number of decoder layers (or None: all)")
+    if not gradient_checkpointing:
+        raise UserError("checkpoint_layers chooses which layers recompute under gradient checkpointing, which is off: "
+                        "turn gradient checkpointing on or drop checkpoint_layers")
 
 
 def checkpointed_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -39,8 +53,7 @@ def recompute_only(model: torch.nn.Module, n: int | None) -> int:
     layers = checkpointed_layers(model)
     if n is None:
         return sum(bool(layer.gradient_checkpointing) for layer in layers)
-    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-        raise UserError(f"checkpoint_layers={n!r}: must be a non-negative number of decoder layers (or None: all)")
+    check_layer_count(n)
     if not layers:
         raise UserError("checkpoint_layers is set, but the model has no decoder layers with gradient checkpointing "
                         "(transformers' GradientCheckpointingLayer): unset it")

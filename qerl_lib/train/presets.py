@@ -72,6 +72,7 @@ from pathlib import Path
 
 from qerl_lib.errors import UserError
 from qerl_lib.train.aqn import SCHEDULES, AQNConfig
+from qerl_lib.train.checkpointing import check_layer_count
 
 MODES = ("lora", "qlora", "nvfp4", "qerl")
 MODE_BASE = {"lora": "bf16", "qlora": "nf4", "nvfp4": "nvfp4", "qerl": "nvfp4"}
@@ -230,14 +231,7 @@ class TrainConfig:
         if self.is_correction and self.num_iterations == 1 and not self.mismatch_forward:
             raise UserError("is_correction needs the engine-vs-trainer log-probs: with num_iterations=1 keep "
                             "mismatch_forward on (or turn is_correction off)")
-        if self.checkpoint_layers is not None:
-            if isinstance(self.checkpoint_layers, bool) or not isinstance(self.checkpoint_layers, int) \
-                    or self.checkpoint_layers < 0:
-                raise UserError(f"checkpoint_layers={self.checkpoint_layers!r}: must be a non-negative number of "
-                                "decoder layers (or None: all)")
-            if not self.gradient_checkpointing:
-                raise UserError("checkpoint_layers chooses which layers recompute under gradient checkpointing, which "
-                                "is off: turn gradient_checkpointing on or drop checkpoint_layers")
+        check_layer_count(self.checkpoint_layers, self.gradient_checkpointing)
         if self.noise_target == "both" and self.num_iterations != 1:
             raise UserError("aqn_target='both' needs one rollout per optimizer step (num_iterations=1), so the trainer "
                             "can score the exact noisy policy that sampled")
