@@ -41,7 +41,7 @@ def register(sub) -> None:
                    help="completions per forward/backward on each process (default: the preset's)")
     p.add_argument("--checkpoint-layers", type=int, default=None,
                    help="with gradient checkpointing: how many decoder layers recompute in the backward (the others "
-                        "keep their activations: faster, more memory); default all")
+                        "keep their activations: no recompute, more memory); default all")
     p.add_argument("--report-to", choices=REPORT_TO, default=None,
                    help="also send the step metrics (kit names) to a tracker, offline, under --out: tensorboard "
                         "(OUT/tensorboard), trackio (OUT/trackio), wandb (WANDB_MODE=offline unless set); default none")

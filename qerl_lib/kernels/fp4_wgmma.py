@@ -256,7 +256,7 @@ def launch(x2: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, global_s
     reads the weights, their scales and ``gs`` before its grid-dependency wait, so they must not be written by
     the kernel just before it (true of a prepared weight). Shapes and alignment are the caller's to check
     (``fp4_gemm._triton_linear``)."""
-    early = pdl_switch.use_for(x2.device) if pdl is None else bool(pdl) and pdl_switch.use_for(x2.device)
+    early = pdl_switch.use_for(x2.device, pdl)
     m, k = x2.shape
     n = words.shape[0]
     per, slices = k_slices(k, config.split_k)

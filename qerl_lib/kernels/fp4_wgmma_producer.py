@@ -191,7 +191,7 @@ def linear(x2: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, global_s
     so they must not be written by the kernel just before it (true of a prepared weight). Raises a ValueError
     for a K this kernel cannot run or a tensor TMA cannot read."""
     config = config or ProducerConfig()
-    early = pdl_switch.use_for(x2.device) if pdl is None else bool(pdl) and pdl_switch.use_for(x2.device)
+    early = pdl_switch.use_for(x2.device, pdl)
     m, k = x2.shape
     n = words.shape[0]
     if not supported_problem(k):

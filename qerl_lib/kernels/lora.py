@@ -293,7 +293,7 @@ def shrink_(x: torch.Tensor, plan: GroupPlan, use_pdl: bool | None = None) -> Sh
     block_m = min(64, max(16, triton.next_power_of_2(m)))
     xa = torch.empty(m, r_total, dtype=x.dtype, device=x.device)
     partial = torch.empty(splits, m, r_total, dtype=torch.float32, device=x.device) if splits > 1 else xa
-    early = pdl.use_for(x.device) if use_pdl is None else (bool(use_pdl) and pdl.use_for(x.device))
+    early = pdl.use_for(x.device, use_pdl)
     precision = "ieee" if x.dtype == torch.float32 else "tf32"  # tf32 is ignored for 16-bit inputs
     _shrink_kernel[(triton.cdiv(r_total, RANK_BLOCK), splits, triton.cdiv(m, block_m))](
         x, plan.a_cat, partial, xa, plan.counters, m, k, r_total, k_per, x.stride(0), plan.a_cat.stride(0),

@@ -38,8 +38,11 @@ def enabled() -> bool:
     return value == "1"
 
 
-def use_for(device: torch.device) -> bool:
-    """Whether kernels on ``device`` launch with PDL now: enabled, CUDA, compute capability >= 9."""
+def use_for(device: torch.device, requested: bool | None = None) -> bool:
+    """Whether kernels on ``device`` launch with PDL now: enabled, CUDA, compute capability >= 9. ``requested``
+    (a launch's own ``pdl`` argument): None takes that answer, False turns PDL off, True keeps the answer."""
+    if requested is not None and not requested:
+        return False
     return device.type == "cuda" and enabled() and _capability_major(device.index) >= 9
 
 

@@ -3,7 +3,7 @@
 With gradient checkpointing a decoder layer keeps only its input from the forward pass and runs its
 forward again inside the backward pass to rebuild the activations its gradients need. That costs one
 more forward per layer (on a quantized base, one more dequantization of each weight too) and saves
-the layer's activations, which at RL's long completions are gigabytes per layer. Checkpointing every
+the layer's activations, which grow with the tokens of a micro-batch (RL's long completions). Checkpointing every
 layer is the safe default; where memory is left over, some layers can keep their activations and skip
 the recompute. A 4-bit base leaves more memory over than a bf16 one, so under one memory budget it can
 recompute fewer layers: the memory-for-speed trade behind the paper's single-GPU claims (Sec. 1),

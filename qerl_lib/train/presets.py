@@ -157,7 +157,7 @@ class TrainConfig:
     device: str = "auto"
     gradient_checkpointing: bool = False  # paper: off for 3B/7B, on for 14B/32B; the kit's Qwen presets: on (_qwen)
     # with gradient_checkpointing: how many decoder layers recompute in the backward (the first ones); the others keep
-    # their activations (faster, more memory; train/checkpointing.py). None: all of them
+    # their activations (no recompute, more memory; train/checkpointing.py). None: all of them
     checkpoint_layers: int | None = None
     save_steps: int = 25
     save_total_limit: int = 2

@@ -80,8 +80,8 @@ def trainer_class():
             super().log(logs, start_time)
 
         def training_step(self, model, inputs, num_items_in_batch):
-            if self.checkpoint_layers is not None and self.args.gradient_checkpointing:  # TRL's no-grad forwards
-                recompute_only(self.accelerator.unwrap_model(self.model), self.checkpoint_layers)  # re-enable all
+            if self.checkpoint_layers is not None:  # again each step: TRL's no-grad forwards re-enable every layer
+                recompute_only(self.accelerator.unwrap_model(self.model), self.checkpoint_layers)
             aqn = self.qerl_rollout.aqn
             if aqn is None or aqn.config.target != "both":
                 return super().training_step(model, inputs, num_items_in_batch)
