@@ -444,14 +444,15 @@ def test_mismatch_forward_off_skips_the_extra_forward_at_mu_one(tiny_model_dir, 
 
 
 def test_the_trainer_recomputes_only_the_first_layers_at_every_step(tiny_model_dir, tmp_path):
-    """A real two-step run with the μ = 1 mismatch forward (TRL turns checkpointing off and on around it): with
-    ``checkpoint_layers=1`` the first decoder layer still runs its forward again in each backward, the others
-    run fewer forwards than with every layer recomputing."""
+    """A real two-step run with the μ = 1 mismatch forward (TRL turns checkpointing off and on around it and
+    around the rollout, inside each step's input preparation): with ``checkpoint_layers=1`` the first decoder
+    layer runs as often as with every layer recomputing, and every other layer runs exactly once less per loss
+    forward, at every micro-batch (not only those that reuse buffered completions)."""
     from qerl_lib.train.checkpointing import checkpointed_layers
     from qerl_lib.train.grpo import build_trainer
     from tests.test_checkpointing import count_forwards
 
-    calls = {}
+    calls, losses = {}, {}
     for n in (None, 1):
         config = tiny_config(tiny_model_dir, "lora", steps=2, gradient_checkpointing=True, checkpoint_layers=n,
                              mismatch_forward=True)
@@ -459,9 +460,16 @@ def test_the_trainer_recomputes_only_the_first_layers_at_every_step(tiny_model_d
         layers = checkpointed_layers(trainer.model)
         assert len(layers) >= 2
         calls[n] = count_forwards(layers)
+        losses[n] = 0
+
+        def counted_loss(*args, _loss=trainer.compute_loss, _n=n, **kwargs):
+            losses[_n] += 1
+            return _loss(*args, **kwargs)
+        trainer.compute_loss = counted_loss
         trainer.train()
-    assert calls[None][0] == calls[None][1] == calls[1][0], calls  # every layer recomputes, or only the first
-    assert all(c < calls[None][1] for c in calls[1][1:]), calls
+    assert losses[None] == losses[1] >= 4, losses  # two steps of two micro-batches
+    assert calls[None][0] == calls[1][0], calls  # the first layer recomputes in both runs
+    assert all(a - b == losses[1] for a, b in zip(calls[None][1:], calls[1][1:])), (calls, losses)
 
 
 def test_memory_accounting_adds_up(tiny_model_dir, tmp_path):

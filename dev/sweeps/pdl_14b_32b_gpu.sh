@@ -2,10 +2,12 @@
 # dev/LOG.md section 40, "Next" (3): the producer-warp GEMM's PDL launch (section 40, run 1: +7.7% at 7B batch 32) in
 # the 14B and 32B engines. Run through gpu_job.sh; writes to $OUT. Batch 32, 256 + 512, NVFP4 + LoRA r16, one repeat:
 # four processes per size alternating PRODUCER_PDL 1 / 0 (dev/sweeps/producer_pdl_ab.py), each under a time limit.
+# PDL_ORDER (default "1 0 1 0") picks the alternation; the second attempt ran "0 1 0" after the first's PDL=0 half failed
+# (the switch-off stub had pdl.use_for's old one-argument signature).
 set -u
 for model in qwen2.5-14b qwen2.5-32b; do
   i=0
-  for s in 1 0 1 0; do
+  for s in ${PDL_ORDER:-1 0 1 0}; do
     i=$((i + 1))
     echo "PRODUCER_PDL=$s $model" >> "$OUT/ab.log"
     PRODUCER_PDL=$s timeout 300 python3 dev/sweeps/producer_pdl_ab.py bench rollout --models $model --no-hf-baseline \

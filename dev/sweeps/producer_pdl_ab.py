@@ -18,7 +18,7 @@ import types
 from qerl_lib.cli import main
 from qerl_lib.kernels import fp4_wgmma, fp4_wgmma_producer
 
-OFF = types.SimpleNamespace(use_for=lambda device: False)
+OFF = types.SimpleNamespace(use_for=lambda device, requested=None: False)  # pdl.use_for's signature
 if os.environ.get("PRODUCER_PDL", "1") == "0":
     fp4_wgmma_producer.pdl_switch = OFF
     print("producer_pdl_ab: the producer kernel launches without PDL", file=sys.stderr)

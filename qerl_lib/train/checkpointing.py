@@ -13,8 +13,8 @@ measured here per phase (``qerl bench train --checkpoint-layers``, dev/LOG.md se
 the rest (the last layers' backward runs first, so their kept activations are freed first). It acts
 on transformers' ``GradientCheckpointingLayer`` modules, whose flag ``gradient_checkpointing`` the
 model-wide ``gradient_checkpointing_enable`` sets on every layer; TRL turns checkpointing off and on
-around its no-grad forwards, which sets every flag again, so the trainer calls this before each
-training step. Numerically nothing changes: a recomputed forward gives the same values.
+around the rollout and its no-grad scoring forwards, which sets every flag again, so the trainer calls
+this after each micro-batch's inputs are prepared and before its loss forward. Numerically nothing changes: a recomputed forward gives the same values.
 """
 
 from __future__ import annotations

@@ -79,9 +79,13 @@ def trainer_class():
             metrics.update((RENAMES.get(key, key), values) for key, values in items)
             super().log(logs, start_time)
 
-        def training_step(self, model, inputs, num_items_in_batch):
-            if self.checkpoint_layers is not None:  # again each step: TRL's no-grad forwards re-enable every layer
+        def _prepare_inputs(self, generation_batch):
+            inputs = super()._prepare_inputs(generation_batch)  # may roll out and score, which re-enables every layer
+            if self.checkpoint_layers is not None and self.model.training:  # so after it, before the loss forward
                 recompute_only(self.accelerator.unwrap_model(self.model), self.checkpoint_layers)
+            return inputs
+
+        def training_step(self, model, inputs, num_items_in_batch):
             aqn = self.qerl_rollout.aqn
             if aqn is None or aqn.config.target != "both":
                 return super().training_step(model, inputs, num_items_in_batch)
