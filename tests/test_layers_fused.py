@@ -96,6 +96,34 @@ def test_unfusable_groups_return_none(case):
     assert [m.weight.data_ptr() for m in members] == ptrs  # nothing was moved
 
 
+@pytest.mark.parametrize("sizes", [(48, 16, 16), (40,)], ids=["three-members", "one-member"])
+def test_extra_rows_compute_x_times_what_is_written_there(sizes):
+    """``extra_rows``: the buffer gets zero rows after the members' (weight and bias); the members still
+    compute what they did, ``outputs`` drops the extra columns, and rows written into ``extra_weight``
+    come out as ``x @ E^T`` in the last columns of ``full`` (one member is enough for a group)."""
+    members = _group(sizes)
+    x = torch.randn(3, 5, 32)
+    before = [m(x) for m in members]
+    fused = fuse_group(members, extra_rows=6)
+    assert fused is not None and fused.extra_rows == 6 and fused.width == sum(sizes)
+    assert fused.tensors["weight"].shape == (sum(sizes) + 6, 32) and fused.tensors["bias"].shape == (sum(sizes) + 6,)
+    assert torch.equal(fused.extra_weight(), torch.zeros(6, 32)) and torch.equal(fused.tensors["bias"][-6:], torch.zeros(6))
+    extra = torch.randn(6, 32)
+    fused.extra_weight().copy_(extra)
+    full = fused.full(x)
+    assert full.shape == (3, 5, sum(sizes) + 6)
+    assert _rel(full[..., sum(sizes):], x @ extra.t()) <= REL_TOL
+    for o, m, b in zip(fused(x), members, before):
+        assert o.shape == b.shape and _rel(o, b) <= REL_TOL and torch.equal(m(x), b)
+    assert fused.is_current()
+
+
+def test_extra_rows_only_for_plain_linear_members():
+    kernel_path = _nvfp4_group(shared=True, impl="kernel")  # fusable members (without extra rows) on any device
+    assert fuse_group(kernel_path, extra_rows=4) is None  # an NVFP4 GEMM reads codes, not bf16 rows
+    assert fuse_group(_group((16,))) is None  # one member and no extra rows: nothing to fuse
+
+
 def _nvfp4_group(shared: bool, impl="auto"):
     torch.manual_seed(0)
     linears = [nn.Linear(64, n, bias=False).to(torch.bfloat16) for n in (64, 32)]

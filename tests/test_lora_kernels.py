@@ -64,6 +64,13 @@ INTERP_SCRIPT = textwrap.dedent("""
                 one = lk.apply_(torch.full_like(base, float("nan")), x, plan, base=lk.SplitBase(ws, gs, b))
                 eq.append(bool(torch.equal(one, two)) and bool(torch.isfinite(one).all()))
             out[f"{i}_split_base_equal"] = eq
+        # xa made elsewhere (a bf16 GEMM's extra columns, A as weight rows): a strided view beside the output
+        wide = torch.cat([base, x @ plan.a_cat.t()], dim=1)
+        n = base.shape[1]
+        xa_before = wide[:, n:].clone()
+        lk.expand_(wide[:, :n], lk.given_xa(wide[:, n:], plan))
+        out[f"{i}_given_xa"] = float((wide[:, :n] - ref).abs().max() / ref.abs().max())
+        out[f"{i}_given_xa_columns_kept"] = bool(torch.equal(wide[:, n:], xa_before))
     # the engine: kernels vs the torch path, every projection adapted, q/k/v and gate/up fused
     from qerl_lib.engine.rollout import LoraAdapter, RolloutEngine
     from tests.test_engine import PROMPTS, tiny_model
@@ -76,10 +83,18 @@ INTERP_SCRIPT = textwrap.dedent("""
             adapters[name] = LoraAdapter(torch.randn(r, mod.in_features, generator=g) * 0.2,
                                          torch.randn(mod.out_features, r, generator=g) * 0.2, 1.5)
     runs, used = {}, {}
-    for use in (True, False):
-        engine = RolloutEngine(model, fuse_projections=True, lora_kernels=use)
+    for use in (True, False, "rows"):
+        os.environ["QERL_LORA_ROWS"] = "1" if use == "rows" else "0"
+        engine = RolloutEngine(model, fuse_projections=True, lora_kernels=bool(use))
         runs[use] = engine.generate(PROMPTS, 6, temperature=0, stop_token_ids=[], lora=adapters)
         used[use] = engine._forward.lora_kernels and engine._forward.fused_groups() > 0
+    fwd = engine._forward  # the "rows" engine: every group's A is the extra rows of its fused weight
+    out["rows_groups"] = sum(f is not None and f.extra_rows > 0 for groups in fwd._fused for f in groups.values())
+    out["rows_a_in_weight"] = all(fwd.lora.plans[key].a_cat.data_ptr() == fwd._fused[key[0]][key[1]].extra_weight().data_ptr()
+                                  for key in fwd.lora.plans)
+    out["rows_tokens_equal"] = [c.token_ids for c in runs["rows"]] == [c.token_ids for c in runs[False]]
+    out["rows_logprob_diff"] = max(abs(a - b) for c, e in zip(runs["rows"], runs[False])
+                                   for a, b in zip(c.logprobs, e.logprobs))
     base = RolloutEngine(model, fuse_projections=True).generate(PROMPTS, 6, temperature=0, stop_token_ids=[])
     out["engine_used_kernels"] = used[True] and not used[False]
     out["engine_tokens_equal"] = [c.token_ids for c in runs[True]] == [c.token_ids for c in runs[False]]
@@ -165,6 +180,22 @@ def test_interpreted_engine_with_kernels_equals_torch_path(interpreted):
     assert interpreted["engine_adapter_matters"]
     assert interpreted["engine_tokens_equal"]
     assert interpreted["engine_logprob_diff"] <= 1e-4
+
+
+@pytest.mark.parametrize("i", range(len(CASES)), ids=lambda i: f"case{i}")
+def test_interpreted_expand_of_xa_made_elsewhere_matches_the_reference(interpreted, i):
+    """``given_xa``: ``xa`` as a strided view of a wider GEMM output (A as extra weight rows); the expand
+    reads it with that row stride, writes only the output's columns, and matches the reference."""
+    assert interpreted[f"{i}_given_xa"] <= 1e-5
+    assert interpreted[f"{i}_given_xa_columns_kept"]
+
+
+def test_interpreted_engine_with_a_as_weight_rows_equals_torch_path(interpreted):
+    """``QERL_LORA_ROWS=1``: all 4 groups of each of the tiny model's 2 layers carry A as weight rows, their
+    plans' A buffers are those rows, and greedy rollouts match the torch path (logprobs within 1e-4)."""
+    assert interpreted["rows_groups"] == 8 and interpreted["rows_a_in_weight"]
+    assert interpreted["rows_tokens_equal"]
+    assert interpreted["rows_logprob_diff"] <= 1e-4
 
 
 def test_split_rule_by_rows_and_rank():
@@ -346,7 +377,7 @@ def test_cuda_prefill_and_decode_step_logits_with_kernels(weights):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("fold", [False, True], ids=["expand-kernel", "fold"])
-@pytest.mark.parametrize("weights", ["bf16", "nvfp4"])
+@pytest.mark.parametrize("weights", ["bf16", "nvfp4", "bf16-rows"])
 def test_cuda_engine_with_lora_kernels_equals_torch_path(weights, fold, monkeypatch):
     """Greedy rollouts through CUDA graphs, with the gate/up expand as its own kernel or folded into
     SiLU x up (``lora_fold``). With the kernels, programmatic dependent launch on and
@@ -358,13 +389,16 @@ def test_cuda_engine_with_lora_kernels_equals_torch_path(weights, fold, monkeypa
     from qerl_lib.engine.rollout import RolloutEngine
     from tests.test_engine import PROMPTS
 
-    model, adapters = _tiny_cuda_with_adapters(weights)
+    model, adapters = _tiny_cuda_with_adapters(weights.removesuffix("-rows"))
+    monkeypatch.setenv("QERL_LORA_ROWS", "1" if weights.endswith("-rows") else "0")  # A as bf16 weight rows
     runs = {}
     for name, use, early in (("kernels", True, "1"), ("kernels-plain", True, "0"), ("torch", False, "1")):
         monkeypatch.setenv("QERL_PDL", early)
         engine = RolloutEngine(model, lora_kernels=use, lora_fold=fold)  # graphs+fused on CUDA
         assert engine.lora_kernels is use
         runs[name] = engine.generate(PROMPTS, 24, temperature=0, stop_token_ids=[], lora=adapters)
+        rows = sum(f is not None and f.extra_rows > 0 for groups in engine._forward._fused for f in groups.values())
+        assert (rows > 0) == (use and weights.endswith("-rows")), rows
     assert_rollouts_agree(runs["kernels"], runs["kernels-plain"], runs["torch"], 24)
 
 

@@ -18,6 +18,18 @@ applied in one matmul (likewise gate/up), and each B is applied by one ``addmm``
 into the base output: 1 + members launches per projection group instead of 3 per projection. In the
 CUDA decode step (``lora_kernels``) the engine runs ``kernels/lora.py`` instead: two Triton
 launches per group whatever its members, the first overlapping the base GEMM.
+
+A as rows of a bf16 weight (``QERL_LORA_ROWS=1``)
+--------------------------------------------------
+For a bf16 base the shrink ``xa = x @ A_cat^T`` is the same kind of product as the base GEMM, over the
+same input: with the group's stacked A appended as ``R`` extra rows of its weight (``models/fused.py``,
+``fuse_group(..., extra_rows=R)``; o and down become one-member groups), one cuBLAS GEMM writes
+``[out | xa]`` and the shrink launch goes: one launch a group instead of two (``kernels/lora.given_xa``,
+then the expand). ``xa`` comes out of cuBLAS's fp32 accumulation rounded once to bf16, as the torch path's
+``xa`` tensor does. The A buffer here *is* those weight rows (``a_rows``), so each refresh writes A where
+the GEMM reads it; the extra rows cost ``R / N`` more weight bytes (0.1-1.0% of a group at rank 16 on Qwen2.5-7B).
+NVFP4 bases cannot do this: their GEMM reads 4-bit codes, A is bf16. Off by default until measured on a GPU
+(dev/LOG.md section 44).
 """
 
 from __future__ import annotations
@@ -63,9 +75,12 @@ class LoraBuffers:
     Per (layer, group): the present members' A matrices stacked, and a ``kernels.lora.GroupPlan``
     (None when a member's output width is unknown) whose zero-padded ``B`` buffer holds each
     member's B at its columns of the group's output; the per-member B buffers of the torch path
-    are views into it, so one refresh serves both paths."""
+    are views into it, so one refresh serves both paths.
 
-    def __init__(self, view, adapters: dict[str, LoraAdapter]):
+    ``a_rows(layer, group, total_rank)``: optional; returns the tensor ``[total_rank, in]`` to hold a group's
+    stacked A (the extra rows of its fused bf16 weight, module docstring) or None for a buffer of its own."""
+
+    def __init__(self, view, adapters: dict[str, LoraAdapter], a_rows=None):
         # (layer, group) -> (stacked A [sum of ranks, in], one slot per group member or None)
         self.layout: dict[tuple[int, str], tuple[torch.Tensor, list]] = {}
         self.plans: dict[tuple[int, str], lora_kernels.GroupPlan | None] = {}
@@ -83,7 +98,10 @@ class LoraBuffers:
                 if len(in_features) != 1:
                     raise ValueError(f"LoRA A matrices of layer {layer} {group} disagree on in_features {in_features}")
                 total_rank = sum(adapters[targets[m]].A.shape[0] for m in present)
-                a_cat = torch.empty(total_rank, in_features.pop(), dtype=view.dtype, device=view.device)
+                k = in_features.pop()
+                a_cat = a_rows(layer, group, total_rank) if a_rows is not None else None
+                if a_cat is None or tuple(a_cat.shape) != (total_rank, k) or a_cat.dtype != view.dtype:
+                    a_cat = torch.empty(total_rank, k, dtype=view.dtype, device=view.device)
                 widths = [_out_features(view.projection(layer, m)) for m in members]
                 spans, placed, start, col = [], [], 0, 0  # spans: (n_start, n_end, r_start, rank, scale)
                 for m, width in zip(members, widths):

@@ -37,7 +37,8 @@ addresses, so a new noisy weight each call takes effect without re-capturing, an
 parameters are never written. LoRA adapters passed as ``lora=`` get the same treatment
 (``engine/adapters.py``). On CUDA each projection group's adapters run as ``kernels/lora.py``'s
 shrink and expand launches after the group's GEMM; above 8 rows the gate/up group's expand is
-instead added by the SiLU * up kernel that reads its output (``lora_fold``, ``engine/glue.py``).
+instead added by the SiLU * up kernel that reads its output (``lora_fold``, ``engine/glue.py``). With
+``QERL_LORA_ROWS=1`` a bf16 group's GEMM also makes ``xa``, without a shrink launch (``engine/adapters.py``).
 
 Fused projections
 -----------------
@@ -84,6 +85,7 @@ from qerl_lib.models.nvfp4_linear import NVFP4Linear, resolve_impl
 
 RELABEL_ENV = "QERL_FP4_RELABEL_X"  # "0": the Gluon FP4 launches permute x themselves (module docstring)
 SPLIT_FOLD_ENV = "QERL_LORA_SUMS_SPLITS"  # "0": never let the LoRA expand sum a K-split GEMM's partials (docstring)
+LORA_ROWS_ENV = "QERL_LORA_ROWS"  # "1": bf16 groups' LoRA A as extra rows of their weight (engine/adapters.py)
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
 DECODE_ATTENTION = ("sdpa", "matmul", "kernel")
@@ -291,6 +293,7 @@ class ForwardPass:
         # the decode step's launch folds (module docstring), read from the environment once per forward pass
         self.relabel_x = os.environ.get(RELABEL_ENV, "1") != "0" and view.device.type == "cuda"
         self.lora_sums_splits = os.environ.get(SPLIT_FOLD_ENV, "1") == "1" and view.device.type == "cuda"
+        self.lora_rows = os.environ.get(LORA_ROWS_ENV, "0") == "1" and self.lora_kernels and fuse_projections
         self._relabel_plan: dict[tuple[int, str, int], bool] = {}  # (layer, group, rows) -> takes_relabeled
 
     def reserve_columns(self, length: int) -> None:
@@ -332,9 +335,16 @@ class ForwardPass:
             return changed
         changed = self.lora is None or self.lora.signature != lora_signature(adapters)
         if changed:
-            self.lora = LoraBuffers(self.view, adapters)
+            self.lora = LoraBuffers(self.view, adapters, a_rows=self._a_rows if self.lora_rows else None)
         self.lora.refresh(adapters)
         return changed
+
+    def _a_rows(self, layer: int, group: str, rank: int) -> torch.Tensor | None:
+        """``LoraBuffers``' ``a_rows``: the group re-fused with ``rank`` extra weight rows (bf16 groups only)."""
+        fused = fuse_group(self._groups[layer][group], extra_rows=rank)
+        if fused is not None:
+            self._fused[layer][group] = fused
+        return None if fused is None else fused.extra_weight()
 
     # ---- the decoder ----------------------------------------------------------------------------
     def fused_groups(self) -> int:
@@ -386,7 +396,7 @@ class ForwardPass:
         only their shrink runs and the second item is its ``kernels/lora.Shrunk``: the outputs then lack the
         adapters, and the caller's consumer kernel must add the expand (``glue.silu_mul(..., lora=)``).
         ``x_relabeled``: x's relabeled copy, where ``takes_relabeled`` says the group's GEMM reads one."""
-        fused = self._fused[layer][group]
+        fused, xa_cols = self._fused[layer][group], None  # xa_cols: xa made by the base GEMM (A as weight rows)
         entry = self.lora.layout.get((layer, group)) if self.lora is not None else None
         plan = self.lora.plans.get((layer, group)) if entry is not None and self.lora_kernels else None
         # the expand kernel may sum a K-split GEMM's partials (module docstring): collect them instead of reducing
@@ -397,7 +407,9 @@ class ForwardPass:
             if epilogue is not None and not fused.adds_lora(x, epilogue):
                 epilogue = None
             full = fused.full(x, lora=epilogue, x_relabeled=x_relabeled, defer_reduce=splits)
-            outs = list(full.split(fused.splits, dim=-1))
+            outs = fused.outputs(full)
+            if plan is not None and fused.extra_rows and plan.a_cat.data_ptr() == fused.extra_weight().data_ptr():
+                full, xa_cols = full[..., :fused.width], full[..., fused.width:]
             if epilogue is not None:  # the GEMM has added the adapters
                 return outs, None
         elif x_relabeled is not None or splits is not None:  # one NVFP4Linear (takes_relabeled): its forward
@@ -413,11 +425,13 @@ class ForwardPass:
         if plan is not None and full is not None:
             full2, x2 = full.reshape(-1, full.shape[-1]), x.reshape(-1, x.shape[-1])
             if full2.data_ptr() == full.data_ptr() and lora_kernels_mod.supported(full2, x2):
-                if defer:
-                    lora_kernels_mod.check_shapes(full2, x2, plan)
-                    return outs, lora_kernels_mod.shrink_(x2, plan)
+                lora_kernels_mod.check_shapes(full2, x2, plan)
                 base = lora_kernels_mod.split_base(splits, full2)  # None: nothing deferred, or reduced just now
-                lora_kernels_mod.apply_(full2, x2, plan, base=base)  # in place: the outputs are views of it
+                shrunk = lora_kernels_mod.shrink_(x2, plan) if xa_cols is None else \
+                    lora_kernels_mod.given_xa(xa_cols.reshape(-1, xa_cols.shape[-1]), plan)
+                if defer:
+                    return outs, shrunk
+                lora_kernels_mod.expand_(full2, shrunk, base)  # in place: the outputs are views of it
                 return outs, None
         lora_kernels_mod.split_base(splits, None)  # not taken by an expand: reduce the partials now
         if entry is not None:

@@ -119,7 +119,8 @@ def _silu_mul_lora(g2: torch.Tensor, u2: torch.Tensor, out: torch.Tensor, lora: 
     r_up, rank_up, scale_up = lora.member(width)
     grid = (triton.cdiv(width, LORA_BLOCK_N), triton.cdiv(m, lora.block_m))
     _silu_mul_lora_kernel[grid](
-        g2, u2, out, out if outr is None else outr, lora.src, plan.b_cat, width, m, plan.a_cat.shape[0], g2.stride(0),
+        g2, u2, out, out if outr is None else outr, lora.src, plan.b_cat, width, m, plan.a_cat.shape[0],
+        lora.row_stride, g2.stride(0),
         u2.stride(0), out.stride(0), plan.b_cat.stride(0), r_gate, rank_gate, scale_gate, r_up, rank_up, scale_up,
         SPLITS=lora.splits, BLOCK_M=lora.block_m, BLOCK_N=LORA_BLOCK_N, RP=plan.padded_rank, PRECISION=lora.precision,
         RELABELED=outr is not None, PDL=lora.early, launch_pdl=lora.early, num_warps=lora_kernels.EXPAND_WARPS)
@@ -187,7 +188,7 @@ if triton is not None:
             tl.store(or_ptr + row * width + cols, relabel_row(o, BLOCK), mask=ok)
 
     @triton.jit
-    def _silu_mul_lora_kernel(g_ptr, u_ptr, o_ptr, or_ptr, xa_ptr, b_ptr, width, M, R, sg, su, so, sb,
+    def _silu_mul_lora_kernel(g_ptr, u_ptr, o_ptr, or_ptr, xa_ptr, b_ptr, width, M, R, sxa, sg, su, so, sb,
                               r_gate, rank_gate, scale_gate, r_up, rank_up, scale_up, SPLITS: tl.constexpr,
                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, RP: tl.constexpr, PRECISION: tl.constexpr,
                               RELABELED: tl.constexpr, PDL: tl.constexpr):
@@ -207,8 +208,9 @@ if triton is not None:
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         ok_m = rows < M
         dtype = o_ptr.dtype.element_ty
-        xa_gate = lora_kernels.member_xa(xa_ptr, rows, ok_m, r_gate, rank_gate, M, R, SPLITS, BLOCK_M, RP).to(dtype)
-        xa_up = lora_kernels.member_xa(xa_ptr, rows, ok_m, r_up, rank_up, M, R, SPLITS, BLOCK_M, RP).to(dtype)
+        xa_gate = lora_kernels.member_xa(xa_ptr, rows, ok_m, r_gate, rank_gate, M, R, sxa, SPLITS, BLOCK_M, RP)
+        xa_up = lora_kernels.member_xa(xa_ptr, rows, ok_m, r_up, rank_up, M, R, sxa, SPLITS, BLOCK_M, RP)
+        xa_gate, xa_up = xa_gate.to(dtype), xa_up.to(dtype)
         ok = ok_m[:, None] & ok_n[None, :]
         g = tl.load(g_ptr + rows[:, None] * sg + cols[None, :], mask=ok, other=0.0).to(tl.float32)
         u = tl.load(u_ptr + rows[:, None] * su + cols[None, :], mask=ok, other=0.0).to(tl.float32)

@@ -269,6 +269,11 @@ class Shrunk:
     precision: str
     early: bool
 
+    @property
+    def row_stride(self) -> int:
+        """Elements between rows of ``src`` (``R`` for partials; summed ``xa`` may be a strided view)."""
+        return self.src.stride(-2)
+
     def member(self, n_start: int) -> tuple[int, int, float]:
         """``(r_start, rank, scale)`` of the member whose columns start at ``n_start``; ``(0, 0, 0.0)`` if
         that member has no adapter (its rows of ``b_cat`` are zero and rank 0 masks its ``xa``)."""
@@ -304,6 +309,20 @@ def shrink_(x: torch.Tensor, plan: GroupPlan, use_pdl: bool | None = None) -> Sh
     return Shrunk(xa if summed else partial, 1 if summed else splits, m, plan, block_m, precision, early)
 
 
+def given_xa(xa: torch.Tensor, plan: GroupPlan, use_pdl: bool | None = None) -> Shrunk:
+    """``xa = x @ A_cat^T`` made by someone else, as ``shrink_``'s result for ``expand_`` (or a consumer kernel):
+    the extra output columns of a bf16 base GEMM whose weight carries A as extra rows (``models/fused.py``,
+    ``fuse_group(..., extra_rows=)``), rounded to the activation dtype as the torch path's ``xa`` is. ``xa
+    [M, R]`` needs a unit last stride; its row stride may be the GEMM output's."""
+    m, r_total = xa.shape
+    if r_total != plan.a_cat.shape[0] or xa.stride(-1) != 1:
+        raise ValueError(f"kernels/lora.given_xa: xa {list(xa.shape)} (strides {xa.stride()}) must have the plan's "
+                         f"{plan.a_cat.shape[0]} ranks as unit-stride columns")
+    precision = "ieee" if xa.dtype == torch.float32 else "tf32"
+    return Shrunk(xa, 1, m, plan, min(64, max(16, triton.next_power_of_2(m))), precision,
+                  pdl.use_for(xa.device, use_pdl))
+
+
 def expand_(out: torch.Tensor, shrunk: Shrunk, base: SplitBase | None = None) -> torch.Tensor:
     """The second launch of ``apply_``: ``out += each member's scale * xa @ B^T``, in place. ``base``: ``out``
     is not written yet; its values are ``fp4_gemm.reduce_splits`` of these partials, which this launch sums."""
@@ -318,7 +337,7 @@ def expand_(out: torch.Tensor, shrunk: Shrunk, base: SplitBase | None = None) ->
         bias = base.bias if base.bias is not None else out
     _expand_kernel[(plan.tiles.shape[0], triton.cdiv(m, shrunk.block_m))](
         shrunk.src, plan.b_cat, out, plan.tiles, plan.r_start, plan.rank, plan.scale, ws, gs, bias, m,
-        plan.a_cat.shape[0], plan.n_total, out.stride(0), plan.b_cat.stride(0), SPLITS=shrunk.splits,
+        plan.a_cat.shape[0], shrunk.row_stride, plan.n_total, out.stride(0), plan.b_cat.stride(0), SPLITS=shrunk.splits,
         BLOCK_M=shrunk.block_m, BLOCK_N=BLOCK_N, RP=plan.padded_rank, PRECISION=shrunk.precision,
         BASE_SLICES=slices, HAS_BIAS=base is not None and base.bias is not None, INTERPRETED=not out.is_cuda,
         PDL=shrunk.early, launch_pdl=shrunk.early, num_warps=EXPAND_WARPS)
@@ -388,20 +407,23 @@ if triton is not None:
                 tl.atomic_xchg(counter, 0)  # ready for the next call (and for a replayed graph)
 
     @triton.jit
-    def member_xa(xa_ptr, rows, ok_m, r0, rank, M, R, SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, RP: tl.constexpr):
+    def member_xa(xa_ptr, rows, ok_m, r0, rank, M, R, sxa, SPLITS: tl.constexpr, BLOCK_M: tl.constexpr,
+                  RP: tl.constexpr):
         """fp32 ``xa [rows, RP]`` of one member (ranks ``r0 .. r0 + rank``, zero above): ``SPLITS`` = 1 reads the
-        summed ``xa``, else adds that many fp32 K-slice partials in slice order (deterministic bits). Round it to
-        the activation dtype before use, as the torch path's ``xa`` tensor is."""
+        summed ``xa`` (row stride ``sxa``), else adds that many fp32 K-slice partials ``[SPLITS, M, R]`` in slice
+        order (deterministic bits; ``sxa`` is then ``R``). Round it to the activation dtype before use, as the
+        torch path's ``xa`` tensor is."""
         rr = tl.arange(0, RP)
         ok_xa = ok_m[:, None] & (rr < rank)[None, :]
         xa = tl.zeros((BLOCK_M, RP), dtype=tl.float32)
         for s in range(SPLITS):
-            xa += tl.load(xa_ptr + (s * M + rows[:, None]) * R + r0 + rr[None, :], mask=ok_xa, other=0.0).to(tl.float32)
+            xa += tl.load(xa_ptr + s * M * R + rows[:, None] * sxa + r0 + rr[None, :], mask=ok_xa,
+                          other=0.0).to(tl.float32)
         return xa
 
     @triton.jit
     def _expand_kernel(xa_ptr, b_ptr, out_ptr, tiles_ptr, r_start_ptr, rank_ptr, scale_ptr, ws_ptr, gs_ptr, bias_ptr,
-                       M, R, N, so, sb, SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       M, R, sxa, N, so, sb, SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        RP: tl.constexpr, PRECISION: tl.constexpr, BASE_SLICES: tl.constexpr, HAS_BIAS: tl.constexpr,
                        INTERPRETED: tl.constexpr, PDL: tl.constexpr):
         """Program (column tile of one member, row block): out[rows, tile] += scale * xa @ B[tile]^T, with
@@ -424,7 +446,7 @@ if triton is not None:
             gdc_launch_dependents()
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         ok_m = rows < M
-        xa = member_xa(xa_ptr, rows, ok_m, r0, rank, M, R, SPLITS, BLOCK_M, RP).to(out_ptr.dtype.element_ty)
+        xa = member_xa(xa_ptr, rows, ok_m, r0, rank, M, R, sxa, SPLITS, BLOCK_M, RP).to(out_ptr.dtype.element_ty)
         delta = tl.dot(xa, tl.trans(b), input_precision=PRECISION)
         ptrs = out_ptr + rows[:, None] * so + cols[None, :]
         ok = ok_m[:, None] & ok_n[None, :]

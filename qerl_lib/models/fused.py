@@ -33,6 +33,11 @@ makes no bit-for-bit claim against ``transformers``; on CPU it calls the modules
 Anything that replaces a member's tensors later (``.to()``, ``set_nvfp4_weight``, assigning a new
 ``weight``) breaks the sharing; ``FusedProjection.is_current`` notices and the engine re-fuses.
 In-place writes into the views (``load_state_dict``, ``copy_``) keep it.
+
+Extra rows (``extra_rows``, ``nn.Linear`` members only): the buffer can also hold rows that belong to no
+member, zero until the caller writes them (``FusedProjection.extra_weight``); ``full`` then returns their
+products as its last columns and ``outputs`` leaves them out. The engine stores a bf16 group's LoRA A
+matrices there (``engine/adapters.py``): one GEMM then also makes the adapters' ``x @ A^T``.
 """
 
 from __future__ import annotations
@@ -72,21 +77,32 @@ class FusedProjection:
     """One matmul for a group of projections reading the same input; call it to get the members' outputs."""
 
     def __init__(self, members: Sequence[nn.Module], kind: str, tensors: dict[str, torch.Tensor],
-                 prepared=None):
+                 prepared=None, extra_rows: int = 0):
         self.members = tuple(members)
         self.kind = kind  # "linear" or "nvfp4"
         self.splits = tuple(int(m.out_features) for m in members)
+        self.width = sum(self.splits)  # the members' outputs; ``extra_rows`` more columns follow in ``full``
+        self.extra_rows = extra_rows
         self.tensors = tensors  # the fused buffers the members' tensors are views of
         self.prepared = prepared  # kernels.fp4_gemm.PreparedFP4Weight for "nvfp4"
         # NVFP4 global scales are not fused (one per member, equal): remember which tensors and versions
         self._scale_keys = [_scale_key(m) for m in members] if kind == "nvfp4" else []
 
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
-        return list(self.full(x).split(self.splits, dim=-1))
+        return self.outputs(self.full(x))
+
+    def outputs(self, full: torch.Tensor) -> list[torch.Tensor]:
+        """The members' outputs (views) of a ``full`` result, without the extra rows' columns."""
+        return list((full[..., :self.width] if self.extra_rows else full).split(self.splits, dim=-1))
+
+    def extra_weight(self) -> torch.Tensor:
+        """The weight buffer's ``extra_rows`` rows after the members' (``fuse_group(..., extra_rows=)``): what
+        the caller writes there, ``full`` multiplies too (its last ``extra_rows`` output columns)."""
+        return self.tensors["weight"][self.width:]
 
     def full(self, x: torch.Tensor, lora=None, x_relabeled: torch.Tensor | None = None,
              defer_reduce: list | None = None) -> torch.Tensor:
-        """The members' outputs side by side, ``[..., sum of N]`` (what ``__call__`` splits); ``lora``: a
+        """The members' outputs side by side, ``[..., sum of N + extra_rows]`` (what ``outputs`` splits); ``lora``: a
         ``kernels.mma.LoraEpilogue`` the GEMM adds itself (only where ``adds_lora`` says so); ``x_relabeled``,
         ``defer_reduce``: NVFP4 only, ``fp4_linear``'s arguments of those names."""
         if self.kind == "nvfp4":
@@ -125,15 +141,19 @@ class FusedProjection:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
 
-def fuse_group(members: Sequence[nn.Module]) -> FusedProjection | None:
+def fuse_group(members: Sequence[nn.Module], extra_rows: int = 0) -> FusedProjection | None:
     """Re-point ``members`` (same input, e.g. q/k/v of one layer) at one shared buffer and return the
     fused matmul, or None when they cannot share one (mixed types, dtypes, devices, biases, input
-    sizes, NVFP4 global scales, an NVFP4 layer not on the kernel path, fewer than two members)."""
+    sizes, NVFP4 global scales, an NVFP4 layer not on the kernel path, fewer than two members).
+
+    ``extra_rows`` (``nn.Linear`` members only; then one member is enough): the buffer gets that many zero
+    rows after the members' (weight and bias), for the caller to fill (``FusedProjection.extra_weight``): the
+    engine puts a bf16 group's LoRA A matrices there, so that the base GEMM also computes ``x @ A^T``."""
     members = list(members)
-    if len(members) < 2:
+    if len(members) < (1 if extra_rows else 2):
         return None
     kind = _kind(members)
-    if kind is None:
+    if kind is None or (extra_rows and kind != "linear"):
         return None
     owned = [_member_tensors(m, kind) for m in members]
     if any(own.keys() != owned[0].keys() for own in owned):
@@ -142,9 +162,10 @@ def fuse_group(members: Sequence[nn.Module]) -> FusedProjection | None:
     with torch.no_grad():
         for name in owned[0]:
             parts = [own[name] for own in owned]
-            fused = _adjacent(parts)
+            fused = None if extra_rows else _adjacent(parts)
             if fused is None:
-                fused = torch.cat([p.detach() for p in parts], dim=0)
+                tail = [parts[0].new_zeros(extra_rows, *parts[0].shape[1:])] if extra_rows else []
+                fused = torch.cat([p.detach() for p in parts] + tail, dim=0)
                 row = 0
                 for m, p in zip(members, parts):
                     _rebind(m, kind, name, fused[row:row + p.shape[0]])
@@ -158,7 +179,7 @@ def fuse_group(members: Sequence[nn.Module]) -> FusedProjection | None:
             m._forget_derived()
         prepared = prepare_fp4_weights(tensors["weight_packed"], tensors["weight_scale"],
                                        members[0].weight_global_scale)
-    return FusedProjection(members, kind, tensors, prepared)
+    return FusedProjection(members, kind, tensors, prepared, extra_rows)
 
 
 # ---------------------------------------------------------------------------------------------- helpers
