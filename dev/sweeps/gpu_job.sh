@@ -5,6 +5,14 @@
 #   bash dev/sweeps/gpu_job.sh poll 560    # waits up to 560 s; copies what is done to $OUT (default /tmp/out)
 # The commands run in a copy of the tree with PYTHONPATH set and OUT pointing at the job's output folder;
 # device.txt (nvidia-smi) is written first. Poll again at once until it prints FINISHED.
+# `qerl bench train` also needs bitsandbytes (the presets' 8-bit AdamW) and the embedded model (its tokenizer); with
+# this tree (~25 MB) neither fits one call beside .whl, so they travel in parts of <= 24 MB:
+#   here, once:   bash dev/sweeps/gpu_job.sh parts          (.bnb0 .bnb1 from .whl_bnb; .gguf_a1 ... .gguf_b2 from
+#                                                            .gguf_a/.gguf_b, each a folder with one file p)
+#   there, one call per part, carrying that folder alone:   bash dev/sweeps/gpu_job.sh part .bnb0   (... .gguf_b2)
+#   then the job's commands begin with
+#     bash dev/sweeps/gpu_job.sh assemble && export PYTHONPATH=$PYTHONPATH:/tmp/site_bnb QERL_GGUF=/tmp/qerl/SmolLM2-135M-Instruct.Q4_1.gguf
+#   (assemble checks the sha256s, installs bitsandbytes into /tmp/site_bnb, writes the GGUF, runs prepare-model).
 set -euo pipefail
 OUT=${OUT:-/tmp/out}
 JOB=/tmp/job
@@ -24,5 +32,28 @@ case "${1:-}" in
     mkdir -p "$OUT" && cp $JOB/out/* "$OUT"/ 2>/dev/null || true
     for f in $JOB/out/*.log; do [ -f "$f" ] && { echo "== $(basename $f)"; tail -4 "$f"; }; done
     [ -f $JOB/out/DONE ] && echo FINISHED || echo RUNNING ;;
-  *) echo "usage: $0 start '<commands>' | poll [seconds]" >&2; exit 2 ;;
+  parts)  # here
+    rm -rf .bnb0 .bnb1 && mkdir .bnb0 .bnb1
+    whl=$(ls .whl_bnb/bitsandbytes-*.whl) && tmp=$(mktemp -d) && split -b 22M -d -a 1 "$whl" "$tmp/p."
+    mv "$tmp/p.0" .bnb0/p && mv "$tmp/p.1" .bnb1/p && basename "$whl" > .bnb1/name && sha256sum "$whl" | cut -d' ' -f1 > .bnb1/sha256
+    for half in a b; do
+      src=$(ls .gguf_$half/part*) && rm -rf .gguf_${half}1 .gguf_${half}2 && mkdir .gguf_${half}1 .gguf_${half}2
+      split -n 2 -d -a 1 "$src" "$tmp/g." && mv "$tmp/g.0" .gguf_${half}1/p && mv "$tmp/g.1" .gguf_${half}2/p
+    done
+    cp .gguf_b/sha256 .gguf_b2/sha256 && rm -rf "$tmp"
+    for d in .bnb0 .bnb1 .gguf_a1 .gguf_a2 .gguf_b1 .gguf_b2; do
+      grep -qxF "/$d/" "$(git rev-parse --git-dir)/info/exclude" || echo "/$d/" >> "$(git rev-parse --git-dir)/info/exclude"
+    done
+    du -sh .bnb? .gguf_?? ;;
+  part)  # there, carrying folder $2 alone
+    mkdir -p /tmp/parts && cp "$2/p" "/tmp/parts/${2#.}" && for f in name sha256; do [ -f "$2/$f" ] && cp "$2/$f" "/tmp/parts/${2#.}.$f"; done
+    ls /tmp/parts ;;
+  assemble)  # there, after every part
+    P=/tmp/parts; whl="/tmp/parts/$(cat $P/bnb1.name)"
+    cat $P/bnb0 $P/bnb1 > "$whl" && echo "$(cat $P/bnb1.sha256)  $whl" | sha256sum -c
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site_bnb "$whl" 2>&1 | tail -2
+    mkdir -p /tmp/qerl && G=/tmp/qerl/SmolLM2-135M-Instruct.Q4_1.gguf
+    cat $P/gguf_a1 $P/gguf_a2 $P/gguf_b1 $P/gguf_b2 > $G && echo "$(cat $P/gguf_b2.sha256)  $G" | sha256sum -c
+    QERL_GGUF=$G python3 -m qerl_lib prepare-model 2>&1 | tail -1 ;;
+  *) echo "usage: $0 start '<commands>' | poll [seconds] | parts | part FOLDER | assemble" >&2; exit 2 ;;
 esac
