@@ -3,7 +3,9 @@
 CPU, float32 tiny models: the fused call equals the members' own outputs (tolerance 1e-6 relative:
 only the matmul's blocking may differ), the modules still compute exactly what they computed before,
 Parameters keep their identity, storage is shared (not copied), a second fuse reuses it, replacing
-a member's tensor is noticed, and the engine with fused groups matches the unfused engine.
+a member's tensor is noticed, and the engine with fused groups matches the unfused engine. Extra rows
+(``extra_rows``, where the engine puts a bf16 group's LoRA A): zero until written, their products come out
+as the last columns, the members are unchanged, and the model still saves and loads.
 NVFP4 groups need the FP4 kernel (CUDA); their CPU behaviour (left unfused) and their CUDA
 equality with the member-by-member kernel calls are tested separately.
 """
@@ -209,6 +211,24 @@ def test_fused_model_saves_and_loads(tmp_path):
     RolloutEngine(model, fuse_projections=True).generate(PROMPTS[:1], 2, temperature=0)
     model.save_pretrained(tmp_path, safe_serialization=True)
     again = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    ids = torch.tensor([PROMPTS[2]])
+    with torch.no_grad():
+        assert torch.equal(again(ids).logits, model(ids).logits)
+
+
+def test_model_with_extra_rows_saves_and_loads(tmp_path):
+    """Groups with extra rows holding values of their own (as the engine's LoRA A): the model still saves to
+    safetensors and loads back to the same logits; the extra rows are not part of any parameter."""
+    from transformers import AutoModelForCausalLM
+
+    model = tiny_model("qwen2")
+    for layer in model.model.layers:
+        attn = layer.self_attn
+        fuse_group([attn.q_proj, attn.k_proj, attn.v_proj], extra_rows=5).extra_weight().normal_()
+        fuse_group([layer.mlp.down_proj], extra_rows=3).extra_weight().normal_()
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    again = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    assert again.model.layers[0].self_attn.q_proj.weight.shape == model.model.layers[0].self_attn.q_proj.weight.shape
     ids = torch.tensor([PROMPTS[2]])
     with torch.no_grad():
         assert torch.equal(again(ids).logits, model(ids).logits)

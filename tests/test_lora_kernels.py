@@ -6,13 +6,16 @@
   tile, K not a multiple of 128 and long enough for several K slices, 1 to 70 rows (two row
   blocks). Tolerance 1e-5 relative to the output's scale: only the summation order differs.
   Also the engine end to end (tiny Qwen2, every projection adapted, fused q/k/v and gate/up):
-  the kernels against the torch path give the same greedy tokens, logprobs within 1e-4.
+  the kernels against the torch path give the same greedy tokens, logprobs within 1e-4; the same with a bf16
+  group's A as extra rows of its weight (``QERL_LORA_ROWS=1``: the expand reading the GEMM's strided xa
+  columns, 1e-5 on the kernel cases; the engine, and a prefill longer than the kernels take).
 * CPU: the plan's layout (B views share one zero-padded buffer, refresh reaches it), and its errors.
 * CUDA: bf16 inputs of Qwen2.5-7B group shapes, ranks 8-128, 1-256 rows, with and without
   programmatic dependent launch, against the reference within bf16 rounding; prefill and decode-step
   logits with the kernels against the torch path (bf16 and NVFP4 bases), within 5% of the adapters'
   effect; greedy rollouts through CUDA graphs (the gate/up expand as its own kernel or folded into
-  SiLU x up): bit-identical with PDL on and off, and within bf16 noise of the torch path.
+  SiLU x up; bf16, NVFP4, and bf16 with A as weight rows): bit-identical with PDL on and off, and within
+  bf16 noise of the torch path.
 """
 
 from __future__ import annotations
@@ -93,6 +96,14 @@ INTERP_SCRIPT = textwrap.dedent("""
     out["rows_a_in_weight"] = all(fwd.lora.plans[key].a_cat.data_ptr() == fwd._fused[key[0]][key[1]].extra_weight().data_ptr()
                                   for key in fwd.lora.plans)
     out["rows_tokens_equal"] = [c.token_ids for c in runs["rows"]] == [c.token_ids for c in runs[False]]
+    # above kernels/lora.MAX_M rows (long prefills) the torch path adds the adapters, taking xa from the GEMM
+    x = torch.randn(1, lk.MAX_M + 44, model.config.hidden_size, generator=g)
+    with torch.no_grad():
+        got = torch.cat(fwd._project_parts(0, "qkv", x)[0], dim=-1)
+        ref = torch.cat([m(x) + a.scale * (x @ a.A.t()) @ a.B.t() for m, a in
+                         ((fwd._groups[0]["qkv"][j], adapters[f"model.layers.0.self_attn.{p}"])
+                          for j, p in enumerate(("q_proj", "k_proj", "v_proj")))], dim=-1)
+    out["rows_long_prefill"] = float((got - ref).abs().max() / ref.abs().max())
     out["rows_logprob_diff"] = max(abs(a - b) for c, e in zip(runs["rows"], runs[False])
                                    for a, b in zip(c.logprobs, e.logprobs))
     base = RolloutEngine(model, fuse_projections=True).generate(PROMPTS, 6, temperature=0, stop_token_ids=[])
@@ -196,6 +207,7 @@ def test_interpreted_engine_with_a_as_weight_rows_equals_torch_path(interpreted)
     assert interpreted["rows_groups"] == 8 and interpreted["rows_a_in_weight"]
     assert interpreted["rows_tokens_equal"]
     assert interpreted["rows_logprob_diff"] <= 1e-4
+    assert interpreted["rows_long_prefill"] <= 1e-5  # more rows than the kernels take: the torch path, same sums
 
 
 def test_split_rule_by_rows_and_rank():

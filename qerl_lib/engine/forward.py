@@ -436,7 +436,7 @@ class ForwardPass:
         lora_kernels_mod.split_base(splits, None)  # not taken by an expand: reduce the partials now
         if entry is not None:
             a_cat, slots = entry
-            xa = x.reshape(-1, x.shape[-1]) @ a_cat.t()  # all members' A at once: [tokens, sum of ranks]
+            xa = x.reshape(-1, x.shape[-1]) @ a_cat.t() if xa_cols is None else xa_cols.reshape(-1, a_cat.shape[0])
             for j, slot in enumerate(slots):
                 if slot is not None:
                     start, end, b, scale = slot

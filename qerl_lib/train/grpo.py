@@ -137,7 +137,8 @@ def resolve_device(config: TrainConfig) -> torch.device:
     needs_bnb = [what for what, used in (("mode qlora (NF4 base)", config.base == "nf4"),
                                          (f"optim={config.optim!r}", "8bit" in config.optim)) if used]
     if needs_bnb and importlib.util.find_spec("bitsandbytes") is None:
-        raise UserError(f"{' and '.join(needs_bnb)} need bitsandbytes, which is not installed: "
+        raise UserError(f"{' and '.join(needs_bnb)} need{'s' if len(needs_bnb) == 1 else ''} bitsandbytes, which is "
+                        "not installed: "
                         "pip install bitsandbytes (requirements.txt pins the tested version)")
     return device
 
