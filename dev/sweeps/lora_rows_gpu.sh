@@ -24,4 +24,10 @@ for s in 1 0; do
     || echo "  exit $?" >> "$OUT/ab.log"
   grep -E "^ +qwen" "$OUT/b32_$s.log" | awk '!seen[$0]++' >> "$OUT/ab.log"
 done
+# where the step's time goes (section 44's first look saved 0.06 ms of a predicted ~0.27): kernel time by category
+# and idle time, bf16 r16 with the switch on and off, context 1280, batch 8
+for s in 1 0; do
+  QERL_LORA_ROWS=$s timeout 150 python3 dev/sweeps/rollout_step_breakdown.py --models qwen2.5-7b --weights bf16 \
+    --lora-rank 16 --contexts 1280 --json "$OUT/breakdown_$s.json" > "$OUT/breakdown_$s.log" 2>&1
+done
 cd "$OUT" && tar czf lora_rows.tgz ./*.log ./*.json device.txt
