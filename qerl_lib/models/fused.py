@@ -102,9 +102,9 @@ class FusedProjection:
 
     def full(self, x: torch.Tensor, lora=None, x_relabeled: torch.Tensor | None = None,
              defer_reduce: list | None = None) -> torch.Tensor:
-        """The members' outputs side by side, ``[..., sum of N + extra_rows]`` (what ``outputs`` splits); ``lora``: a
-        ``kernels.mma.LoraEpilogue`` the GEMM adds itself (only where ``adds_lora`` says so); ``x_relabeled``,
-        ``defer_reduce``: NVFP4 only, ``fp4_linear``'s arguments of those names."""
+        """The members' outputs side by side, ``[..., sum of N + extra_rows]`` (what ``outputs`` splits);
+        ``lora``: a ``kernels.mma.LoraEpilogue`` the GEMM adds itself (only where ``adds_lora`` says so);
+        ``x_relabeled``, ``defer_reduce``: NVFP4 only, ``fp4_linear``'s arguments of those names."""
         if self.kind == "nvfp4":
             from qerl_lib.kernels.fp4_gemm import fp4_linear
 
