@@ -28,9 +28,8 @@ same input: with the group's stacked A appended as ``R`` extra rows of its weigh
 then the expand). ``xa`` comes out of cuBLAS's fp32 accumulation rounded once to bf16, as the torch path's
 ``xa`` tensor does. The A buffer here *is* those weight rows (``a_rows``), so each refresh writes A where
 the GEMM reads it; the extra rows cost ``R / N`` more weight bytes (0.1-1.0% of a group at rank 16 on
-Qwen2.5-7B). NVFP4 bases cannot do this: their GEMM reads 4-bit codes, A is bf16. Off by default: on an
-H100 at batch 8 it saved 0.06 ms of the 0.44 ms a rank-16 adapter adds to a step, a first look at one
-length (dev/LOG.md section 44).
+Qwen2.5-7B). NVFP4 bases cannot do this: their GEMM reads 4-bit codes, A is bf16. Off by default until
+measured on a GPU at full length (a first look and the planned run: dev/LOG.md section 44).
 """
 
 from __future__ import annotations

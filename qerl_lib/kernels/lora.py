@@ -295,11 +295,10 @@ def shrink_(x: torch.Tensor, plan: GroupPlan, use_pdl: bool | None = None) -> Sh
     m, k = x.shape
     r_total = plan.a_cat.shape[0]
     splits, k_per, reduce_in_shrink = split_rule(m, k, plan.padded_rank)
-    block_m = min(64, max(16, triton.next_power_of_2(m)))
+    block_m, precision = _program_rows_and_precision(m, x.dtype)
     xa = torch.empty(m, r_total, dtype=x.dtype, device=x.device)
     partial = torch.empty(splits, m, r_total, dtype=torch.float32, device=x.device) if splits > 1 else xa
     early = pdl.use_for(x.device, use_pdl)
-    precision = "ieee" if x.dtype == torch.float32 else "tf32"  # tf32 is ignored for 16-bit inputs
     _shrink_kernel[(triton.cdiv(r_total, RANK_BLOCK), splits, triton.cdiv(m, block_m))](
         x, plan.a_cat, partial, xa, plan.counters, m, k, r_total, k_per, x.stride(0), plan.a_cat.stride(0),
         SPLITS=splits, REDUCE=reduce_in_shrink, BLOCK_M=block_m, BLOCK_R=RANK_BLOCK, BLOCK_K=BLOCK_K,
@@ -318,9 +317,13 @@ def given_xa(xa: torch.Tensor, plan: GroupPlan, use_pdl: bool | None = None) -> 
     if r_total != plan.a_cat.shape[0] or xa.stride(-1) != 1:
         raise ValueError(f"kernels/lora.given_xa: xa {list(xa.shape)} (strides {xa.stride()}) must have the plan's "
                          f"{plan.a_cat.shape[0]} ranks as unit-stride columns")
-    precision = "ieee" if xa.dtype == torch.float32 else "tf32"
-    return Shrunk(xa, 1, m, plan, min(64, max(16, triton.next_power_of_2(m))), precision,
-                  pdl.use_for(xa.device, use_pdl))
+    return Shrunk(xa, 1, m, plan, *_program_rows_and_precision(m, xa.dtype), pdl.use_for(xa.device, use_pdl))
+
+
+def _program_rows_and_precision(m: int, dtype: torch.dtype) -> tuple[int, str]:
+    """Rows of x per program of the shrink and the expand at ``m`` rows, and their dots' input precision (exact
+    float32 on the interpreter; tf32 is ignored for 16-bit inputs)."""
+    return min(64, max(16, triton.next_power_of_2(m))), "ieee" if dtype == torch.float32 else "tf32"
 
 
 def expand_(out: torch.Tensor, shrunk: Shrunk, base: SplitBase | None = None) -> torch.Tensor:

@@ -93,7 +93,7 @@ class FusedProjection:
 
     def outputs(self, full: torch.Tensor) -> list[torch.Tensor]:
         """The members' outputs (views) of a ``full`` result, without the extra rows' columns."""
-        return list((full[..., :self.width] if self.extra_rows else full).split(self.splits, dim=-1))
+        return list(full[..., :self.width].split(self.splits, dim=-1))
 
     def extra_weight(self) -> torch.Tensor:
         """The weight buffer's ``extra_rows`` rows after the members' (``fuse_group(..., extra_rows=)``): what

@@ -9,7 +9,8 @@ the recompute. A 4-bit base leaves more memory over than a bf16 one, so under on
 recompute fewer layers: the memory-for-speed trade behind the paper's single-GPU claims (Sec. 1),
 measured here per phase (``qerl bench train --checkpoint-layers``, dev/LOG.md section 42). The trade is
 steep: on an H100 at Qwen2.5-7B shapes and 8 x 2304 tokens per micro-batch, each kept layer cost 3.7 GiB
-and saved ~0.8% of the trainer phase, so the 4-bit base's 8.7 GiB buy about two kept layers.
+and saved ~0.8% of the trainer phase (one timed step per setting), so the 4-bit base's 8.7 GiB buy about
+two kept layers.
 
 ``recompute_only(model, n)`` leaves checkpointing on for the first ``n`` decoder layers and off for
 the rest (the last layers' backward runs first, so their kept activations are freed first). It acts
@@ -60,7 +61,6 @@ def recompute_only(model: torch.nn.Module, n: int | None) -> int:
     if not layers:
         raise UserError("checkpoint_layers is set, but the model has no decoder layers with gradient checkpointing "
                         "(transformers' GradientCheckpointingLayer): unset it")
-    for i, layer in enumerate(layers):
-        if i >= n:
-            layer.gradient_checkpointing = False
+    for layer in layers[n:]:
+        layer.gradient_checkpointing = False
     return sum(bool(layer.gradient_checkpointing) for layer in layers)
