@@ -358,12 +358,14 @@ def device_info() -> dict:
 
 
 def provenance(command: str | None = None) -> dict:
-    """The block every results JSON carries: device, date (UTC), versions and command."""
+    """The block every results JSON carries: device, date (UTC), versions, command, and the ``QERL_*``
+    environment switches that were set (README "Environment switches"), since they change what ran."""
     return {
         "device": device_info(),
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "versions": versions(),
         "command": command if command is not None else " ".join([sys.argv[0].split("/")[-1], *sys.argv[1:]]),
+        "environment": {k: v for k, v in sorted(os.environ.items()) if k.startswith("QERL_")},
     }
 
 

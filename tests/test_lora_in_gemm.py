@@ -1,4 +1,5 @@
-"""LoRA added by the NVFP4 decode GEMM itself (``kernels/mma.cu``, "LoRA"; ``mma_linear(lora=)``).
+"""LoRA added by the NVFP4 decode GEMM itself (``kernels/mma.cu``, "LoRA"; ``mma_linear(lora=)``), or only its
+``xa`` made in the GEMM's launch (``LoraEpilogue(expand=False)``, the expand left to ``kernels/lora.py``).
 
 * CPU: the plan's epilogue tables, what the epilogue accepts, the errors of a call that cannot take it,
   and that the CUDA source compiles (NVRTC, sm_90) for the launch shapes the rule picks with stacked
@@ -10,6 +11,10 @@
   a second call gives the same bits (the kernel resets its counters). The engine end to end (a small
   NVFP4 model whose widths take the mma.sync path, CUDA graphs): programmatic dependent launch on and off
   give identical rollouts, and against the two-kernel path the logprobs agree within bf16 noise.
+* The shrink-only launch: CPU, its workspace and the engine's choice (``engine/adapters.gemm_lora_epilogue``);
+  CUDA, for the same groups, ranks and rows: the output is the plain GEMM's bit for bit, ``xa`` is within one
+  bf16 rounding of float64 ``x @ A^T``, and ``given_xa`` + ``expand_`` match the plain-torch adapters as the
+  two-kernel path does; the engine (``QERL_LORA_SHRINK_IN_GEMM=1``) as the fused launch above.
 """
 
 from __future__ import annotations
@@ -58,6 +63,42 @@ def test_plan_epilogue_tables():
     assert not f32.epilogue().supported(8, 256)  # the kernel reads bf16
 
 
+def test_shrink_only_epilogue_owns_a_workspace_and_reads_xa_from_it():
+    plan, _, _ = make_group(4, 4096, [(64, 5, 0.5), (96, 16, 2.0)], torch.bfloat16, "cpu")
+    shrink = plan.epilogue(expand=False)
+    assert not shrink.expand and shrink.workspace is plan.xa_workspace
+    assert plan.epilogue(expand=False).workspace is shrink.workspace  # allocated once, reused by every call
+    assert shrink.workspace.numel() == (mma.LORA_SLICES + 1) * 8 * 21 and shrink.supported(8, 4096)
+    slices, per_slice = mma.LoraEpilogue.slices(4096)
+    assert (slices, per_slice) == (8, 512)
+    shrink.workspace.copy_(torch.arange(shrink.workspace.numel(), dtype=torch.float32))
+    xa = shrink.xa(3, 4096)  # after the slices' partials [8, 3, 21]: row-major [3, 21], unit column stride
+    assert xa.shape == (3, 21) and xa.stride() == (21, 1) and xa[0, 0].item() == 8 * 3 * 21
+    no_room = mma.LoraEpilogue(plan.a_cat, plan.b_cat, plan.bounds, plan.scale, plan.sync, expand=False,
+                               workspace=torch.empty(10))
+    assert not no_room.supported(8, 4096) and not mma.LoraEpilogue(
+        plan.a_cat, plan.b_cat, plan.bounds, plan.scale, plan.sync, expand=False).supported(8, 4096)
+
+
+def test_engine_picks_the_gemm_launch_only_where_the_mma_kernel_runs(monkeypatch):
+    from types import SimpleNamespace
+
+    from qerl_lib.engine.adapters import gemm_lora_epilogue
+    from qerl_lib.kernels import fp4_gemm
+
+    plan, x, _ = make_group(8, 256, [(64, 5, 0.5)], torch.bfloat16, "cpu")
+    member = SimpleNamespace(small_m_backend=None)
+    monkeypatch.setattr(fp4_gemm, "uses_mma", lambda m, k, device, backend: m <= 8)
+    assert gemm_lora_epilogue(plan, x, True, False, True, member).expand
+    assert not gemm_lora_epilogue(plan, x, False, True, True, member).expand
+    assert gemm_lora_epilogue(plan, x, False, False, True, member) is None  # neither switch
+    assert gemm_lora_epilogue(plan, x, False, True, False, member) is None  # not one fp4_linear call (bf16, unfused)
+    assert gemm_lora_epilogue(None, x, False, True, True, member) is None  # no adapters on this group
+    assert gemm_lora_epilogue(plan, torch.cat([x, x]), False, True, True, member) is None  # 16 rows: no mma.sync
+    monkeypatch.setattr(fp4_gemm, "uses_mma", lambda m, k, device, backend: False)
+    assert gemm_lora_epilogue(plan, x, False, True, True, member) is None
+
+
 def test_a_call_that_cannot_add_the_adapters_says_so():
     from qerl_lib.kernels.fp4_gemm import fp4_linear
 
@@ -78,18 +119,22 @@ def test_lora_source_compiles_and_keeps_the_wide_shapes_registers():
             cubin = mma.compile_cubin(mma.kernel_source(cfg, 1, r), mma.kernel_name(cfg, 1, r), "sm_90")
             assert mma.kernel_name(cfg, 1, r).encode() in cubin
             cfg.check_shared(1, r)
+            name = mma.kernel_name(cfg, 1, r, lora_expand=False)
+            assert name != mma.kernel_name(cfg, 1, r)
+            assert name.encode() in mma.compile_cubin(mma.kernel_source(cfg, 1, r, lora_expand=False), name, "sm_90")
+            assert cfg.shared_bytes(1, r, lora_expand=False) < cfg.shared_bytes(1, r)  # no xa rows staged
+    granule = lambda regs: math.ceil(regs * 32 / 256) * 256  # noqa: E731
     for cfg, per_sm in mma.WIDE_SHAPES:
         plain = _cubin_registers(mma.compile_cubin(mma.kernel_source(cfg, 1), mma.kernel_name(cfg, 1), "sm_90"))
-        fused = _cubin_registers(mma.compile_cubin(mma.kernel_source(cfg, 1, 48), mma.kernel_name(cfg, 1, 48), "sm_90"))
-        granule = lambda regs: math.ceil(regs * 32 / 256) * 256  # noqa: E731
-        assert granule(fused) <= granule(plain), (cfg, plain, fused)
+        for expand in (True, False):
+            fused = _cubin_registers(mma.compile_cubin(mma.kernel_source(cfg, 1, 48, expand),
+                                                       mma.kernel_name(cfg, 1, 48, expand), "sm_90"))
+            assert granule(fused) <= granule(plain), (cfg, expand, plain, fused)
 
 
-@pytest.mark.cuda
-@cuda_mma
-@pytest.mark.parametrize("rank", [8, 16, 64, 128])
-@pytest.mark.parametrize("rows", [1, 5, 8])
-def test_fused_launch_matches_gemm_then_reference_adapters(rank, rows):
+def _groups_7b(rank, rows):
+    """Per Qwen2.5-7B group: ``(name, K, plan, x, FP4 weight, the plain GEMM's output)`` on CUDA (q/k/v's k_proj
+    without an adapter)."""
     from qerl_lib.kernels.fp4_gemm import fp4_linear
 
     for name, (k, widths) in GROUPS_7B.items():
@@ -97,17 +142,41 @@ def test_fused_launch_matches_gemm_then_reference_adapters(rank, rows):
             [(w, rank, 2.0) for w in widths]
         plan, x, _ = make_group(rows, k, members, torch.bfloat16, "cuda", seed=rank + rows)
         weight = _random_fp4(sum(widths), k, seed=rank)
-        base = fp4_linear(x, weight, small_m_backend="mma")
+        yield name, k, plan, x, weight, fp4_linear(x, weight, small_m_backend="mma")
+
+
+@pytest.mark.cuda
+@cuda_mma
+@pytest.mark.parametrize("expand", [True, False], ids=["adapters-in-gemm", "shrink-only"])
+@pytest.mark.parametrize("rank", [8, 16, 64, 128])
+@pytest.mark.parametrize("rows", [1, 5, 8])
+def test_gemm_launch_with_adapters_matches_gemm_then_reference_adapters(rank, rows, expand):
+    from qerl_lib.kernels.fp4_gemm import fp4_linear
+
+    for name, k, plan, x, weight, base in _groups_7b(rank, rows):
         ref = lk.reference_apply(base.clone(), x, plan)
-        got = fp4_linear(x, weight, small_m_backend="mma", lora=plan.epilogue())
+        epilogue = plan.epilogue(expand=expand)
+        got = fp4_linear(x, weight, small_m_backend="mma", lora=epilogue)
+        if not expand:
+            assert torch.equal(got, base), name  # the GEMM's tiles are the plain kernel's
+            xa = epilogue.xa(rows, k)
+            exact = x.double() @ plan.a_cat.double().t()
+            sums = x.double().abs() @ plan.a_cat.double().abs().t()  # fp32 summation error scales with these
+            assert torch.equal(xa, xa.bfloat16().float()), name  # bf16 values, as the torch path's xa tensor
+            # one bf16 rounding (half an ulp: 2^-8 relative) of an fp32 sum of <= ~100 sequential terms
+            assert ((xa.double() - exact).abs() <= 2 ** -8 * exact.abs() + 1e-5 * sums).all(), name
+            xa = xa.clone()
+            got = lk.expand_(got.clone(), lk.given_xa(xa, plan))  # kernels/lora.py's expand after the launch
         delta = (ref.float() - base.float()).abs().max()
         err = (got.float() - ref.float()).abs().max()
         assert delta > 1.0, name
         assert err <= 2 ** -7 * delta + 2 ** -7 * ref.float().abs().max(), (name, float(err), float(delta))
         if name == "qkv":  # k_proj has no adapter: its columns are the base GEMM's
             assert torch.equal(got[:, 3584:4096], base[:, 3584:4096])
-        again = fp4_linear(x, weight, small_m_backend="mma", lora=plan.epilogue())
-        assert torch.equal(again, got) and not plan.sync.any(), name
+        again = fp4_linear(x, weight, small_m_backend="mma", lora=epilogue)
+        assert torch.equal(again, got if expand else base) and not plan.sync.any(), name
+        if not expand:
+            assert torch.equal(epilogue.xa(rows, k), xa), name
 
 
 def _small_nvfp4_model_with_adapters(rank=16):
@@ -131,10 +200,16 @@ def test_engine_rollouts_with_lora_in_the_gemm(monkeypatch):
 
     model, adapters = _small_nvfp4_model_with_adapters()
     runs = {}
-    for name, in_gemm, early in (("gemm", True, "1"), ("gemm-plain", True, "0"), ("two-kernels", False, "1")):
+    for name, in_gemm, shrink, early in (("gemm", True, "0", "1"), ("gemm-plain", True, "0", "0"),
+                                         ("shrink", False, "1", "1"), ("shrink-plain", False, "1", "0"),
+                                         ("two-kernels", False, "0", "1")):
         monkeypatch.setenv("QERL_PDL", early)
+        monkeypatch.setenv("QERL_LORA_SHRINK_IN_GEMM", shrink)
         engine = RolloutEngine(model, lora_in_gemm=in_gemm)  # graphs+fused, LoRA kernels on CUDA
         runs[name] = engine.generate(PROMPTS, 24, temperature=0, stop_token_ids=[], lora=adapters)
+        if shrink == "1":  # every group took the launch that makes xa (a workspace per plan)
+            assert all(p is None or p.xa_workspace is not None for p in engine._forward.lora.plans.values()), name
     base = RolloutEngine(model).generate(PROMPTS, 24, temperature=0, stop_token_ids=[])
     assert [c.token_ids for c in runs["gemm"]] != [c.token_ids for c in base], "the adapters must matter"
     assert_rollouts_agree(runs["gemm"], runs["gemm-plain"], runs["two-kernels"], 24)
+    assert_rollouts_agree(runs["shrink"], runs["shrink-plain"], runs["two-kernels"], 24)

@@ -82,3 +82,22 @@ def test_lora_fold_choice_is_checked_and_maps_to_the_engine_argument():
         RolloutBenchConfig(lora_fold="yes")
     assert RolloutBenchConfig().lora_fold == "auto" and LORA_FOLD["auto"] is None  # the engine's own rule
     assert LORA_FOLD["on"] is True and LORA_FOLD["off"] is False
+
+
+def test_merge_replaces_a_configuration_measured_again_and_keeps_the_rest():
+    from dataclasses import asdict
+
+    from qerl_lib.bench.rollout_report import merge_results
+
+    def doc(*rows):
+        return {"provenance": {"command": "x"}, "config": {}, "rows": [asdict(r) for r in rows]}
+
+    old = doc(_row("bf16", 1300.0, rank=0), _row("bf16", 1200.0), _row("nvfp4", 2300.0))
+    new = doc(_row("bf16", 1290.0, rank=0), _row("bf16", 1220.0))
+    merged = merge_results([old, new])
+    kept = sorted((r["weights"], r["rank"], r["tok_s"]) for r in merged["rows"])
+    assert kept == [("bf16", 0, 1290.0), ("bf16", 16, 1220.0), ("nvfp4", 16, 2300.0)]
+    # the overhead comes from the new pair alone, not from the old r0 row (which is faster)
+    assert merged["summary"]["lora_overhead_7b_bf16_b8_r16"] == pytest.approx(1 - 1220.0 / 1290.0)
+    # rows of one document that share a configuration (e.g. two backends' fastest) all stay
+    assert len(merge_results([doc(_row("bf16", 1.0), _row("bf16", 2.0))])["rows"]) == 2

@@ -135,13 +135,25 @@ def summarize(rows: list) -> dict:
     return out
 
 
+# what makes two rows the same measurement, for `merge_results`
+CONFIGURATION = ("model", "weights", "batch", "rank", "backend", "engine", "prompt_len", "gen_len", "workload",
+                 "scheduling", "prompts")
+
+
 def merge_results(docs: list[dict]) -> dict:
-    """One results document from several runs (e.g. one GPU call per model size): rows concatenated,
-    every run's provenance and config kept, the summary recomputed over all rows."""
+    """One results document from several runs (e.g. one GPU call per model size): rows concatenated in
+    the order given, except that a configuration measured again in a later document replaces that
+    configuration's rows of the earlier ones (a re-measurement after a code change supersedes the old
+    rows instead of sitting beside them, where the summary's "fastest counts" would pick between
+    them); every run's provenance and config kept, the summary recomputed over the rows kept."""
     from qerl_lib.bench.rollout import Row
     from qerl_lib.io import provenance
 
-    rows = [Row(**r) for d in docs for r in d["rows"]]
+    rows: list = []
+    for d in docs:
+        batch = [Row(**r) for r in d["rows"]]
+        again = {tuple(getattr(r, k) for k in CONFIGURATION) for r in batch}
+        rows = [r for r in rows if tuple(getattr(r, k) for k in CONFIGURATION) not in again] + batch
     return {"merged_by": provenance(), "provenance": [d["provenance"] for d in docs],
             "code": [d.get("code") for d in docs],
             "config": [d["config"] for d in docs],

@@ -17,10 +17,12 @@ It is also cheaper per token: q/k/v read the same input, so their A matrices are
 applied in one matmul (likewise gate/up), and each B is applied by one ``addmm`` that also adds
 into the base output: 1 + members launches per projection group instead of 3 per projection. In the
 CUDA decode step (``lora_kernels``) the engine runs ``kernels/lora.py`` instead: two Triton
-launches per group whatever its members, the first overlapping the base GEMM.
+launches per group whatever its members, the first overlapping the base GEMM. Where the group's NVFP4
+GEMM runs on the mma.sync kernel (at most 8 rows), that launch may add the adapters itself or make
+``xa`` beside its tiles (``gemm_lora_epilogue``; ``lora_in_gemm``, ``QERL_LORA_SHRINK_IN_GEMM``).
 
-A as rows of a bf16 weight (``QERL_LORA_ROWS=1``)
---------------------------------------------------
+A as rows of a bf16 weight (``QERL_LORA_ROWS=0`` turns it off)
+--------------------------------------------------------------
 For a bf16 base the shrink ``xa = x @ A_cat^T`` is the same kind of product as the base GEMM, over the
 same input: with the group's stacked A appended as ``R`` extra rows of its weight (``models/fused.py``,
 ``fuse_group(..., extra_rows=R)``; o and down become one-member groups), one cuBLAS GEMM writes
@@ -28,8 +30,8 @@ same input: with the group's stacked A appended as ``R`` extra rows of its weigh
 then the expand). ``xa`` comes out of cuBLAS's fp32 accumulation rounded once to bf16, as the torch path's
 ``xa`` tensor does. The A buffer here *is* those weight rows (``a_rows``), so each refresh writes A where
 the GEMM reads it; the extra rows cost ``R / N`` more weight bytes (0.1-1.0% of a group at rank 16 on
-Qwen2.5-7B). NVFP4 bases cannot do this: their GEMM reads 4-bit codes, A is bf16. Off by default until
-measured on a GPU at full length (a first look and the planned run: dev/LOG.md section 44).
+Qwen2.5-7B). NVFP4 bases cannot do this: their GEMM reads 4-bit codes, A is bf16. On by default since
+its measurement at 256 + 2048 tokens (dev/LOG.md section 46).
 """
 
 from __future__ import annotations
@@ -176,3 +178,30 @@ def lora_from_peft(model, adapter_name: str | None = None) -> dict[str, LoraAdap
         out[canonical_name(name)] = LoraAdapter(module.lora_A[key].weight.detach(), module.lora_B[key].weight.detach(),
                                                  float(module.scaling[key]))
     return out
+
+
+def gemm_lora_epilogue(plan, x: torch.Tensor, in_gemm: bool, shrink_in_gemm: bool, fp4_kernel: bool, member):
+    """The ``kernels.mma.LoraEpilogue`` that a group's NVFP4 GEMM launch takes, or None: with ``in_gemm`` the
+    launch adds the adapters itself, with ``shrink_in_gemm`` it only makes ``xa`` beside its tiles (the expand
+    stays ``kernels/lora.py``'s). Only where ``plan`` exists, the group runs one ``fp4_linear`` call
+    (``fp4_kernel``) and that call takes the mma.sync kernel (decode, at most 8 rows)."""
+    if plan is None or not fp4_kernel or not (in_gemm or shrink_in_gemm):
+        return None
+    from qerl_lib.kernels.fp4_gemm import uses_mma
+
+    epilogue = plan.epilogue(expand=in_gemm)
+    m, k = x.numel() // x.shape[-1], x.shape[-1]
+    return epilogue if uses_mma(m, k, x.device, member.small_m_backend) and epilogue.supported(m, k) else None
+
+
+def add_lora_torch(entry: tuple, x: torch.Tensor, xa: torch.Tensor | None, outs: list) -> list:
+    """The plain-torch adapters of one group (``LoraBuffers.layout`` entry ``(a_cat, slots)``): ``xa = x @
+    A_cat^T`` (or the given ``xa``, rounded to x's dtype), then one ``addmm`` per member with an adapter."""
+    a_cat, slots = entry
+    xa = x.reshape(-1, x.shape[-1]) @ a_cat.t() if xa is None else xa.reshape(-1, a_cat.shape[0]).to(x.dtype)
+    for j, slot in enumerate(slots):
+        if slot is not None:
+            start, end, b, scale = slot
+            o = outs[j]
+            outs[j] = torch.addmm(o.reshape(-1, o.shape[-1]), xa[:, start:end], b.t(), alpha=scale).view(o.shape)
+    return outs

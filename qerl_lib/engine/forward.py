@@ -37,8 +37,8 @@ addresses, so a new noisy weight each call takes effect without re-capturing, an
 parameters are never written. LoRA adapters passed as ``lora=`` get the same treatment
 (``engine/adapters.py``). On CUDA each projection group's adapters run as ``kernels/lora.py``'s
 shrink and expand launches after the group's GEMM; above 8 rows the gate/up group's expand is
-instead added by the SiLU * up kernel that reads its output (``lora_fold``, ``engine/glue.py``). With
-``QERL_LORA_ROWS=1`` a bf16 group's GEMM also makes ``xa``, without a shrink launch (``engine/adapters.py``).
+instead added by the SiLU * up kernel that reads its output (``lora_fold``, ``engine/glue.py``). A bf16
+group's GEMM also makes ``xa``, without a shrink launch (``engine/adapters.py``; ``QERL_LORA_ROWS=0``: off).
 
 Fused projections
 -----------------
@@ -78,14 +78,16 @@ import torch.nn.functional as F
 
 from qerl_lib.engine import glue as engine_glue
 from qerl_lib.engine.attention import AttentionLaunch, rope_cache_attention
-from qerl_lib.engine.adapters import LoraAdapter, LoraBuffers, canonical_name, lora_signature, unwrap_model
+from qerl_lib.engine.adapters import (LoraAdapter, LoraBuffers, add_lora_torch, canonical_name, gemm_lora_epilogue,
+                                      lora_signature, unwrap_model)
 from qerl_lib.kernels import lora as lora_kernels_mod
 from qerl_lib.models.fused import PARENT, PROJECTION_GROUPS, PROJECTIONS, fuse_group
 from qerl_lib.models.nvfp4_linear import NVFP4Linear, resolve_impl
 
 RELABEL_ENV = "QERL_FP4_RELABEL_X"  # "0": the Gluon FP4 launches permute x themselves (module docstring)
 SPLIT_FOLD_ENV = "QERL_LORA_SUMS_SPLITS"  # "0": never let the LoRA expand sum a K-split GEMM's partials (docstring)
-LORA_ROWS_ENV = "QERL_LORA_ROWS"  # "1": bf16 groups' LoRA A as extra rows of their weight (engine/adapters.py)
+SHRINK_IN_GEMM_ENV = "QERL_LORA_SHRINK_IN_GEMM"  # "1": NVFP4 groups on the mma.sync kernel make xa in their launch
+LORA_ROWS_ENV = "QERL_LORA_ROWS"  # "0": bf16 groups' LoRA A not as extra rows of their weight (engine/adapters.py)
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
 DECODE_ATTENTION = ("sdpa", "matmul", "kernel")
@@ -293,7 +295,8 @@ class ForwardPass:
         # the decode step's launch folds (module docstring), read from the environment once per forward pass
         self.relabel_x = os.environ.get(RELABEL_ENV, "1") != "0" and view.device.type == "cuda"
         self.lora_sums_splits = os.environ.get(SPLIT_FOLD_ENV, "1") == "1" and view.device.type == "cuda"
-        self.lora_rows = os.environ.get(LORA_ROWS_ENV, "0") == "1" and self.lora_kernels and fuse_projections
+        self.lora_rows = os.environ.get(LORA_ROWS_ENV, "1") != "0" and self.lora_kernels and fuse_projections
+        self.lora_shrink_in_gemm = os.environ.get(SHRINK_IN_GEMM_ENV, "0") == "1" and self.lora_kernels
         self._relabel_plan: dict[tuple[int, str, int], bool] = {}  # (layer, group, rows) -> takes_relabeled
 
     def reserve_columns(self, length: int) -> None:
@@ -396,32 +399,35 @@ class ForwardPass:
         only their shrink runs and the second item is its ``kernels/lora.Shrunk``: the outputs then lack the
         adapters, and the caller's consumer kernel must add the expand (``glue.silu_mul(..., lora=)``).
         ``x_relabeled``: x's relabeled copy, where ``takes_relabeled`` says the group's GEMM reads one."""
-        fused, xa_cols = self._fused[layer][group], None  # xa_cols: xa made by the base GEMM (A as weight rows)
+        fused, xa_cols = self._fused[layer][group], None  # xa_cols: xa made by the base GEMM's launch
         entry = self.lora.layout.get((layer, group)) if self.lora is not None else None
         plan = self.lora.plans.get((layer, group)) if entry is not None and self.lora_kernels else None
+        # an NVFP4 GEMM on the mma.sync kernel may add the adapters itself, or make xa beside its tiles
+        members = self._groups[layer][group]
+        epilogue = gemm_lora_epilogue(plan, x, self.lora_in_gemm, self.lora_shrink_in_gemm,
+                                      self._fp4_weight(layer, group) is not None, members[0])
         # the expand kernel may sum a K-split GEMM's partials (module docstring): collect them instead of reducing
         splits = [] if (plan is not None and not defer and self.lora_sums_splits and plan.covers_all()
-                        and self._fp4_weight(layer, group) is not None) else None
+                        and epilogue is None and self._fp4_weight(layer, group) is not None) else None
         if fused is not None:
-            epilogue = plan.epilogue() if plan is not None and self.lora_in_gemm else None
-            if epilogue is not None and not fused.adds_lora(x, epilogue):
-                epilogue = None
             full = fused.full(x, lora=epilogue, x_relabeled=x_relabeled, defer_reduce=splits)
             outs = fused.outputs(full)
             if plan is not None and fused.extra_rows and plan.a_cat.data_ptr() == fused.extra_weight().data_ptr():
                 full, xa_cols = full[..., :fused.width], full[..., fused.width:]
-            if epilogue is not None:  # the GEMM has added the adapters
-                return outs, None
-        elif x_relabeled is not None or splits is not None:  # one NVFP4Linear (takes_relabeled): its forward
+        elif x_relabeled is not None or splits is not None or epilogue is not None:  # one NVFP4Linear: its forward
             from qerl_lib.kernels.fp4_gemm import fp4_linear
 
-            (m,) = self._groups[layer][group]
+            (m,) = members
             outs = [fp4_linear(x, m.prepare_kernel(), m.bias, small_m_backend=m.small_m_backend, mma_rule=m.mma_rule,
-                               x_relabeled=x_relabeled, defer_reduce=splits)]
+                               x_relabeled=x_relabeled, defer_reduce=splits, lora=epilogue)]
             full = outs[0]
         else:
-            outs = [module(x) for module in self._groups[layer][group]]
+            outs = [module(x) for module in members]
             full = outs[0] if len(outs) == 1 else None
+        if epilogue is not None:
+            if epilogue.expand:  # the GEMM has added the adapters
+                return outs, None
+            xa_cols = epilogue.xa(x.numel() // x.shape[-1], x.shape[-1])
         if plan is not None and full is not None:
             full2, x2 = full.reshape(-1, full.shape[-1]), x.reshape(-1, x.shape[-1])
             if full2.data_ptr() == full.data_ptr() and lora_kernels_mod.supported(full2, x2):
@@ -434,17 +440,7 @@ class ForwardPass:
                 lora_kernels_mod.expand_(full2, shrunk, base)  # in place: the outputs are views of it
                 return outs, None
         lora_kernels_mod.split_base(splits, None)  # not taken by an expand: reduce the partials now
-        if entry is not None:
-            a_cat, slots = entry
-            xa = x.reshape(-1, x.shape[-1]) @ a_cat.t() if xa_cols is None else xa_cols.reshape(-1, a_cat.shape[0])
-            for j, slot in enumerate(slots):
-                if slot is not None:
-                    start, end, b, scale = slot
-                    o = outs[j]
-                    o2 = o.reshape(-1, o.shape[-1])
-                    outs[j] = torch.addmm(o2, xa[:, start:end], b.t(), alpha=scale).view(o.shape)
-        return outs, None
-
+        return (add_lora_torch(entry, x, xa_cols, outs) if entry is not None else outs), None
     def _decoder(self, x: torch.Tensor, cos, sin, attend, ops: "Glue", attend_relabels: bool = False) -> torch.Tensor:
         """All layers, then the final norm: ``x [B, T, hidden]`` -> normed hidden states.
 

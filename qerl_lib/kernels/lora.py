@@ -61,10 +61,13 @@ kernel just before the shrink is the group's GEMM, which is how ``engine/forward
 ``apply_`` is not a general-purpose op (``use_pdl=False`` gives the conservative order for any
 other use). A CUDA test checks that rollouts are bit-identical with PDL on and off.
 
-A third way, for NVFP4 groups whose GEMM runs on the mma.sync kernel (decode, M <= 8): that kernel
-adds the adapters itself in the same launch (``GroupPlan.epilogue``, ``kernels/mma.cu`` "LoRA"), so
-neither kernel here runs; the engine takes it where ``FusedProjection.adds_lora`` says it applies and
-``lora_in_gemm`` is on (off by default: on an H100 it measured slower than these two launches).
+Two more ways, for NVFP4 groups whose GEMM runs on the mma.sync kernel (decode, M <= 8; the engine
+picks them in ``engine/adapters.gemm_lora_epilogue``). That kernel can add the adapters itself in the
+same launch (``GroupPlan.epilogue()``, ``kernels/mma.cu`` "LoRA"), so neither kernel here runs
+(``lora_in_gemm``; off by default: on an H100 it measured slower than these two launches). Or its
+launch only makes ``xa`` beside its tiles (``GroupPlan.epilogue(expand=False)``; ``QERL_LORA_SHRINK_IN_GEMM=1``,
+off by default until measured), and the expand here follows it (``given_xa``): the NVFP4 counterpart of
+the bf16 base's A rows, one launch a group instead of two, with no shrink between the GEMM and the expand.
 
 Where we deviate from vLLM (the paper's engine): vLLM's punica kernels (SGMV/BGMV shrink and
 expand) serve many adapters per batch through an index per token; here one adapter serves the
@@ -142,12 +145,20 @@ class GroupPlan:
     counters: torch.Tensor  # int32, one per (row block, rank block) of the shrink; zero between calls
     bounds: torch.Tensor  # int32 [members, 4]: (n_start, n_end, r_start, rank), for the GEMM's LoRA epilogue
     sync: torch.Tensor  # int32 [4 + rank blocks of 16]: that epilogue's counters, zero between calls
+    xa_workspace: torch.Tensor | None = None  # float32: where a shrink-only GEMM launch writes xa (allocated on use)
 
-    def epilogue(self):
-        """These adapters as the mma.sync GEMM's ``LoraEpilogue`` (added by the group's base GEMM itself)."""
+    def epilogue(self, expand: bool = True):
+        """These adapters as the mma.sync GEMM's ``LoraEpilogue``: added by the group's base GEMM itself, or with
+        ``expand=False`` only ``xa`` made by that launch (into ``xa_workspace``), for ``given_xa`` and ``expand_``."""
         from qerl_lib.kernels.mma import LoraEpilogue
 
-        return LoraEpilogue(self.a_cat, self.b_cat, self.bounds, self.scale, self.sync)
+        if expand:
+            return LoraEpilogue(self.a_cat, self.b_cat, self.bounds, self.scale, self.sync)
+        if self.xa_workspace is None:
+            self.xa_workspace = torch.empty(LoraEpilogue.workspace_numel(FEW_ROWS, self.a_cat.shape[0]),
+                                            dtype=torch.float32, device=self.a_cat.device)
+        return LoraEpilogue(self.a_cat, self.b_cat, self.bounds, self.scale, self.sync, expand=False,
+                            workspace=self.xa_workspace)
 
     @property
     def n_total(self) -> int:
@@ -311,13 +322,14 @@ def shrink_(x: torch.Tensor, plan: GroupPlan, use_pdl: bool | None = None) -> Sh
 def given_xa(xa: torch.Tensor, plan: GroupPlan, use_pdl: bool | None = None) -> Shrunk:
     """``xa = x @ A_cat^T`` made by someone else, as ``shrink_``'s result for ``expand_`` (or a consumer kernel):
     the extra output columns of a bf16 base GEMM whose weight carries A as extra rows (``models/fused.py``,
-    ``fuse_group(..., extra_rows=)``), rounded to the activation dtype as the torch path's ``xa`` is. ``xa
-    [M, R]`` needs a unit last stride; its row stride may be the GEMM output's."""
+    ``fuse_group(..., extra_rows=)``), or the float32 ``xa`` of an NVFP4 GEMM launch that also ran the shrink
+    (``kernels/mma``, ``LoraEpilogue(expand=False)``), rounded to the activation dtype as the torch path's
+    ``xa`` is. ``xa [M, R]`` needs a unit last stride; its row stride may be the GEMM output's."""
     m, r_total = xa.shape
     if r_total != plan.a_cat.shape[0] or xa.stride(-1) != 1:
         raise ValueError(f"kernels/lora.given_xa: xa {list(xa.shape)} (strides {xa.stride()}) must have the plan's "
                          f"{plan.a_cat.shape[0]} ranks as unit-stride columns")
-    return Shrunk(xa, 1, m, plan, *_program_rows_and_precision(m, xa.dtype), pdl.use_for(xa.device, use_pdl))
+    return Shrunk(xa, 1, m, plan, *_program_rows_and_precision(m, plan.b_cat.dtype), pdl.use_for(xa.device, use_pdl))
 
 
 def _program_rows_and_precision(m: int, dtype: torch.dtype) -> tuple[int, str]:
@@ -360,8 +372,6 @@ def apply_(out: torch.Tensor, x: torch.Tensor, plan: GroupPlan, use_pdl: bool | 
 
 
 def interpreting() -> bool:
-    import os
-
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 

@@ -41,8 +41,14 @@
 // block of xa is written -- the LoRA CTAs drew their tickets first, so they are running and wait on
 // nothing: no deadlock whatever the scheduling order -- and adds scale * xa @ B^T to each of its
 // outputs, rounding once (as addmm). The last CTA to finish resets the counters.
+// With LORA_EXPAND 0 the launch only makes xa ("shrink in the GEMM"): the LoRA CTAs are the first blockIdx.x
+// (no tickets: nobody waits on them), the GEMM CTAs are the plain kernel's, and the expand is the next
+// launch's job (kernels/lora.py's, which waits for this whole grid, LoRA CTAs included).
 #ifndef LORA_R
 #define LORA_R 0
+#endif
+#ifndef LORA_EXPAND
+#define LORA_EXPAND 1
 #endif
 #ifndef PREFETCH
 #define PREFETCH 0  // chunks (of this warp's own, after the register ring's) prefetched into L2 before griddepcontrol.wait
@@ -209,7 +215,9 @@ __device__ void lora_shrink(const u16* __restrict__ x, const u16* __restrict__ l
   __syncthreads();
   if (threadIdx.x == 0) {
     lsync[4 + rb] = 0;
+#if LORA_EXPAND
     atomicAdd(&lsync[1], 1);
+#endif
   }
 }
 
@@ -273,7 +281,14 @@ KERNEL_NAME(const u16* __restrict__ x, const u32* __restrict__ wq, const u8* __r
   __shared__ float red[WARPS_K][MAXTOK][RED_STRIDE];
   __shared__ u32 scale_lut[256];  // E4M3 byte -> bf16x2 (s * 2^118, twice)
   __shared__ int is_last;
-#if LORA_R > 0
+#if LORA_R > 0 && !LORA_EXPAND
+  const int l_ctas = l_slices * ((LORA_R + LORA_RB - 1) / LORA_RB);
+  if ((int)blockIdx.x < l_ctas) {
+    lora_shrink(x, la, lxa, lsync, M, K, ldx, blockIdx.x % l_slices, l_slices, blockIdx.x / l_slices, l_k_per_slice);
+    return;
+  }
+  const int bx = (blockIdx.x - l_ctas) % n_row_blocks, by = (blockIdx.x - l_ctas) / n_row_blocks;
+#elif LORA_R > 0
   __shared__ int ticket_sh;
   if (threadIdx.x == 0) ticket_sh = atomicAdd(&lsync[0], 1);
   __syncthreads();
@@ -448,7 +463,7 @@ KERNEL_NAME(const u16* __restrict__ x, const u32* __restrict__ wq, const u8* __r
   const float factor = __fdiv_rn(256.0f, gs[0]);
   const int m_rows = min(M, MAXTOK);
   const bool split = n_split > 1;
-#if LORA_R > 0
+#if LORA_R > 0 && LORA_EXPAND
   __shared__ float xa_sh[MAXTOK][LORA_R];
   if (!split) lora_stage_xa(lsync, lxa, &xa_sh[0][0], m_rows, M, l_blocks, l_slices);
 #endif
@@ -460,13 +475,13 @@ KERNEL_NAME(const u16* __restrict__ x, const u32* __restrict__ wq, const u8* __r
     for (int w = 0; w < WARPS_K; ++w) s += red[w][tok][rl];
     if (split) { ws[((long)by * M + tok) * N + row] = s; continue; }
     u16 y = epilogue(s, factor, bias, row);
-#if LORA_R > 0
+#if LORA_R > 0 && LORA_EXPAND
     y = lora_add(y, &xa_sh[tok][0], lb, lmem, lscale, l_members, l_rp, row);
 #endif
     out[(long)tok * ldo + row] = y;
   }
   if (!split) {
-#if LORA_R > 0
+#if LORA_R > 0 && LORA_EXPAND
     lora_finish(lsync, total_ctas);
 #endif
     return;
@@ -478,13 +493,13 @@ KERNEL_NAME(const u16* __restrict__ x, const u32* __restrict__ wq, const u8* __r
   if (threadIdx.x == 0) is_last = atomicAdd(&counters[bx], 1) == n_split - 1;
   __syncthreads();
   if (!is_last) {
-#if LORA_R > 0
+#if LORA_R > 0 && LORA_EXPAND
     lora_finish(lsync, total_ctas);
 #endif
     return;
   }
   __threadfence();
-#if LORA_R > 0
+#if LORA_R > 0 && LORA_EXPAND
   lora_stage_xa(lsync, lxa, &xa_sh[0][0], m_rows, M, l_blocks, l_slices);
 #endif
   for (int e = threadIdx.x; e < m_rows * ROWS_PER_CTA; e += NWARPS * 32) {
@@ -493,13 +508,13 @@ KERNEL_NAME(const u16* __restrict__ x, const u32* __restrict__ wq, const u8* __r
     float s = 0.f;
     for (int sl = 0; sl < n_split; ++sl) s += __ldcg(&ws[((long)sl * M + tok) * N + row]);
     u16 y = epilogue(s, factor, bias, row);
-#if LORA_R > 0
+#if LORA_R > 0 && LORA_EXPAND
     y = lora_add(y, &xa_sh[tok][0], lb, lmem, lscale, l_members, l_rp, row);
 #endif
     out[(long)tok * ldo + row] = y;
   }
   if (threadIdx.x == 0) counters[bx] = 0;  // ready for the next launch (and graph replay)
-#if LORA_R > 0
+#if LORA_R > 0 && LORA_EXPAND
   lora_finish(lsync, total_ctas);
 #endif
 }

@@ -30,6 +30,8 @@ CUDA (``mma.cu``, read it next to this docstring):
 Optionally (``mma_linear(lora=)``, off in the engine by default) the same launch also adds a projection
 group's LoRA adapters: its first CTAs compute ``x @ A^T`` and the GEMM CTAs add ``xa @ B^T`` in their
 epilogue (``mma.cu``, "LoRA"); on an H100 this measured slower than ``kernels/lora.py``'s two launches.
+With ``LoraEpilogue(expand=False)`` the launch only makes ``xa`` in those first CTAs, the GEMM CTAs being the
+plain kernel's, and ``kernels/lora.py``'s expand follows (its shrink launch saved; dev/LOG.md section 47).
 
 Where we deviate from Marlin (and the paper's vLLM): only M <= 8 comes here (at 9-16 the Triton
 kernel is as fast; a build for up to 64 rows ran 1.5-2x slower than it at 32-64, x waiting on L1 in
@@ -105,8 +107,8 @@ class MmaConfig:
             raise ValueError(f"MmaConfig: warps_r * warps_k = {self.warps_r * self.warps_k} > 16 warps per CTA")
         self.check_shared(1)
 
-    def check_shared(self, nb: int, lora_r: int = 0) -> None:
-        need = self.shared_bytes(nb, lora_r)
+    def check_shared(self, nb: int, lora_r: int = 0, lora_expand: bool = True) -> None:
+        need = self.shared_bytes(nb, lora_r, lora_expand)
         if need > SMEM_LIMIT:
             raise ValueError(f"MmaConfig: {need} B of shared memory per CTA for M <= {8 * nb} > {SMEM_LIMIT}; "
                              "lower depth, tiles or warps")
@@ -119,10 +121,10 @@ class MmaConfig:
     def threads(self) -> int:
         return 32 * self.warps_r * self.warps_k
 
-    def shared_bytes(self, nb: int, lora_r: int = 0) -> int:
+    def shared_bytes(self, nb: int, lora_r: int = 0, lora_expand: bool = True) -> int:
         """Static shared memory of one CTA: the per-warp partial sums, the scale table, and a LoRA
-        epilogue's ``xa`` rows."""
-        lora = 8 * nb * lora_r * 4 + 8 if lora_r else 0  # xa rows, the ticket and the last-slice flag
+        epilogue's ``xa`` rows (none where the launch only makes ``xa``: ``lora_expand=False``)."""
+        lora = (8 * nb * lora_r * 4 if lora_expand else 0) + 8 if lora_r else 0  # xa rows, ticket, last-slice flag
         return self.warps_k * 8 * nb * (self.rows_per_cta + 4) * 4 + 256 * 4 + 16 + lora
 
 
@@ -256,19 +258,20 @@ def _driver() -> ctypes.CDLL:
         raise OSError(f"CUDA driver library libcuda.so.1 not loadable: {err}") from err
 
 
-def kernel_name(cfg: MmaConfig, nb: int, lora_r: int = 0) -> str:
+def kernel_name(cfg: MmaConfig, nb: int, lora_r: int = 0, lora_expand: bool = True) -> str:
     extra = (f"_p{cfg.prefetch}" if cfg.prefetch else "") + (f"_h{cfg.l2_hint}" if cfg.l2_hint else "")
-    extra += f"_l{lora_r}" if lora_r else ""
+    extra += (f"_l{lora_r}" + ("" if lora_expand else "s")) if lora_r else ""
     return f"qerl_fp4_mma_t{cfg.tiles}_r{cfg.warps_r}_k{cfg.warps_k}_n{nb}_d{cfg.depth}_o{cfg.min_ctas}{extra}"
 
 
-def kernel_source(cfg: MmaConfig, nb: int, lora_r: int = 0) -> str:
+def kernel_source(cfg: MmaConfig, nb: int, lora_r: int = 0, lora_expand: bool = True) -> str:
     """The CUDA source for one launch shape (``nb`` n8 blocks: 1 for M <= 8, 2 for M <= 16; ``lora_r``:
-    the stacked rank of a LoRA epilogue, 0 for none)."""
+    the stacked rank of a LoRA epilogue, 0 for none; ``lora_expand=False``: the launch only makes ``xa``)."""
     defines = (f"#define T_TILES {cfg.tiles}\n#define WARPS_R {cfg.warps_r}\n#define WARPS_K {cfg.warps_k}\n"
                f"#define NB {nb}\n#define DEPTH {cfg.depth}\n#define MIN_CTAS {cfg.min_ctas}\n"
                f"#define PREFETCH {cfg.prefetch}\n#define L2_HINT {cfg.l2_hint}\n#define LORA_R {lora_r}\n"
-               f"#define KERNEL_NAME {kernel_name(cfg, nb, lora_r)}\n")
+               f"#define LORA_EXPAND {int(lora_expand)}\n"
+               f"#define KERNEL_NAME {kernel_name(cfg, nb, lora_r, lora_expand)}\n")
     return defines + SOURCE_PATH.read_text()
 
 
@@ -282,19 +285,49 @@ class LoraEpilogue:
     scale * bf16(x @ A^T)[:, r0:r0 + rank] @ B[n0:n1]^T`` per member. ``a_cat``: bf16 ``[R, K]``
     contiguous; ``b_cat``: bf16 ``[N, RP]`` contiguous, zero past each member's rank; ``bounds``: int32
     ``[members, 4]`` = (n0, n1, r0, rank); ``scale``: float32 ``[members]``; ``sync``: int32 ``[4 + R / 16]``
-    or more, zero between launches (the kernel resets it). ``kernels.lora.GroupPlan.epilogue()`` builds one."""
+    or more, zero between launches (the kernel resets it). ``kernels.lora.GroupPlan.epilogue()`` builds one.
+
+    ``expand=False``: the launch only makes ``xa = bf16(x @ A^T)`` (as float32 values) into ``workspace``
+    (float32, at least ``workspace_numel(8, R)`` elements), read back with ``xa(m, k)``; the output is the
+    plain GEMM's, and the caller adds ``xa @ B^T`` (``kernels/lora.given_xa`` then ``expand_``)."""
 
     a_cat: torch.Tensor
     b_cat: torch.Tensor
     bounds: torch.Tensor
     scale: torch.Tensor
     sync: torch.Tensor
+    expand: bool = True
+    workspace: torch.Tensor | None = None
+
+    @staticmethod
+    def slices(k: int) -> tuple[int, int]:
+        """``(K-slices of the LoRA CTAs, columns per slice)`` at reduction length ``k``."""
+        per_slice = 256 * math.ceil(k / (256 * LORA_SLICES))
+        return math.ceil(k / per_slice), per_slice
+
+    @staticmethod
+    def workspace_numel(m: int, r: int) -> int:
+        """Float32 elements of the LoRA CTAs' partials and summed ``xa`` at ``m`` rows, ``r`` stacked ranks."""
+        return (LORA_SLICES + 1) * m * r
+
+    def partials(self, m: int, k: int) -> torch.Tensor:
+        """``[slices + 1, m, R]`` float32: the LoRA CTAs' K-slice partials, then the summed ``xa``."""
+        slices, r = self.slices(k)[0], self.a_cat.shape[0]
+        if self.workspace is None:
+            return torch.empty(slices + 1, m, r, dtype=torch.float32, device=self.a_cat.device)
+        return self.workspace[:(slices + 1) * m * r].view(slices + 1, m, r)
+
+    def xa(self, m: int, k: int) -> torch.Tensor:
+        """``[m, R]``: the ``xa`` that an ``expand=False`` launch of ``m`` rows wrote (float32 holding bf16 values)."""
+        return self.partials(m, k)[-1]
 
     def supported(self, m: int, k: int) -> bool:
         a, b = self.a_cat, self.b_cat
         return (m <= 8 and a.dtype == b.dtype == torch.bfloat16 and a.is_contiguous() and b.is_contiguous()
                 and a.shape[1] == k and 1 <= a.shape[0] <= LORA_MAX_R and b.shape[1] % 8 == 0
-                and self.sync.numel() >= 4 + math.ceil(a.shape[0] / 16))
+                and self.sync.numel() >= 4 + math.ceil(a.shape[0] / 16)
+                and (self.expand or (self.workspace is not None and self.workspace.dtype == torch.float32
+                                     and self.workspace.numel() >= self.workspace_numel(m, a.shape[0]))))
 
 
 def compile_cubin(source: str, name: str, arch: str, lib: ctypes.CDLL | None = None) -> bytes:
@@ -388,9 +421,10 @@ _COUNTERS: dict[int, torch.Tensor] = {}
 _LOCK = threading.Lock()
 
 
-def _get_kernel(cfg: MmaConfig, nb: int, device: torch.device, lora_r: int = 0) -> _Kernel:
+def _get_kernel(cfg: MmaConfig, nb: int, device: torch.device, lora_r: int = 0, lora_expand: bool = True) -> _Kernel:
     index = device.index if device.index is not None else torch.cuda.current_device()
-    key = (index, cfg.tiles, cfg.warps_r, cfg.warps_k, cfg.depth, cfg.min_ctas, cfg.prefetch, cfg.l2_hint, nb, lora_r)
+    key = (index, cfg.tiles, cfg.warps_r, cfg.warps_k, cfg.depth, cfg.min_ctas, cfg.prefetch, cfg.l2_hint, nb, lora_r,
+           lora_expand)
     kern = _KERNELS.get(key)
     if kern is None:
         with _LOCK, torch.cuda.device(index):
@@ -398,8 +432,8 @@ def _get_kernel(cfg: MmaConfig, nb: int, device: torch.device, lora_r: int = 0) 
                 raise RuntimeError("mma_linear: first use of a launch shape inside CUDA-graph capture; "
                                    "run the call once before capturing (warm-up)")
             major, minor = torch.cuda.get_device_capability(index)
-            name = kernel_name(cfg, nb, lora_r)
-            cubin = compile_cubin(kernel_source(cfg, nb, lora_r), name, f"sm_{major}{minor}")
+            name = kernel_name(cfg, nb, lora_r, lora_expand)
+            cubin = compile_cubin(kernel_source(cfg, nb, lora_r, lora_expand), name, f"sm_{major}{minor}")
             torch.cuda.synchronize(index)  # makes PyTorch's primary context current on this thread
             kern = _KERNELS[key] = _Kernel(cubin, name)
     return kern
@@ -434,8 +468,9 @@ def mma_linear(x2: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, glob
     ``out``: bf16 ``[m, N]`` contiguous. Validation of dtypes/shapes is ``fp4_gemm``'s job; this
     checks only what the kernel itself assumes. K-sliced launches share one arrival-counter buffer
     per device: run them on one stream at a time (the engine and the benchmarks do). ``lora``: the
-    group's adapters added in the same launch (``LoraEpilogue``; M <= 8); its ``sync`` counters must
-    not be shared by two launches in flight at once.
+    group's adapters added in the same launch (``LoraEpilogue``; M <= 8), or with ``expand=False`` only
+    their ``xa`` (``lora.xa(m, k)`` after the call); its ``sync`` counters must not be shared by two launches
+    in flight at once.
     """
     m, k = x2.shape
     n = words.shape[0]
@@ -449,9 +484,10 @@ def mma_linear(x2: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, glob
         raise ValueError(f"mma_linear: this LoRA epilogue needs M <= 8, bf16 contiguous A [R <= {LORA_MAX_R}, K = {k}] "
                          f"and B [N = {n}, RP % 8 == 0]; take kernels/lora.py's path instead")
     lora_r = lora.a_cat.shape[0] if lora is not None else 0
+    lora_expand = lora is None or lora.expand
     cfg = config or pick_mma_config(m, n, k, _device_sms(x2.device.index))
-    cfg.check_shared(nb, lora_r)
-    kern = _get_kernel(cfg, nb, x2.device, lora_r)
+    cfg.check_shared(nb, lora_r, lora_expand)
+    kern = _get_kernel(cfg, nb, x2.device, lora_r, lora_expand)
     blocks = math.ceil(n / cfg.rows_per_cta)
     chunks = k // CHUNK
     per_split = math.ceil(chunks / cfg.split_k)
@@ -461,12 +497,12 @@ def mma_linear(x2: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, glob
     lora_args: list = [None, None, None, None, None, None, 0, 0, 0, 0]
     grid = (blocks, split)
     if lora is not None:
-        k_per_slice = 256 * math.ceil(k / (256 * LORA_SLICES))
-        slices = math.ceil(k / k_per_slice)
-        partials = torch.empty(slices + 1, m, lora_r, dtype=torch.float32, device=x2.device)  # + the summed xa
+        slices, k_per_slice = lora.slices(k)
+        partials = lora.partials(m, k)  # + the summed xa
         lora_args = [lora.a_cat, lora.b_cat, partials, lora.sync, lora.bounds, lora.scale, lora.bounds.shape[0], slices,
                      k_per_slice, lora.b_cat.shape[1]]
-        # 1-D: the kernel hands out roles by ticket, first to the LoRA CTAs (K-slices x blocks of 16 ranks)
+        # 1-D: the LoRA CTAs (K-slices x blocks of 16 ranks) first; with the epilogue the kernel hands out roles
+        # by ticket, without it by blockIdx.x
         grid = (slices * math.ceil(lora_r / 16) + blocks * split, 1)
     kern(grid, cfg.threads,
          [x2, words, scales, global_scale, bias, out, ws, counters, m, n, k, x2.stride(0), out.stride(0), per_split,

@@ -103,7 +103,7 @@ class FusedProjection:
     def full(self, x: torch.Tensor, lora=None, x_relabeled: torch.Tensor | None = None,
              defer_reduce: list | None = None) -> torch.Tensor:
         """The members' outputs side by side, ``[..., sum of N + extra_rows]`` (what ``outputs`` splits);
-        ``lora``: a ``kernels.mma.LoraEpilogue`` the GEMM adds itself (only where ``adds_lora`` says so);
+        ``lora``: a ``kernels.mma.LoraEpilogue`` for the mma.sync GEMM (``engine/adapters.gemm_lora_epilogue``);
         ``x_relabeled``, ``defer_reduce``: NVFP4 only, ``fp4_linear``'s arguments of those names."""
         if self.kind == "nvfp4":
             from qerl_lib.kernels.fp4_gemm import fp4_linear
@@ -114,15 +114,6 @@ class FusedProjection:
         else:
             out = F.linear(x, self.tensors["weight"], self.tensors.get("bias"))
         return out
-
-    def adds_lora(self, x: torch.Tensor, lora) -> bool:
-        """Whether ``full(x, lora=lora)`` runs the mma.sync kernel, which then adds the adapters in the same launch."""
-        if self.kind != "nvfp4":
-            return False
-        from qerl_lib.kernels.fp4_gemm import uses_mma
-
-        m, k = x.numel() // x.shape[-1], x.shape[-1]
-        return uses_mma(m, k, x.device, self.members[0].small_m_backend) and lora.supported(m, k)
 
     def is_current(self) -> bool:
         """True while every member still reads its rows of the fused buffers (cheap: pointer checks)."""
