@@ -404,11 +404,10 @@ class ForwardPass:
         plan = self.lora.plans.get((layer, group)) if entry is not None and self.lora_kernels else None
         # an NVFP4 GEMM on the mma.sync kernel may add the adapters itself, or make xa beside its tiles
         members = self._groups[layer][group]
-        epilogue = gemm_lora_epilogue(plan, x, self.lora_in_gemm, self.lora_shrink_in_gemm,
-                                      self._fp4_weight(layer, group) is not None, members[0])
+        fp4 = plan is not None and self._fp4_weight(layer, group) is not None  # one fp4_linear call runs the group
+        epilogue = gemm_lora_epilogue(plan, x, self.lora_in_gemm, self.lora_shrink_in_gemm, fp4, members[0])
         # the expand kernel may sum a K-split GEMM's partials (module docstring): collect them instead of reducing
-        splits = [] if (plan is not None and not defer and self.lora_sums_splits and plan.covers_all()
-                        and epilogue is None and self._fp4_weight(layer, group) is not None) else None
+        splits = [] if fp4 and epilogue is None and not defer and self.lora_sums_splits and plan.covers_all() else None
         if fused is not None:
             full = fused.full(x, lora=epilogue, x_relabeled=x_relabeled, defer_reduce=splits)
             outs = fused.outputs(full)
@@ -441,6 +440,7 @@ class ForwardPass:
                 return outs, None
         lora_kernels_mod.split_base(splits, None)  # not taken by an expand: reduce the partials now
         return (add_lora_torch(entry, x, xa_cols, outs) if entry is not None else outs), None
+
     def _decoder(self, x: torch.Tensor, cos, sin, attend, ops: "Glue", attend_relabels: bool = False) -> torch.Tensor:
         """All layers, then the final norm: ``x [B, T, hidden]`` -> normed hidden states.
 
