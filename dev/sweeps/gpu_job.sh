@@ -12,7 +12,8 @@
 #   there, one call per part, carrying that folder alone:   bash dev/sweeps/gpu_job.sh part .bnb0   (... .gguf_b2)
 #   then the job's commands begin with
 #     bash dev/sweeps/gpu_job.sh assemble && export PYTHONPATH=$PYTHONPATH:/tmp/site_bnb QERL_GGUF=/tmp/qerl/SmolLM2-135M-Instruct.Q4_1.gguf
-#   (assemble checks the sha256s, installs bitsandbytes into /tmp/site_bnb, writes the GGUF, runs prepare-model).
+#   (assemble checks the sha256s, installs bitsandbytes into /tmp/site_bnb, writes the GGUF, runs prepare-model;
+#   with only the two .bnb parts sent, it installs bitsandbytes alone).
 set -euo pipefail
 OUT=${OUT:-/tmp/out}
 JOB=/tmp/job
@@ -52,6 +53,7 @@ case "${1:-}" in
     P=/tmp/parts; whl="/tmp/parts/$(cat $P/bnb1.name)"
     cat $P/bnb0 $P/bnb1 > "$whl" && echo "$(cat $P/bnb1.sha256)  $whl" | sha256sum -c
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site_bnb "$whl" 2>&1 | tail -2
+    [ -f $P/gguf_a1 ] || { echo "no GGUF parts: bitsandbytes only"; exit 0; }  # e.g. an NF4 rollout needs no tokenizer
     mkdir -p /tmp/qerl && G=/tmp/qerl/SmolLM2-135M-Instruct.Q4_1.gguf
     cat $P/gguf_a1 $P/gguf_a2 $P/gguf_b1 $P/gguf_b2 > $G && echo "$(cat $P/gguf_b2.sha256)  $G" | sha256sum -c
     QERL_GGUF=$G python3 -m qerl_lib prepare-model 2>&1 | tail -1 ;;

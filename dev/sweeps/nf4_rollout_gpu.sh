@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# The QLoRA baseline in `qerl bench rollout` (#17): random Qwen2.5-7B as bitsandbytes NF4, NVFP4 and bf16, LoRA r16,
-# 256 + 2048 tokens, batch 8 and 64, one repeat, same run. Needs bitsandbytes: a call before this one carries
-# .whl_bnb alone and runs `bash dev/sweeps/train_step_gpu.sh bnb` (installs it into /tmp/site_bnb).
-# Run on the device machine from the repository root, carrying .whl: bash dev/sweeps/nf4_rollout_gpu.sh
-set -euo pipefail
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>&1 | tail -2
-export PYTHONPATH=/tmp/site:/tmp/site_bnb:$PWD PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-python3 -m qerl_lib bench rollout --models qwen2.5-7b --no-hf-baseline --repeats 1 --batch 8,64 --lora-rank 16 \
-  --gen-len 2048 --weights nf4,nvfp4,bf16 --json "$OUT/rollout_7b_nf4_nvfp4_bf16_r16.json" | tail -9
+# dev/LOG.md section 48: QLoRA's base (bitsandbytes NF4) in the kit's engine against NVFP4, same process, for #17's
+# "NVFP4 / NF4 >= 1.5x". Needs bitsandbytes: send the two .bnb parts (gpu_job.sh `part .bnb0`, `part .bnb1`), then
+#   bash dev/sweeps/gpu_job.sh start 'bash dev/sweeps/gpu_job.sh assemble > $OUT/assemble.log 2>&1 &&
+#     export PYTHONPATH=$PYTHONPATH:/tmp/site_bnb; bash dev/sweeps/nf4_rollout_gpu.sh'
+# 7B random weights: batch 8, 256 + 2048, LoRA r0 / r16, two repeats; then batch 32, 256 + 1024, r16.
+set -u
+timeout 330 python3 -m qerl_lib bench rollout --models qwen2.5-7b --no-hf-baseline --repeats 2 --batch 8 \
+  --gen-len 2048 --lora-rank 0,16 --weights nvfp4,nf4 --json "$OUT/nf4_b8.json" > "$OUT/nf4_b8.log" 2>&1
+timeout 200 python3 -m qerl_lib bench rollout --models qwen2.5-7b --no-hf-baseline --repeats 2 --batch 32 \
+  --gen-len 1024 --lora-rank 16 --weights nvfp4,nf4 --json "$OUT/nf4_b32.json" > "$OUT/nf4_b32.log" 2>&1
+cd "$OUT" && tar czf nf4_rollout.tgz ./*.log ./*.json device.txt
