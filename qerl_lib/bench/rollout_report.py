@@ -149,11 +149,14 @@ def merge_results(docs: list[dict]) -> dict:
     from qerl_lib.bench.rollout import Row
     from qerl_lib.io import provenance
 
+    def configuration(row) -> tuple:
+        return tuple(getattr(row, k) for k in CONFIGURATION)
+
     rows: list = []
     for d in docs:
         batch = [Row(**r) for r in d["rows"]]
-        again = {tuple(getattr(r, k) for k in CONFIGURATION) for r in batch}
-        rows = [r for r in rows if tuple(getattr(r, k) for k in CONFIGURATION) not in again] + batch
+        again = {configuration(r) for r in batch}
+        rows = [r for r in rows if configuration(r) not in again] + batch
     return {"merged_by": provenance(), "provenance": [d["provenance"] for d in docs],
             "code": [d.get("code") for d in docs],
             "config": [d["config"] for d in docs],

@@ -189,9 +189,11 @@ def gemm_lora_epilogue(plan, x: torch.Tensor, in_gemm: bool, shrink_in_gemm: boo
         return None
     from qerl_lib.kernels.fp4_gemm import uses_mma
 
-    epilogue = plan.epilogue(expand=in_gemm)
     m, k = x.numel() // x.shape[-1], x.shape[-1]
-    return epilogue if uses_mma(m, k, x.device, member.small_m_backend) and epilogue.supported(m, k) else None
+    if not uses_mma(m, k, x.device, member.small_m_backend):
+        return None  # before the epilogue: a shrink-only one allocates its plan's workspace on first use
+    epilogue = plan.epilogue(expand=in_gemm)
+    return epilogue if epilogue.supported(m, k) else None
 
 
 def add_lora_torch(entry: tuple, x: torch.Tensor, xa: torch.Tensor | None, outs: list) -> list:

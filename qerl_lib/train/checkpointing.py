@@ -9,8 +9,9 @@ the recompute. A 4-bit base leaves more memory over than a bf16 one, so under on
 recompute fewer layers: the memory-for-speed trade behind the paper's single-GPU claims (Sec. 1),
 measured here per phase (``qerl bench train --checkpoint-layers``, dev/LOG.md section 42). The trade is
 steep: on an H100 at Qwen2.5-7B shapes and 8 x 2304 tokens per micro-batch, each kept layer cost 3.7 GiB
-and saved ~0.8% of the trainer phase (one timed step per setting), so the 4-bit base's 8.7 GiB buy about
-two kept layers.
+from 28 to 14 recomputing and saved ~0.8% of the trainer phase (one timed step per setting), and that
+rate does not extrapolate: the settings it put under 80 GiB with one more kept layer (lora 15 recomputing,
+qerl 13) ran out of memory (dev/LOG.md section 46).
 
 ``recompute_only(model, n)`` leaves checkpointing on for the first ``n`` decoder layers and off for
 the rest (the last layers' backward runs first, so their kept activations are freed first). It acts
