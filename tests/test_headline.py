@@ -64,7 +64,11 @@ def _edit(path: Path, change) -> None:
     ("rollout_h100.json", lambda d: [p["device"].pop("name") for p in d["provenance"]], "['device']['name']"),
     ("rollout_h100.json", lambda d: d.update(rows=[r for r in d["rows"] if r["model"] != "qwen2.5-32b"]),
      "no measured row with model=qwen2.5-32b"),
-], ids=["field in rows", "top-level field", "nested field", "provenance", "no matching row"])
+    ("rollout_nf4_h200.json", lambda d: d.update(rows=[r for r in d["rows"] if r["weights"] != "nf4"]),
+     "no NF4 row measured"),
+    ("rollout_nf4_h200.json", lambda d: d["summary"]["paper_vllm_h100"].pop("7b_nf4_b8"), "['7b_nf4_b8']"),
+], ids=["field in rows", "top-level field", "nested field", "provenance", "no matching row", "no nf4 row",
+        "paper's nf4 number"])
 def test_a_missing_field_names_the_file_and_the_field(results_copy, file, change, expected):
     _edit(results_copy / file, change)
     with pytest.raises(ResultsError) as err:

@@ -33,9 +33,11 @@ AT_MOST = ("nvfp4_peak_gib_32b_b8", "lora_overhead_7b_b8_r16", "lora_overhead_7b
 
 
 # The paper's rollout throughput (tokens/s, vLLM on one H100, 256 prompt / up to 2048 generated,
-# Tables 5-8), for context in the JSON; not comparable one to one (see bench/rollout.py's docstring).
+# Tables 5-8; QLoRA's NF4 at 7B from Fig. 1), for context in the JSON; not comparable one to one (see
+# bench/rollout.py's docstring).
 PAPER_TOK_S = {"7b_bf16_b8": 1641.1, "7b_nvfp4_b8": 2091.8, "14b_bf16_b8": 737.2, "14b_nvfp4_b8": 1091.1,
-               "32b_bf16_b8": 344.3, "32b_nvfp4_b8": 688.2, "7b_bf16_b2": 115.4, "7b_nvfp4_b2": 151.6}
+               "32b_bf16_b8": 344.3, "32b_nvfp4_b8": 688.2, "7b_bf16_b2": 115.4, "7b_nvfp4_b2": 151.6,
+               "7b_nf4_b8": 1362.0}
 
 
 def summarize(rows: list) -> dict:
