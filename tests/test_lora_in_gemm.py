@@ -71,6 +71,8 @@ def test_shrink_only_epilogue_owns_a_workspace_and_reads_xa_from_it():
     assert shrink.workspace.numel() == (mma.LORA_SLICES + 1) * 8 * 21 and shrink.supported(8, 4096)
     slices, per_slice = mma.LoraEpilogue.slices(4096)
     assert (slices, per_slice) == (8, 512)
+    # 7B's K: 512-column slices (two loads in flight per lane), longer ones where 16 would not cover K
+    assert [mma.LoraEpilogue.slices(k) for k in (3584, 18944, 27648)] == [(7, 512), (13, 1536), (14, 2048)]
     shrink.workspace.copy_(torch.arange(shrink.workspace.numel(), dtype=torch.float32))
     xa = shrink.xa(3, 4096)  # after the slices' partials [8, 3, 21]: row-major [3, 21], unit column stride
     assert xa.shape == (3, 21) and xa.stride() == (21, 1) and xa[0, 0].item() == 8 * 3 * 21

@@ -150,13 +150,50 @@ __device__ __forceinline__ u16 epilogue(float acc, float factor, const u16* bias
 
 #if LORA_R > 0
 #define LORA_RB 16          // ranks per LoRA CTA
-#define LORA_MAX_SLICES 8   // K-slices of the LoRA CTAs (mma.py's LORA_SLICES)
+#define LORA_MAX_SLICES 16  // K-slices of the LoRA CTAs (mma.py's LORA_SLICES)
+#define LORA_RPW ((LORA_RB + NWARPS - 1) / NWARPS)  // ranks per warp, all at once
+#if LORA_RPW >= 4
+#define LORA_K_UNROLL 1     // 4 ranks' loads already in flight; two steps' would outgrow the wide shapes' registers
+#else
+#define LORA_K_UNROLL 2
+#endif
 // A LoRA CTA (K-slice `slice`, ranks 16 rb ...): fp32 partials of xa = x @ A^T over its slice, all M
-// rows, into lxa[slice][tok][r]. Warp w takes the block's ranks w, w + NWARPS, ...; lane l the 8
-// columns 8l + 256i of the slice (16-byte loads of A and x), then the warp adds its lanes' sums (a
-// fixed butterfly: deterministic). The last slice of a rank block to finish (lsync[4 + rb]) adds the
-// block's partials in slice order, rounds to bf16 (as the torch path's xa tensor) and writes them as
+// rows, into lxa[slice][tok][r]. Warp w takes the block's ranks w, w + NWARPS, ... together (LORA_RPW
+// accumulators per token, each x load serving all of them); lane l the 8 columns 8l + 256i of the slice
+// (16-byte loads of A and x), with 8 warps two steps' loads issued before their multiply-adds, so a warp
+// waits about one memory latency per 512 columns of 2 ranks (with 4 warps: per 256 columns of 4 ranks), not
+// per 256 columns of one rank. Then the warp adds its lanes'
+// sums (a fixed butterfly: deterministic). The last slice of a rank block to finish (lsync[4 + rb]) adds
+// the block's partials in slice order, rounds to bf16 (as the torch path's xa tensor) and writes them as
 // floats after the partials (xa[tok][r] at lxa + slices * M * R), then counts the block ready (lsync[1]).
+__device__ __forceinline__ void lora_shrink_step(const u16* __restrict__ x, const u16* __restrict__ la,
+                                                 float (&acc)[LORA_RPW][MAXTOK], int M, int K, int ldx,
+                                                 int r0, int r_end, int k) {
+  u32 aw[LORA_RPW][4];
+#pragma unroll
+  for (int j = 0; j < LORA_RPW; ++j) {
+    const int r = r0 + j * NWARPS;
+    const U4 av = r < r_end ? *reinterpret_cast<const U4*>(la + (long)r * K + k) : U4{0u, 0u, 0u, 0u};
+    aw[j][0] = av.x; aw[j][1] = av.y; aw[j][2] = av.z; aw[j][3] = av.w;
+  }
+#pragma unroll
+  for (int tk = 0; tk < MAXTOK; ++tk) {
+    if (tk < M) {
+      const U4 xv = load_shared_x(reinterpret_cast<const U4*>(x + (long)tk * ldx + k));
+      const u32 xw[4] = {xv.x, xv.y, xv.z, xv.w};
+#pragma unroll
+      for (int j = 0; j < LORA_RPW; ++j) {
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          acc[j][tk] = fmaf(__uint_as_float(aw[j][q] << 16), __uint_as_float(xw[q] << 16), acc[j][tk]);
+          acc[j][tk] = fmaf(__uint_as_float(aw[j][q] & 0xFFFF0000u), __uint_as_float(xw[q] & 0xFFFF0000u),
+                            acc[j][tk]);
+        }
+      }
+    }
+  }
+}
+
 __device__ void lora_shrink(const u16* __restrict__ x, const u16* __restrict__ la, float* __restrict__ lxa,
                             int* lsync, int M, int K, int ldx, int slice, int slices, int rb, int kps) {
   __shared__ int last_sh;
@@ -165,31 +202,24 @@ __device__ void lora_shrink(const u16* __restrict__ x, const u16* __restrict__ l
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int k_lo = slice * kps, k_hi = min(K, k_lo + kps);
   const int r_end = min(LORA_R, (rb + 1) * LORA_RB);
-  for (int r = rb * LORA_RB + warp; r < r_end; r += NWARPS) {
-    float acc[MAXTOK];
+  const int r0 = rb * LORA_RB + warp;
+  if (r0 < r_end) {
+    float acc[LORA_RPW][MAXTOK];
 #pragma unroll
-    for (int tk = 0; tk < MAXTOK; ++tk) acc[tk] = 0.f;
-    for (int k = k_lo + 8 * lane; k < k_hi; k += 256) {
-      const U4 av = *reinterpret_cast<const U4*>(la + (long)r * K + k);
-      const u32 aw[4] = {av.x, av.y, av.z, av.w};
+    for (int j = 0; j < LORA_RPW; ++j)
+#pragma unroll
+      for (int tk = 0; tk < MAXTOK; ++tk) acc[j][tk] = 0.f;
+#pragma unroll LORA_K_UNROLL
+    for (int k = k_lo + 8 * lane; k < k_hi; k += 256) lora_shrink_step(x, la, acc, M, K, ldx, r0, r_end, k);
+#pragma unroll
+    for (int j = 0; j < LORA_RPW; ++j) {
+      const int r = r0 + j * NWARPS;
 #pragma unroll
       for (int tk = 0; tk < MAXTOK; ++tk) {
-        if (tk < M) {
-          const U4 xv = load_shared_x(reinterpret_cast<const U4*>(x + (long)tk * ldx + k));
-          const u32 xw[4] = {xv.x, xv.y, xv.z, xv.w};
 #pragma unroll
-          for (int q = 0; q < 4; ++q) {
-            acc[tk] = fmaf(__uint_as_float(aw[q] << 16), __uint_as_float(xw[q] << 16), acc[tk]);
-            acc[tk] = fmaf(__uint_as_float(aw[q] & 0xFFFF0000u), __uint_as_float(xw[q] & 0xFFFF0000u), acc[tk]);
-          }
-        }
+        for (int o = 16; o > 0; o >>= 1) acc[j][tk] += __shfl_xor_sync(0xFFFFFFFFu, acc[j][tk], o);
+        if (lane == 0 && tk < M && r < r_end) lxa[((long)slice * M + tk) * LORA_R + r] = acc[j][tk];
       }
-    }
-#pragma unroll
-    for (int tk = 0; tk < MAXTOK; ++tk) {
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) acc[tk] += __shfl_xor_sync(0xFFFFFFFFu, acc[tk], o);
-      if (lane == 0 && tk < M) lxa[((long)slice * M + tk) * LORA_R + r] = acc[tk];
     }
   }
   __threadfence();

@@ -276,7 +276,7 @@ def kernel_source(cfg: MmaConfig, nb: int, lora_r: int = 0, lora_expand: bool = 
 
 
 LORA_MAX_R = 384  # stacked ranks of a LoRA epilogue: three members of rank 128
-LORA_SLICES = 8  # K-slices (of 256-column multiples) of the LoRA CTAs, each with 16 ranks (mma.cu's LORA_MAX_SLICES)
+LORA_SLICES = 16  # K-slices (of 512-column multiples) of the LoRA CTAs, each with 16 ranks (mma.cu's LORA_MAX_SLICES)
 
 
 @dataclass(frozen=True)
@@ -302,7 +302,7 @@ class LoraEpilogue:
     @staticmethod
     def slices(k: int) -> tuple[int, int]:
         """``(K-slices of the LoRA CTAs, columns per slice)`` at reduction length ``k``."""
-        per_slice = 256 * math.ceil(k / (256 * LORA_SLICES))
+        per_slice = 512 * math.ceil(k / (512 * LORA_SLICES))
         return math.ceil(k / per_slice), per_slice
 
     @staticmethod
