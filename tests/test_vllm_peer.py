@@ -106,8 +106,10 @@ def test_checkpoints_and_adapters_load_as_what_they_claim(tiny, tmp_path):
     quantized = replace_linear_with_nvfp4(tiny_model("llama", dtype=torch.bfloat16))
     nvfp4_dir = write_checkpoint(quantized, "nvfp4", tmp_path / "nvfp4")
     assert is_nvfp4_checkpoint(nvfp4_dir)
-    with pytest.raises(Exception, match="bf16 or nvfp4"):
-        write_checkpoint(tiny, "nf4", tmp_path / "nf4")
+    with pytest.raises(ValueError, match="no bitsandbytes Linear4bit"):
+        write_checkpoint(tiny, "nf4", tmp_path / "nf4")  # a bf16 model: quantize it first
+    with pytest.raises(Exception, match="bf16, nvfp4, nf4"):
+        write_checkpoint(tiny, "fp8", tmp_path / "fp8")
 
     adapters = random_lora(tiny, 4, seed=7)
     folder = write_adapter(adapters, tmp_path / "lora", bf16_dir)
@@ -120,9 +122,9 @@ def test_checkpoints_and_adapters_load_as_what_they_claim(tiny, tmp_path):
     assert loaded.scaling["default"] == pytest.approx(2.0)
 
 
-def _cfg(site, **kw):
+def _cfg(site, weights=("bf16",), **kw):
     return RolloutBenchConfig(models=("smollm2-shape",), batches=(2, 3), prompt_len=8, gen_len=5, lora_ranks=(0, 4),
-                              weights=("bf16",), repeats=2, engines=("kit", "vllm"), vllm_pythonpath=str(site), **kw)
+                              weights=weights, repeats=2, engines=("kit", "vllm"), vllm_pythonpath=str(site), **kw)
 
 
 def test_peer_rows_run_the_same_prompts_adapters_and_lengths(tiny, fake_vllm):
@@ -192,10 +194,63 @@ def test_vllm_failures_become_row_errors(tiny, fake_vllm, monkeypatch):
     assert [r["error"] for r in died["rows"]] == ["vLLM process failed: exit 3"] * 2
     missing = run_runner({"batches": [2], "ranks": [0]}, str(site), python="/nonexistent/python3")
     assert missing["rows"][0]["error"].startswith("vLLM process failed: ")
-    nf4 = run_peer(prepare_peer(tiny, "smollm2-shape", "nf4", cfg), cfg)
-    assert all(r.error.startswith("not run") for r in nf4) and len(nf4) == 4
+    fp8 = run_peer(prepare_peer(tiny, "smollm2-shape", "fp8", cfg), cfg)
+    assert all(r.error.startswith("not run: vLLM peer rows take bf16, nvfp4, nf4") for r in fp8) and len(fp8) == 4
 
 
 def test_engines_are_checked():
     with pytest.raises(ValueError, match="choose from kit, vllm"):
         RolloutBenchConfig(engines=("sglang",))
+
+
+@pytest.fixture(scope="module")
+def tiny_nf4():
+    pytest.importorskip("bitsandbytes", reason="the NF4 base is bitsandbytes' (requirements.txt installs it)")
+    from qerl_lib.models.nf4 import to_nf4
+    from tests.test_engine import tiny_model
+
+    return to_nf4(tiny_model("llama", dtype=torch.bfloat16), torch.device("cpu"), torch.bfloat16)
+
+
+def test_nf4_checkpoint_reloads_as_the_same_nf4_layers(tiny_nf4, tmp_path):
+    """The NF4 peer checkpoint is bitsandbytes' pre-quantized format: transformers (as vLLM) reads its
+    ``quantization_config`` and loads NF4 layers with double quantization holding the kit's own codes, whose
+    outputs equal the kit's layers' bit for bit; nothing is quantized again."""
+    import bitsandbytes as bnb
+    from transformers import AutoModelForCausalLM
+
+    from qerl_lib.models.nf4 import keep_nf4_layout
+
+    folder = write_checkpoint(tiny_nf4, "nf4", tmp_path / "nf4")
+    config = json.loads((folder / "config.json").read_text())["quantization_config"]
+    assert (config["quant_method"], config["bnb_4bit_quant_type"], config["bnb_4bit_use_double_quant"],
+            config["bnb_4bit_compute_dtype"]) == ("bitsandbytes", "nf4", True, "bfloat16")
+    again = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16, device_map={"": "cpu"})
+    keep_nf4_layout(again)
+    g = torch.Generator().manual_seed(1)
+    layers = [(n, m) for n, m in tiny_nf4.named_modules() if isinstance(m, bnb.nn.Linear4bit)]
+    assert len(layers) == 7 * tiny_nf4.config.num_hidden_layers
+    for name, module in layers:
+        loaded = again.get_submodule(name)
+        assert isinstance(loaded, bnb.nn.Linear4bit) and loaded.weight.quant_state.nested, name
+        assert torch.equal(loaded.weight.data, module.weight.data), name  # the same packed codes
+        x = torch.randn(3, module.in_features, generator=g).to(torch.bfloat16)
+        with torch.no_grad():
+            assert torch.equal(loaded(x), module(x)), name
+    assert torch.equal(again.model.embed_tokens.weight, tiny_nf4.model.embed_tokens.weight)
+
+
+def test_nf4_peer_names_its_quantization_and_gives_the_papers_ratio(tiny_nf4, fake_vllm):
+    """vLLM gets the NF4 checkpoint with ``quantization="bitsandbytes"``; the summary divides NVFP4 (the kit's and
+    vLLM's) by vLLM's NF4, the paper's "vs QLoRA" comparison."""
+    site, log = fake_vllm
+    cfg = _cfg(site, weights=("nf4",))
+    rows = run_peer(prepare_peer(tiny_nf4, "smollm2-shape", "nf4", cfg, log=lambda _: None), cfg, log=lambda _: None)
+    assert all(r.error is None and r.weights == "nf4" and r.engine == "vllm" for r in rows) and len(rows) == 4
+    assert _calls(log)[0]["quantization"] == "bitsandbytes"
+    nvfp4 = [Row("smollm2-shape", "nvfp4", 2, 0, "graphs", engine, 8, 5, tok_s=t)
+             for engine, t in (("qerl", 300.0), ("vllm", 150.0))]
+    vllm_nf4 = next(r for r in rows if (r.batch, r.rank) == (2, 0))
+    summary = summarize(nvfp4 + rows)
+    assert summary["kit_nvfp4_over_vllm_nf4_smollm2-shape_b2_r0_p8_g5"] == pytest.approx(300.0 / vllm_nf4.tok_s)
+    assert summary["vllm_nvfp4_over_vllm_nf4_smollm2-shape_b2_r0_p8_g5"] == pytest.approx(150.0 / vllm_nf4.tok_s)

@@ -6,7 +6,8 @@
 # packs the wheels into one tar cut into 40 MiB parts .vlp0 ... .vlp8. On the device, one call right after another
 # while the machine is held:
 #   carry .vlpN alone, run `bash dev/sweeps/vllm_peer_gpu.sh vl N`          (N = 0 ... 7)
-#   carry .vlp8 and .whl, run `bash dev/sweeps/vllm_peer_gpu.sh install start` (or `install start-r16`: the short set)
+#   carry .vlp8 and .whl, run `bash dev/sweeps/vllm_peer_gpu.sh install start` (or `install start-r16`: the short set;
+#   `install start-nf4`: NVFP4 against QLoRA's NF4 in both engines, after bitsandbytes is assembled, see start-nf4)
 #   then `bash dev/sweeps/vllm_peer_gpu.sh poll 560` until it prints "done" (results come back under $OUT).
 # "start" runs the three benchmarks in the background (the whole run is longer than one 10-minute call):
 #   1. nvfp4, batch 8/32/64/128, LoRA rank 0/16, 256 + 1024, fixed lengths, kit then vLLM;
@@ -53,6 +54,23 @@ python3 -m qerl_lib bench rollout "${common[@]}" --weights bf16 --batch 32,64 --
   --json /tmp/bg/kit_fixed_bf16_r16.json > /tmp/bg/log_fixed_bf16.txt 2>&1
 python3 -m qerl_lib bench rollout --merge /tmp/bg/vllm_fixed_nvfp4_r16.json /tmp/bg/kit_fixed_bf16_r16.json \
   --json /tmp/bg/merged.json > /tmp/bg/table.txt 2>&1
+touch /tmp/bg/done
+EOF
+      (nohup setsid bash "$BG/run.sh" > "$BG/run_log.txt" 2>&1 &)
+      echo started ;;
+    start-nf4)  # dev/LOG.md section 53: the paper's Fig. 1 setting (7B, batch 8, 256 + 2048, LoRA r0 / r16), NVFP4 and
+      # QLoRA's NF4 base in both engines. Needs bitsandbytes first: `gpu_job.sh part .bnb0`, `part .bnb1`, then
+      # `bash dev/sweeps/gpu_job.sh assemble` (into /tmp/site_bnb) before `install start-nf4`.
+      mkdir -p "$BG" /tmp/vw
+      cat > "$BG/run.sh" <<'EOF'
+set -uo pipefail
+cd /tmp/kit
+export PYTHONPATH=/tmp/site:/tmp/kit:/tmp/site_bnb PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total --format=csv > /tmp/bg/gpu.txt
+python3 -m qerl_lib bench rollout --models qwen2.5-7b --prompt-len 256 --gen-len 2048 --repeats 2 --no-hf-baseline \
+  --engines kit,vllm --vllm-pythonpath /tmp/vsite:/tmp/site:/tmp/site_bnb --vllm-workdir /tmp/vw \
+  --weights nvfp4,nf4 --batch 8 --lora-rank 0,16 --json /tmp/bg/vllm_nf4_b8.json > /tmp/bg/log_nf4.txt 2>&1
+python3 -m qerl_lib bench rollout --merge /tmp/bg/vllm_nf4_b8.json --json /tmp/bg/merged.json > /tmp/bg/table.txt 2>&1
 touch /tmp/bg/done
 EOF
       (nohup setsid bash "$BG/run.sh" > "$BG/run_log.txt" 2>&1 &)

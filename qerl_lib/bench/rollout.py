@@ -511,7 +511,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "kernels/lora.py's two launches per group")
     p.add_argument("--engines", type=names, default=("kit",),
                    help="kit and/or vllm: vLLM 0.24 on the same checkpoint, prompts and GPU, in its own process "
-                        "(bench/vllm_peer.py; bf16 and nvfp4 weights)")
+                        "(bench/vllm_peer.py; bf16, nvfp4 and nf4 weights; nf4 needs bitsandbytes on --vllm-pythonpath)")
     p.add_argument("--vllm-pythonpath", default=None,
                    help="PYTHONPATH of the vLLM process, e.g. /tmp/vsite:/tmp/site (default: this process's)")
     p.add_argument("--vllm-workdir", default=None, help="folder for the checkpoint vLLM loads (default: temp)")

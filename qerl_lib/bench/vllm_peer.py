@@ -1,8 +1,10 @@
 """vLLM as a peer in `qerl bench rollout --engines kit,vllm`: same checkpoint, same prompts, same GPU, same run.
 
 For each model and weights the kit has just timed, it writes what vLLM needs to serve the very same
-model: the checkpoint (bf16 ``save_pretrained``, or NVFP4A16 in compressed-tensors format through
-``models.checkpoint.save_nvfp4_checkpoint``, which vLLM runs on its Marlin FP4 kernels) and, per
+model: the checkpoint (bf16 ``save_pretrained``; NVFP4A16 in compressed-tensors format through
+``models.checkpoint.save_nvfp4_checkpoint``, which vLLM runs on its Marlin FP4 kernels; or QLoRA's NF4 base as
+a bitsandbytes pre-quantized checkpoint through ``models.nf4.save_nf4_checkpoint``, the kit's own NF4 codes,
+which vLLM serves through its bitsandbytes path, as the paper's QLoRA rollouts ran) and, per
 LoRA rank, a peft adapter folder with the adapters the kit's rows used (``bench.rollout.random_lora``,
 same seed). It then frees its own GPU memory and starts ``bench/vllm_runner.py`` in a separate
 process under vLLM's packages, which returns one row per (batch, rank) with ``"engine": "vllm"``.
@@ -15,8 +17,8 @@ the batch it keeps ``batch`` sequences running and admits queued prompts as othe
 what the kit's ``continuous`` rows do (its engine's concurrency cap is fixed at start, so such a
 comparison takes one batch size). Its engine start (compilation, graph capture) is outside the
 timing, as the kit's warm-up is. Peak memory is not comparable (vLLM
-reserves ``gpu_memory_utilization`` of the GPU up front) and is left empty. NF4 (bitsandbytes)
-is not offered to vLLM: its rows would time vLLM's bitsandbytes path, not QLoRA's.
+reserves ``gpu_memory_utilization`` of the GPU up front) and is left empty. vLLM's NF4 rows need
+bitsandbytes on ``--vllm-pythonpath`` as well.
 """
 
 from __future__ import annotations
@@ -33,22 +35,27 @@ import torch
 from qerl_lib.errors import UserError
 
 ENGINES = ("kit", "vllm")
-PEER_WEIGHTS = ("bf16", "nvfp4")
+PEER_WEIGHTS = ("bf16", "nvfp4", "nf4")
+VLLM_QUANTIZATION = {"nf4": "bitsandbytes"}  # LLM(quantization=...) where the checkpoint's format needs naming
 RUNNER = Path(__file__).with_name("vllm_runner.py")
 PEER_ENV = {"VLLM_USE_FLASHINFER_SAMPLER": "0", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
 def write_checkpoint(model, weights: str, folder: str | Path) -> Path:
-    """The model as a checkpoint vLLM loads: bf16 safetensors, or compressed-tensors NVFP4A16."""
+    """The model as a checkpoint vLLM loads: bf16 safetensors, compressed-tensors NVFP4A16, or bitsandbytes NF4."""
     folder = Path(folder)
     if weights == "nvfp4":
         from qerl_lib.models.checkpoint import save_nvfp4_checkpoint
 
         return save_nvfp4_checkpoint(model, folder, force=True)
+    if weights == "nf4":
+        from qerl_lib.models.nf4 import save_nf4_checkpoint
+
+        return save_nf4_checkpoint(model, folder, force=True)
     if weights == "bf16":
         model.save_pretrained(folder, safe_serialization=True)
         return folder
-    raise UserError(f"vLLM peer rows take weights {' or '.join(PEER_WEIGHTS)}, not {weights!r}")
+    raise UserError(f"vLLM peer rows take weights {', '.join(PEER_WEIGHTS)}, not {weights!r}")
 
 
 def write_adapter(adapters: dict, folder: str | Path, base_dir: str | Path) -> Path:
@@ -128,7 +135,8 @@ def prepare_peer(model, name: str, weights: str, cfg, log=print) -> dict:
                     "prompts": random_prompts(n, cfg.prompt_len, model.config.vocab_size, cfg.seed),
                     "lengths": sample_lengths(cfg.workload, n, cfg.gen_len, cfg.seed), "rollout_prompts": cfg.prompts,
                     "repeats": cfg.repeats, "seed": cfg.seed,
-                    "gpu_memory_utilization": cfg.vllm_gpu_memory_utilization}
+                    "gpu_memory_utilization": cfg.vllm_gpu_memory_utilization,
+                    "quantization": VLLM_QUANTIZATION.get(weights)}
     return peer
 
 
@@ -147,7 +155,7 @@ def run_peer(peer: dict, cfg, log=print) -> list:
                    prompts=cfg.prompts, scheduling="continuous" if queued else "static", **kw)
 
     if peer["spec"] is None:
-        return [row(b, r, error=f"not run: vLLM peer rows take {' or '.join(PEER_WEIGHTS)}")
+        return [row(b, r, error=f"not run: vLLM peer rows take {', '.join(PEER_WEIGHTS)}")
                 for b in cfg.batches for r in cfg.lora_ranks]
     try:
         log(f"{name} {weights}: vLLM (its engine start takes minutes) ...")

@@ -5,7 +5,8 @@
 It runs under vLLM's own packages (``--vllm-pythonpath``: vLLM pins its own compressed-tensors,
 which must not meet the kit's), so it imports only the standard library and vLLM, never
 ``qerl_lib``. ``SPEC.json`` (written by ``bench/vllm_peer.py``): the checkpoint folder the kit
-wrote, the prompts as token ids, batches, LoRA ranks with their adapter folders, lengths, repeats.
+wrote (and ``quantization`` where its format needs naming), the prompts as token ids, batches, LoRA ranks with
+their adapter folders, lengths, repeats.
 One ``LLM`` serves every (batch, rank) of the checkpoint (engine start with compilation and CUDA
 graphs takes minutes, so it is paid once); each pair gets one untimed warm-up call, then
 ``repeats`` timed ``generate`` calls at temperature 1 with ``ignore_eos``: the first
@@ -41,9 +42,10 @@ def run(spec: dict) -> dict:
 
         max_rank = max([r for r in spec["ranks"] if r] or [0])
         lora_kw = dict(enable_lora=True, max_lora_rank=max_rank, max_loras=1) if max_rank else {}
+        quant_kw = {"quantization": spec["quantization"]} if spec.get("quantization") else {}  # bitsandbytes: NF4
         llm = LLM(model=spec["model_dir"], dtype="bfloat16", max_model_len=spec["prompt_len"] + spec["gen_len"],
                   max_num_seqs=max(spec["batches"]), gpu_memory_utilization=spec["gpu_memory_utilization"],
-                  skip_tokenizer_init=True, seed=spec["seed"], **lora_kw)
+                  skip_tokenizer_init=True, seed=spec["seed"], **lora_kw, **quant_kw)
     except Exception as exc:  # noqa: BLE001 -- no engine: every row carries why
         traceback.print_exc()
         return {"vllm": None, "rows": [{"batch": b, "rank": r, "error": _error(exc)} for b, r in pairs]}
