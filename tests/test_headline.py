@@ -109,3 +109,15 @@ def test_kernel_summaries_read_the_committed_files():
     assert rollout["fp4_kernel_hashes"] and rollout["targets"]
     with pytest.raises(ValueError, match="no 'fp8' rows"):
         kernel.step_split({"rows": [{"weights": "nvfp4"}]}, weights="fp8")
+
+
+def test_nf4_row_compares_within_the_kits_engine(results_copy):
+    """vLLM rows merged into the NF4 file (``--engines kit,vllm``) do not enter the kit's NVFP4 / NF4 ratio."""
+    before = headline._rollout_nf4_row(results_copy)
+
+    def add_vllm(doc):
+        fast = [dict(r, engine="vllm", tok_s=r["tok_s"] * 10) for r in doc["rows"] if r["weights"] == "nf4"]
+        doc["rows"] += fast
+
+    _edit(results_copy / "rollout_nf4_h200.json", add_vllm)
+    assert headline._rollout_nf4_row(results_copy) == before

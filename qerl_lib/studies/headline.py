@@ -278,7 +278,8 @@ def _rollout_14b_row(results_dir) -> tuple:
 def _rollout_nf4_row(results_dir) -> tuple:
     file = "rollout_nf4_h200.json"
     doc = load_result(results_dir, file)
-    rows = [r for r in _rows(doc, file, ROLLOUT_KEYS) if r["error"] is None and r["model"] == "qwen2.5-7b"]
+    rows = [r for r in _rows(doc, file, ROLLOUT_KEYS)
+            if r["error"] is None and r["model"] == "qwen2.5-7b" and r["engine"] == "qerl"]  # the kit's engine only
     cases = sorted({(r["batch"], r["rank"], r["gen_len"]) for r in rows if r["weights"] == "nf4"})
     if not cases:
         raise ResultsError(f"{file}: no NF4 row measured")
