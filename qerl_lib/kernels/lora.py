@@ -68,7 +68,8 @@ same launch (``GroupPlan.epilogue()``, ``kernels/mma.cu`` "LoRA"), so neither ke
 launch only makes ``xa`` beside its tiles (``GroupPlan.epilogue(expand=False)``; ``QERL_LORA_SHRINK_IN_GEMM=1``),
 and the expand here follows it (``given_xa``): the NVFP4 counterpart of the bf16 base's A rows, one launch a
 group instead of two. Off by default: on an H200 its LoRA CTAs still add ~3 us to each GEMM launch, where the
-shrink here runs beside the GEMM; at 7B the step came out 2-4% slower at ranks 16 and 32 and 3% faster at 64.
+shrink here runs beside the GEMM; at 7B the step came out 2-4% slower at ranks 16 and 32 and 3% faster at 64
+(dev/LOG.md sections 50-51).
 
 Where we deviate from vLLM (the paper's engine): vLLM's punica kernels (SGMV/BGMV shrink and
 expand) serve many adapters per batch through an index per token; here one adapter serves the

@@ -150,7 +150,7 @@ __device__ __forceinline__ u16 epilogue(float acc, float factor, const u16* bias
 
 #if LORA_R > 0
 #define LORA_RB 16          // ranks per LoRA CTA
-#define LORA_MAX_SLICES 16  // K-slices of the LoRA CTAs (mma.py's LORA_SLICES)
+// LORA_MAX_SLICES: the most K-slices of the LoRA CTAs, defined by kernel_source (mma.py's LORA_SLICES)
 #define LORA_RPW ((LORA_RB + NWARPS - 1) / NWARPS)  // ranks per warp, all at once
 #if LORA_RPW >= 4
 #define LORA_K_UNROLL 1     // 4 ranks' loads already in flight; two steps' would outgrow the wide shapes' registers

@@ -270,13 +270,13 @@ def kernel_source(cfg: MmaConfig, nb: int, lora_r: int = 0, lora_expand: bool = 
     defines = (f"#define T_TILES {cfg.tiles}\n#define WARPS_R {cfg.warps_r}\n#define WARPS_K {cfg.warps_k}\n"
                f"#define NB {nb}\n#define DEPTH {cfg.depth}\n#define MIN_CTAS {cfg.min_ctas}\n"
                f"#define PREFETCH {cfg.prefetch}\n#define L2_HINT {cfg.l2_hint}\n#define LORA_R {lora_r}\n"
-               f"#define LORA_EXPAND {int(lora_expand)}\n"
+               f"#define LORA_EXPAND {int(lora_expand)}\n#define LORA_MAX_SLICES {LORA_SLICES}\n"
                f"#define KERNEL_NAME {kernel_name(cfg, nb, lora_r, lora_expand)}\n")
     return defines + SOURCE_PATH.read_text()
 
 
 LORA_MAX_R = 384  # stacked ranks of a LoRA epilogue: three members of rank 128
-LORA_SLICES = 16  # K-slices (of 512-column multiples) of the LoRA CTAs, each with 16 ranks (mma.cu's LORA_MAX_SLICES)
+LORA_SLICES = 16  # the most K-slices (of 512 columns or a multiple) of the LoRA CTAs, each with 16 ranks
 
 
 @dataclass(frozen=True)
