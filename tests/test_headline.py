@@ -112,12 +112,27 @@ def test_kernel_summaries_read_the_committed_files():
 
 
 def test_nf4_row_compares_within_the_kits_engine(results_copy):
-    """vLLM rows merged into the NF4 file (``--engines kit,vllm``) do not enter the kit's NVFP4 / NF4 ratio."""
-    before = headline._rollout_nf4_row(results_copy)
+    """Faster vLLM NF4 rows do not enter the kit's NVFP4 / NF4 ratio (the first NF4 row), only the vLLM row."""
+    before = headline._rollout_nf4_rows(results_copy)
 
-    def add_vllm(doc):
-        fast = [dict(r, engine="vllm", tok_s=r["tok_s"] * 10) for r in doc["rows"] if r["weights"] == "nf4"]
-        doc["rows"] += fast
+    def faster_vllm(doc):
+        for r in doc["rows"]:
+            if r["weights"] == "nf4" and r["engine"] == "vllm":
+                r["tok_s"] *= 10
 
-    _edit(results_copy / "rollout_nf4_h200.json", add_vllm)
-    assert headline._rollout_nf4_row(results_copy) == before
+    _edit(results_copy / "rollout_nf4_h200.json", faster_vllm)
+    after = headline._rollout_nf4_rows(results_copy)
+    assert after[0] == before[0] and after[1] != before[1]
+
+
+def test_nf4_vllm_row_is_computed_from_the_served_rows(results_copy):
+    """The vLLM NF4 row: both ratios from the file's rows; without vLLM rows only the kit's row remains."""
+    doc = json.loads((results_copy / "rollout_nf4_h200.json").read_text())
+    tok = {(r["engine"], r["weights"], r["rank"]): r["tok_s"] for r in doc["rows"] if r["batch"] == 8}
+    quantity, value, _, _ = headline._rollout_nf4_rows(results_copy)[1]
+    assert "vLLM" in quantity and "r0" in quantity and "r16" in quantity
+    for rank in (0, 16):
+        assert f"{tok['vllm', 'nvfp4', rank] / tok['vllm', 'nf4', rank]:.2f}×" in value
+        assert f"{tok['qerl', 'nvfp4', rank] / tok['vllm', 'nf4', rank]:.2f}×" in value
+    _edit(results_copy / "rollout_nf4_h200.json", lambda d: d.update(rows=[r for r in d["rows"] if r["engine"] != "vllm"]))
+    assert len(headline._rollout_nf4_rows(results_copy)) == 1

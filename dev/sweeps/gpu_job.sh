@@ -2,7 +2,7 @@
 # One background job on the device machine, from the repository root, carrying .whl (the machine goes back
 # 30 s after a call ends, so long work runs detached and is polled):
 #   bash dev/sweeps/gpu_job.sh start 'python3 -m pytest -q -m cuda tests/x.py > $OUT/x.log 2>&1; python3 dev/sweeps/y.py > $OUT/y.log 2>&1'
-#   bash dev/sweeps/gpu_job.sh poll 560    # waits up to 560 s; copies what is done to $OUT (default /tmp/out)
+#   bash dev/sweeps/gpu_job.sh poll 560    # waits up to 560 s; what is done so far comes back as $OUT/job.tgz
 # The commands run in a copy of the tree with PYTHONPATH set and OUT pointing at the job's output folder;
 # device.txt (nvidia-smi) is written first. Poll again at once until it prints FINISHED.
 # `qerl bench train` also needs bitsandbytes (the presets' 8-bit AdamW) and the embedded model (its tokenizer); with
@@ -30,7 +30,8 @@ case "${1:-}" in
   poll)
     end=$((SECONDS + ${2:-560}))
     while [ ! -f $JOB/out/DONE ] && [ $SECONDS -lt $end ]; do sleep 10; done
-    mkdir -p "$OUT" && cp $JOB/out/* "$OUT"/ 2>/dev/null || true
+    # one tarball of everything so far (the device tool brings back a limited number of files), DONE beside it
+    mkdir -p "$OUT" && tar czf "$OUT/job.tgz" -C $JOB/out . && { [ ! -f $JOB/out/DONE ] || cp $JOB/out/DONE "$OUT"/; }
     for f in $JOB/out/*.log; do [ -f "$f" ] && { echo "== $(basename $f)"; tail -4 "$f"; }; done
     [ -f $JOB/out/DONE ] && echo FINISHED || echo RUNNING ;;
   parts)  # here

@@ -2,11 +2,11 @@
 # GPU run of `qerl bench rollout --engines kit,vllm` for #17: the kit's engine and vLLM 0.24 on the same random-weight
 # Qwen2.5-7B checkpoints, prompts, adapters and lengths, one after the other on one H100.
 # Set-up (../shared/gpu/vllm/README.md): `bash ../shared/gpu/vllm/prepare.sh` here fills .vl1 ... .vl7 (56 MiB each,
-# which with this tree's ~20 MB pass the 64 MiB a call carries), then `bash dev/sweeps/vllm_peer_gpu.sh split` here
-# packs the wheels into one tar cut into 40 MiB parts .vlp0 ... .vlp8. On the device, one call right after another
+# which with this tree's ~24 MB pass the 64 MiB a call carries), then `bash dev/sweeps/vllm_peer_gpu.sh split` here
+# packs the wheels into one tar cut into 34 MiB parts .vlp0 ... .vlp9. On the device, one call right after another
 # while the machine is held:
-#   carry .vlpN alone, run `bash dev/sweeps/vllm_peer_gpu.sh vl N`          (N = 0 ... 7)
-#   carry .vlp8 and .whl, run `bash dev/sweeps/vllm_peer_gpu.sh install start` (or `install start-r16`: the short set;
+#   carry .vlpN alone, run `bash dev/sweeps/vllm_peer_gpu.sh vl N`          (N = 0 ... 9)
+#   carry .whl, run `bash dev/sweeps/vllm_peer_gpu.sh install start` (or `install start-r16`: the short set;
 #   `install start-nf4`: NVFP4 against QLoRA's NF4 in both engines, after bitsandbytes is assembled, see start-nf4)
 #   then `bash dev/sweeps/vllm_peer_gpu.sh poll 560` until it prints "done" (results come back under $OUT).
 # "start" runs the three benchmarks in the background (the whole run is longer than one 10-minute call):
@@ -24,16 +24,16 @@ while [ $# -gt 0 ]; do
     split)  # here, after ../shared/gpu/vllm/prepare.sh
       stage=$(mktemp -d); cp .vl?/* "$stage"/
       (cd "$stage" && cat vlpart.? > "$(cat vllm.name)" && echo "$(cat vllm.sha256)  $(cat vllm.name)" | sha256sum -c &&
-        tar cf vl.tar ./*.whl && split -b 40M -d -a 1 vl.tar vlp.)
+        tar cf vl.tar ./*.whl && split -b 34M -d -a 1 vl.tar vlp.)
       rm -rf .vlp?; for f in "$stage"/vlp.?; do mkdir ".vlp${f##*.}"; mv "$f" ".vlp${f##*.}/p"; done
       last=$(ls -d .vlp? | tail -1); sha256sum "$stage/vl.tar" | cut -d' ' -f1 > "$last/sha256"; rm -rf "$stage"
       grep -qxF "/.vlp?/" "$(git rev-parse --git-dir)/info/exclude" || echo "/.vlp?/" >> "$(git rev-parse --git-dir)/info/exclude"
       du -sh .vlp? ;;
     vl)
-      mkdir -p /tmp/vl && cp ".vlp$2/p" "/tmp/vl/p$2" && ls /tmp/vl; shift ;;
-    install)
-      last=$(ls -d .vlp? | tail -1)
-      cat /tmp/vl/p? "$last/p" > /tmp/vl/vl.tar && echo "$(cat "$last/sha256")  /tmp/vl/vl.tar" | sha256sum -c &&
+      mkdir -p /tmp/vl && cp ".vlp$2/p" "/tmp/vl/p$2" && { [ ! -f ".vlp$2/sha256" ] || cp ".vlp$2/sha256" /tmp/vl/sha256; }
+      ls /tmp/vl; shift ;;
+    install)  # every part sent; the last one brought the tar's sha256
+      cat /tmp/vl/p? > /tmp/vl/vl.tar && echo "$(cat /tmp/vl/sha256)  /tmp/vl/vl.tar" | sha256sum -c &&
         (cd /tmp/vl && tar xf vl.tar && rm vl.tar p? &&
          python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/vsite ./*.whl 2>&1 | tail -2)
       python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>&1 | tail -2

@@ -61,9 +61,10 @@ RESULT_FILES = {
     "rollout_14b_h100.json": "bf16 vs NVFP4 on Qwen2.5-14B shapes, LoRA rank 0 and 32, batch 8, 256 + 2048 tokens "
                              "(2026-11-28, dev/LOG.md section 41, `dev/runs/lora_one_launch_h100_2026-11-28/run3/`; summary "
                              "recomputed by `--merge`)",
-    "rollout_nf4_h200.json": "NVFP4 against QLoRA's base (bitsandbytes NF4) in the kit's engine, one process, "
-                             "random-weight Qwen2.5-7B: batch 8, 256 + 2048 tokens, LoRA rank 0/16; batch 32, "
-                             "256 + 1024, r16 (dev/LOG.md section 50, `dev/runs/nf4_rollout_h200_2026-11-28/`)",
+    "rollout_nf4_h200.json": "NVFP4 against QLoRA's base (bitsandbytes NF4), random-weight Qwen2.5-7B: batch 8, "
+                             "256 + 2048 tokens, LoRA rank 0/16, in the kit's engine and in vLLM 0.24 in one run "
+                             "(dev/LOG.md section 54, `dev/runs/vllm_nf4_h200_2026-11-28/`); batch 32, 256 + 1024, "
+                             "r16, the kit's engine (section 50, `dev/runs/nf4_rollout_h200_2026-11-28/`)",
     "rollout_h200_final.json": "bf16 vs NVFP4 on Qwen2.5-7B/32B shapes, batch 8, 256 + 2048 tokens",
     "rollout_h200_smollm2_final.json": "engine vs `transformers.generate`, SmolLM2 bf16, batch 64, 256 + 512 tokens",
     "rollout_step_breakdown_h200.json": "where a 7B decode step's time goes (kernel time per category, idle time, "
@@ -275,25 +276,42 @@ def _rollout_14b_row(results_dir) -> tuple:
             f"{_x(p_fp / p_bf)})", device_name(doc, file), file)
 
 
-def _rollout_nf4_row(results_dir) -> tuple:
+def _rollout_nf4_rows(results_dir) -> list[tuple]:
+    """NVFP4 / NF4 within the kit's engine; where the file has vLLM's rows too, NVFP4 / NF4 with both served by vLLM
+    and the kit's NVFP4 against vLLM's NF4 (the paper's Fig. 1 QLoRA rollout ran in vLLM)."""
     file = "rollout_nf4_h200.json"
     doc = load_result(results_dir, file)
-    rows = [r for r in _rows(doc, file, ROLLOUT_KEYS)
-            if r["error"] is None and r["model"] == "qwen2.5-7b" and r["engine"] == "qerl"]  # the kit's engine only
-    cases = sorted({(r["batch"], r["rank"], r["gen_len"]) for r in rows if r["weights"] == "nf4"})
-    if not cases:
-        raise ResultsError(f"{file}: no NF4 row measured")
-    ratios, nf4 = [], []
-    for batch, rank, gen in cases:
-        tok = {w: fastest(rows, file, weights=w, batch=batch, rank=rank, gen_len=gen)["tok_s"] for w in ("nvfp4", "nf4")}
-        ratios.append(_x(tok["nvfp4"] / tok["nf4"]))
-        nf4.append(_tok(tok["nf4"]))
+    rows = [r for r in _rows(doc, file, ROLLOUT_KEYS) if r["error"] is None and r["model"] == "qwen2.5-7b"]
     ref = field(doc, "summary", "paper_vllm_h100", file=file)
     p_fp, p_nf = field(ref, "7b_nvfp4_b8", file=file), field(ref, "7b_nf4_b8", file=file)
-    where = " / ".join(f"batch {b} r{k} 256 + {g}" for b, k, g in cases)
-    return (f"rollout, Qwen2.5-7B shapes, same run: NVFP4 / NF4 (QLoRA's base, bitsandbytes) in the kit's engine, "
-            f"{where}", f"{' / '.join(ratios)} (NF4 {' / '.join(nf4)} tok/s) (paper, vLLM on H100, Fig. 1: "
-            f"{_tok(p_fp)} / {_tok(p_nf)} = {_x(p_fp / p_nf)})", device_name(doc, file), file)
+    paper = f"(paper, vLLM on H100, Fig. 1: {_tok(p_fp)} / {_tok(p_nf)} = {_x(p_fp / p_nf)})"
+
+    def cases(engine):
+        return sorted({(r["batch"], r["rank"], r["gen_len"]) for r in rows
+                       if r["weights"] == "nf4" and r["engine"] == engine})
+
+    def tok(engine, weights, batch, rank, gen):
+        return fastest(rows, file, engine=engine, weights=weights, batch=batch, rank=rank, gen_len=gen)["tok_s"]
+
+    kit = cases("qerl")
+    if not kit:
+        raise ResultsError(f"{file}: no NF4 row measured")
+    ratios = [_x(tok("qerl", "nvfp4", *c) / tok("qerl", "nf4", *c)) for c in kit]
+    nf4 = [_tok(tok("qerl", "nf4", *c)) for c in kit]
+    where = " / ".join(f"batch {b} r{k} 256 + {g}" for b, k, g in kit)
+    out = [(f"rollout, Qwen2.5-7B shapes, same run: NVFP4 / NF4 (QLoRA's base, bitsandbytes) in the kit's engine, "
+            f"{where}", f"{' / '.join(ratios)} (NF4 {' / '.join(nf4)} tok/s) {paper}", device_name(doc, file), file)]
+    served = cases("vllm")
+    if served:
+        both = [_x(tok("vllm", "nvfp4", *c) / tok("vllm", "nf4", *c)) for c in served]
+        kit_fp = [_x(tok("qerl", "nvfp4", *c) / tok("vllm", "nf4", *c)) for c in served]
+        nf4 = [_tok(tok("vllm", "nf4", *c)) for c in served]
+        where = " / ".join(f"batch {b} r{k} 256 + {g}" for b, k, g in served)
+        out.append((f"rollout, Qwen2.5-7B shapes, same run: NVFP4 / NF4 both served by vLLM 0.24 (bitsandbytes for "
+                    f"NF4), and the kit's NVFP4 / vLLM's NF4, {where}",
+                    f"vLLM {' / '.join(both)}; kit {' / '.join(kit_fp)} (vLLM NF4 {' / '.join(nf4)} tok/s) {paper}",
+                    device_name(doc, file), file))
+    return out
 
 
 def _fixed_rows(results_dir, file: str):
@@ -470,7 +488,7 @@ def headline_rows(results_dir: str | Path = RESULTS_DIR,
                  *_rollout_ratio_rows(results_dir, "rollout_h200_final.json", paper=False),
                  *_rollout_extra_rows(results_dir),
                  _rollout_14b_row(results_dir),
-                 _rollout_nf4_row(results_dir),
+                 *_rollout_nf4_rows(results_dir),
                  *_vllm_rows(results_dir),
                  _engine_vs_generate(results_dir, "rollout_h100.json"),
                  _engine_vs_generate(results_dir, "rollout_h200_smollm2_final.json")]
