@@ -67,8 +67,10 @@ def _edit(path: Path, change) -> None:
     ("rollout_nf4_h200.json", lambda d: d.update(rows=[r for r in d["rows"] if r["weights"] != "nf4"]),
      "no NF4 row measured"),
     ("rollout_nf4_h200.json", lambda d: d["summary"]["paper_vllm_h100"].pop("7b_nf4_b8"), "['7b_nf4_b8']"),
+    ("gemm_marlin_peer_h200.json", lambda d: [r.update(marlin_ok=False) for r in d["rows"]],
+     "no row with both outputs checked"),
 ], ids=["field in rows", "top-level field", "nested field", "provenance", "no matching row", "no nf4 row",
-        "paper's nf4 number"])
+        "paper's nf4 number", "no checked marlin row"])
 def test_a_missing_field_names_the_file_and_the_field(results_copy, file, change, expected):
     _edit(results_copy / file, change)
     with pytest.raises(ResultsError) as err:
@@ -136,3 +138,19 @@ def test_nf4_vllm_row_is_computed_from_the_served_rows(results_copy):
         assert f"{tok['qerl', 'nvfp4', rank] / tok['vllm', 'nf4', rank]:.2f}×" in value
     _edit(results_copy / "rollout_nf4_h200.json", lambda d: d.update(rows=[r for r in d["rows"] if r["engine"] != "vllm"]))
     assert len(headline._rollout_nf4_rows(results_copy)) == 1
+
+
+def test_marlin_peer_row_spans_the_checked_rows(results_copy):
+    """The peer row's ranges are min-max over the rows whose outputs both matched the oracle, per M."""
+    doc = json.loads((results_copy / "gemm_marlin_peer_h200.json").read_text())
+    ms = sorted({r["m"] for r in doc["rows"]})
+    lowest = {m: min(r["marlin_over_bf16"] for r in doc["rows"] if r["m"] == m) for m in ms}
+    _, value, _, _ = headline._gemm_peer_row(results_copy)
+    assert all(f"{lowest[m]:.2f}×-" in value for m in ms)
+
+    def unchecked_slowest(d):  # the slowest Marlin row at the first M loses its check: it leaves the range
+        slowest = min((r for r in d["rows"] if r["m"] == ms[0]), key=lambda r: r["marlin_over_bf16"])
+        slowest["marlin_ok"] = False
+
+    _edit(results_copy / "gemm_marlin_peer_h200.json", unchecked_slowest)
+    assert f"{lowest[ms[0]]:.2f}×-" not in headline._gemm_peer_row(results_copy)[1]

@@ -61,6 +61,10 @@ RESULT_FILES = {
     "rollout_14b_h100.json": "bf16 vs NVFP4 on Qwen2.5-14B shapes, LoRA rank 0 and 32, batch 8, 256 + 2048 tokens "
                              "(2026-11-28, dev/LOG.md section 41, `dev/runs/lora_one_launch_h100_2026-11-28/run3/`; summary "
                              "recomputed by `--merge`)",
+    "gemm_marlin_peer_h200.json": "the forward FP4 GEMM at M = 1024 and 4096 on the Qwen2.5-7B projection shapes: "
+                                  "cuBLAS bf16, the kit's `fp4_linear` and vLLM 0.24's Marlin FP4, one process, each "
+                                  "output checked against the kit's oracle (dev/LOG.md section 55, "
+                                  "`dev/runs/marlin_peer_h200_2026-11-28/`)",
     "rollout_nf4_h200.json": "NVFP4 against QLoRA's base (bitsandbytes NF4), random-weight Qwen2.5-7B: batch 8, "
                              "256 + 2048 tokens, LoRA rank 0/16, in the kit's engine and in vLLM 0.24 in one run "
                              "(dev/LOG.md section 54, `dev/runs/vllm_nf4_h200_2026-11-28/`); batch 32, 256 + 1024, "
@@ -221,7 +225,23 @@ def _gemm_rows(results_dir) -> list[tuple]:
         (f"FP4 GEMM, best single shape at M ≤ 16 (byte ceiling {ceiling:.2f}×)",
          f"{_x(best['speedup'])} ({short[best_model]} {best['proj']}, M = {best['m']})", dev, file),
         ("FP4 GEMM, training sizes (M ≥ 1024), worst shape, forward / backward: dequantize + cuBLAS", worst, dev, file),
+        _gemm_peer_row(results_dir),
     ]
+
+
+def _gemm_peer_row(results_dir) -> tuple:
+    """The forward FP4 GEMM at training sizes beside vLLM's Marlin FP4, as ranges over the shapes per M."""
+    file = "gemm_marlin_peer_h200.json"
+    doc = load_result(results_dir, file)
+    rows = [r for r in _rows(doc, file, ("m", "kit_over_bf16", "marlin_over_bf16", "ok", "marlin_ok"))
+            if r["ok"] and r["marlin_ok"]]
+    if not (ms := sorted({r["m"] for r in rows})):
+        raise ResultsError(f"{file}: no row with both outputs checked")
+    ranges = {key: " / ".join(f"{_x(min(v))}-{_x(max(v))}" for v in ([r[key] for r in rows if r["m"] == m] for m in ms))
+              for key in ("kit_over_bf16", "marlin_over_bf16")}
+    return (f"FP4 GEMM forward vs cuBLAS bf16, Qwen2.5-7B shapes at M = {' / '.join(map(str, ms))}, beside vLLM "
+            f"{field(doc, 'vllm', file=file)}'s Marlin FP4 in the same process (range over shapes)",
+            f"kit {ranges['kit_over_bf16']}; Marlin {ranges['marlin_over_bf16']}", device_name(doc, file), file)
 
 
 def _rollout_ratio_rows(results_dir, file: str, paper: bool) -> list[tuple]:
