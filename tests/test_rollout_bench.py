@@ -101,3 +101,35 @@ def test_merge_replaces_a_configuration_measured_again_and_keeps_the_rest():
     assert merged["summary"]["lora_overhead_7b_bf16_b8_r16"] == pytest.approx(1 - 1220.0 / 1290.0)
     # rows of one document that share a configuration (e.g. two backends' fastest) all stay
     assert len(merge_results([doc(_row("bf16", 1.0), _row("bf16", 2.0))])["rows"]) == 2
+
+
+def test_merged_adapter_rows_stay_out_of_the_acceptance_checks_and_are_summarized_beside():
+    """``--lora-merge on`` rows (an option that costs a weight copy) never stand in for the default engine's rows
+    in the #17 checks; their overhead against the same setting without an adapter is reported on its own key."""
+    from dataclasses import replace
+
+    from qerl_lib.bench.rollout_report import merge_results
+
+    plain = [_row("bf16", 1300.0, rank=0), _row("bf16", 1222.0, rank=16), _row("nvfp4", 2600.0, rank=0),
+             _row("nvfp4", 2500.0, rank=16)]
+    merged = replace(_row("bf16", 1297.4, rank=16), lora_merged=True)
+    summary = summarize(plain + [merged])
+    assert summary["lora_overhead_7b_bf16_b8_r16"] == pytest.approx(0.06)
+    assert summary["targets"]["lora_overhead_7b_b8_r16"]["value"] == pytest.approx(0.06)
+    assert summary["lora_overhead_merged_7b_bf16_b8_r16_p256_g2048"] == pytest.approx(0.002)
+    assert summary["nvfp4_over_bf16_7b_b8_r16_p256_g2048"] == pytest.approx(2500 / 1222)
+    from dataclasses import asdict
+
+    doc = {"provenance": {}, "config": {}, "rows": [asdict(r) for r in plain + [merged]]}
+    assert len(merge_results([doc, {**doc, "rows": [asdict(merged)]}])["rows"]) == 5  # its own configuration
+
+
+def test_lora_merge_choice_is_checked_and_a_merged_row_runs_on_cpu():
+    from tests.test_engine import tiny_model
+
+    with pytest.raises(ValueError, match="lora_merge must be one or more of off, on"):
+        RolloutBenchConfig(lora_merge=("yes",))
+    model = tiny_model("qwen2", dtype=torch.bfloat16)
+    row = Row("tiny", "bf16", 2, 4, "eager", "qerl", prompt_len=8, gen_len=6, lora_merged=True)
+    row = time_engine(model, row, "eager", random_lora(model, 4), repeats=1, seed=1)
+    assert row.error is None and row.useful_tokens == 12 and row.lora_merged

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import statistics
 import sys
 import time
@@ -93,6 +94,7 @@ class RolloutBenchConfig:
     lora_kernels: bool = True  # adapters through kernels/lora.py (False: one matmul per group + one addmm per member)
     lora_in_gemm: bool = False  # NVFP4 decode GEMMs on the mma.sync kernel add their group's adapters themselves
     lora_fold: str = "auto"  # gate/up's LoRA expand inside SiLU x up: "auto" (above 8 rows), "on", "off"
+    lora_merge: tuple[str, ...] = ("off",)  # "on": bf16 adapters merged into engine-owned copies (engine/merged.py)
     scheduling: tuple[str, ...] = ("static",)  # "static": batches of `batch` prompts; "continuous": `batch` rows refilled
     prompts: int | None = None  # completions per rollout (None: one batch); more than the batch queue for its rows
     engines: tuple[str, ...] = ("kit",)  # "vllm": vLLM on the same checkpoint in its own process (bench/vllm_peer.py)
@@ -124,6 +126,8 @@ class RolloutBenchConfig:
         bad = [x for x in self.scheduling if x not in SCHEDULING]
         if bad or not self.scheduling:
             raise ValueError(f"scheduling must be one or more of {', '.join(SCHEDULING)}, got {list(self.scheduling)}")
+        if not self.lora_merge or set(self.lora_merge) - {"off", "on"}:
+            raise ValueError(f"lora_merge must be one or more of off, on, got {list(self.lora_merge)}")
         if self.lora_fold not in LORA_FOLD:
             raise ValueError(f"lora_fold must be one of {', '.join(LORA_FOLD)}, got {self.lora_fold!r}")
         if self.prompts is not None and self.prompts < 1:
@@ -161,6 +165,7 @@ class Row:
     scheduling: str = "static"  # "static": batches of `batch` prompts in turn; "continuous": `batch` rows, refilled
     prompts: int | None = None  # completions per rollout (None: `batch`)
     schedule: dict | None = None  # continuous rows: refills, refill_prefills, compactions, refill_s (last repeat)
+    lora_merged: bool = False  # the adapters ran merged into engine-owned bf16 copies (RolloutEngine(lora_merge=))
 
 
 # ---- models -------------------------------------------------------------------------------------
@@ -249,7 +254,7 @@ def time_engine(model, row: Row, backend: str, lora, repeats: int, seed: int, fu
     engine = RolloutEngine(model, decode_backend=backend, max_seq_len=row.prompt_len + row.gen_len,
                            fuse_projections=fuse_projections, decode_attention=decode_attention,
                            glue_kernels=glue_kernels, attention_launch=attention_launch, lora_kernels=lora_kernels,
-                           lora_in_gemm=lora_in_gemm, lora_fold=lora_fold)
+                           lora_in_gemm=lora_in_gemm, lora_fold=lora_fold, lora_merge=row.lora_merged)
     row.backend = engine.decode_backend
     prompts = random_prompts(n, row.prompt_len, model.config.vocab_size, seed)
     lengths = sample_lengths(row.workload, n, row.gen_len, seed)
@@ -269,7 +274,9 @@ def time_engine(model, row: Row, backend: str, lora, repeats: int, seed: int, fu
             if not continuous and t.steps != max(caps) - 1:
                 raise RuntimeError(f"expected {max(caps) - 1} decode steps, ran {t.steps}")
             tokens += sum(len(c.token_ids) for c in out)
-            total, decode, prefill = total + t.prefill_s + t.decode_s, decode + t.decode_s, prefill + t.prefill_s
+            # the adapters' load counts (a merged copy is rewritten every call), in the prefill's share
+            total, decode, prefill = (total + t.load_s + t.prefill_s + t.decode_s, decode + t.decode_s,
+                                      prefill + t.load_s + t.prefill_s)
             slot_steps += t.batch * (t.steps + 1) + (t.extra.get("refills", 0) if continuous else 0)
         if tokens != useful:
             raise RuntimeError(f"expected {useful} tokens, the rollout returned {tokens}")
@@ -386,16 +393,17 @@ def run_rollout_bench(cfg: RolloutBenchConfig, log=print, checkpoint=None) -> di
             for batch in cfg.batches if "kit" in cfg.engines else ():
                 for rank in cfg.lora_ranks:
                     lora = random_lora(model, rank, cfg.seed) if rank else None
-                    for backend in cfg.backends:
-                        for scheduling in cfg.scheduling:
-                            rows.append(_measure(
-                                lambda row: time_engine(model, row, backend, lora, cfg.repeats, cfg.seed,
-                                                        cfg.fuse_projections, cfg.decode_attention,
-                                                        lora_kernels=cfg.lora_kernels, lora_in_gemm=cfg.lora_in_gemm,
-                                                        lora_fold=LORA_FOLD[cfg.lora_fold]),
-                                Row(name, weights, batch, rank, backend, "qerl", cfg.prompt_len, cfg.gen_len,
-                                    weights_gib=weights_gib, workload=cfg.workload, scheduling=scheduling,
-                                    prompts=cfg.prompts), log))
+                    # merging is a bf16 base's option with an adapter (NVFP4 and NF4 bases stay unmerged)
+                    merges = [m == "on" for m in cfg.lora_merge if m == "off" or (rank and weights == "bf16")]
+                    for backend, scheduling, merge in itertools.product(cfg.backends, cfg.scheduling, merges):
+                        rows.append(_measure(
+                            lambda row: time_engine(model, row, backend, lora, cfg.repeats, cfg.seed,
+                                                    cfg.fuse_projections, cfg.decode_attention,
+                                                    lora_kernels=cfg.lora_kernels, lora_in_gemm=cfg.lora_in_gemm,
+                                                    lora_fold=LORA_FOLD[cfg.lora_fold]),
+                            Row(name, weights, batch, rank, backend, "qerl", cfg.prompt_len, cfg.gen_len,
+                                weights_gib=weights_gib, workload=cfg.workload, scheduling=scheduling,
+                                prompts=cfg.prompts, lora_merged=merge), log))
                     del lora
                 if name == "smollm2" and weights == "bf16" and cfg.hf_baseline and batch in cfg.hf_batches:
                     gen = cfg.hf_gen_len or cfg.gen_len
@@ -425,7 +433,7 @@ def _document(cfg: RolloutBenchConfig, rows: list[Row], prov: dict) -> dict:
 
 # The modules whose code sets the rollout numbers, relative to qerl_lib/.
 CODE_FILES = ("engine/rollout.py", "engine/forward.py", "engine/cache.py", "engine/adapters.py", "engine/attention.py",
-              "engine/glue.py", "engine/sampling.py", "kernels/pdl.py", "kernels/fp4_gemm.py", "kernels/launch_rule.py",
+              "engine/merged.py", "engine/glue.py", "engine/sampling.py", "kernels/pdl.py", "kernels/fp4_gemm.py", "kernels/launch_rule.py",
               "kernels/splitk.py", "kernels/fp4_wgmma.py", "kernels/fp4_wgmma_producer.py", "kernels/fp4_decode.py",
               "kernels/mma.py", "kernels/mma.cu", "kernels/lora.py", "models/nvfp4_linear.py", "models/fused.py", "models/loader.py",
               "bench/rollout.py")
@@ -506,6 +514,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lora-fold", choices=tuple(LORA_FOLD), default="auto",
                    help="the gate/up group's LoRA expand inside the SiLU x up kernel: auto (above 8 rows, where it "
                         "measured faster on an H100; dev/LOG.md section 29), on, off")
+    p.add_argument("--lora-merge", type=names, default=("off",),
+                   help="on: a bf16 base's adapters merged into engine-owned weight copies for the rollout "
+                        "(engine/merged.py: no adapter launches, one copy of the weights more); off,on: both")
     p.add_argument("--no-lora-kernels", action="store_false", dest="lora_kernels",
                    help="apply adapters with torch matmuls (one per group + one addmm per member) instead of "
                         "kernels/lora.py's two launches per group")
@@ -541,7 +552,7 @@ def run_cli(args) -> int:
                              profile=args.profile, fuse_projections=args.fuse_projections,
                              decode_attention=args.decode_attention, fp4_small_m=args.fp4_small_m,
                              workload=args.workload, lora_kernels=args.lora_kernels, lora_in_gemm=args.lora_in_gemm,
-                             lora_fold=args.lora_fold,
+                             lora_fold=args.lora_fold, lora_merge=args.lora_merge,
                              scheduling=args.scheduling,
                              prompts=args.prompts, engines=args.engines, vllm_pythonpath=args.vllm_pythonpath,
                              vllm_workdir=args.vllm_workdir)

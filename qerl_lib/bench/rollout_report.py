@@ -43,8 +43,11 @@ PAPER_TOK_S = {"7b_bf16_b8": 1641.1, "7b_nvfp4_b8": 2091.8, "14b_bf16_b8": 737.2
 def summarize(rows: list) -> dict:
     """NVFP4/bf16 and NVFP4/NF4 ratios for every (size, batch, rank, lengths) measured both ways, and the acceptance
     criteria, each with its target and whether it was met. Where several backends were measured for
-    one configuration, the fastest counts (the engine uses whichever measures faster)."""
+    one configuration, the fastest counts (the engine uses whichever measures faster). The checks read the
+    default engine's rows: merged-adapter rows (``lora_merged``, an option with a memory cost) are summarized beside
+    them, never in their place."""
     def find(**kw):
+        kw.setdefault("lora_merged", False)
         hits = [r for r in rows if r.error is None and r.tok_s and all(getattr(r, k) == v for k, v in kw.items())]
         return max(hits, key=lambda r: r.tok_s) if hits else None
 
@@ -91,6 +94,13 @@ def summarize(rows: list) -> dict:
                 out[f"lora_overhead_7b_{weights}_b8_r{rank}"] = costs[-1]
         if costs:
             checks.append((f"lora_overhead_7b_b8_r{rank}", max(costs)))
+    for r in rows:  # what a merged bf16 adapter costs, against the same setting without an adapter
+        same = {k: getattr(r, k) for k in CONFIGURATION if k not in ("rank", "lora_merged")}
+        base = find(**same, rank=0) if r.lora_merged else None
+        if base is not None and r.error is None and r.tok_s:
+            size = r.model.removeprefix("qwen2.5-")
+            out[f"lora_overhead_merged_{size}_{r.weights}_b{r.batch}_r{r.rank}_p{r.prompt_len}_g{r.gen_len}"] = \
+                1.0 - r.tok_s / base.tok_s
     for batch in (32, 64):
         found = [v for k, v in out.items() if k.startswith(f"nvfp4_over_bf16_7b_b{batch}_r16_p256_")]
         if found:
@@ -151,7 +161,7 @@ def summarize(rows: list) -> dict:
 
 # what makes two rows the same measurement, for `merge_results`
 CONFIGURATION = ("model", "weights", "batch", "rank", "backend", "engine", "prompt_len", "gen_len", "workload",
-                 "scheduling", "prompts")
+                 "scheduling", "prompts", "lora_merged")
 
 
 def merge_results(docs: list[dict]) -> dict:
@@ -182,7 +192,7 @@ TABLE_COLUMNS = (("model", "", 13), ("weights", "", 7), ("batch", "", 5), ("rank
                  ("backend", "", 12), ("gen_len", "", 7), ("tok_s", ".0f", 9), ("decode_tok_s", ".0f", 12),
                  ("ms_per_step", ".2f", 11), ("ttft_ms", ".0f", 8), ("peak_gib", ".2f", 8),
                  ("weights_gib", ".2f", 11), ("slot_utilization", ".2f", 16), ("scheduling", "", 10),
-                 ("prompts", "", 7))
+                 ("prompts", "", 7), ("lora_merged", "", 11))
 
 
 def format_row(row) -> str:

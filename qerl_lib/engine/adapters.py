@@ -89,7 +89,7 @@ class LoraBuffers:
         self._copies: list[tuple[torch.Tensor, str, str]] = []  # (engine buffer, adapter name, "A" or "B")
         by_layer: dict[int, dict[str, str]] = {}
         for name in adapters:
-            layer, proj = _parse_target(name, view.n_layers)
+            layer, proj = parse_target(name, view.n_layers)
             by_layer.setdefault(layer, {})[proj] = name
         for layer, targets in sorted(by_layer.items()):
             for group, members in PROJECTION_GROUPS.items():
@@ -154,7 +154,7 @@ def _out_features(module) -> int | None:
     return _out_features(base) if base is not None else None
 
 
-def _parse_target(name: str, n_layers: int) -> tuple[int, str]:
+def parse_target(name: str, n_layers: int) -> tuple[int, str]:
     parts = canonical_name(name).split(".")
     ok = (len(parts) == 5 and parts[0] == "model" and parts[1] == "layers" and parts[2].isdigit()
           and parts[4] in PARENT and parts[3] == PARENT[parts[4]] and int(parts[2]) < n_layers)

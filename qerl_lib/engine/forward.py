@@ -39,6 +39,7 @@ parameters are never written. LoRA adapters passed as ``lora=`` get the same tre
 shrink and expand launches after the group's GEMM; above 8 rows the gate/up group's expand is
 instead added by the SiLU * up kernel that reads its output (``lora_fold``, ``engine/glue.py``). A bf16
 group's GEMM also makes ``xa``, without a shrink launch (``engine/adapters.py``; ``QERL_LORA_ROWS=0``: off).
+With ``lora_merge`` a dense group runs one GEMM over an engine-owned merged copy instead (``engine/merged.py``).
 
 Fused projections
 -----------------
@@ -56,16 +57,12 @@ asked (``fuse_elementwise``), prefill and CPU runs the plain ones. With ``glue_k
 default) the norms and SiLU * up run as ``engine/glue.py``'s Triton kernels instead, which let the
 next NVFP4 matmul launch while they run (programmatic dependent launch).
 
-Where an NVFP4 projection's GEMM runs a Gluon kernel (``fp4_gemm.takes_relabeled_x``: 25-128 rows of x on
-the Qwen2.5 shapes, decode batches 32-128), that kernel reads x in its own K relabeling. The kernel that
-produced x (the norms and SiLU * up above, the decode attention for o) then also stores that relabeled copy
-(``relabeled=``, ``out_relabeled=``), so the GEMM needs no permute launch of its own: 2-4 launches fewer per
-layer (``QERL_FP4_RELABEL_X=0`` turns this off; H100, 7B + LoRA r16: +2.0% / +3.0% tokens/s at batch 32 / 64,
-dev/LOG.md section 38). Where a group's FP4 GEMM cuts K into at most 4 slices (down at 24-64 rows, q/k/v and o
-at 25-32), the group's LoRA expand kernel sums its fp32 partials (``kernels/lora.expand_(..., base=)``, same
-bits): one reduction launch fewer per group (H100, 7B + r16: +0.9% / +0.4% tokens/s at batch 32 / 64 for down,
-dev/LOG.md section 39); more slices (the Triton kernel's 7-10 below 25 rows) go to the reduction launch, as the
-expand's few programs summing them lost 3.8%. ``QERL_LORA_SUMS_SPLITS=0`` turns the fold off.
+Where an NVFP4 GEMM runs a Gluon kernel (``fp4_gemm.takes_relabeled_x``: decode batches 32-128 on Qwen2.5),
+it reads x in its own K relabeling, which the kernel that produced x also stores (``relabeled=``,
+``out_relabeled=``): no permute launch (``QERL_FP4_RELABEL_X=0``: off; H100, 7B + r16: +2-3%, dev/LOG.md 38).
+Where a group's FP4 GEMM cuts K into at most 4 slices (down at 24-64 rows, q/k/v and o at 25-32), the group's
+LoRA expand sums its fp32 partials (``kernels/lora.expand_(..., base=)``, same bits): one reduction launch
+fewer (H100, 7B + r16: +0.4-0.9%, dev/LOG.md 39; more slices lost 3.8%). ``QERL_LORA_SUMS_SPLITS=0``: off.
 """
 
 from __future__ import annotations
@@ -78,6 +75,7 @@ import torch.nn.functional as F
 
 from qerl_lib.engine import glue as engine_glue
 from qerl_lib.engine.attention import AttentionLaunch, rope_cache_attention
+from qerl_lib.engine.merged import MergedAdapters
 from qerl_lib.engine.adapters import (LoraAdapter, LoraBuffers, add_lora_torch, canonical_name, gemm_lora_epilogue,
                                       lora_signature, unwrap_model)
 from qerl_lib.kernels import lora as lora_kernels_mod
@@ -192,13 +190,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 def sdpa_attention(q, k, v, mask, scaling, causal):
     """Attention as transformers' sdpa integration computes it, K/V heads shared through ``enable_gqa``.
 
-    transformers repeats K/V for the query heads when a mask is given. On a CPU the kit does not: the
-    result is bit-identical (tests/test_engine.py compares greedy tokens and logits with transformers),
-    and the copies made masked decode attention at the embedded model's shapes, batch 64, ~16x slower
-    (19.2 against 1.2 ms per layer on 2 cores: dev/runs/cpu_tour_2026-11-24/cpu_gqa_attention.json).
-    On CUDA it keeps transformers' repeat: the CUDA prefill was measured that way, and which SDPA
-    kernel a mask with ``enable_gqa`` selects there was not.
-    """
+    transformers repeats K/V for the query heads when a mask is given; on a CPU the kit does not (the same
+    bits, tests/test_engine.py; the copies made masked decode ~16x slower at the embedded model's shapes,
+    dev/runs/cpu_tour_2026-11-24/). On CUDA it keeps the repeat, as its prefill was measured."""
     groups = q.shape[1] // k.shape[1]
     kwargs = {}
     if groups > 1:
@@ -239,8 +233,7 @@ class ForwardPass:
     "kernel" (``engine/attention.py``: one split-KV Triton kernel per layer; CUDA default).
     ``fuse_elementwise``: in the decode step, run the elementwise glue between matmuls through
     ``torch.compile``: residual add + RMSNorm, RoPE of q and k, the attention softmax, SiLU * up.
-    Eagerly these are ~30 kernel launches per layer; fused, ~6. Worth it only inside a CUDA graph,
-    where launches, not Python, are the cost. Prefill always runs the eager functions.
+    ~30 launches a layer eagerly, ~6 fused: worth it inside a CUDA graph. Prefill runs the eager functions.
     ``glue_kernels`` (with ``fuse_elementwise``, on CUDA): the norms and SiLU * up through
     ``engine/glue.py``'s Triton kernels rather than ``torch.compile``. ``attention_launch``: the
     decode-attention kernel's launch shape (``engine.attention.AttentionLaunch``; None:
@@ -250,7 +243,7 @@ class ForwardPass:
     def __init__(self, view: ModelView, decode_attention: str = "sdpa", fuse_elementwise: bool = False,
                  bypass_peft: bool = False, fuse_projections: bool = False, glue_kernels: bool = False,
                  attention_launch: AttentionLaunch | None = None, lora_kernels: bool = False,
-                 lora_in_gemm: bool = False, lora_fold: bool | None = None):
+                 lora_in_gemm: bool = False, lora_fold: bool | None = None, lora_merge: bool = False):
         if decode_attention not in DECODE_ATTENTION:
             raise ValueError(f"decode_attention must be one of {DECODE_ATTENTION}, got {decode_attention!r}")
         self.view = view
@@ -259,15 +252,16 @@ class ForwardPass:
         with torch.no_grad():
             self.norm_weights = [m.weight.detach().clone() for m in view.norm_modules]
         self.lora: LoraBuffers | None = None
+        # lora_merge: dense groups' adapters merged into engine-owned weight copies (engine/merged.py)
+        self.lora_merge, self.merged, self._lora_signature = bool(lora_merge), None, None
         # lora_kernels: adapters through kernels/lora.py's two launches per group (CUDA, <= 256 rows)
         self.lora_kernels = bool(lora_kernels) and lora_kernels_mod.triton is not None and (
             view.device.type == "cuda" or lora_kernels_mod.interpreting())
         # lora_in_gemm: with lora_kernels, an NVFP4 group on the mma.sync path adds its adapters in its own GEMM
-        # (off by default: slower than the two launches of kernels/lora.py on an H100, dev/LOG.md section 25)
+        # (off by default: slower than kernels/lora.py's two launches on an H100, dev/LOG.md section 25)
         self.lora_in_gemm = bool(lora_in_gemm)
-        # lora_fold: with lora_kernels and the glue kernels, the gate/up group's expand is added by SiLU x up;
-        # None: above kernels/lora.FEW_ROWS rows only (H100: -0.7 to -1.3 points of step time at batch 32 / 64,
-        # +6 points at batch 8 r16; dev/LOG.md section 29)
+        # lora_fold: with lora_kernels and the glue kernels, gate/up's expand is added by SiLU x up; None: above
+        # kernels/lora.FEW_ROWS rows only (H100: -0.7 to -1.3 points at batch 32 / 64, +6 at 8; dev/LOG.md 29)
         self.lora_fold = None if lora_fold is None else bool(lora_fold)
         # bypass_peft: call peft's base layers, because the engine applies the adapters itself (lora=...)
         self._groups = [{g: [view.projection(i, p, base=bypass_peft) for p in members]
@@ -332,15 +326,23 @@ class ForwardPass:
     def load_lora(self, adapters: dict[str, LoraAdapter] | None) -> bool:
         """Point the engine at these adapters (copying their values). Returns True when the layout
         changed, which invalidates captured graphs."""
-        if not adapters:
-            changed = self.lora is not None
-            self.lora = None
-            return changed
-        changed = self.lora is None or self.lora.signature != lora_signature(adapters)
+        signature = lora_signature(adapters) if adapters else None
+        changed = signature != self._lora_signature
         if changed:
-            self.lora = LoraBuffers(self.view, adapters, a_rows=self._a_rows if self.lora_rows else None)
-        self.lora.refresh(adapters)
+            self.merged = self.lora = None  # the old copies go before the new ones are allocated
+            self.merged = MergedAdapters(self._groups, adapters) if adapters and self.lora_merge else None
+            rest = {n: a for n, a in (adapters or {}).items() if self.merged is None or n not in self.merged.targets}
+            self.lora = LoraBuffers(self.view, rest, a_rows=self._a_rows if self.lora_rows else None) if rest else None
+            self._lora_signature = signature
+        for buffers in (self.merged, self.lora):
+            if buffers is not None:
+                buffers.refresh(adapters)
         return changed
+
+    def drop_merged(self) -> None:
+        """Free the merged weight copies (``lora_merge``); the next ``load_lora`` builds them again."""
+        if self.merged is not None:
+            self.merged, self._lora_signature = None, None
 
     def _a_rows(self, layer: int, group: str, rank: int) -> torch.Tensor | None:
         """``LoraBuffers``' ``a_rows``: the group re-fused with ``rank`` extra weight rows (bf16 groups only)."""
@@ -399,6 +401,8 @@ class ForwardPass:
         only their shrink runs and the second item is its ``kernels/lora.Shrunk``: the outputs then lack the
         adapters, and the caller's consumer kernel must add the expand (``glue.silu_mul(..., lora=)``).
         ``x_relabeled``: x's relabeled copy, where ``takes_relabeled`` says the group's GEMM reads one."""
+        if self.merged is not None and self.merged.covers(layer, group):  # one GEMM over the merged copy
+            return self.merged.project(layer, group, x), None
         fused, xa_cols = self._fused[layer][group], None  # xa_cols: xa made by the base GEMM's launch
         entry = self.lora.layout.get((layer, group)) if self.lora is not None else None
         plan = self.lora.plans.get((layer, group)) if entry is not None and self.lora_kernels else None

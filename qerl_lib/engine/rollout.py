@@ -99,6 +99,7 @@ class Timing:
     steps: int = 0  # decode steps run (tokens per row after the first)
     batch: int = 0
     extra: dict = field(default_factory=dict)
+    load_s: float = 0.0  # before the prefill: the call's adapters and norm weights copied (merged) into the engine
 
 
 class RolloutEngine:
@@ -130,6 +131,10 @@ class RolloutEngine:
     ``lora_fold``: with those kernels and the glue kernels, the gate/up group's expand is added by the
     SiLU x up kernel instead of a launch of its own (``engine/glue.silu_mul``); default (None): above 8
     rows, where it measured faster on an H100 (slower at batch 8; dev/LOG.md section 29).
+    ``lora_merge``: adapters on dense (bf16) projection groups are merged into engine-owned weight copies,
+    ``round(W + s B A)``, rewritten at every call (``engine/merged.py``): no adapter launches at all, for one
+    copy of those weights in memory (7B: 12.2 GiB) and one pass over them per call. NVFP4 and NF4 groups keep
+    their adapters unmerged. Off by default.
     """
 
     def __init__(self, model, max_seq_len: int | None = None, decode_backend: str = "auto",
@@ -137,7 +142,7 @@ class RolloutEngine:
                  batch_buckets: tuple[int, ...] = BATCH_BUCKETS, check_every: int = 16, keep_alive: bool = True,
                  fuse_projections: bool | None = None, glue_kernels: bool = True,
                  attention_launch: AttentionLaunch | None = None, lora_kernels: bool | None = None,
-                 lora_in_gemm: bool = False, lora_fold: bool | None = None):
+                 lora_in_gemm: bool = False, lora_fold: bool | None = None, lora_merge: bool = False):
         if decode_backend not in DECODE_BACKENDS:
             raise ValueError(f"decode_backend must be one of {DECODE_BACKENDS}, got {decode_backend!r}")
         view = ModelView(model)  # validates the architecture now, not at the first call
@@ -160,6 +165,7 @@ class RolloutEngine:
         self.lora_kernels = (on_cuda and decode_backend != "compile") if lora_kernels is None else bool(lora_kernels)
         self.lora_in_gemm = bool(lora_in_gemm)
         self.lora_fold = None if lora_fold is None else bool(lora_fold)
+        self.lora_merge = bool(lora_merge)
         self.max_seq_len = int(max_seq_len or view.max_positions or 4096)
         self.length_step = int(length_step)
         self.batch_buckets = tuple(batch_buckets)
@@ -208,17 +214,22 @@ class RolloutEngine:
             raise ValueError(f"token ids must be in [0, {view.vocab_size}), got values in [{low}, {top}]")
         stops = view.default_stop_ids if stop_token_ids is None else tuple(int(t) for t in stop_token_ids)
         adapters = _as_adapters(lora)
+        t_load = _now(view.device, timing)
         forward.load_norm_weights(norm_overrides)
         if forward.load_lora(adapters) and self.graphs is not None:
             self.graphs.clear()
+        load_s = _now(view.device, timing) - t_load
         training = [(m, m.training) for m in model.modules()]
         model.eval()  # no dropout in rollouts (peft's LoRA dropout included); restored below
         try:
             with torch.no_grad():
                 if max_batch is not None and len(prompts) > max_batch:
-                    return run_continuous(self, forward, prompts, caps, params, seed, stops, timing, row_seeds,
-                                          int(max_batch))
-                return self._run(forward, prompts, caps, params, seed, stops, timing, row_seeds)
+                    out = run_continuous(self, forward, prompts, caps, params, seed, stops, timing, row_seeds,
+                                         int(max_batch))
+                else:
+                    out = self._run(forward, prompts, caps, params, seed, stops, timing, row_seeds)
+                self.last_timing.load_s = load_s
+                return out
         finally:
             for m, flag in training:
                 m.training = flag
@@ -252,7 +263,12 @@ class RolloutEngine:
             torch.cuda.synchronize(device)
 
     def release(self) -> None:
-        """Free the KV cache and the graphs (GPU memory) until the next call."""
+        """Free the KV cache, the graphs and any merged weight copies (GPU memory) until the next call."""
+        self._free_cache()
+        if self._forward is not None:
+            self._forward.drop_merged()
+
+    def _free_cache(self) -> None:
         self.cache, self._compiled = None, None
         if self.graphs is not None:
             self.graphs.clear()
@@ -271,7 +287,8 @@ class RolloutEngine:
             self._forward = ForwardPass(view, self.decode_attention, fuse_elementwise=fuse, bypass_peft=bypass,
                                         glue_kernels=self.glue_kernels, fuse_projections=self.fuse_projections,
                                         attention_launch=self.attention_launch, lora_kernels=self.lora_kernels,
-                                        lora_in_gemm=self.lora_in_gemm, lora_fold=self.lora_fold)
+                                        lora_in_gemm=self.lora_in_gemm, lora_fold=self.lora_fold,
+                                        lora_merge=self.lora_merge)
             self._signature, self._view = signature, view
         return self._forward
 
@@ -283,7 +300,7 @@ class RolloutEngine:
             rows = batch_bucket(batch, self.batch_buckets)
             length = length_bucket(columns, self.length_step, max(self.max_seq_len, columns))
         if self.cache is None or not self.cache.fits(rows, length):
-            self.release()
+            self._free_cache()  # (not the merged copies: this call's adapters are in them already)
             self.cache = KVCache(view.n_layers, rows, view.n_kv_heads, length, view.head_dim, view.dtype, view.device)
         return self.cache
 

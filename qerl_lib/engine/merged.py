@@ -1,0 +1,138 @@
+"""LoRA merged into an engine-owned copy of a dense base for the rollout: ``y = x (W + s B A)^T``, one GEMM.
+
+Why merge, and why a copy
+-------------------------
+During one rollout the adapter does not change, so for a bf16 (or any dense) base the adapted layer is a plain
+linear layer with the weight ``W + s B A``. Run that way, a decode step is exactly the step without an adapter:
+no shrink, no expand, no extra launch. The unmerged kernels (``engine/adapters.py``, ``kernels/lora.py``) cost a
+bf16 rollout ~6% of its tokens/s at rank 16 (dev/LOG.md sections 46-57), nearly all of it per-launch latency.
+
+TRL's GRPO trainer merges too, before each weight sync to vLLM: ``merge_adapter`` writes ``W += s B A`` into the
+trained model's own base weight and ``unmerge_adapter`` subtracts it again afterwards. In bf16 the pair does not
+give ``W`` back bit for bit, so the frozen base drifts a little at every step. Here the base is never written: the
+engine owns one merged copy per projection group, ``round(W + s B A)`` (the sum in float32, rounded once to the
+weight's dtype), and ``refresh`` rewrites it in place at every ``generate`` call, so captured CUDA graphs keep
+reading the same addresses and each rollout samples from the adapter as it is now.
+
+What it costs (``RolloutEngine(lora_merge=True)``; off by default)
+------------------------------------------------------------------
+* Memory: a second copy of every merged group's weights. Qwen2.5-7B with adapters on all seven projections:
+  6.53 B parameters, 12.2 GiB in bf16. At 32B (61 GiB of base) the copy does not fit beside it on one 80 GB GPU.
+  ``RolloutEngine.release()`` frees the copies with the KV cache; the next call rebuilds them.
+* Time: each ``generate`` reads every merged weight and writes its copy (a few ms at 7B on an H100, in every timed
+  rollout of ``qerl bench rollout``).
+* Numerics: the sampled distribution differs from the unmerged engine's by bf16 rounding only (both approximate the
+  same float32 function: one rounds the merged weight, the other the base output, ``x A^T`` and the sum). Rollout
+  logprobs then sit a rounding further from the trainer's unmerged forward.
+
+Where this deviates from the paper: QeRL's point is that an NVFP4 base *cannot* be merged (its 4-bit codes are the
+frozen policy; merging would re-quantize it, dev/LOG.md section 58), so its adapters always run unmerged. Groups
+whose members are not plain ``nn.Linear`` (NVFP4, bitsandbytes NF4) are left to the unmerged path; so is any
+projection group without an adapter, which keeps running on the base weights.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from qerl_lib.engine.adapters import LoraAdapter, parse_target
+from qerl_lib.models.fused import PROJECTION_GROUPS
+
+ROWS_PER_PASS = 4096  # weight rows merged per float32 temporary (bounds it to ROWS_PER_PASS x in_features x 4 bytes)
+
+
+class MergedAdapters:
+    """Per (layer, group) with an adapter on a dense base: the merged weight ``[sum of N, K]`` and bias.
+
+    ``groups``: the engine's ``[{group: [base modules]}]`` per layer (``ForwardPass._groups``). ``targets``: the
+    adapter names this object merged (the caller runs the rest unmerged)."""
+
+    def __init__(self, groups: list[dict[str, list[nn.Module]]], adapters: dict[str, LoraAdapter]):
+        by_layer: dict[int, dict[str, str]] = {}
+        for name in adapters:
+            layer, proj = parse_target(name, len(groups))
+            by_layer.setdefault(layer, {})[proj] = name
+        # (layer, group) -> (weight copy, bias copy or None, [(member module, row start, adapter name or None)])
+        self.layout: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor | None, list]] = {}
+        self.targets: set[str] = set()
+        for layer, named in sorted(by_layer.items()):
+            for group, names in PROJECTION_GROUPS.items():
+                members = groups[layer][group]
+                if not any(p in named for p in names) or not all(type(m) is nn.Linear for m in members):
+                    continue
+                k = members[0].in_features
+                if any(m.in_features != k for m in members):
+                    continue
+                rows = sum(m.out_features for m in members)
+                first = members[0].weight
+                weight = _allocate((rows, k), first, sum(m.weight.numel() for m in members))
+                has_bias = [m.bias is not None for m in members]
+                bias = torch.zeros(rows, dtype=first.dtype, device=first.device) if any(has_bias) else None
+                placed, start = [], 0
+                for m, p in zip(members, names):
+                    adapter = named.get(p)
+                    if adapter is not None:
+                        a = adapters[adapter]
+                        if a.A.shape[1] != k or a.B.shape[0] != m.out_features:
+                            raise ValueError(f"LoRA {adapter}: A {tuple(a.A.shape)} / B {tuple(a.B.shape)} do not fit "
+                                             f"the layer's weight {tuple(m.weight.shape)} (A [rank, {k}], "
+                                             f"B [{m.out_features}, rank])")
+                        self.targets.add(adapter)
+                    placed.append((m, start, adapter))
+                    start += m.out_features
+                self.layout[(layer, group)] = (weight, bias, placed)
+
+    def refresh(self, adapters: dict[str, LoraAdapter]) -> None:
+        """Rewrite every copy in place: ``round(W + scale * B @ A)`` from the base's and the adapters' current
+        values (float32 sum, one rounding), the base's own rows where a member has no adapter."""
+        with torch.no_grad():
+            for weight, bias, placed in self.layout.values():
+                for module, start, name in placed:
+                    rows = module.out_features
+                    target = weight[start:start + rows]
+                    if name is None:
+                        target.copy_(module.weight)
+                    else:
+                        merge_into(target, module.weight, adapters[name])
+                    if bias is not None:
+                        if module.bias is None:
+                            bias[start:start + rows].zero_()
+                        else:
+                            bias[start:start + rows].copy_(module.bias)
+
+    def covers(self, layer: int, group: str) -> bool:
+        return (layer, group) in self.layout
+
+    def project(self, layer: int, group: str, x: torch.Tensor) -> list[torch.Tensor]:
+        """The group's members' outputs for ``x``, from one GEMM over the merged copy."""
+        weight, bias, placed = self.layout[(layer, group)]
+        full = F.linear(x, weight, bias)
+        return list(full.split([m.out_features for m, _, _ in placed], dim=-1))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(w.numel() * w.element_size() + (b.numel() * b.element_size() if b is not None else 0)
+                   for w, b, _ in self.layout.values())
+
+
+def merge_into(out: torch.Tensor, weight: torch.Tensor, adapter: LoraAdapter) -> torch.Tensor:
+    """``out <- round(weight + scale * B @ A)``: the sum in float32, rounded once to ``out``'s dtype, a block of
+    ``ROWS_PER_PASS`` rows at a time (``out`` may be ``weight`` itself)."""
+    a = adapter.A.to(device=out.device, dtype=torch.float32)
+    b = adapter.B.to(device=out.device, dtype=torch.float32)
+    scale = float(adapter.scale)
+    for i in range(0, out.shape[0], ROWS_PER_PASS):
+        j = min(i + ROWS_PER_PASS, out.shape[0])
+        out[i:j].copy_(torch.addmm(weight[i:j].float(), b[i:j], a, alpha=scale))
+    return out
+
+
+def _allocate(shape: tuple[int, int], like: torch.Tensor, numel: int) -> torch.Tensor:
+    try:
+        return torch.empty(shape, dtype=like.dtype, device=like.device)
+    except torch.OutOfMemoryError as e:  # one line that names the fix, not a bare allocator message
+        raise torch.OutOfMemoryError(
+            f"lora_merge: no room for a merged copy of {shape[0]} x {shape[1]} weights ({numel * like.element_size() / 2**30:.2f} "
+            "GiB more per group): roll out with lora_merge=False (the adapters then run unmerged)") from e
