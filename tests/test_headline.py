@@ -69,8 +69,10 @@ def _edit(path: Path, change) -> None:
     ("rollout_nf4_h200.json", lambda d: d["summary"]["paper_vllm_h100"].pop("7b_nf4_b8"), "['7b_nf4_b8']"),
     ("gemm_marlin_peer_h200.json", lambda d: [r.update(marlin_ok=False) for r in d["rows"]],
      "no row with both outputs checked"),
+    ("rollout_lora_merge_h200.json", lambda d: [r.update(lora_merged=False) for r in d["rows"]],
+     "no row with lora_merged true"),
 ], ids=["field in rows", "top-level field", "nested field", "provenance", "no matching row", "no nf4 row",
-        "paper's nf4 number", "no checked marlin row"])
+        "paper's nf4 number", "no checked marlin row", "no merged row"])
 def test_a_missing_field_names_the_file_and_the_field(results_copy, file, change, expected):
     _edit(results_copy / file, change)
     with pytest.raises(ResultsError) as err:
@@ -154,3 +156,18 @@ def test_marlin_peer_row_spans_the_checked_rows(results_copy):
 
     _edit(results_copy / "gemm_marlin_peer_h200.json", unchecked_slowest)
     assert f"{lowest[ms[0]]:.2f}×-" not in headline._gemm_peer_row(results_copy)[1]
+
+
+def test_merge_row_is_each_cost_against_its_own_batchs_rank_0_row(results_copy):
+    """The merged and unmerged costs come from the rows: each against the rank-0 row at its batch and length, and
+    the peak difference from the same pairs."""
+    doc = json.loads((results_copy / "rollout_lora_merge_h200.json").read_text())
+    tok = {(r["batch"], r["rank"], r["lora_merged"]): r["tok_s"] for r in doc["rows"]}
+    quantity, value, device, _ = headline._rollout_merge_row(results_copy)
+    assert device == "H200" and "batch 32 r16 256 + 1024" in quantity
+    for (batch, rank, merged), t in tok.items():
+        if rank:
+            assert f"{100 * (1 - t / tok[batch, 0, False]):.1f}%" in value, (batch, rank, merged)
+    _edit(results_copy / "rollout_lora_merge_h200.json",
+          lambda d: [r.update(tok_s=r["tok_s"] / 2) for r in d["rows"] if r["lora_merged"]])
+    assert "merged 50.1% / 50.1% / 50.2%" in headline._rollout_merge_row(results_copy)[1]

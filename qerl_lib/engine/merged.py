@@ -19,8 +19,9 @@ What it costs (``RolloutEngine(lora_merge=True)``; off by default)
 * Memory: a second copy of every merged group's weights. Qwen2.5-7B with adapters on all seven projections:
   6.53 B parameters, 12.2 GiB in bf16. At 32B (61 GiB of base) the copy does not fit beside it on one 80 GB GPU.
   ``RolloutEngine.release()`` frees the copies with the KV cache; the next call rebuilds them.
-* Time: each ``generate`` reads every merged weight and writes its copy (a few ms at 7B on an H100, in every timed
-  rollout of ``qerl bench rollout``).
+* Time: each ``generate`` reads every merged weight and writes its copy (7B on an H200: ~60 ms with float32
+  temporaries, the path for float32 adapters; one ``addmm`` pass where adapters and base share a dtype), counted
+  in every timed rollout of ``qerl bench rollout``.
 * Numerics: the sampled distribution differs from the unmerged engine's by bf16 rounding only (both approximate the
   same float32 function: one rounds the merged weight, the other the base output, ``x A^T`` and the sum). Rollout
   logprobs then sit a rounding further from the trainer's unmerged forward.
@@ -118,8 +119,14 @@ class MergedAdapters:
 
 
 def merge_into(out: torch.Tensor, weight: torch.Tensor, adapter: LoraAdapter) -> torch.Tensor:
-    """``out <- round(weight + scale * B @ A)``: the sum in float32, rounded once to ``out``'s dtype, a block of
-    ``ROWS_PER_PASS`` rows at a time (``out`` may be ``weight`` itself)."""
+    """``out <- round(weight + scale * B @ A)``: the sum in float32, rounded once to ``out``'s dtype (``out`` may be
+    ``weight`` itself). On CUDA, with A, B, the weight and ``out`` of one dtype, one cuBLAS ``addmm`` does exactly
+    that (products and sums in float32, ``alpha * BA + W`` rounded once; K is the rank, so no split-K): it reads and
+    writes each weight once. Otherwise float32 temporaries of ``ROWS_PER_PASS`` rows at a time."""
+    if out.is_cuda and adapter.A.dtype == adapter.B.dtype == weight.dtype == out.dtype and out.dtype != torch.float32:
+        if out.data_ptr() == weight.data_ptr():
+            return out.addmm_(adapter.B, adapter.A, alpha=float(adapter.scale))
+        return torch.addmm(weight, adapter.B, adapter.A, alpha=float(adapter.scale), out=out)
     a = adapter.A.to(device=out.device, dtype=torch.float32)
     b = adapter.B.to(device=out.device, dtype=torch.float32)
     scale = float(adapter.scale)

@@ -13,7 +13,7 @@ A field a row needs and the file lacks raises `ResultsError` naming the file and
 than a KeyError three frames down: a results file rewritten by a newer benchmark should fail loudly.
 
 `results_index` renders the table of results/README.md: one line per entry of ``results/`` with what
-it holds (`RESULT_FILES`, the one place those descriptions live), the device and the command from its
+it holds (`studies/result_files.RESULT_FILES`, the one place those descriptions live), the device and the command from its
 provenance block. Commands are shown with the kit's current names: ``qerl`` for ``python -m qerl_lib``,
 current module paths, output files without the measuring machine's folder, and inputs that have since
 moved to ``dev/runs/`` under their new path. The JSONs keep the command exactly as it ran.
@@ -29,76 +29,7 @@ from pathlib import Path
 from qerl_lib.errors import UserError
 from qerl_lib.paths import REPO_ROOT, RESULTS_DIR
 from qerl_lib.studies.kernel import gemm_headline
-
-# What each entry of results/ holds (results/README.md's "what" column; a test keeps this list and the folder equal).
-RESULT_FILES = {
-    "gemm_h100_v5.json": "NVFP4 x BF16 GEMM vs cuBLAS bf16 on every Qwen2.5-7B/32B projection shape, M = 1...4096, "
-                         "forward (x @ W^T) and backward (dy @ W) layouts (`path`: the CUDA mma.sync kernel at M <= 8, "
-                         "the Gluon kernels at 25-128 rows (the producer-warp one on most shapes at 32 and 64 rows), "
-                         "the producer-warp Gluon kernel on gate/up at M = 256 "
-                         "and 1024 and on down at 256, Triton's fragment kernel at the other small sizes, dequantize + cuBLAS elsewhere "
-                         "and for the backward layout); every output checked against the oracle. Notebook 03; "
-                         "`figures/03_gemm_speedup.png`, `figures/03_gemm_bandwidth.png`",
-    "rollout_h100.json": "rollout engine: engine vs `transformers.generate` (SmolLM2 bf16, batch 64, "
-                         "256 + 512 tokens); bf16 vs NVFP4 on Qwen2.5-7B/32B shapes (batch 8, 256 + 2048 tokens); 7B at "
-                         "bf16 and NVFP4 at LoRA rank 0/16/64 with the engine's LoRA kernels (`kernels/lora.py`; 2026-11-28, "
-                         "dev/LOG.md section 41, `dev/runs/lora_one_launch_h100_2026-11-28/run3/`); three runs merged. "
-                         "Notebook 03; `figures/03_rollout.png`",
-    "rollout_vllm_h100.json": "the kit's engine and vLLM 0.24.0 (Marlin FP4, punica LoRA, CUDA graphs; version in the "
-                              "rows' `backend`, logs in `dev/runs/fp4_wgmma_mid_h100_2026-11-25/engine_vllm/`) one after "
-                              "the other on the same random-weight Qwen2.5-7B checkpoints, prompts and adapters (`--engines "
-                              "kit,vllm`): bf16 and NVFP4, LoRA rank 0/16, batch 8/32/64/128, 256 + 1024 tokens; and "
-                              "NVFP4 + r16 on 256 GSM8K-like completions of <= 1024 tokens over 64 rows (kit static "
-                              "and continuous, vLLM); three runs merged (2026-11-25: the kit's NVFP4 rows predate the "
-                              "producer kernel at decode sizes, see `rollout_vllm_r16_h100.json`)",
-    "rollout_r16_h100.json": "the kit's engine alone, NVFP4 and bf16 with LoRA r16 in one process, batch 32/64, "
-                             "256 + 1024 tokens, with every NVFP4 GEMM of the decode step a PDL launch (dev/LOG.md "
-                             "section 40; `ab_1_1.json` in `dev/runs/producer_pdl_h100_2026-11-28/`)",
-    "rollout_vllm_r16_h100.json": "the kit's engine and vLLM 0.24.0 in one run, as `rollout_vllm_h100.json`, with the "
-                                  "decode-size producer kernel (dev/LOG.md section 37): NVFP4 + LoRA r16 at batch "
-                                  "8/32/64/128, kit and vLLM; the kit's bf16 + r16 at batch 32/64; 256 + 1024 tokens "
-                                  "(logs in `dev/runs/vllm_r16_h100_2026-11-27/`)",
-    "rollout_14b_h100.json": "bf16 vs NVFP4 on Qwen2.5-14B shapes, LoRA rank 0 and 32, batch 8, 256 + 2048 tokens "
-                             "(2026-11-28, dev/LOG.md section 41, `dev/runs/lora_one_launch_h100_2026-11-28/run3/`; summary "
-                             "recomputed by `--merge`)",
-    "gemm_marlin_peer_h200.json": "the forward FP4 GEMM at M = 1024 and 4096 on the Qwen2.5-7B projection shapes: "
-                                  "cuBLAS bf16, the kit's `fp4_linear` and vLLM 0.24's Marlin FP4, one process, each "
-                                  "output checked against the kit's oracle (dev/LOG.md section 55, "
-                                  "`dev/runs/marlin_peer_h200_2026-11-28/`)",
-    "rollout_nf4_h200.json": "NVFP4 against QLoRA's base (bitsandbytes NF4), random-weight Qwen2.5-7B: batch 8, "
-                             "256 + 2048 tokens, LoRA rank 0/16, in the kit's engine and in vLLM 0.24 in one run "
-                             "(dev/LOG.md section 54, `dev/runs/vllm_nf4_h200_2026-11-28/`); batch 32, 256 + 1024, "
-                             "r16, the kit's engine (section 50, `dev/runs/nf4_rollout_h200_2026-11-28/`)",
-    "rollout_h200_final.json": "bf16 vs NVFP4 on Qwen2.5-7B/32B shapes, batch 8, 256 + 2048 tokens",
-    "rollout_h200_smollm2_final.json": "engine vs `transformers.generate`, SmolLM2 bf16, batch 64, 256 + 512 tokens",
-    "rollout_step_breakdown_h200.json": "where a 7B decode step's time goes (kernel time per category, idle time, "
-                                        "kernels per step) at 256/1280/2240 cached tokens, NVFP4 and bf16; profiled "
-                                        "before programmatic dependent launch and the Triton glue kernels (dev/LOG.md). "
-                                        "Notebook 03",
-    "entropy_study_cuda.json": "entropy study: SmolLM2 in BF16/NVFP4/MXFP4/NF4 on 512 GSM8K test problems, 4 samples "
-                               "each, AQN σ sweep on NVFP4. Notebook 06; `figures/06_entropy_study_h200.png`",
-    "claims.json": "the claims table: each training claim of the paper ((a) entropy, (b) base formats, (c) QeRL vs "
-                   "LoRA and QLoRA, (d) AQN, (e) schedules, LR stability) with the paper's number, the kit's "
-                   "measurement, its CI and a verdict, built from `claims/` by `qerl claims`. Notebook 07; README",
-    "claims/": "one JSON per claim block (b, c, d, e, lr): every run with its endpoints, per-arm means with 95% CIs, "
-               "the pre-registered paired comparisons, per-step curves, the sweep spec, GPU and versions "
-               "(`qerl claims --export` from the sweep folders in `dev/runs/claims/`). Notebook 07; "
-               "`figures/07_*.png`",
-    "train_step_h100.json": "one GRPO step through the real trainer (`qerl bench train`): random-weight Qwen2.5-7B "
-                            "(lora, qlora, nvfp4, qerl; batch 8), 14B (lora, qlora, qerl; batch 8) and 32B (qerl; "
-                            "batch 2) shapes, 256 + 2048 tokens, LoRA r32, gradient checkpointing, and the 7B GSM8K "
-                            "preset's own settings (lora, qlora, qerl; batch 128, `--preset-settings`, μ = 1); "
-                            "rollout, training and step seconds, peak memory, the paper's number beside; merged by "
-                            "`dev/sweeps/merge_train_step.py` from two runs (the 32B row predates the engine's LoRA "
-                            "kernels)",
-    "calibration.json": "the expression task's calibration for the claim sweeps: the untrained SmolLM2's pass@1 "
-                        "and share of mixed-reward groups of 8 per (base, level, temperature), 128 training problems "
-                        "each, and the setting the pre-registered rule chose (`qerl_lib/studies/calibration.py`, "
-                        "`docs/claims_plan.md`)",
-    "train_smollm2_qerl_h200/": "a 100-step GRPO run in mode qerl (preset smollm2-arith): `metrics.jsonl` (one line "
-                                "per step), `summary.json`, `run.json` (resolved config); "
-                                "`figures/05_training_h200.png` via `qerl plot-run`",
-}
+from qerl_lib.studies.result_files import RESULT_FILES  # noqa: F401 (re-exported: cli/results.py, tests)
 
 MARKERS = {"headline": ("<!-- headline:start -->", "<!-- headline:end -->"),
            "index": ("<!-- index:start -->", "<!-- index:end -->"),
@@ -334,6 +265,30 @@ def _rollout_nf4_rows(results_dir) -> list[tuple]:
     return out
 
 
+def _rollout_merge_row(results_dir) -> tuple:
+    """What a bf16 base's adapter costs the rollout against the same run's rank-0 row: merged into engine-owned weight
+    copies (``RolloutEngine(lora_merge=True)``) and through the unmerged kernels; and the copies' peak memory."""
+    file = "rollout_lora_merge_h200.json"
+    doc = load_result(results_dir, file)
+    rows = [r for r in _rows(doc, file, ROLLOUT_KEYS + ("lora_merged",)) if r["error"] is None and r["weights"] == "bf16"]
+    cases = sorted({(r["batch"], r["rank"], r["gen_len"]) for r in rows if r["lora_merged"]})
+    if not cases:
+        raise ResultsError(f"{file}: no row with lora_merged true")
+
+    def row(batch, rank, gen, merged):
+        return fastest(rows, file, batch=batch, rank=rank, gen_len=gen, lora_merged=merged)
+
+    def cost(case, merged):
+        return f"{100 * (1 - row(*case, merged)['tok_s'] / row(case[0], 0, case[2], False)['tok_s']):.1f}%"
+
+    more = max(row(*c, True)["peak_gib"] - row(*c, False)["peak_gib"] for c in cases)
+    where = " / ".join(f"batch {b} r{k} 256 + {g}" for b, k, g in cases)
+    return (f"bf16 + LoRA rollout, Qwen2.5-7B shapes, same run: tokens/s lost to the adapter against no adapter, "
+            f"merged into engine-owned weight copies (`lora_merge`) / unmerged kernels, {where}",
+            f"merged {' / '.join(cost(c, True) for c in cases)}; unmerged {' / '.join(cost(c, False) for c in cases)} "
+            f"(the copies: +{more:.1f} GiB peak)", device_name(doc, file), file)
+
+
 def _fixed_rows(results_dir, file: str):
     """(every row, the fixed-length rows, device, tok/s lookup, gen_len) of one engine-vs-vLLM results file."""
     doc = load_result(results_dir, file)
@@ -509,6 +464,7 @@ def headline_rows(results_dir: str | Path = RESULTS_DIR,
                  *_rollout_extra_rows(results_dir),
                  _rollout_14b_row(results_dir),
                  *_rollout_nf4_rows(results_dir),
+                 _rollout_merge_row(results_dir),
                  *_vllm_rows(results_dir),
                  _engine_vs_generate(results_dir, "rollout_h100.json"),
                  _engine_vs_generate(results_dir, "rollout_h200_smollm2_final.json")]
