@@ -5,7 +5,7 @@ set -u
 python3 -m pytest -q -m cuda tests/test_engine_merged.py > "$OUT/cuda_tests.log" 2>&1
 tail -3 "$OUT/cuda_tests.log" > "$OUT/summary.log"
 for b in 8 32 64; do
-  timeout 170 python3 -m qerl_lib bench rollout --models qwen2.5-7b --no-hf-baseline --repeats 2 --batch $b \
+  timeout 240 python3 -m qerl_lib bench rollout --models qwen2.5-7b --no-hf-baseline --repeats 2 --batch $b \
     --gen-len 1024 --lora-rank 0,16 --weights nvfp4,bf16 --lora-merge off,on --json "$OUT/b$b.json" \
     > "$OUT/b$b.log" 2>&1 || echo "b$b exit $?" >> "$OUT/summary.log"
   grep -E "^ +qwen" "$OUT/b$b.log" | awk '!seen[$0]++' >> "$OUT/summary.log"
