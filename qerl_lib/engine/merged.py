@@ -19,9 +19,8 @@ What it costs (``RolloutEngine(lora_merge=True)``; off by default)
 * Memory: a second copy of every merged group's weights. Qwen2.5-7B with adapters on all seven projections:
   6.53 B parameters, 12.2 GiB in bf16. At 32B (61 GiB of base) the copy does not fit beside it on one 80 GB GPU.
   ``RolloutEngine.release()`` frees the copies with the KV cache; the next call rebuilds them.
-* Time: each ``generate`` reads every merged weight and writes its copy (7B on an H200: ~60 ms with float32
-  temporaries, the path for float32 adapters; one ``addmm`` pass where adapters and base share a dtype), counted
-  in every timed rollout of ``qerl bench rollout``.
+* Time: each ``generate`` reads every merged weight and writes its copy (one Triton kernel per member on CUDA; torch's
+  float32 temporaries took ~60 ms at 7B on an H200), counted in every timed rollout of ``qerl bench rollout``.
 * Numerics: the sampled distribution differs from the unmerged engine's by bf16 rounding only (both approximate the
   same float32 function: one rounds the merged weight, the other the base output, ``x A^T`` and the sum). Rollout
   logprobs then sit a rounding further from the trainer's unmerged forward.
@@ -38,10 +37,18 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+try:  # Triton is optional: the CPU path is torch's
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover
+    triton = tl = None
+
 from qerl_lib.engine.adapters import LoraAdapter, parse_target
+from qerl_lib.kernels.lora import interpreting
 from qerl_lib.models.fused import PROJECTION_GROUPS
 
 ROWS_PER_PASS = 4096  # weight rows merged per float32 temporary (bounds it to ROWS_PER_PASS x in_features x 4 bytes)
+MERGE_BLOCK_N, MERGE_BLOCK_K = 32, 128  # the merge kernel's tile: weight rows x input columns per program
 
 
 class MergedAdapters:
@@ -120,13 +127,17 @@ class MergedAdapters:
 
 def merge_into(out: torch.Tensor, weight: torch.Tensor, adapter: LoraAdapter) -> torch.Tensor:
     """``out <- round(weight + scale * B @ A)``: the sum in float32, rounded once to ``out``'s dtype (``out`` may be
-    ``weight`` itself). On CUDA, with A, B, the weight and ``out`` of one dtype, one cuBLAS ``addmm`` does exactly
-    that (products and sums in float32, ``alpha * BA + W`` rounded once; K is the rank, so no split-K): it reads and
-    writes each weight once. Otherwise float32 temporaries of ``ROWS_PER_PASS`` rows at a time."""
-    if out.is_cuda and adapter.A.dtype == adapter.B.dtype == weight.dtype == out.dtype and out.dtype != torch.float32:
-        if out.data_ptr() == weight.data_ptr():
-            return out.addmm_(adapter.B, adapter.A, alpha=float(adapter.scale))
-        return torch.addmm(weight, adapter.B, adapter.A, alpha=float(adapter.scale), out=out)
+    ``weight`` itself). On CUDA one Triton kernel (``_merge_kernel``): each output's rank-r sum in float32 in
+    registers, plain multiply-adds whatever torch's TF32 setting, so it reads and writes each weight once. Elsewhere
+    torch with float32 temporaries of ``ROWS_PER_PASS`` rows at a time (TF32 off, torch's default, for float32)."""
+    if triton is not None and (out.is_cuda or interpreting()) and out.stride(-1) == weight.stride(-1) == 1:
+        a, b = adapter.A, adapter.B
+        n, k = out.shape
+        grid = (triton.cdiv(n, MERGE_BLOCK_N), triton.cdiv(k, MERGE_BLOCK_K))
+        _merge_kernel[grid](weight, a, b, out, n, k, a.shape[0], weight.stride(0), a.stride(0), a.stride(1),
+                            b.stride(0), b.stride(1), out.stride(0), float(adapter.scale),
+                            BLOCK_N=MERGE_BLOCK_N, BLOCK_K=MERGE_BLOCK_K, num_warps=4)
+        return out
     a = adapter.A.to(device=out.device, dtype=torch.float32)
     b = adapter.B.to(device=out.device, dtype=torch.float32)
     scale = float(adapter.scale)
@@ -143,3 +154,23 @@ def _allocate(shape: tuple[int, int], like: torch.Tensor, numel: int) -> torch.T
         raise torch.OutOfMemoryError(
             f"lora_merge: no room for a merged copy of {shape[0]} x {shape[1]} weights ({numel * like.element_size() / 2**30:.2f} "
             "GiB more per group): roll out with lora_merge=False (the adapters then run unmerged)") from e
+
+
+if triton is not None:
+
+    @triton.jit
+    def _merge_kernel(w_ptr, a_ptr, b_ptr, o_ptr, N, K, R, sw, sa_r, sa_k, sb_n, sb_r, so, scale,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """Program (block of weight rows, block of input columns): ``sum_r B[n, r] A[r, k]`` in float32, rank by
+        rank, then ``W + scale * sum`` in float32, rounded once to the output's dtype."""
+        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+        ok_n, ok_k = rows < N, cols < K
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for r in range(R):
+            b = tl.load(b_ptr + rows * sb_n + r * sb_r, mask=ok_n, other=0.0).to(tl.float32)
+            a = tl.load(a_ptr + r * sa_r + cols * sa_k, mask=ok_k, other=0.0).to(tl.float32)
+            acc += b[:, None] * a[None, :]
+        ok = ok_n[:, None] & ok_k[None, :]
+        w = tl.load(w_ptr + rows[:, None] * sw + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+        tl.store(o_ptr + rows[:, None] * so + cols[None, :], (w + scale * acc).to(o_ptr.dtype.element_ty), mask=ok)
