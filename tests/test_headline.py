@@ -170,4 +170,5 @@ def test_merge_row_is_each_cost_against_its_own_batchs_rank_0_row(results_copy):
             assert f"{100 * (1 - t / tok[batch, 0, False]):.1f}%" in value, (batch, rank, merged)
     _edit(results_copy / "rollout_lora_merge_h200.json",
           lambda d: [r.update(tok_s=r["tok_s"] / 2) for r in d["rows"] if r["lora_merged"]])
-    assert "merged 50.1% / 50.1% / 50.2%" in headline._rollout_merge_row(results_copy)[1]
+    halved = [f"{100 * (1 - t / 2 / tok[b, 0, False]):.1f}%" for (b, r, m), t in sorted(tok.items()) if m]
+    assert f"merged {' / '.join(halved)};" in headline._rollout_merge_row(results_copy)[1]
