@@ -101,7 +101,7 @@ for i, (rows, cols, rank, dtype, adapter_dtype) in enumerate(json.loads(sys.argv
 print("RESULTS " + json.dumps(out))
 """
 KERNEL_CASES = [(70, 300, 16, "bfloat16", "bfloat16"), (33, 129, 5, "float16", "float32"),
-                (64, 256, 64, "bfloat16", "float32")]  # ragged tiles, mixed dtypes, a large rank
+                (64, 256, 64, "bfloat16", "float32"), (40, 200, 21, "float16", "float16")]  # ragged tiles and ranks
 
 
 @pytest.fixture(scope="module")
@@ -116,7 +116,8 @@ def test_interpreted_merge_kernel_is_the_float32_sum_rounded_once(interpreted, i
     """The CUDA merge kernel under Triton's interpreter, on tiles that do not divide the shapes: within rounding of
     the float64 formula everywhere and the same bits in place; float16 exactly the formula nearly everywhere. The
     interpreter truncates float32 -> bfloat16 casts (its ``cast_impl`` passes no rounding mode), so about half the
-    bf16 outputs sit one unit below; on the GPU the cast rounds to nearest even, which the CUDA test checks."""
+    bf16 outputs sit one unit below, and its 16-bit ``tl.dot`` is not emulated (the kernel takes its float32 path
+    there); on the GPU the cast rounds to nearest even and bf16 adapters take the tensor cores: the CUDA test."""
     assert interpreted["triton"]
     assert interpreted[f"{i}_within"] and interpreted[f"{i}_in_place"]
     if KERNEL_CASES[i][3] == "float16":

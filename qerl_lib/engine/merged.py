@@ -128,15 +128,19 @@ class MergedAdapters:
 def merge_into(out: torch.Tensor, weight: torch.Tensor, adapter: LoraAdapter) -> torch.Tensor:
     """``out <- round(weight + scale * B @ A)``: the sum in float32, rounded once to ``out``'s dtype (``out`` may be
     ``weight`` itself). On CUDA one Triton kernel (``_merge_kernel``): each output's rank-r sum in float32 in
-    registers, plain multiply-adds whatever torch's TF32 setting, so it reads and writes each weight once. Elsewhere
+    registers (16 ranks per ``tl.dot``, never TF32 whatever torch's setting), so it reads and writes each weight
+    once. Elsewhere
     torch with float32 temporaries of ``ROWS_PER_PASS`` rows at a time (TF32 off, torch's default, for float32)."""
     if triton is not None and (out.is_cuda or interpreting()) and out.stride(-1) == weight.stride(-1) == 1:
         a, b = adapter.A, adapter.B
         n, k = out.shape
         grid = (triton.cdiv(n, MERGE_BLOCK_N), triton.cdiv(k, MERGE_BLOCK_K))
+        # 16-bit adapters on the tensor cores; float32 ones (and anything under Triton's interpreter, whose 16-bit
+        # dots are not emulated) by float32 multiply-adds
+        fp32 = interpreting() or not (a.dtype == b.dtype and a.dtype in (torch.bfloat16, torch.float16))
         _merge_kernel[grid](weight, a, b, out, n, k, a.shape[0], weight.stride(0), a.stride(0), a.stride(1),
                             b.stride(0), b.stride(1), out.stride(0), float(adapter.scale),
-                            BLOCK_N=MERGE_BLOCK_N, BLOCK_K=MERGE_BLOCK_K, num_warps=4)
+                            BLOCK_N=MERGE_BLOCK_N, BLOCK_K=MERGE_BLOCK_K, BLOCK_R=16, FP32=fp32, num_warps=4)
         return out
     a = adapter.A.to(device=out.device, dtype=torch.float32)
     b = adapter.B.to(device=out.device, dtype=torch.float32)
@@ -151,26 +155,35 @@ def _allocate(shape: tuple[int, int], like: torch.Tensor, numel: int) -> torch.T
     try:
         return torch.empty(shape, dtype=like.dtype, device=like.device)
     except torch.OutOfMemoryError as e:  # one line that names the fix, not a bare allocator message
+        gib = numel * like.element_size() / 2**30
         raise torch.OutOfMemoryError(
-            f"lora_merge: no room for a merged copy of {shape[0]} x {shape[1]} weights ({numel * like.element_size() / 2**30:.2f} "
-            "GiB more per group): roll out with lora_merge=False (the adapters then run unmerged)") from e
+            f"lora_merge: no room for a merged copy of {shape[0]} x {shape[1]} weights ({gib:.2f} GiB more per group): "
+            "roll out with lora_merge=False (the adapters then run unmerged)") from e
 
 
 if triton is not None:
 
     @triton.jit
     def _merge_kernel(w_ptr, a_ptr, b_ptr, o_ptr, N, K, R, sw, sa_r, sa_k, sb_n, sb_r, so, scale,
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        """Program (block of weight rows, block of input columns): ``sum_r B[n, r] A[r, k]`` in float32, rank by
-        rank, then ``W + scale * sum`` in float32, rounded once to the output's dtype."""
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, FP32: tl.constexpr):
+        """Program (block of weight rows, block of input columns): ``sum_r B[n, r] A[r, k]`` in float32, ``BLOCK_R``
+        ranks per ``tl.dot`` (bf16 / fp16 adapters: exact products, float32 sums; otherwise float32 multiply-adds,
+        never TF32), then ``W + scale * sum`` in float32, rounded once to the output's dtype."""
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+        rr = tl.arange(0, BLOCK_R)
         ok_n, ok_k = rows < N, cols < K
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        for r in range(R):
-            b = tl.load(b_ptr + rows * sb_n + r * sb_r, mask=ok_n, other=0.0).to(tl.float32)
-            a = tl.load(a_ptr + r * sa_r + cols * sa_k, mask=ok_k, other=0.0).to(tl.float32)
-            acc += b[:, None] * a[None, :]
+        for r0 in range(0, R, BLOCK_R):
+            ok_r = (r0 + rr) < R
+            b = tl.load(b_ptr + rows[:, None] * sb_n + (r0 + rr)[None, :] * sb_r, mask=ok_n[:, None] & ok_r[None, :],
+                        other=0.0)
+            a = tl.load(a_ptr + (r0 + rr)[:, None] * sa_r + cols[None, :] * sa_k, mask=ok_r[:, None] & ok_k[None, :],
+                        other=0.0)
+            if FP32:
+                acc = tl.dot(b.to(tl.float32), a.to(tl.float32), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(b, a, acc)
         ok = ok_n[:, None] & ok_k[None, :]
         w = tl.load(w_ptr + rows[:, None] * sw + cols[None, :], mask=ok, other=0.0).to(tl.float32)
         tl.store(o_ptr + rows[:, None] * so + cols[None, :], (w + scale * acc).to(o_ptr.dtype.element_ty), mask=ok)
