@@ -19,8 +19,9 @@ What it costs (``RolloutEngine(lora_merge=True)``; off by default)
 * Memory: a second copy of every merged group's weights. Qwen2.5-7B with adapters on all seven projections:
   6.53 B parameters, 12.2 GiB in bf16. At 32B (61 GiB of base) the copy does not fit beside it on one 80 GB GPU.
   ``RolloutEngine.release()`` frees the copies with the KV cache; the next call rebuilds them.
-* Time: each ``generate`` reads every merged weight and writes its copy (one Triton kernel per member on CUDA; torch's
-  float32 temporaries took ~60 ms at 7B on an H200), counted in every timed rollout of ``qerl bench rollout``.
+* Time: each ``generate`` reads every merged weight and writes its copy: one Triton kernel per member on CUDA, ~10 ms
+  at 7B on an H200 at rank 16 and 64 (torch's float32 temporaries took ~60 ms; dev/LOG.md sections 58-61), counted in
+  every timed rollout of ``qerl bench rollout``.
 * Numerics: the sampled distribution differs from the unmerged engine's by bf16 rounding only (both approximate the
   same float32 function: one rounds the merged weight, the other the base output, ``x A^T`` and the sum). Rollout
   logprobs then sit a rounding further from the trainer's unmerged forward.

@@ -43,8 +43,9 @@ RESULT_FILES = {
                              "r16, the kit's engine (section 50, `dev/runs/nf4_rollout_h200_2026-11-28/`)",
     "rollout_lora_merge_h200.json": "bf16 + LoRA rank 16/64 on random-weight Qwen2.5-7B with the adapters merged into "
                                     "engine-owned weight copies (`RolloutEngine(lora_merge=True)`, `engine/merged.py`) "
-                                    "and unmerged, with the rank-0 row, one process per batch: batch 8, 256 + 2048; batch "
-                                    "32, 256 + 1024 (dev/LOG.md sections 58 and 60, `dev/runs/lora_merge_h200_2026-11-28/kernel/`)",
+                                    "and unmerged, with the rank-0 row, one process per batch, one repeat per row: "
+                                    "batch 8, 256 + 2048; batch 32, 256 + 1024 (dev/LOG.md sections 58-61, "
+                                    "`dev/runs/lora_merge_h200_2026-11-28/kernel_dot/`)",
     "rollout_h200_final.json": "bf16 vs NVFP4 on Qwen2.5-7B/32B shapes, batch 8, 256 + 2048 tokens",
     "rollout_h200_smollm2_final.json": "engine vs `transformers.generate`, SmolLM2 bf16, batch 64, 256 + 512 tokens",
     "rollout_step_breakdown_h200.json": "where a 7B decode step's time goes (kernel time per category, idle time, "
