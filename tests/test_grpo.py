@@ -501,3 +501,41 @@ def test_memory_accounting_adds_up(tiny_model_dir, tmp_path):
     assert row["kv_cache_gb"] > 0
     held = sum(row[k] for k in ("base_weights_gb", "lora_gb", "grads_gb", "optimizer_gb"))
     assert held < row["peak_memory_gb"], row
+
+
+def test_rollout_lora_merge_rolls_out_merged_and_frees_the_copies_before_the_backward(tiny_model_dir, tmp_path,
+                                                                                       monkeypatch):
+    """Mode lora with rollout_lora_merge: the engine is built with it, the step trains, and when the loss's backward
+    runs the merged weight copies are gone with the KV cache. A quantized base refuses the flag in one line."""
+    from transformers import TrainerCallback
+
+    from qerl_lib.errors import UserError
+    from qerl_lib.train.grpo import build_trainer
+    from qerl_lib.train.metrics import prepare_output
+
+    with pytest.raises(UserError, match="rollout_lora_merge needs a bf16 base"):
+        tiny_config(tiny_model_dir, "qerl", steps=1, rollout_lora_merge=True)
+    from qerl_lib.engine.merged import MergedAdapters
+
+    real, refreshed = MergedAdapters.refresh, []
+    monkeypatch.setattr(MergedAdapters, "refresh", lambda self, ads: refreshed.append(1) or real(self, ads))
+    seen: list = []
+    config = tiny_config(tiny_model_dir, "lora", steps=1, rollout_lora_merge=True)
+    trainer = build_trainer(config, tmp_path, extra_rewards=[("toy", toy_reward, 1.0)], quiet=True)
+    rollout = trainer.qerl_rollout
+
+    class WatchBackward(TrainerCallback):
+        def on_train_begin(self, args, state, control, model=None, **kwargs):
+            lora = next(p for n, p in model.named_parameters() if "lora_B" in n and p.requires_grad)
+            lora.register_hook(lambda grad: seen.append(rollout.engine._forward.merged) or grad)
+
+    trainer.add_callback(WatchBackward())
+    trainer.train()
+    assert rollout.engine.lora_merge and seen and all(m is None for m in seen)
+    assert refreshed, "the rollout never merged the adapters"
+    assert trainer.state.log_history[0]["rollout_tokens"] > 0
+    # recorded only when on: records from before the switch still match; resuming without it is refused
+    assert config.to_dict()["rollout_lora_merge"] is True
+    assert "rollout_lora_merge" not in tiny_config(tiny_model_dir, "lora", steps=1).to_dict()
+    with pytest.raises(UserError, match="rollout_lora_merge"):
+        prepare_output(tmp_path, tiny_config(tiny_model_dir, "lora", steps=1), resume=True, report=None)

@@ -28,6 +28,9 @@ def register(sub) -> None:
                    help="truncated importance sampling with the engine's logprobs (default off, see qerl_lib/train/grpo.py)")
     p.add_argument("--decode-backend", choices=DECODE_BACKENDS, default=None,
                    help="rollout engine decode path (default auto: CUDA graphs on GPU, eager on CPU)")
+    p.add_argument("--rollout-lora-merge", action="store_true", default=None,
+                   help="bf16 base (mode lora): roll out with the adapters merged into the engine's own weight copies "
+                        "(no adapter launches; one more copy of the weights in memory during the rollout)")
     p.add_argument("--save-steps", type=int, default=None, help="checkpoint every N steps (default: the preset's)")
     p.add_argument("--save-total-limit", type=int, default=None,
                    help="complete checkpoints kept, newest first (default: the preset's)")
@@ -81,7 +84,7 @@ def _train(args) -> int:
                  "sigma_end": args.sigma_end, "aqn_stages": args.aqn_stages, "lr": args.lr,
                  "lora_rank": args.lora_rank, "data_level": args.level, "report_to": args.report_to,
                  "prompts_per_step": args.prompts_per_step, "micro_batch": args.micro_batch,
-                 "checkpoint_layers": args.checkpoint_layers}
+                 "checkpoint_layers": args.checkpoint_layers, "rollout_lora_merge": args.rollout_lora_merge}
     if args.is_correction is not None:
         overrides["is_correction"] = args.is_correction == "on"
     config = make_config(args.preset, mode=args.mode, steps=args.steps, seed=args.seed,

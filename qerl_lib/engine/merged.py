@@ -14,8 +14,8 @@ engine owns one merged copy per projection group, ``round(W + s B A)`` (the sum 
 weight's dtype), and ``refresh`` rewrites it in place at every ``generate`` call, so captured CUDA graphs keep
 reading the same addresses and each rollout samples from the adapter as it is now.
 
-What it costs (``RolloutEngine(lora_merge=True)``; off by default)
-------------------------------------------------------------------
+What it costs (``RolloutEngine(lora_merge=True)``, ``qerl train --rollout-lora-merge``; off by default)
+-------------------------------------------------------------------------------------------------------
 * Memory: a second copy of every merged group's weights. Qwen2.5-7B with adapters on all seven projections:
   6.53 B parameters, 12.2 GiB in bf16. At 32B (61 GiB of base) the copy does not fit beside it on one 80 GB GPU.
   ``RolloutEngine.release()`` frees the copies with the KV cache; the next call rebuilds them.

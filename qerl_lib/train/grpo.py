@@ -387,7 +387,8 @@ class EngineRollout:
         step = trainer.state.global_step
         if self.engine is None:
             self.engine = RolloutEngine(model, max_seq_len=self.config.max_prompt_tokens + trainer.max_completion_length,
-                                        decode_backend=self.config.decode_backend, keep_alive=False)
+                                        decode_backend=self.config.decode_backend, keep_alive=False,
+                                        lora_merge=self.config.rollout_lora_merge)
         overrides = self.noise_for(model, step)
         adapters = lora_from_peft(model)  # views of the live LoRA tensors: unmerged, no copy of the base
         if self._calls_step != step:

@@ -324,9 +324,13 @@ def prepare_output(out: Path, config, resume: bool, report: Callable[[str], None
         return None
     if not run_json.exists():
         raise UserError(f"nothing to resume in {out} (no run.json): start the run without --resume")
+    from qerl_lib.train.presets import RECORDED_WHEN_ON
+
     saved = json.loads(run_json.read_text())["config"]
     mine = json.loads(json.dumps(config.to_dict()))  # tuples -> lists, as saved
     diff = {k: (saved.get(k), v) for k, v in mine.items() if k != "device" and saved.get(k) != v}
+    diff.update({k: (saved.get(k, False), mine.get(k, False)) for k in RECORDED_WHEN_ON
+                 if saved.get(k, False) != mine.get(k, False)})  # a switch recorded only when on
     if diff:
         raise UserError(f"--resume with different settings than the saved run (setting: (saved, now)) {diff}: "
                         "resume with the same preset, mode, steps and seed")

@@ -86,6 +86,8 @@ DEVICES = ("auto", "cpu", "cuda")
 DECODE_BACKENDS = ("auto", "eager", "graphs", "graphs+fused")  # qerl_lib.engine.rollout's decode paths
 REPORT_TO = ("none", "tensorboard", "trackio", "wandb")  # trackers TRL sends the step metrics to (trainer.py)
 NOT_RECORDED = ("report_to", "release_engine_cache", "mismatch_forward")  # do not change the run: not in to_dict()
+# recorded only when on (True), so that records written before these switches existed still match when they are off
+RECORDED_WHEN_ON = ("rollout_lora_merge",)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -110,6 +112,10 @@ class TrainConfig:
     max_completion_length: int = 4096
     rollout_batch: int = 256  # most sequences decoding at once (bounds the KV cache); more queue for their rows
     decode_backend: str = "auto"  # engine decode path: auto (CUDA graphs on GPU, eager on CPU) | eager | graphs
+    # bf16 base only: each rollout runs the adapters merged into engine-owned weight copies (engine/merged.py): no
+    # adapter launches, one more copy of the dense weights during the rollout (7B: +12.3 GiB; freed before the backward
+    # with release_engine_cache); rollout_batch is not re-sized for it
+    rollout_lora_merge: bool = False
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -197,6 +203,9 @@ class TrainConfig:
         _one_of("scale_rewards", self.scale_rewards, SCALE_REWARDS, "scale_rewards")
         _one_of("device", self.device, DEVICES, "--device")
         _one_of("decode_backend", self.decode_backend, DECODE_BACKENDS, "--decode-backend")
+        if self.rollout_lora_merge and self.base != "bf16":
+            raise UserError(f"rollout_lora_merge needs a bf16 base (mode lora), not {self.base}: a quantized base's "
+                            "adapters always run unmerged (merging would re-quantize the frozen policy); drop the flag")
         for name in ("prompts_per_step", "num_generations", "micro_batch", "num_iterations", "max_completion_length",
                      "rollout_batch", "steps", "lora_rank", "save_steps", "max_prompt_tokens", "save_total_limit"):
             value = getattr(self, name)
@@ -319,9 +328,10 @@ class TrainConfig:
 
         ``NOT_RECORDED`` is left out: where copies of the metrics go and when engine memory is freed do
         not change what the run computes, so a run may be resumed with other values, and records written
-        before these fields existed still match.
+        before these fields existed still match. ``RECORDED_WHEN_ON`` switches appear only when on.
         """
-        settings = {k: v for k, v in asdict(self).items() if k not in NOT_RECORDED}
+        settings = {k: v for k, v in asdict(self).items()
+                    if k not in NOT_RECORDED and (k not in RECORDED_WHEN_ON or v)}
         return {**settings, "learning_rate": self.learning_rate, "base": self.base, "aqn": self.noise_target,
                 "arm_label": self.arm_label,
                 "gradient_accumulation_steps": self.gradient_accumulation_steps}
