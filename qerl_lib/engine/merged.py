@@ -133,7 +133,7 @@ def merge_into(out: torch.Tensor, weight: torch.Tensor, adapter: LoraAdapter) ->
     once. Elsewhere
     torch with float32 temporaries of ``ROWS_PER_PASS`` rows at a time (TF32 off, torch's default, for float32)."""
     if triton is not None and (out.is_cuda or interpreting()) and out.stride(-1) == weight.stride(-1) == 1:
-        a, b = adapter.A, adapter.B
+        a, b = adapter.A.to(out.device), adapter.B.to(out.device)
         n, k = out.shape
         grid = (triton.cdiv(n, MERGE_BLOCK_N), triton.cdiv(k, MERGE_BLOCK_K))
         # 16-bit adapters on the tensor cores; float32 ones (and anything under Triton's interpreter, whose 16-bit
