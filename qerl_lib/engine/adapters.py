@@ -132,7 +132,6 @@ class LoraBuffers:
                     slots.append((r0, r0 + r, b_buf, scale))
                 self.layout[(layer, group)] = (a_cat, slots)
                 self.plans[(layer, group)] = plan
-        self.signature = lora_signature(adapters)
 
     def refresh(self, adapters: dict[str, LoraAdapter]) -> None:
         """Copy the adapters' current values into the buffers (a graph keeps reading the same addresses)."""

@@ -74,10 +74,10 @@ import torch
 import torch.nn.functional as F
 
 from qerl_lib.engine import glue as engine_glue
-from qerl_lib.engine.attention import AttentionLaunch, rope_cache_attention
-from qerl_lib.engine.merged import MergedAdapters
 from qerl_lib.engine.adapters import (LoraAdapter, LoraBuffers, add_lora_torch, canonical_name, gemm_lora_epilogue,
                                       lora_signature, unwrap_model)
+from qerl_lib.engine.attention import AttentionLaunch, rope_cache_attention
+from qerl_lib.engine.merged import MergedAdapters
 from qerl_lib.kernels import lora as lora_kernels_mod
 from qerl_lib.models.fused import PARENT, PROJECTION_GROUPS, PROJECTIONS, fuse_group
 from qerl_lib.models.nvfp4_linear import NVFP4Linear, resolve_impl

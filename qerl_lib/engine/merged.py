@@ -7,9 +7,10 @@ linear layer with the weight ``W + s B A``. Run that way, a decode step is exact
 no shrink, no expand, no extra launch. The unmerged kernels (``engine/adapters.py``, ``kernels/lora.py``) cost a
 bf16 rollout ~6% of its tokens/s at rank 16 (dev/LOG.md sections 46-57), nearly all of it per-launch latency.
 
-TRL's GRPO trainer merges too, before each weight sync to vLLM: ``merge_adapter`` writes ``W += s B A`` into the
-trained model's own base weight and ``unmerge_adapter`` subtracts it again afterwards. In bf16 the pair does not
-give ``W`` back bit for bit, so the frozen base drifts a little at every step. Here the base is never written: the
+TRL's GRPO trainer merges too, before each weight sync to vLLM (``trl/generation/vllm_generation.py`` in the pinned
+TRL): ``merge_adapter`` writes ``W += s B A`` into the trained model's own base weight and ``unmerge_adapter``
+subtracts it again afterwards. In bf16 the pair does not give ``W`` back bit for bit, so the frozen base drifts a
+little at every step. Here the base is never written: the
 engine owns one merged copy per projection group, ``round(W + s B A)`` (the sum in float32, rounded once to the
 weight's dtype), and ``refresh`` rewrites it in place at every ``generate`` call, so captured CUDA graphs keep
 reading the same addresses and each rollout samples from the adapter as it is now.
@@ -76,9 +77,9 @@ class MergedAdapters:
                     continue
                 rows = sum(m.out_features for m in members)
                 first = members[0].weight
-                weight = _allocate((rows, k), first, sum(m.weight.numel() for m in members))
-                has_bias = [m.bias is not None for m in members]
-                bias = torch.zeros(rows, dtype=first.dtype, device=first.device) if any(has_bias) else None
+                weight = _allocate((rows, k), first)
+                biased = any(m.bias is not None for m in members)
+                bias = torch.zeros(rows, dtype=first.dtype, device=first.device) if biased else None
                 placed, start = [], 0
                 for m, p in zip(members, names):
                     adapter = named.get(p)
@@ -130,8 +131,7 @@ def merge_into(out: torch.Tensor, weight: torch.Tensor, adapter: LoraAdapter) ->
     """``out <- round(weight + scale * B @ A)``: the sum in float32, rounded once to ``out``'s dtype (``out`` may be
     ``weight`` itself). On CUDA one Triton kernel (``_merge_kernel``): each output's rank-r sum in float32 in
     registers (16 ranks per ``tl.dot``, never TF32 whatever torch's setting), so it reads and writes each weight
-    once. Elsewhere
-    torch with float32 temporaries of ``ROWS_PER_PASS`` rows at a time (TF32 off, torch's default, for float32)."""
+    once. Elsewhere torch with float32 temporaries of ``ROWS_PER_PASS`` rows at a time."""
     if triton is not None and (out.is_cuda or interpreting()) and out.stride(-1) == weight.stride(-1) == 1:
         a, b = adapter.A.to(out.device), adapter.B.to(out.device)
         n, k = out.shape
@@ -152,11 +152,11 @@ def merge_into(out: torch.Tensor, weight: torch.Tensor, adapter: LoraAdapter) ->
     return out
 
 
-def _allocate(shape: tuple[int, int], like: torch.Tensor, numel: int) -> torch.Tensor:
+def _allocate(shape: tuple[int, int], like: torch.Tensor) -> torch.Tensor:
     try:
         return torch.empty(shape, dtype=like.dtype, device=like.device)
     except torch.OutOfMemoryError as e:  # one line that names the fix, not a bare allocator message
-        gib = numel * like.element_size() / 2**30
+        gib = shape[0] * shape[1] * like.element_size() / 2**30
         raise torch.OutOfMemoryError(
             f"lora_merge: no room for a merged copy of {shape[0]} x {shape[1]} weights ({gib:.2f} GiB more per group): "
             "roll out with lora_merge=False (the adapters then run unmerged)") from e
