@@ -12,8 +12,8 @@ from qerl_lib.engine.continuous import headroom_columns
 from qerl_lib.engine.rollout import RolloutEngine
 from qerl_lib.models.loader import build_random_model, storage_bytes
 from qerl_lib.paths import load_model_config
-from qerl_lib.train.memory import (ROLLOUT_BUDGET_BYTES, base_weight_bytes, kv_cache_bytes, rollout_phase_bytes,
-                                   rollout_rows_that_fit)
+from qerl_lib.train.memory import (ROLLOUT_BUDGET_BYTES, base_weight_bytes, kv_cache_bytes, merged_copy_bytes,
+                                   rollout_phase_bytes, rollout_rows_that_fit)
 from qerl_lib.train.presets import PRESETS
 
 # a Qwen2 architecture small enough for a CPU, with the real one's features: GQA, q/k/v biases, untied lm_head
@@ -74,3 +74,42 @@ def test_every_qwen_preset_rolls_out_within_80_gb(name):
         plan = rollout_phase_bytes(arch, base, preset.rollout_batch, preset.max_prompt_tokens,
                                    preset.max_completion_length, continuous=True)
         assert plan["total"] <= ROLLOUT_BUDGET_BYTES, (name, base, {k: v / 2**30 for k, v in plan.items()})
+
+
+def test_merged_copy_bytes_equal_the_engines_copies(tiny_config):
+    """``lora_merge``: the engine's merged copies of a bf16 base with adapters on all seven projections hold exactly
+    `merged_copy_bytes` (every decoder Linear's weight and bias once more)."""
+    from tests.test_engine_merged import adapters_for
+
+    model = build_random_model(tiny_config, dtype=torch.bfloat16)
+    engine = RolloutEngine(model, lora_merge=True, keep_alive=True)
+    engine.generate([[1] * 5] * 2, 3, temperature=1.0, seed=0, stop_token_ids=[], lora=adapters_for(model))
+    assert engine._forward.merged.nbytes == merged_copy_bytes(TINY) > 0
+    plan = rollout_phase_bytes(TINY, "bf16", 2, 5, 3, lora_merge=True)
+    assert plan["merged_copy"] == merged_copy_bytes(TINY)
+    assert plan["total"] == rollout_phase_bytes(TINY, "bf16", 2, 5, 3)["total"] + plan["merged_copy"]
+    with pytest.raises(ValueError, match="bf16 base"):
+        rollout_phase_bytes(TINY, "nvfp4", 2, 5, 3, lora_merge=True)
+
+
+def test_merged_rollout_presets_keep_the_rows_that_fit_beside_the_copy():
+    """`make_config(..., rollout_lora_merge=True)` re-sizes a Qwen preset's rollout rows with the copy counted: the
+    7B preset keeps its 128 rows (12.2 GiB of copy), 14B falls to the rows that fit, 32B is refused in one line."""
+    from qerl_lib.errors import UserError
+    from qerl_lib.train.presets import make_config
+
+    for size in ("3b", "7b", "14b"):
+        plain = make_config(f"qwen2.5-{size}-gsm8k", mode="lora")
+        merged = make_config(f"qwen2.5-{size}-gsm8k", mode="lora", rollout_lora_merge=True)
+        arch = load_model_config(f"qwen2.5-{size}")
+        plan = rollout_phase_bytes(arch, "bf16", merged.rollout_batch, 256, 4096, continuous=True, lora_merge=True)
+        assert plan["total"] <= ROLLOUT_BUDGET_BYTES
+        assert merged.rollout_batch == min(plain.rollout_batch,
+                                           rollout_rows_that_fit(arch, "bf16", 256, 4096, continuous=True,
+                                                                 lora_merge=True))
+    assert make_config("qwen2.5-7b-gsm8k", mode="lora", rollout_lora_merge=True).rollout_batch == 128
+    assert make_config("qwen2.5-14b-gsm8k", mode="lora", rollout_lora_merge=True).rollout_batch < 32
+    # rows set by hand stay as set
+    assert make_config("qwen2.5-14b-gsm8k", mode="lora", rollout_lora_merge=True, rollout_batch=32).rollout_batch == 32
+    with pytest.raises(UserError, match="drop --rollout-lora-merge"):
+        make_config("qwen2.5-32b-gsm8k", mode="lora", rollout_lora_merge=True)

@@ -102,3 +102,33 @@ def test_data_parallel_cases_carry_num_gpus_and_the_speedup_over_one(tiny_arch):
     assert two["speedup_vs_1gpu"] == pytest.approx(one["step_s"] / two["step_s"])
     with pytest.raises(UserError, match="GPUs the groups"):
         TrainCase(batch=8, groups=1, num_gpus=2)
+
+
+def test_merged_lora_rows_run_and_get_their_own_speedup_column(tiny_arch):
+    """Mode lora with ``rollout_lora_merge`` runs through the real trainer (the merged engine on CPU); lora rows keep
+    the unmerged row as their reference (the paper's baseline) and every row gets ``speedup_vs_lora_merged``."""
+    base = dict(model=tiny_arch, batch=4, prompt_len=48, gen_len=8, steps=2, lora_rank=4, gradient_checkpointing=False,
+                device="cpu")
+    cases = [TrainCase(mode="lora", **base), TrainCase(mode="lora", rollout_lora_merge=True, **base),
+             TrainCase(mode="nvfp4", **base)]
+    record = run_bench(cases, progress=False)
+    lora, merged, nvfp4 = record["rows"]
+    assert all(r["error"] is None for r in record["rows"]), [r["error"] for r in record["rows"]]
+    assert (lora["rollout_lora_merge"], merged["rollout_lora_merge"]) == (False, True)
+    assert merged["speedup_vs_lora"] == pytest.approx(lora["step_s"] / merged["step_s"])
+    assert merged["speedup_vs_lora_merged"] == pytest.approx(1.0)
+    assert nvfp4["speedup_vs_lora_merged"] == pytest.approx(merged["step_s"] / nvfp4["step_s"])
+    assert lora["speedup_vs_1gpu"] == merged["speedup_vs_1gpu"] == pytest.approx(1.0)  # each is its own 1-GPU row
+    assert "lora+m" in format_bench(record)
+    assert case_config(cases[1]).rollout_lora_merge and not case_config(cases[0]).rollout_lora_merge
+
+
+def test_merge_is_refused_for_quantized_modes_and_bad_flag_values(capsys):
+    from qerl_lib.cli import main
+
+    with pytest.raises(UserError, match="only mode lora"):
+        TrainCase(mode="qerl", rollout_lora_merge=True)
+    assert main(["bench", "train", "--rollout-lora-merge", "maybe"]) != 0
+    assert "--rollout-lora-merge takes off, on or off,on" in capsys.readouterr().err
+    case = TrainCase.from_preset("qwen2.5-14b", "lora", rollout_lora_merge=True, device="cpu")
+    assert case.rollout_lora_merge and case.rollout_batch < 32  # the rows that fit beside the copy

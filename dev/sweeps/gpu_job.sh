@@ -14,6 +14,9 @@
 #     bash dev/sweeps/gpu_job.sh assemble && export PYTHONPATH=$PYTHONPATH:/tmp/site_bnb QERL_GGUF=/tmp/qerl/SmolLM2-135M-Instruct.Q4_1.gguf
 #   (assemble checks the sha256s, installs bitsandbytes into /tmp/site_bnb, writes the GGUF, runs prepare-model;
 #   with only the two .bnb parts sent, it installs bitsandbytes alone).
+# Random-weight runs need only the embedded model's tokenizer, not its weights: `bash dev/sweeps/gpu_job.sh tokcache`
+# here writes .tokcache (3.4 MB, the converted folder without model.safetensors); carry it with .bnb0 or .bnb1 and
+# start the job's commands with `export QERL_CACHE=$PWD/.tokcache` instead of sending the four GGUF parts.
 set -euo pipefail
 OUT=${OUT:-/tmp/out}
 JOB=/tmp/job
@@ -47,6 +50,12 @@ case "${1:-}" in
       grep -qxF "/$d/" "$(git rev-parse --git-dir)/info/exclude" || echo "/$d/" >> "$(git rev-parse --git-dir)/info/exclude"
     done
     du -sh .bnb? .gguf_?? ;;
+  tokcache)  # here: the converted embedded folder without its weights (the tokenizer of random-weight runs)
+    src=$(.venv/bin/python -c "from qerl_lib.models.embedded import prepare_embedded_model as p; print(p(quiet=True))")
+    dst=.tokcache/models/$(basename "$src") && rm -rf .tokcache && mkdir -p "$dst"
+    find "$src" -maxdepth 1 -type f ! -name '*.safetensors' -exec cp {} "$dst"/ \;
+    grep -qxF "/.tokcache/" "$(git rev-parse --git-dir)/info/exclude" || echo "/.tokcache/" >> "$(git rev-parse --git-dir)/info/exclude"
+    du -sh .tokcache ;;
   part)  # there, carrying folder $2 alone
     mkdir -p /tmp/parts && cp "$2/p" "/tmp/parts/${2#.}" && for f in name sha256; do [ -f "$2/$f" ] && cp "$2/$f" "/tmp/parts/${2#.}.$f"; done
     ls /tmp/parts ;;

@@ -71,6 +71,9 @@ def register(sub) -> None:
                         "micro-batch, μ, rank, rollout rows; the flags that set those are then not accepted)")
     p.add_argument("--num-iterations", type=int, default=None,
                    help="μ, policy updates per rollout (default: 1, or the preset's with --preset-settings)")
+    p.add_argument("--rollout-lora-merge", type=_str_list, default=["off"],
+                   help="off, on or off,on: mode lora's rollout with the adapters merged into a copy of the bf16 "
+                        "base (qerl train --rollout-lora-merge); the quantized modes always run once, unmerged")
     p.add_argument("--json", default=None, help="write the rows JSON here (atomic)")
     p.set_defaults(func=_train)
 
@@ -85,6 +88,13 @@ def _train(args) -> int:
     from qerl_lib.errors import UserError
     from qerl_lib.studies.train_bench import TrainCase, format_bench, run_bench
 
+    merges = args.rollout_lora_merge
+    if not merges or set(merges) - {"off", "on"}:
+        raise UserError(f"--rollout-lora-merge takes off, on or off,on, got {','.join(merges) or 'nothing'}")
+
+    def merge_values(mode: str) -> list[bool]:
+        return [m == "on" for m in merges] if mode == "lora" else [False]
+
     if args.preset_settings:
         changed = [f"--{k.replace('_', '-')}" for k, default in (("batches", [8]), ("prompt_len", 256),
                    ("gen_len", 2048), ("lora_rank", 32), ("micro_batch", None), ("groups", 1), ("num_gpus", [1]),
@@ -92,16 +102,16 @@ def _train(args) -> int:
                    if getattr(args, k) != default]
         if changed:
             raise UserError(f"--preset-settings runs the preset's own settings: drop {', '.join(changed)}")
-        cases = [TrainCase.from_preset(m, mode, steps=args.steps, num_iterations=args.num_iterations)
-                 for m in args.models for mode in args.modes]
+        cases = [TrainCase.from_preset(m, mode, steps=args.steps, num_iterations=args.num_iterations, rollout_lora_merge=g)
+                 for m in args.models for mode in args.modes for g in merge_values(mode)]
     else:
         cases = [TrainCase(model=m, mode=mode, batch=b, prompt_len=args.prompt_len, gen_len=args.gen_len,
                            steps=args.steps, lora_rank=args.lora_rank, micro_batch=args.micro_batch,
                            gradient_checkpointing=not args.no_gradient_checkpointing,
                            mismatch_forward=args.mismatch_forward, groups=args.groups, num_gpus=n,
-                           num_iterations=args.num_iterations or 1, checkpoint_layers=c)
-                 for m in args.models for b in args.batches for mode in args.modes for n in args.num_gpus
-                 for c in (args.checkpoint_layers or [None])]
+                           num_iterations=args.num_iterations or 1, checkpoint_layers=c, rollout_lora_merge=g)
+                 for m in args.models for b in args.batches for mode in args.modes for g in merge_values(mode)
+                 for n in args.num_gpus for c in (args.checkpoint_layers or [None])]
     record = run_bench(cases)
     record["provenance"]["command"] = " ".join(["qerl", *sys.argv[1:]])
     print(format_bench(record))

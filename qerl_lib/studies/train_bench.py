@@ -67,24 +67,26 @@ class TrainCase:
     device: str = "cuda"
     num_iterations: int = 1  # μ: policy updates per rollout (the bench's cases: 1; the GSM8K presets: 4)
     rollout_batch: int | None = None  # rows the engine generates at once (None: the whole batch)
+    rollout_lora_merge: bool = False  # mode lora: rollouts with the adapters merged into a copy (engine/merged.py)
     preset: str | None = None  # set by `from_preset`: the preset whose settings the case runs
 
     @classmethod
     def from_preset(cls, model: str, mode: str, steps: int = 3, num_iterations: int | None = None,
-                    device: str = "cuda") -> "TrainCase":
+                    device: str = "cuda", rollout_lora_merge: bool = False) -> "TrainCase":
         """The case that runs the GSM8K preset of ``model``'s size as `qerl train` would (its prompts x
         completions per step, lengths, micro-batch, μ, LoRA rank and rollout rows); only the weights,
         prompts and reward are synthetic. ``num_iterations`` overrides the preset's μ (the peak memory
-        does not depend on it, the step time grows with it)."""
+        does not depend on it, the step time grows with it). ``rollout_lora_merge``: mode lora with the merged
+        rollout, at the rows the preset keeps beside the merged copy (`train.memory`)."""
         from qerl_lib.train.presets import make_config
 
         preset = _preset_name(model)
-        p = make_config(preset)
+        p = make_config(preset, mode=mode, rollout_lora_merge=rollout_lora_merge or None)
         return cls(model=model, mode=mode, batch=p.completions_per_step, prompt_len=p.max_prompt_tokens,
                    gen_len=p.max_completion_length, steps=steps, lora_rank=p.lora_rank,
                    gradient_checkpointing=p.gradient_checkpointing, micro_batch=p.micro_batch,
                    groups=p.prompts_per_step, device=device, num_iterations=num_iterations or p.num_iterations,
-                   rollout_batch=p.rollout_batch, preset=preset)
+                   rollout_batch=p.rollout_batch, preset=preset, rollout_lora_merge=rollout_lora_merge)
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -96,6 +98,9 @@ class TrainCase:
             raise UserError("batch, prompt_len, gen_len, lora_rank, groups, num_gpus, num_iterations and "
                             "rollout_batch must be >= 1")
         check_layer_count(self.checkpoint_layers, self.gradient_checkpointing)
+        if self.rollout_lora_merge and self.mode != "lora":
+            raise UserError(f"rollout_lora_merge with mode {self.mode}: only mode lora's bf16 base can merge its "
+                            "adapters for the rollout")
         if self.batch % self.groups or self.num_gpus > self.groups or self.groups % self.num_gpus:
             raise UserError(f"batch {self.batch} over {self.groups} group(s) on {self.num_gpus} GPU(s): the groups "
                             "must divide the batch, and the GPUs the groups")
@@ -127,7 +132,8 @@ def case_config(case: TrainCase):
                        mismatch_forward=case.mismatch_forward,
                        mask_truncated_completions=False, accuracy_weight=0.0, format_weight=0.0,
                        save_steps=10 * case.steps, device=case.device,
-                       rollout_batch=case.rollout_batch or case.batch, **cpu)
+                       rollout_batch=case.rollout_batch or case.batch, rollout_lora_merge=case.rollout_lora_merge,
+                       **cpu)
 
 
 def run_case_here(case: TrainCase, out_dir: str | Path) -> dict:
@@ -210,35 +216,47 @@ def run_bench(cases: list[TrainCase], progress: bool = True) -> dict:
 
 
 def add_speedups(rows: list[dict]) -> None:
-    """Each row's step-time speedup over the lora row of the same model, batch, lengths and GPUs, and over the
-    one-GPU row of the same case (in place)."""
+    """Each row's step-time speedup over the lora row of the same model, batch, lengths and GPUs (the paper's
+    baseline: adapters unmerged), over the merged-rollout lora row (``speedup_vs_lora_merged``, where one ran),
+    and over the one-GPU row of the same case (in place)."""
     def key(r, *extra):
         return (r["model"], r["batch"], r.get("groups", 1), r["prompt_len"], r["gen_len"], r["gradient_checkpointing"],
                 r.get("checkpoint_layers"), *extra)
 
-    lora = {key(r, r.get("num_gpus", 1)): r["step_s"] for r in rows if r["mode"] == "lora" and not r.get("error")}
-    one = {key(r, r["mode"]): r["step_s"] for r in rows if r.get("num_gpus", 1) == 1 and not r.get("error")}
+    def lora_steps(merged: bool) -> dict:
+        return {key(r, r.get("num_gpus", 1)): r["step_s"] for r in rows
+                if r["mode"] == "lora" and bool(r.get("rollout_lora_merge")) == merged and not r.get("error")}
+
+    lora, lora_merged = lora_steps(False), lora_steps(True)
+    one = {key(r, r["mode"], bool(r.get("rollout_lora_merge"))): r["step_s"] for r in rows
+           if r.get("num_gpus", 1) == 1 and not r.get("error")}
     for r in rows:
         ok = not r.get("error") and r.get("step_s")
-        ref, single = lora.get(key(r, r.get("num_gpus", 1))), one.get(key(r, r["mode"]))
+        gpus = key(r, r.get("num_gpus", 1))
+        ref, merged = lora.get(gpus), lora_merged.get(gpus)
+        single = one.get(key(r, r["mode"], bool(r.get("rollout_lora_merge"))))
         r["speedup_vs_lora"] = ref / r["step_s"] if ref and ok else None
+        r["speedup_vs_lora_merged"] = merged / r["step_s"] if merged and ok else None
         r["speedup_vs_1gpu"] = single / r["step_s"] if single and ok else None
 
 
-COLUMNS = (("model", "", 12), ("mode", "", 6), ("batch", "d", 5), ("num_gpus", "d", 8), ("gen_len", "d", 7),
+COLUMNS = (("model", "", 12), ("mode", "", 8), ("batch", "d", 5), ("num_gpus", "d", 8), ("gen_len", "d", 7),
            ("checkpoint_layers", "d", 17),
            ("num_iterations", "d", 14),
            ("completion_len", ".0f", 14),
            ("rollout_s", ".2f", 9), ("train_s", ".2f", 8), ("step_s", ".2f", 7), ("peak_gib", ".1f", 8),
-           ("tokens_per_s", ".0f", 12), ("speedup_vs_lora", ".2f", 15), ("speedup_vs_1gpu", ".2f", 15),
+           ("tokens_per_s", ".0f", 12), ("speedup_vs_lora", ".2f", 15), ("speedup_vs_lora_merged", ".2f", 22),
+           ("speedup_vs_1gpu", ".2f", 15),
            ("paper", "", 13), ("error", "", 5))
 
 
 def format_bench(record: dict) -> str:
-    """Fixed-width table of the rows (the paper's column is the paper's number, see `PAPER`)."""
+    """Fixed-width table of the rows (the paper's column is the paper's number, see `PAPER`; mode ``lora+m``: the
+    rollout ran with the adapters merged)."""
     from qerl_lib.bench.table import format_table
 
-    rows = [{**r, "error": (r.get("error") or "")[:60] or None} for r in record["rows"]]
+    rows = [{**r, "mode": r["mode"] + ("+m" if r.get("rollout_lora_merge") else ""),
+             "error": (r.get("error") or "")[:60] or None} for r in record["rows"]]
     return format_table(rows, COLUMNS)
 
 

@@ -1,4 +1,4 @@
-"""The rollout phase's memory, from the architecture alone: base weights + the engine's KV cache.
+"""The rollout phase's memory, from the architecture alone: base weights + the engine's KV cache (+ merged copy).
 
 A GRPO step has two phases that do not overlap in memory when ``release_engine_cache`` is on (the
 default): the rollout (base weights, the engine's KV cache, CUDA-graph pools) and the training step
@@ -19,6 +19,9 @@ Counted exactly (tests compare with a built model's tensors and with the engine'
   weight, within a percent of bitsandbytes' own layout (its second-level statistics are left out).
 * KV cache: ``layers x 2 x rows x kv_heads x columns x head_dim x 2`` bytes, rows and columns rounded
   up as the engine's CUDA-graph path does (`engine.cache.batch_bucket`, `length_bucket`).
+* the merged copy (``lora_merge``, a bf16 base only; `engine.merged`): every decoder Linear's weight and bias
+  once more in bf16, with adapters on all seven projections (the presets' targets). At 7B that is 12.2 GiB and
+  the GSM8K preset keeps its 128 rows; at 14B (24.6 GiB) its rows fall from 32 to 8; at 32B nothing fits.
 
 Not counted: CUDA-graph memory pools and the logits of a step (a few hundred MB at these sizes), and
 everything of the training phase beyond the weights.
@@ -58,6 +61,16 @@ def base_weight_bytes(arch: dict, base: str) -> int:
     return int(round(layers * (per_layer + biases + norms) + hidden * 2 + embeddings))
 
 
+def merged_copy_bytes(arch: dict, dtype_bytes: int = 2) -> int:
+    """Bytes of the engine's merged weight copies (``RolloutEngine(lora_merge=True)``) with adapters on all seven
+    projections of every layer: each decoder Linear's weight and bias once more, in the base's dtype."""
+    shapes = layer_projection_shapes(arch)
+    weights = sum(n * k for n, k in shapes.values())
+    biased = arch.get("model_type") == "qwen2" or arch.get("attention_bias")
+    biases = sum(shapes[name][0] for name in ("q_proj", "k_proj", "v_proj")) if biased else 0
+    return arch["num_hidden_layers"] * (weights + biases) * dtype_bytes
+
+
 def kv_cache_bytes(arch: dict, rows: int, columns: int, length_step: int = 256,
                    buckets: tuple[int, ...] = BATCH_BUCKETS, dtype_bytes: int = 2) -> int:
     """The engine's KV cache for ``rows`` sequences of ``columns`` cached tokens (prompt + completion - 1),
@@ -69,21 +82,27 @@ def kv_cache_bytes(arch: dict, rows: int, columns: int, length_step: int = 256,
 
 
 def rollout_phase_bytes(arch: dict, base: str, rows: int, prompt_tokens: int, completion_tokens: int,
-                        continuous: bool = False) -> dict:
-    """``{"weights": ..., "kv_cache": ..., "total": ...}`` in bytes for a rollout of ``rows`` at once;
-    ``continuous``: more prompts than rows, so the cache has the continuous-batching headroom too."""
+                        continuous: bool = False, lora_merge: bool = False) -> dict:
+    """``{"weights": ..., "kv_cache": ..., "merged_copy": ..., "total": ...}`` in bytes for a rollout of ``rows``
+    at once; ``continuous``: more prompts than rows, so the cache has the continuous-batching headroom too;
+    ``lora_merge``: the adapters run merged into a copy of the bf16 base (`merged_copy_bytes`)."""
+    if lora_merge and base != "bf16":
+        raise ValueError(f"lora_merge needs a bf16 base, not {base!r}: a quantized base's adapters run unmerged")
     weights = base_weight_bytes(arch, base)
     extra = headroom_columns() if continuous else 0
     cache = kv_cache_bytes(arch, rows, prompt_tokens + completion_tokens - 1 + extra)
-    return {"weights": weights, "kv_cache": cache, "total": weights + cache}
+    copy = merged_copy_bytes(arch) if lora_merge else 0
+    return {"weights": weights, "kv_cache": cache, "merged_copy": copy, "total": weights + cache + copy}
 
 
 def rollout_rows_that_fit(arch: dict, base: str, prompt_tokens: int, completion_tokens: int,
-                          budget_bytes: float = ROLLOUT_BUDGET_BYTES, most: int = 128, continuous: bool = False) -> int:
+                          budget_bytes: float = ROLLOUT_BUDGET_BYTES, most: int = 128, continuous: bool = False,
+                          lora_merge: bool = False) -> int:
     """The largest power of two <= ``most`` rows whose rollout phase fits ``budget_bytes`` (0 if none does)."""
     rows = most
     while rows >= 1:
-        if rollout_phase_bytes(arch, base, rows, prompt_tokens, completion_tokens, continuous)["total"] <= budget_bytes:
+        plan = rollout_phase_bytes(arch, base, rows, prompt_tokens, completion_tokens, continuous, lora_merge)
+        if plan["total"] <= budget_bytes:
             return rows
         rows //= 2
     return 0

@@ -113,8 +113,8 @@ class TrainConfig:
     rollout_batch: int = 256  # most sequences decoding at once (bounds the KV cache); more queue for their rows
     decode_backend: str = "auto"  # engine decode path: auto (CUDA graphs on GPU, eager on CPU) | eager | graphs
     # bf16 base only: each rollout runs the adapters merged into engine-owned weight copies (engine/merged.py): no
-    # adapter launches, one more copy of the dense weights during the rollout (7B: +12.3 GiB; freed before the backward
-    # with release_engine_cache); rollout_batch is not re-sized for it
+    # adapter launches, one more copy of the dense weights during the rollout (7B: +12.2 GiB; freed before the backward
+    # with release_engine_cache); make_config re-sizes a Qwen preset's rollout_batch for it (train/memory.py)
     rollout_lora_merge: bool = False
     temperature: float = 1.0
     top_p: float = 1.0
@@ -342,16 +342,17 @@ def _one_of(name: str, value, allowed: tuple, flag: str) -> None:
         raise UserError(f"unknown {name} {value!r}: {flag} must be one of {', '.join(allowed)}")
 
 
-def _rollout_rows(size: str, prompt_tokens: int, completion_tokens: int) -> int:
+def _rollout_rows(size: str, prompt_tokens: int, completion_tokens: int, lora_merge: bool = False) -> int:
     """Rows the engine runs at once so that the rollout phase (weights + KV cache for full-length
     completions) fits one 80 GB GPU (`train.memory`): with a bf16 base up to 14B, so that mode lora fits
-    too, and with the NVFP4 base at 32B (whose bf16 weights alone take 62 GB)."""
+    too, and with the NVFP4 base at 32B (whose bf16 weights alone take 62 GB). ``lora_merge``: a bf16 base
+    with its merged copy beside it (0 where that does not fit at all)."""
     from qerl_lib.paths import load_model_config
     from qerl_lib.train.memory import rollout_rows_that_fit
 
-    base = "nvfp4" if size == "32b" else "bf16"
+    base = "nvfp4" if size == "32b" and not lora_merge else "bf16"
     return rollout_rows_that_fit(load_model_config(f"qwen2.5-{size}"), base, prompt_tokens, completion_tokens,
-                                 continuous=True)
+                                 continuous=True, lora_merge=lora_merge)
 
 
 def _qwen(size: str, data: str, **kw) -> TrainConfig:
@@ -414,7 +415,16 @@ def make_config(preset: str, mode: str | None = None, steps: int | None = None, 
     changes = {k: v for k, v in dict(overrides, mode=mode, steps=steps, seed=seed).items() if v is not None}
     if overrides.get("base_format") is not None and mode is None:
         changes["mode"] = None  # an explicit base replaces the preset's mode; its AQN comes from aqn_target
-    return replace(PRESETS[preset], **changes)
+    config = replace(PRESETS[preset], **changes)
+    if config.rollout_lora_merge and preset.startswith("qwen2.5-") and "rollout_batch" not in changes:
+        # the merged copy shares the rollout's memory with the KV cache: fewer rows where both do not fit
+        size = preset.split("-")[1]
+        rows = _rollout_rows(size, config.max_prompt_tokens, config.max_completion_length, lora_merge=True)
+        if rows == 0:
+            raise UserError(f"rollout_lora_merge: Qwen2.5-{size.upper()}'s bf16 weights and their merged copy leave "
+                            "no room for a rollout on one 80 GB GPU: drop --rollout-lora-merge")
+        config = replace(config, rollout_batch=min(rows, config.rollout_batch))
+    return config
 
 
 def describe(config: TrainConfig) -> str:
