@@ -74,3 +74,20 @@ def test_aliases_resolve_to_the_embedded_folder(embedded_model_dir):
     assert embedded.resolve_model("smollm2") == str(embedded_model_dir)
     assert embedded.resolve_model(None) == str(embedded_model_dir)
     assert embedded.resolve_model(str(embedded_model_dir)) == str(embedded_model_dir)
+
+
+def test_a_finished_conversion_needs_no_package(tmp_path, monkeypatch):
+    """A folder with the marker a finished conversion writes is returned as it is, even where the package (and so
+    the GGUF) is absent, e.g. a GPU machine carrying only the converted tokenizer; without the marker the missing
+    package is still reported in one line."""
+    def missing():
+        raise UserError("the embedded model package is not installed")
+
+    monkeypatch.setattr(embedded, "find_embedded_gguf", missing)
+    monkeypatch.delenv("QERL_GGUF", raising=False)
+    done = tmp_path / "done"
+    done.mkdir()
+    (done / embedded.SOURCE_MARKER).write_text("{}")
+    assert embedded.prepare_embedded_model(out=done, quiet=True) == done
+    with pytest.raises(UserError, match="not installed"):
+        embedded.prepare_embedded_model(out=tmp_path / "empty", quiet=True)

@@ -234,13 +234,43 @@ def test_release_frees_the_copies_and_the_next_call_builds_them_again():
     assert engine._forward.merged is None and engine._forward.lora is None
 
 
-def test_bf16_merged_rollouts_agree_with_unmerged_within_bf16_noise():
-    from tests.test_lora_kernels import assert_rollouts_agree
+def _deviations(rollouts, reference) -> list[float]:
+    """|logprob - reference logprob| along each row's prefix shared with the reference (greedy: bf16 rounding may
+    break a near tie, after which the rows are different texts)."""
+    out = []
+    for c, e in zip(rollouts, reference):
+        for a, b, ta, tb in zip(c.logprobs, e.logprobs, c.token_ids, e.token_ids):
+            if ta != tb:
+                break
+            out.append(abs(a - b))
+    return sorted(out)
+
+
+def test_bf16_merged_rollouts_are_no_noisier_than_unmerged_ones():
+    """bf16, rank 8, four adapter draws: against the same model and adapters in float32, the merged engine's greedy
+    logprobs deviate no more than the unmerged engine's (both are bf16 roundings of one float32 function; pooled
+    median within 1.5x, 90th percentile within 2x), and the shared prefixes are long. A wrong merge (scale, rows,
+    transposition) deviates by whole nats, not by this tiny model's bf16 noise (median ~0.02 nats a token, a
+    tail to ~0.5 that depends on the CPU's bf16 kernels, which is why no absolute maximum is asserted)."""
+    import copy
 
     model = tiny_model("qwen2", dtype=torch.bfloat16)
-    ads = adapters_for(model, rank=8)
-    merged = rollout(model, ads, lora_merge=True)
-    assert_rollouts_agree(merged, merged, rollout(model, ads), NEW)
+    model32 = copy.deepcopy(model).float()
+    merged_dev, plain_dev = [], []
+    for seed in (3, 4, 5, 6):
+        ads = adapters_for(model, rank=8, seed=seed)
+        ads32 = {k: LoraAdapter(a.A.float(), a.B.float(), a.scale) for k, a in ads.items()}
+        reference = rollout(model32, ads32)
+        merged_dev += _deviations(rollout(model, ads, lora_merge=True), reference)
+        plain_dev += _deviations(rollout(model, ads), reference)
+    merged_dev.sort(), plain_dev.sort()
+    assert len(merged_dev) >= 2 * NEW * len(PROMPTS) and len(plain_dev) >= 2 * NEW * len(PROMPTS)
+
+    def quantile(values, q):
+        return values[int(q * (len(values) - 1))]
+
+    assert quantile(merged_dev, 0.5) <= 1.5 * quantile(plain_dev, 0.5) + 1e-3, (merged_dev, plain_dev)
+    assert quantile(merged_dev, 0.9) <= 2.0 * quantile(plain_dev, 0.9) + 1e-3, (merged_dev, plain_dev)
 
 
 @pytest.mark.cuda

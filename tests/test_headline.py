@@ -57,7 +57,7 @@ def _edit(path: Path, change) -> None:
 
 
 @pytest.mark.parametrize("file, change, expected", [
-    ("rollout_h200_final.json", lambda d: [r.pop("tok_s") for r in d["rows"]], "['rows'][0]['tok_s']"),
+    ("rollout_h200.json", lambda d: [r.pop("tok_s") for r in d["rows"]], "['rows'][0]['tok_s']"),
     ("gemm_h100_v5.json", lambda d: d.pop("ceiling"), "missing field ['ceiling']"),
     ("entropy_study_cuda.json", lambda d: d["formats"]["nvfp4"]["diff_vs_bf16"].pop("entropy_gold"),
      "['entropy_gold']"),
@@ -71,8 +71,10 @@ def _edit(path: Path, change) -> None:
      "no row with both outputs checked"),
     ("rollout_lora_merge_h200.json", lambda d: [r.update(lora_merged=False) for r in d["rows"]],
      "no row with lora_merged true"),
+    ("train_step_merge_h200.json", lambda d: d.update(rows=[r for r in d["rows"] if not r["rollout_lora_merge"]]),
+     "no measured row with model=qwen2.5-7b, mode=lora, rollout_lora_merge=True"),
 ], ids=["field in rows", "top-level field", "nested field", "provenance", "no matching row", "no nf4 row",
-        "paper's nf4 number", "no checked marlin row", "no merged row"])
+        "paper's nf4 number", "no checked marlin row", "no merged row", "no merged train row"])
 def test_a_missing_field_names_the_file_and_the_field(results_copy, file, change, expected):
     _edit(results_copy / file, change)
     with pytest.raises(ResultsError) as err:
@@ -81,8 +83,8 @@ def test_a_missing_field_names_the_file_and_the_field(results_copy, file, change
 
 
 def test_a_missing_file_is_named(results_copy):
-    (results_copy / "rollout_h200_smollm2_final.json").unlink()
-    with pytest.raises(ResultsError, match="rollout_h200_smollm2_final.json: not found"):
+    (results_copy / "rollout_h200.json").unlink()
+    with pytest.raises(ResultsError, match="rollout_h200.json: not found"):
         headline.render_headline(results_copy)
 
 
@@ -172,3 +174,19 @@ def test_merge_row_is_each_cost_against_its_own_batchs_rank_0_row(results_copy):
           lambda d: [r.update(tok_s=r["tok_s"] / 2) for r in d["rows"] if r["lora_merged"]])
     halved = [f"{100 * (1 - t / 2 / tok[b, 0, False]):.1f}%" for (b, r, m), t in sorted(tok.items()) if m]
     assert f"merged {' / '.join(halved)};" in headline._rollout_merge_row(results_copy)[1]
+
+
+def test_train_merge_row_is_qerls_step_against_both_lora_rows(results_copy):
+    """Each model's speedups are lora's step over qerl's, merged and unmerged, from the rows of one file; the
+    paper's number is the qerl row's."""
+    doc = json.loads((results_copy / "train_step_merge_h200.json").read_text())
+    step = {(r["model"], r["mode"], r["rollout_lora_merge"]): r["step_s"] for r in doc["rows"]}
+    _, value, device, file = headline._train_merge_row(results_copy)
+    assert device == "H200" and file == "train_step_merge_h200.json"
+    for model in ("qwen2.5-7b", "qwen2.5-14b"):
+        q = step[model, "qerl", False]
+        assert f"{step[model, 'lora', True] / q:.2f}× / {step[model, 'lora', False] / q:.2f}×" in value, model
+    _edit(results_copy / "train_step_merge_h200.json",
+          lambda d: [r.update(step_s=r["step_s"] * 2) for r in d["rows"] if r["mode"] == "qerl"])
+    q = step["qwen2.5-7b", "qerl", False] * 2
+    assert f"{step['qwen2.5-7b', 'lora', True] / q:.2f}×" in headline._train_merge_row(results_copy)[1]

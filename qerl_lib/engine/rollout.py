@@ -55,8 +55,8 @@ graphs are kept between calls for speed; ``release(model)`` frees them before tr
 Measured (``qerl bench rollout``; the results files are indexed in results/README.md)
 -------------------------------------------------------------------------------------
 SmolLM2-135M bf16, batch 64, 256 + 512 tokens: 48.1k tokens/s against 3.5k for transformers'
-``generate`` (13.8x, H200, ``results/rollout_h200_smollm2_final.json``). Qwen2.5-7B shapes, batch 8,
-256 + 2048 tokens (``results/rollout_h200_final.json``, H200): bf16 1737 tokens/s, NVFP4 3088
+``generate`` (13.8x, H200, ``results/rollout_h200.json``). Qwen2.5-7B shapes, batch 8,
+256 + 2048 tokens (``results/rollout_h200.json``, H200): bf16 1737 tokens/s, NVFP4 3088
 (2.56 ms per step). How each part of the engine got there is in dev/LOG.md.
 """
 

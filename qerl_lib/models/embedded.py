@@ -81,10 +81,10 @@ def prepare_embedded_model(gguf: str | os.PathLike | None = None, out: str | os.
     The target is never the GGUF or a folder around it. A corrupt or truncated GGUF raises
     `UserError` and leaves no folder behind.
     """
-    gguf_path = Path(gguf).expanduser() if gguf else find_embedded_gguf()
     target = Path(out).expanduser() if out else embedded_model_dir()
     if not force and (target / SOURCE_MARKER).is_file():
-        return target
+        return target  # a finished conversion needs neither the package nor the GGUF any more
+    gguf_path = Path(gguf).expanduser() if gguf else find_embedded_gguf()
     refuse_overlap(target, [gguf_path], flag="--out")
     occupied = target.is_symlink() or (target.exists() and not (target.is_dir() and not any(target.iterdir())))
     if occupied and not force:

@@ -445,6 +445,30 @@ def _train_step_rows(results_dir) -> list[tuple]:
     ]
 
 
+def _train_merge_row(results_dir) -> tuple:
+    """qerl's step against lora's with the rollout's adapters merged (TRL's way before a vLLM sync) and unmerged."""
+    file = "train_step_merge_h200.json"
+    doc = load_result(results_dir, file)
+    rows = [r for r in _rows(doc, file, TRAIN_STEP_KEYS + ("rollout_lora_merge",)) if r["error"] is None]
+
+    def row(model, mode, merged=False):
+        hit = [r for r in rows if (r["model"], r["mode"], r["rollout_lora_merge"]) == (model, mode, merged)]
+        if not hit:
+            raise ResultsError(f"{file}: no measured row with model={model}, mode={mode}, rollout_lora_merge={merged}")
+        return hit[0]
+
+    def part(m):
+        q, merged, plain = row(m, "qerl")["step_s"], row(m, "lora", True)["step_s"], row(m, "lora")["step_s"]
+        paper = (row(m, "qerl")["paper"] or "-").replace("x", "×", 1)
+        return (f"{m.split('-')[1].upper()} {q:.1f} / {merged:.1f} / {plain:.1f} s ({_x(merged / q)} / {_x(plain / q)}; "
+                f"paper, Tab. 3: {paper})")
+
+    r = rows[0]
+    return (f"the GRPO step in one run, batch {r['batch']}, 256 + {r['gen_len']} tokens, LoRA r{r['lora_rank']}: qerl / "
+            f"lora with the rollout's adapters merged (`--rollout-lora-merge`) / lora unmerged (qerl's speedup over each)",
+            "; ".join(part(m) for m in sorted({r["model"] for r in rows}, key=_size)), device_name(doc, file), file)
+
+
 TOPICS = ("gemm", "rollout", "entropy", "training")
 
 
@@ -460,18 +484,18 @@ def headline_rows(results_dir: str | Path = RESULTS_DIR,
         rows += _gemm_rows(results_dir)
     if "rollout" in topics:
         rows += [*_rollout_ratio_rows(results_dir, "rollout_h100.json", paper=True),
-                 *_rollout_ratio_rows(results_dir, "rollout_h200_final.json", paper=False),
+                 *_rollout_ratio_rows(results_dir, "rollout_h200.json", paper=False),
                  *_rollout_extra_rows(results_dir),
                  _rollout_14b_row(results_dir),
                  *_rollout_nf4_rows(results_dir),
                  _rollout_merge_row(results_dir),
                  *_vllm_rows(results_dir),
                  _engine_vs_generate(results_dir, "rollout_h100.json"),
-                 _engine_vs_generate(results_dir, "rollout_h200_smollm2_final.json")]
+                 _engine_vs_generate(results_dir, "rollout_h200.json")]
     if "entropy" in topics:
         rows += _entropy_rows(results_dir)
     if "training" in topics:
-        rows += [*_train_step_rows(results_dir), _training_row(results_dir)]
+        rows += [*_train_step_rows(results_dir), _train_merge_row(results_dir), _training_row(results_dir)]
     return rows
 
 

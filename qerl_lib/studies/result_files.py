@@ -46,8 +46,12 @@ RESULT_FILES = {
                                     "and unmerged, with the rank-0 row, one process per batch, one repeat per row: "
                                     "batch 8, 256 + 2048; batch 32, 256 + 1024 (dev/LOG.md sections 58-61, "
                                     "`dev/runs/lora_merge_h200_2026-11-28/kernel_dot/`)",
-    "rollout_h200_final.json": "bf16 vs NVFP4 on Qwen2.5-7B/32B shapes, batch 8, 256 + 2048 tokens",
-    "rollout_h200_smollm2_final.json": "engine vs `transformers.generate`, SmolLM2 bf16, batch 64, 256 + 512 tokens",
+    "train_step_merge_h200.json": "`qerl bench train` at 7B and 14B, batch 8, 256 + 2048 tokens, LoRA r32: modes qerl "
+                                  "and lora, lora's rollout with the adapters merged (`--rollout-lora-merge`) and "
+                                  "unmerged, one run, three measured steps per case (dev/LOG.md section 63, "
+                                  "`dev/runs/train_merge_h200_2026-11-28/`)",
+    "rollout_h200.json": "bf16 vs NVFP4 on Qwen2.5-7B/32B shapes, batch 8, 256 + 2048 tokens; engine vs "
+                         "`transformers.generate`, SmolLM2 bf16, batch 64, 256 + 512 tokens; two runs merged",
     "rollout_step_breakdown_h200.json": "where a 7B decode step's time goes (kernel time per category, idle time, "
                                         "kernels per step) at 256/1280/2240 cached tokens, NVFP4 and bf16; profiled "
                                         "before programmatic dependent launch and the Triton glue kernels (dev/LOG.md). "
