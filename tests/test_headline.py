@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from qerl_lib.studies import headline
+from qerl_lib.studies import headline, headline_training
 from qerl_lib.studies.headline import ResultsError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -73,8 +73,10 @@ def _edit(path: Path, change) -> None:
      "no row with lora_merged true"),
     ("train_step_merge_h200.json", lambda d: d.update(rows=[r for r in d["rows"] if not r["rollout_lora_merge"]]),
      "no measured row with model=qwen2.5-7b, mode=lora, rollout_lora_merge=True"),
+    ("rollout_h200.json", lambda d: d.update(rows=[r for r in d["rows"] if r["batch"] != 128 or r["lora_merged"]]),
+     "no measured row with weights=nvfp4, lora_merged=False, model=qwen2.5-7b, batch=128"),
 ], ids=["field in rows", "top-level field", "nested field", "provenance", "no matching row", "no nf4 row",
-        "paper's nf4 number", "no checked marlin row", "no merged row", "no merged train row"])
+        "paper's nf4 number", "no checked marlin row", "no merged row", "no merged train row", "no preset rollout row"])
 def test_a_missing_field_names_the_file_and_the_field(results_copy, file, change, expected):
     _edit(results_copy / file, change)
     with pytest.raises(ResultsError) as err:
@@ -181,7 +183,7 @@ def test_train_merge_row_is_qerls_step_against_both_lora_rows(results_copy):
     paper's number is the qerl row's."""
     doc = json.loads((results_copy / "train_step_merge_h200.json").read_text())
     step = {(r["model"], r["mode"], r["rollout_lora_merge"]): r["step_s"] for r in doc["rows"]}
-    _, value, device, file = headline._train_merge_row(results_copy)
+    _, value, device, file = headline_training._train_merge_row(results_copy)
     assert device == "H200" and file == "train_step_merge_h200.json"
     for model in ("qwen2.5-7b", "qwen2.5-14b"):
         q = step[model, "qerl", False]
@@ -189,4 +191,13 @@ def test_train_merge_row_is_qerls_step_against_both_lora_rows(results_copy):
     _edit(results_copy / "train_step_merge_h200.json",
           lambda d: [r.update(step_s=r["step_s"] * 2) for r in d["rows"] if r["mode"] == "qerl"])
     q = step["qwen2.5-7b", "qerl", False] * 2
-    assert f"{step['qwen2.5-7b', 'lora', True] / q:.2f}×" in headline._train_merge_row(results_copy)[1]
+    assert f"{step['qwen2.5-7b', 'lora', True] / q:.2f}×" in headline_training._train_merge_row(results_copy)[1]
+
+
+def test_preset_rollout_row_compares_nvfp4_with_both_bf16_rows(results_copy):
+    doc = json.loads((results_copy / "rollout_h200.json").read_text())
+    tok = {(r["weights"], r["lora_merged"]): r["tok_s"] for r in doc["rows"] if r["batch"] == 128 and r["rank"] == 32}
+    quantity, value, device, _ = headline_training._preset_rollout_row(results_copy)
+    assert "128 rows" in quantity and "LoRA r32" in quantity and device == "H200"
+    fp = tok["nvfp4", False]
+    assert f"{fp / tok['bf16', False]:.2f}× / {fp / tok['bf16', True]:.2f}× of bf16's" in value

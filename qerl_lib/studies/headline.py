@@ -21,114 +21,19 @@ moved to ``dev/runs/`` under their new path. The JSONs keep the command exactly 
 
 from __future__ import annotations
 
-import json
-import math
 import re
 from pathlib import Path
 
-from qerl_lib.errors import UserError
 from qerl_lib.paths import REPO_ROOT, RESULTS_DIR
+from qerl_lib.studies.headline_training import training_rows
 from qerl_lib.studies.kernel import gemm_headline
 from qerl_lib.studies.result_files import RESULT_FILES  # noqa: F401 (re-exported: cli/results.py, tests)
+from qerl_lib.studies.result_reading import (ROLLOUT_KEYS, ResultsError, _ci, _ktok, _provenances, _rows, _size, _tok,
+                                             _x, device_name, fastest, field, load_result)
 
 MARKERS = {"headline": ("<!-- headline:start -->", "<!-- headline:end -->"),
            "index": ("<!-- index:start -->", "<!-- index:end -->"),
            "claims": ("<!-- claims:start -->", "<!-- claims:end -->")}
-
-
-class ResultsError(UserError):
-    """A results file is missing, or lacks a field the README's table needs."""
-
-
-# ---- reading ------------------------------------------------------------------------------------
-
-def load_result(results_dir: str | Path, name: str) -> dict:
-    path = Path(results_dir) / name
-    if not path.is_file():
-        raise ResultsError(f"{path}: not found; the README's results table reads it (restore it, or change "
-                           f"qerl_lib/studies/headline.py)")
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise ResultsError(f"{path}: not valid JSON ({e})") from None
-
-
-def field(doc, *keys, file: str):
-    """``doc[k1][k2]...``, or a `ResultsError` naming `file` and the first missing key."""
-    value, trail = doc, ""
-    for key in keys:
-        trail += f"[{key!r}]"
-        try:
-            value = value[key]
-        except (KeyError, IndexError, TypeError):
-            raise ResultsError(f"{file}: missing field {trail}") from None
-    if value is None:
-        raise ResultsError(f"{file}: field {trail} is null")
-    return value
-
-
-def _rows(doc: dict, file: str, keys: tuple[str, ...]) -> list[dict]:
-    rows = field(doc, "rows", file=file)
-    for i, row in enumerate(rows):
-        for key in keys:
-            if key not in row:
-                raise ResultsError(f"{file}: missing field ['rows'][{i}][{key!r}]")
-    return rows
-
-
-def _provenances(doc: dict, file: str) -> list[dict]:
-    prov = field(doc, "provenance", file=file)
-    return prov if isinstance(prov, list) else [prov]
-
-
-def device_name(doc: dict, file: str) -> str:
-    """The GPU of the file's run(s), from its provenance ("NVIDIA " dropped); several as "A + B"."""
-    names = []
-    for i, prov in enumerate(_provenances(doc, file)):
-        if "device" not in prov or "name" not in prov["device"]:
-            raise ResultsError(f"{file}: missing field ['provenance'][{i}]['device']['name']")
-        name = str(prov["device"]["name"]).removeprefix("NVIDIA ")
-        if name not in names:
-            names.append(name)
-    return " + ".join(names)
-
-
-ROLLOUT_KEYS = ("model", "weights", "batch", "rank", "engine", "prompt_len", "gen_len", "tok_s", "peak_gib", "error")
-
-
-def fastest(rows: list[dict], file: str, **match) -> dict:
-    """The fastest error-free row matching `match` (the engine uses whichever backend measures faster)."""
-    hits = [r for r in rows if r["error"] is None and r["tok_s"] and all(r[k] == v for k, v in match.items())]
-    if not hits:
-        what = ", ".join(f"{k}={v}" for k, v in match.items())
-        raise ResultsError(f"{file}: no measured row with {what}")
-    return max(hits, key=lambda r: r["tok_s"])
-
-
-# ---- formatting ---------------------------------------------------------------------------------
-
-def _x(ratio: float, decimals: int = 2) -> str:
-    """A ratio as the tables print it (three decimals where a target sits close to the value)."""
-    return f"{ratio:.{decimals}f}×"
-
-
-def _tok(tok_s: float) -> str:
-    return f"{tok_s:.0f}"
-
-
-def _ktok(tok_s: float) -> str:
-    return f"{tok_s / 1000:#.3g}k"
-
-
-def _size(model: str) -> float:
-    """'qwen2.5-32b' -> 32.0, for ordering models by size."""
-    m = re.search(r"(\d+(?:\.\d+)?)b$", model)
-    return float(m.group(1)) if m else math.inf
-
-
-def _ci(d: dict, file: str) -> str:
-    mean, low, high = (field(d, k, file=file) for k in ("mean_diff", "low", "high"))
-    return f"{mean:+.3f} nats, 95% CI [{low:+.3f}, {high:+.3f}]"
 
 
 # ---- the rows -----------------------------------------------------------------------------------
@@ -384,91 +289,6 @@ def _entropy_rows(results_dir) -> list[tuple]:
     ]
 
 
-def _training_row(results_dir) -> tuple:
-    file = "train_smollm2_qerl_h200/summary.json"
-    doc = load_result(results_dir, file)
-    steps, window = field(doc, "steps", file=file), field(doc, "window", file=file)
-    first, last = field(doc, "first", "reward", file=file), field(doc, "last", "reward", file=file)
-    share = field(doc, "rollout_share", file=file)
-    step_s = field(doc, "median_step_seconds", file=file)
-    return (f"{steps}-step GRPO run, mode qerl, preset {field(doc, 'preset', file=file)}: mean reward of the "
-            f"first / last {window} steps",
-            f"{first:.3f} → {last:.3f}; {step_s:.2f} s per step (median), {share:.0%} of it rollout",
-            device_name(doc, file), file)
-
-
-TRAIN_STEP_KEYS = ("model", "mode", "batch", "gen_len", "completion_len", "rollout_s", "step_s", "peak_gib", "paper",
-                   "error")
-PRESET_STEP_KEYS = ("groups", "rollout_batch", "micro_batch", "num_iterations", "steps")  # rows of --preset-settings
-
-
-def _train_step_rows(results_dir) -> list[tuple]:
-    file = "train_step_h100.json"
-    doc = load_result(results_dir, file)
-    rows = [r for r in _rows(doc, file, TRAIN_STEP_KEYS) if r["error"] is None]
-
-    def row(model, mode, batch):
-        hit = [r for r in rows if (r["model"], r["mode"], r["batch"]) == (model, mode, batch)]
-        if not hit:
-            raise ResultsError(f"{file}: no measured row with model={model}, mode={mode}, batch={batch}")
-        return hit[0]
-
-    dev = device_name(doc, file)
-    lora, qerl, qlora = row("qwen2.5-7b", "lora", 8), row("qwen2.5-7b", "qerl", 8), row("qwen2.5-7b", "qlora", 8)
-    lora14, qerl14, qlora14 = row("qwen2.5-14b", "lora", 8), row("qwen2.5-14b", "qerl", 8), row("qwen2.5-14b", "qlora", 8)
-    big = row("qwen2.5-32b", "qerl", 2)
-    pq, pl, pn = row("qwen2.5-7b", "qerl", 128), row("qwen2.5-7b", "lora", 128), row("qwen2.5-7b", "qlora", 128)
-    missing = sorted({k for r in (pq, pl, pn) for k in PRESET_STEP_KEYS if k not in r})
-    if missing:
-        raise ResultsError(f"{file}: the qwen2.5-7b batch-128 (preset) rows miss {missing}")
-    return [
-        (f"GRPO step (rollout + scoring + forward/backward + AdamW), Qwen2.5-7B shapes, batch 8, 256 + "
-         f"{qerl['gen_len']} tokens, LoRA r32: qerl / lora / qlora",
-         f"{qerl['step_s']:.1f} / {lora['step_s']:.1f} / {qlora['step_s']:.1f} s: "
-         f"{_x(lora['step_s'] / qerl['step_s'])} over lora, {_x(qlora['step_s'] / qerl['step_s'])} over qlora; peak "
-         f"{qerl['peak_gib']:.1f} / {lora['peak_gib']:.1f} / {qlora['peak_gib']:.1f} GiB (paper, Tab. 3: qerl "
-         f"{qerl['paper'].replace('x', '×', 1)}, qlora {qlora['paper'].replace('x', '×', 1)})", dev, file),
-        (f"the same step, Qwen2.5-14B shapes, batch 8: qerl / lora / qlora",
-         f"{qerl14['step_s']:.1f} / {lora14['step_s']:.1f} / {qlora14['step_s']:.1f} s: "
-         f"{_x(lora14['step_s'] / qerl14['step_s'])} over lora, {_x(qlora14['step_s'] / qerl14['step_s'])} over "
-         f"qlora; peak {qerl14['peak_gib']:.1f} / {lora14['peak_gib']:.1f} / {qlora14['peak_gib']:.1f} GiB (paper, "
-         f"Tab. 3: {qerl14['paper'].replace('x', '×', 1)})", dev, file),
-        (f"the same step for Qwen2.5-32B shapes, mode qerl, batch 2, on one GPU",
-         f"{big['step_s']:.1f} s ({big['rollout_s']:.1f} s rollout of {big['completion_len']:.0f}-token completions), "
-         f"peak {big['peak_gib']:.1f} GiB (paper, Tab. 8: {big['paper']}, shorter completions)", dev, file),
-        (f"the qwen2.5-7b-gsm8k preset's own step ({pq['groups']} x {pq['batch'] // pq['groups']} completions of "
-         f"<= {pq['gen_len']} tokens, {pq['rollout_batch']} rollout rows, micro-batch {pq['micro_batch']}, "
-         f"μ = {pq['num_iterations']} of the preset's 4), {pq['steps']} steps each: qerl / lora / qlora",
-         f"{pq['step_s']:.0f} / {pl['step_s']:.0f} / {pn['step_s']:.0f} s (rollout {pq['rollout_s']:.0f} / "
-         f"{pl['rollout_s']:.0f} / {pn['rollout_s']:.0f} s: at {pq['rollout_batch']} rows the FP4 GEMM is below "
-         f"bf16's); peak {pq['peak_gib']:.1f} / {pl['peak_gib']:.1f} / {pn['peak_gib']:.1f} GiB", dev, file),
-    ]
-
-
-def _train_merge_row(results_dir) -> tuple:
-    """qerl's step against lora's with the rollout's adapters merged (TRL's way before a vLLM sync) and unmerged."""
-    file = "train_step_merge_h200.json"
-    doc = load_result(results_dir, file)
-    rows = [r for r in _rows(doc, file, TRAIN_STEP_KEYS + ("rollout_lora_merge",)) if r["error"] is None]
-
-    def row(model, mode, merged=False):
-        hit = [r for r in rows if (r["model"], r["mode"], r["rollout_lora_merge"]) == (model, mode, merged)]
-        if not hit:
-            raise ResultsError(f"{file}: no measured row with model={model}, mode={mode}, rollout_lora_merge={merged}")
-        return hit[0]
-
-    def part(m):
-        q, merged, plain = row(m, "qerl")["step_s"], row(m, "lora", True)["step_s"], row(m, "lora")["step_s"]
-        paper = (row(m, "qerl")["paper"] or "-").replace("x", "×", 1)
-        return (f"{m.split('-')[1].upper()} {q:.1f} / {merged:.1f} / {plain:.1f} s ({_x(merged / q)} / {_x(plain / q)}; "
-                f"paper, Tab. 3: {paper})")
-
-    r = rows[0]
-    return (f"the GRPO step in one run, batch {r['batch']}, 256 + {r['gen_len']} tokens, LoRA r{r['lora_rank']}: qerl / "
-            f"lora with the rollout's adapters merged (`--rollout-lora-merge`) / lora unmerged (qerl's speedup over each)",
-            "; ".join(part(m) for m in sorted({r["model"] for r in rows}, key=_size)), device_name(doc, file), file)
-
-
 TOPICS = ("gemm", "rollout", "entropy", "training")
 
 
@@ -495,7 +315,7 @@ def headline_rows(results_dir: str | Path = RESULTS_DIR,
     if "entropy" in topics:
         rows += _entropy_rows(results_dir)
     if "training" in topics:
-        rows += [*_train_step_rows(results_dir), _train_merge_row(results_dir), _training_row(results_dir)]
+        rows += training_rows(results_dir)
     return rows
 
 

@@ -51,7 +51,9 @@ RESULT_FILES = {
                                   "unmerged, one run, three measured steps per case (dev/LOG.md section 63, "
                                   "`dev/runs/train_merge_h200_2026-11-28/`)",
     "rollout_h200.json": "bf16 vs NVFP4 on Qwen2.5-7B/32B shapes, batch 8, 256 + 2048 tokens; engine vs "
-                         "`transformers.generate`, SmolLM2 bf16, batch 64, 256 + 512 tokens; two runs merged",
+                         "`transformers.generate`, SmolLM2 bf16, batch 64, 256 + 512 tokens; the 7B GSM8K preset's "
+                         "rollout phase (128 rows, 256 + 4096, LoRA r32: NVFP4, bf16 merged and unmerged; dev/LOG.md "
+                         "section 64, `dev/runs/preset_rollout_h200_2026-11-28/`); three runs merged",
     "rollout_step_breakdown_h200.json": "where a 7B decode step's time goes (kernel time per category, idle time, "
                                         "kernels per step) at 256/1280/2240 cached tokens, NVFP4 and bf16; profiled "
                                         "before programmatic dependent launch and the Triton glue kernels (dev/LOG.md). "

@@ -17,6 +17,10 @@ and leaves nothing behind for the next). The row reports the median over the ste
 ``lora_gib``, ``grads_gib``, ``optimizer_gib``, ``kv_cache_gib``), ``completion_len``, and completion tokens per
 second of the whole step; ``rollout_s_steps`` and ``train_s_steps`` keep every measured step's value.
 
+Mode lora can also run its rollouts with the adapters merged into a copy of the bf16 base (``rollout_lora_merge``,
+``--rollout-lora-merge off,on``; table mode ``lora+m``), as TRL does before each weight sync to vLLM: such rows get
+their own reference column, ``speedup_vs_lora_merged``, while ``speedup_vs_lora`` stays against the unmerged row.
+
 Where this differs from the paper's Tables 3 and 5-8: the paper averages over the first 30 steps of
 a real run (completions of varying length, vLLM for rollouts); here every step generates the full
 ``gen_len`` tokens, so a step here is at least as long as the paper's. The paper's numbers are

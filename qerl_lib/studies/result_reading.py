@@ -1,0 +1,110 @@
+"""Reading the results files for the README's tables: a missing file or field is one line naming both.
+
+`headline` (the README's GPU table and results/README.md's index) and `headline_training` (its training rows) read
+the JSONs of ``results/`` through these helpers, and format numbers with the same few functions, so every table
+writes a ratio or a rate the same way.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+
+from qerl_lib.errors import UserError
+
+
+class ResultsError(UserError):
+    """A results file is missing, or lacks a field the README's table needs."""
+
+
+# ---- reading ------------------------------------------------------------------------------------
+
+def load_result(results_dir: str | Path, name: str) -> dict:
+    path = Path(results_dir) / name
+    if not path.is_file():
+        raise ResultsError(f"{path}: not found; the README's results table reads it (restore it, or change "
+                           f"qerl_lib/studies/headline.py)")
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ResultsError(f"{path}: not valid JSON ({e})") from None
+
+
+def field(doc, *keys, file: str):
+    """``doc[k1][k2]...``, or a `ResultsError` naming `file` and the first missing key."""
+    value, trail = doc, ""
+    for key in keys:
+        trail += f"[{key!r}]"
+        try:
+            value = value[key]
+        except (KeyError, IndexError, TypeError):
+            raise ResultsError(f"{file}: missing field {trail}") from None
+    if value is None:
+        raise ResultsError(f"{file}: field {trail} is null")
+    return value
+
+
+def _rows(doc: dict, file: str, keys: tuple[str, ...]) -> list[dict]:
+    rows = field(doc, "rows", file=file)
+    for i, row in enumerate(rows):
+        for key in keys:
+            if key not in row:
+                raise ResultsError(f"{file}: missing field ['rows'][{i}][{key!r}]")
+    return rows
+
+
+def _provenances(doc: dict, file: str) -> list[dict]:
+    prov = field(doc, "provenance", file=file)
+    return prov if isinstance(prov, list) else [prov]
+
+
+def device_name(doc: dict, file: str) -> str:
+    """The GPU of the file's run(s), from its provenance ("NVIDIA " dropped); several as "A + B"."""
+    names = []
+    for i, prov in enumerate(_provenances(doc, file)):
+        if "device" not in prov or "name" not in prov["device"]:
+            raise ResultsError(f"{file}: missing field ['provenance'][{i}]['device']['name']")
+        name = str(prov["device"]["name"]).removeprefix("NVIDIA ")
+        if name not in names:
+            names.append(name)
+    return " + ".join(names)
+
+
+ROLLOUT_KEYS = ("model", "weights", "batch", "rank", "engine", "prompt_len", "gen_len", "tok_s", "peak_gib", "error")
+
+
+def fastest(rows: list[dict], file: str, **match) -> dict:
+    """The fastest error-free row matching `match` (the engine uses whichever backend measures faster)."""
+    hits = [r for r in rows if r["error"] is None and r["tok_s"] and all(r[k] == v for k, v in match.items())]
+    if not hits:
+        what = ", ".join(f"{k}={v}" for k, v in match.items())
+        raise ResultsError(f"{file}: no measured row with {what}")
+    return max(hits, key=lambda r: r["tok_s"])
+
+
+# ---- formatting ---------------------------------------------------------------------------------
+
+def _x(ratio: float, decimals: int = 2) -> str:
+    """A ratio as the tables print it (three decimals where a target sits close to the value)."""
+    return f"{ratio:.{decimals}f}×"
+
+
+def _tok(tok_s: float) -> str:
+    return f"{tok_s:.0f}"
+
+
+def _ktok(tok_s: float) -> str:
+    return f"{tok_s / 1000:#.3g}k"
+
+
+def _size(model: str) -> float:
+    """'qwen2.5-32b' -> 32.0, for ordering models by size."""
+    m = re.search(r"(\d+(?:\.\d+)?)b$", model)
+    return float(m.group(1)) if m else math.inf
+
+
+def _ci(d: dict, file: str) -> str:
+    mean, low, high = (field(d, k, file=file) for k in ("mean_diff", "low", "high"))
+    return f"{mean:+.3f} nats, 95% CI [{low:+.3f}, {high:+.3f}]"
