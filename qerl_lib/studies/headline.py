@@ -28,8 +28,8 @@ from qerl_lib.paths import REPO_ROOT, RESULTS_DIR
 from qerl_lib.studies.headline_training import training_rows
 from qerl_lib.studies.kernel import gemm_headline
 from qerl_lib.studies.result_files import RESULT_FILES  # noqa: F401 (re-exported: cli/results.py, tests)
-from qerl_lib.studies.result_reading import (ROLLOUT_KEYS, ResultsError, _ci, _ktok, _provenances, _rows, _size, _tok,
-                                             _x, device_name, fastest, field, load_result)
+from qerl_lib.studies.result_reading import (ROLLOUT_KEYS, ResultsError, checked_rows, ci_text, device_name, fastest, field,
+                                             ktok_text, load_result, model_size, provenances, times, tok_text)
 
 MARKERS = {"headline": ("<!-- headline:start -->", "<!-- headline:end -->"),
            "index": ("<!-- index:start -->", "<!-- index:end -->"),
@@ -44,22 +44,22 @@ BATCH8 = dict(batch=8, prompt_len=256, gen_len=2048, engine="qerl")
 def _gemm_rows(results_dir) -> list[tuple]:
     file = "gemm_h100_v5.json"
     doc = load_result(results_dir, file)
-    _rows(doc, file, ("model", "proj", "m", "speedup", "fp4_pct_copy", "bf16_pct_copy", "rel_err", "ok"))
+    checked_rows(doc, file, ("model", "proj", "m", "speedup", "fp4_pct_copy", "bf16_pct_copy", "rel_err", "ok"))
     ceiling = field(doc, "ceiling", file=file)
-    per = dict(sorted(gemm_headline(doc).items(), key=lambda kv: _size(kv[0])))
+    per = dict(sorted(gemm_headline(doc).items(), key=lambda kv: model_size(kv[0])))
     short = {m: m.replace("qwen2.5-", "").upper() for m in per}
     dev = device_name(doc, file)
-    geo = ", ".join(f"{_x(h['geomean_speedup_m_le_16'])} ({short[m]})" for m, h in per.items())
+    geo = ", ".join(f"{times(h['geomean_speedup_m_le_16'])} ({short[m]})" for m, h in per.items())
     best_model = max(per, key=lambda m: per[m]["best_m_le_16"]["speedup"])
     best = per[best_model]["best_m_le_16"]
-    worst = ", ".join(f"{_x(h['min_speedup_m_ge_1024'])} / "
-                      f"{_x(h['min_speedup_m_ge_1024_bwd']) if h['min_speedup_m_ge_1024_bwd'] is not None else '-'} ({short[m]})"
+    worst = ", ".join(f"{times(h['min_speedup_m_ge_1024'])} / "
+                      f"{times(h['min_speedup_m_ge_1024_bwd']) if h['min_speedup_m_ge_1024_bwd'] is not None else '-'} ({short[m]})"
                       for m, h in per.items())
     return [
         ("FP4 GEMM vs cuBLAS bf16, decode sizes (M ≤ 16), geometric mean over the Qwen2.5 projection shapes",
          geo, dev, file),
         (f"FP4 GEMM, best single shape at M ≤ 16 (byte ceiling {ceiling:.2f}×)",
-         f"{_x(best['speedup'])} ({short[best_model]} {best['proj']}, M = {best['m']})", dev, file),
+         f"{times(best['speedup'])} ({short[best_model]} {best['proj']}, M = {best['m']})", dev, file),
         ("FP4 GEMM, training sizes (M ≥ 1024), worst shape, forward / backward: dequantize + cuBLAS", worst, dev, file),
         _gemm_peer_row(results_dir),
     ]
@@ -69,11 +69,11 @@ def _gemm_peer_row(results_dir) -> tuple:
     """The forward FP4 GEMM at training sizes beside vLLM's Marlin FP4, as ranges over the shapes per M."""
     file = "gemm_marlin_peer_h200.json"
     doc = load_result(results_dir, file)
-    rows = [r for r in _rows(doc, file, ("m", "kit_over_bf16", "marlin_over_bf16", "ok", "marlin_ok"))
+    rows = [r for r in checked_rows(doc, file, ("m", "kit_over_bf16", "marlin_over_bf16", "ok", "marlin_ok"))
             if r["ok"] and r["marlin_ok"]]
     if not (ms := sorted({r["m"] for r in rows})):
         raise ResultsError(f"{file}: no row with both outputs checked")
-    ranges = {key: " / ".join(f"{_x(min(v))}-{_x(max(v))}" for v in ([r[key] for r in rows if r["m"] == m] for m in ms))
+    ranges = {key: " / ".join(f"{times(min(v))}-{times(max(v))}" for v in ([r[key] for r in rows if r["m"] == m] for m in ms))
               for key in ("kit_over_bf16", "marlin_over_bf16")}
     return (f"FP4 GEMM forward vs cuBLAS bf16, Qwen2.5-7B shapes at M = {' / '.join(map(str, ms))}, beside vLLM "
             f"{field(doc, 'vllm', file=file)}'s Marlin FP4 in the same process (range over shapes)",
@@ -82,17 +82,17 @@ def _gemm_peer_row(results_dir) -> tuple:
 
 def _rollout_ratio_rows(results_dir, file: str, paper: bool) -> list[tuple]:
     doc = load_result(results_dir, file)
-    rows = _rows(doc, file, ROLLOUT_KEYS)
+    rows = checked_rows(doc, file, ROLLOUT_KEYS)
     dev = device_name(doc, file)
     out = []
     for size in ("7b", "32b"):
         fp = fastest(rows, file, model=f"qwen2.5-{size}", weights="nvfp4", rank=0, **BATCH8)
         bf = fastest(rows, file, model=f"qwen2.5-{size}", weights="bf16", rank=0, **BATCH8)
-        value = f"{_tok(fp['tok_s'])} / {_tok(bf['tok_s'])} tok/s = {_x(fp['tok_s'] / bf['tok_s'])}"
+        value = f"{tok_text(fp['tok_s'])} / {tok_text(bf['tok_s'])} tok/s = {times(fp['tok_s'] / bf['tok_s'])}"
         if paper:
             ref = field(doc, "summary", "paper_vllm_h100", file=file)
             p_fp, p_bf = field(ref, f"{size}_nvfp4_b8", file=file), field(ref, f"{size}_bf16_b8", file=file)
-            value += f" (paper, vLLM on H100: {_tok(p_fp)} / {_tok(p_bf)} = {_x(p_fp / p_bf)})"
+            value += f" (paper, vLLM on H100: {tok_text(p_fp)} / {tok_text(p_bf)} = {times(p_fp / p_bf)})"
         out.append((f"rollout, Qwen2.5-{size.upper()} shapes, batch 8, 256 + 2048 tokens: NVFP4 / bf16",
                     value, dev, file))
     return out
@@ -101,7 +101,7 @@ def _rollout_ratio_rows(results_dir, file: str, paper: bool) -> list[tuple]:
 def _rollout_extra_rows(results_dir) -> list[tuple]:
     file = "rollout_h100.json"
     doc = load_result(results_dir, file)
-    rows = _rows(doc, file, ROLLOUT_KEYS)
+    rows = checked_rows(doc, file, ROLLOUT_KEYS)
     dev = device_name(doc, file)
     fp = fastest(rows, file, model="qwen2.5-32b", weights="nvfp4", rank=0, **BATCH8)
     bf = fastest(rows, file, model="qwen2.5-32b", weights="bf16", rank=0, **BATCH8)
@@ -111,7 +111,7 @@ def _rollout_extra_rows(results_dir) -> list[tuple]:
         ("peak GPU memory of that 32B rollout: NVFP4 vs bf16",
          f"{field(fp, 'peak_gib', file=file):.1f} vs {field(bf, 'peak_gib', file=file):.1f} GiB", dev, file),
         ("7B rollout with a rank-16 LoRA on all seven projections (unmerged): NVFP4 / bf16",
-         f"{_tok(fp_lora['tok_s'])} / {_tok(bf_lora['tok_s'])} tok/s = {_x(fp_lora['tok_s'] / bf_lora['tok_s'])}",
+         f"{tok_text(fp_lora['tok_s'])} / {tok_text(bf_lora['tok_s'])} tok/s = {times(fp_lora['tok_s'] / bf_lora['tok_s'])}",
          dev, file),
     ]
 
@@ -119,17 +119,17 @@ def _rollout_extra_rows(results_dir) -> list[tuple]:
 def _rollout_14b_row(results_dir) -> tuple:
     file = "rollout_14b_h100.json"
     doc = load_result(results_dir, file)
-    rows = _rows(doc, file, ROLLOUT_KEYS)
+    rows = checked_rows(doc, file, ROLLOUT_KEYS)
     ranks = sorted({r["rank"] for r in rows if r["error"] is None})
     tok = {(w, k): fastest(rows, file, model="qwen2.5-14b", weights=w, rank=k, **BATCH8)["tok_s"]
            for w in ("nvfp4", "bf16") for k in ranks}
     ref = field(doc, "summary", "paper_vllm_h100", file=file)
     p_fp, p_bf = field(ref, "14b_nvfp4_b8", file=file), field(ref, "14b_bf16_b8", file=file)
-    parts = [f"r{k}: {_tok(tok['nvfp4', k])} / {_tok(tok['bf16', k])} tok/s = {_x(tok['nvfp4', k] / tok['bf16', k])}"
+    parts = [f"r{k}: {tok_text(tok['nvfp4', k])} / {tok_text(tok['bf16', k])} tok/s = {times(tok['nvfp4', k] / tok['bf16', k])}"
              for k in ranks]
     return (f"rollout, Qwen2.5-14B shapes, batch 8, 256 + 2048 tokens, LoRA rank {' and '.join(map(str, ranks))}: "
-            f"NVFP4 / bf16", "; ".join(parts) + f" (paper, vLLM on H100: {_tok(p_fp)} / {_tok(p_bf)} = "
-            f"{_x(p_fp / p_bf)})", device_name(doc, file), file)
+            f"NVFP4 / bf16", "; ".join(parts) + f" (paper, vLLM on H100: {tok_text(p_fp)} / {tok_text(p_bf)} = "
+            f"{times(p_fp / p_bf)})", device_name(doc, file), file)
 
 
 def _rollout_nf4_rows(results_dir) -> list[tuple]:
@@ -137,10 +137,10 @@ def _rollout_nf4_rows(results_dir) -> list[tuple]:
     and the kit's NVFP4 against vLLM's NF4 (the paper's Fig. 1 QLoRA rollout ran in vLLM)."""
     file = "rollout_nf4_h200.json"
     doc = load_result(results_dir, file)
-    rows = [r for r in _rows(doc, file, ROLLOUT_KEYS) if r["error"] is None and r["model"] == "qwen2.5-7b"]
+    rows = [r for r in checked_rows(doc, file, ROLLOUT_KEYS) if r["error"] is None and r["model"] == "qwen2.5-7b"]
     ref = field(doc, "summary", "paper_vllm_h100", file=file)
     p_fp, p_nf = field(ref, "7b_nvfp4_b8", file=file), field(ref, "7b_nf4_b8", file=file)
-    paper = f"(paper, vLLM on H100, Fig. 1: {_tok(p_fp)} / {_tok(p_nf)} = {_x(p_fp / p_nf)})"
+    paper = f"(paper, vLLM on H100, Fig. 1: {tok_text(p_fp)} / {tok_text(p_nf)} = {times(p_fp / p_nf)})"
 
     def cases(engine):
         return sorted({(r["batch"], r["rank"], r["gen_len"]) for r in rows
@@ -152,16 +152,16 @@ def _rollout_nf4_rows(results_dir) -> list[tuple]:
     kit = cases("qerl")
     if not kit:
         raise ResultsError(f"{file}: no NF4 row measured")
-    ratios = [_x(tok("qerl", "nvfp4", *c) / tok("qerl", "nf4", *c)) for c in kit]
-    nf4 = [_tok(tok("qerl", "nf4", *c)) for c in kit]
+    ratios = [times(tok("qerl", "nvfp4", *c) / tok("qerl", "nf4", *c)) for c in kit]
+    nf4 = [tok_text(tok("qerl", "nf4", *c)) for c in kit]
     where = " / ".join(f"batch {b} r{k} 256 + {g}" for b, k, g in kit)
     out = [(f"rollout, Qwen2.5-7B shapes, same run: NVFP4 / NF4 (QLoRA's base, bitsandbytes) in the kit's engine, "
             f"{where}", f"{' / '.join(ratios)} (NF4 {' / '.join(nf4)} tok/s) {paper}", device_name(doc, file), file)]
     served = cases("vllm")
     if served:
-        both = [_x(tok("vllm", "nvfp4", *c) / tok("vllm", "nf4", *c)) for c in served]
-        kit_fp = [_x(tok("qerl", "nvfp4", *c) / tok("vllm", "nf4", *c)) for c in served]
-        nf4 = [_tok(tok("vllm", "nf4", *c)) for c in served]
+        both = [times(tok("vllm", "nvfp4", *c) / tok("vllm", "nf4", *c)) for c in served]
+        kit_fp = [times(tok("qerl", "nvfp4", *c) / tok("vllm", "nf4", *c)) for c in served]
+        nf4 = [tok_text(tok("vllm", "nf4", *c)) for c in served]
         where = " / ".join(f"batch {b} r{k} 256 + {g}" for b, k, g in served)
         out.append((f"rollout, Qwen2.5-7B shapes, same run: NVFP4 / NF4 both served by vLLM 0.24 (bitsandbytes for "
                     f"NF4), and the kit's NVFP4 / vLLM's NF4, {where}",
@@ -175,7 +175,7 @@ def _rollout_merge_row(results_dir) -> tuple:
     copies (``RolloutEngine(lora_merge=True)``) and through the unmerged kernels; and the copies' peak memory."""
     file = "rollout_lora_merge_h200.json"
     doc = load_result(results_dir, file)
-    rows = [r for r in _rows(doc, file, ROLLOUT_KEYS + ("lora_merged",)) if r["error"] is None and r["weights"] == "bf16"]
+    rows = [r for r in checked_rows(doc, file, ROLLOUT_KEYS + ("lora_merged",)) if r["error"] is None and r["weights"] == "bf16"]
     cases = sorted({(r["batch"], r["rank"], r["gen_len"]) for r in rows if r["lora_merged"]})
     if not cases:
         raise ResultsError(f"{file}: no row with lora_merged true")
@@ -197,7 +197,7 @@ def _rollout_merge_row(results_dir) -> tuple:
 def _fixed_rows(results_dir, file: str):
     """(every row, the fixed-length rows, device, tok/s lookup, gen_len) of one engine-vs-vLLM results file."""
     doc = load_result(results_dir, file)
-    every = _rows(doc, file, ROLLOUT_KEYS + ("workload", "prompts", "scheduling"))
+    every = checked_rows(doc, file, ROLLOUT_KEYS + ("workload", "prompts", "scheduling"))
     rows = [r for r in every if r["workload"] == "fixed" and r["prompts"] is None]
     gen = fastest(rows, file, engine="qerl")["gen_len"]
     common = dict(model="qwen2.5-7b", rank=16, prompt_len=256, gen_len=gen)
@@ -217,7 +217,7 @@ def _vllm_rows(results_dir) -> list[tuple]:
     kit-only run (``rollout_r16_h100.json``); bf16 + r16, vLLM's NVFP4 / bf16 and the uneven rollout from the earlier
     full set (``rollout_vllm_h100.json``)."""
     def ratios(pairs):
-        return " / ".join(_x(a / b) for a, b in pairs)
+        return " / ".join(times(a / b) for a, b in pairs)
 
     def where(batches, gen):
         return f"batch {' / '.join(map(str, batches))}, 256 + {gen} tokens"
@@ -234,14 +234,14 @@ def _vllm_rows(results_dir) -> list[tuple]:
     lead = "kit engine / vLLM 0.24, same run, same Qwen2.5-7B-shaped checkpoint, prompts and adapters"
     out = [(f"{lead}, NVFP4 + LoRA r16, {where(b_new, gen_new)}",
             ratios((tok_new("qerl", "nvfp4", b), tok_new("vllm", "nvfp4", b)) for b in b_new)
-            + f" (kit {' / '.join(_tok(tok_new('qerl', 'nvfp4', b)) for b in b_new)} tok/s)", dev_new, new),
+            + f" (kit {' / '.join(tok_text(tok_new('qerl', 'nvfp4', b)) for b in b_new)} tok/s)", dev_new, new),
            (f"{lead}, bf16 + LoRA r16, {where(batches, gen)}",
             ratios((tok("qerl", "bf16", b), tok("vllm", "bf16", b)) for b in batches)
-            + f" (kit {' / '.join(_tok(tok('qerl', 'bf16', b)) for b in batches)} tok/s)", dev, file),
+            + f" (kit {' / '.join(tok_text(tok('qerl', 'bf16', b)) for b in batches)} tok/s)", dev, file),
            (f"NVFP4 / bf16 with LoRA r16, kit engine, same run, {where(b_ratio, gen_kit)}",
-            " / ".join(_x(tok_kit("qerl", "nvfp4", b) / tok_kit("qerl", "bf16", b), 3) for b in b_ratio)
-            + f" (NVFP4 {' / '.join(_tok(tok_kit('qerl', 'nvfp4', b)) for b in b_ratio)}, bf16 "
-            + f"{' / '.join(_tok(tok_kit('qerl', 'bf16', b)) for b in b_ratio)} tok/s)", dev_kit, kit_file),
+            " / ".join(times(tok_kit("qerl", "nvfp4", b) / tok_kit("qerl", "bf16", b), 3) for b in b_ratio)
+            + f" (NVFP4 {' / '.join(tok_text(tok_kit('qerl', 'nvfp4', b)) for b in b_ratio)}, bf16 "
+            + f"{' / '.join(tok_text(tok_kit('qerl', 'bf16', b)) for b in b_ratio)} tok/s)", dev_kit, kit_file),
            (f"NVFP4 / bf16 with LoRA r16, vLLM 0.24 (Marlin FP4), same run, {where(batches, gen)}",
             ratios((tok("vllm", "nvfp4", b), tok("vllm", "bf16", b)) for b in batches), dev, file)]
     label = {"nvfp4": "NVFP4", "bf16": "bf16"}
@@ -251,21 +251,21 @@ def _vllm_rows(results_dir) -> list[tuple]:
     peer = fastest(uneven, file, engine="vllm", batch=cont["batch"], rank=cont["rank"])
     out.append((f"uneven rollout, {cont['prompts']} {cont['workload']} completions of <= {cont['gen_len']} tokens on "
                 f"{cont['batch']} rows, {label[cont['weights']]} + LoRA r{cont['rank']}: kit continuous / kit static / vLLM",
-                f"{_tok(cont['tok_s'])} / {_tok(static['tok_s'])} / {_tok(peer['tok_s'])} tok/s: "
-                f"{_x(cont['tok_s'] / static['tok_s'])} over static, {_x(cont['tok_s'] / peer['tok_s'])} over vLLM",
+                f"{tok_text(cont['tok_s'])} / {tok_text(static['tok_s'])} / {tok_text(peer['tok_s'])} tok/s: "
+                f"{times(cont['tok_s'] / static['tok_s'])} over static, {times(cont['tok_s'] / peer['tok_s'])} over vLLM",
                 dev, file))
     return out
 
 
 def _engine_vs_generate(results_dir, file: str) -> tuple:
     doc = load_result(results_dir, file)
-    rows = _rows(doc, file, ROLLOUT_KEYS)
+    rows = checked_rows(doc, file, ROLLOUT_KEYS)
     hf = fastest(rows, file, model="smollm2", weights="bf16", batch=64, engine="hf-generate")
     eng = fastest(rows, file, model="smollm2", weights="bf16", batch=64, engine="qerl", rank=0,
                   prompt_len=hf["prompt_len"], gen_len=hf["gen_len"])
     return (f"kit engine vs `transformers.generate`, SmolLM2-135M bf16, batch 64, "
             f"{hf['prompt_len']} + {hf['gen_len']} tokens",
-            f"{_ktok(eng['tok_s'])} / {_ktok(hf['tok_s'])} tok/s = {eng['tok_s'] / hf['tok_s']:.1f}×",
+            f"{ktok_text(eng['tok_s'])} / {ktok_text(hf['tok_s'])} tok/s = {eng['tok_s'] / hf['tok_s']:.1f}×",
             device_name(doc, file), file)
 
 
@@ -281,11 +281,11 @@ def _entropy_rows(results_dir) -> list[tuple]:
     where = f"SmolLM2-135M, {n} {source.upper()} test problems"
     return [
         (f"next-token entropy, NVFP4 − BF16, on fixed reference solutions ({where})",
-         _ci(field(diff, "entropy_gold", file=file), file), dev, file),
+         ci_text(field(diff, "entropy_gold", file=file), file), dev, file),
         ("the same on each model's own samples (temperature 1)",
-         _ci(field(diff, "entropy_own", file=file), file), dev, file),
+         ci_text(field(diff, "entropy_own", file=file), file), dev, file),
         (f"AQN noise σ = {top['sigma']:g} on top of NVFP4, same reference solutions",
-         _ci(field(top, "diff_vs_sigma0_gold", file=file), file), dev, file),
+         ci_text(field(top, "diff_vs_sigma0_gold", file=file), file), dev, file),
     ]
 
 
@@ -368,7 +368,7 @@ def results_index(results_dir: str | Path = RESULTS_DIR, repo_root: str | Path =
         if "merged_by" in doc:
             command = display_command(field(doc, "merged_by", "command", file=label), repo_root)
         else:
-            command = display_command(field(_provenances(doc, label)[0], "command", file=label), repo_root)
+            command = display_command(field(provenances(doc, label)[0], "command", file=label), repo_root)
         rows.append((f"`{name}`", what, device_name(doc, label), f"`{command}`"))
     return _table(("file", "what", "device", "command"), rows)
 

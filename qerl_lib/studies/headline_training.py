@@ -3,8 +3,8 @@ preset's step and rollout, and a short real run; each read from its results file
 
 from __future__ import annotations
 
-from qerl_lib.studies.result_reading import (ROLLOUT_KEYS, ResultsError, _rows, _size, _tok, _x, device_name, fastest,
-                                             field, load_result)
+from qerl_lib.studies.result_reading import (ROLLOUT_KEYS, ResultsError, checked_rows, device_name, fastest, field,
+                                             load_result, model_size, times, tok_text)
 
 
 def _training_row(results_dir) -> tuple:
@@ -28,7 +28,7 @@ PRESET_STEP_KEYS = ("groups", "rollout_batch", "micro_batch", "num_iterations", 
 def _train_step_rows(results_dir) -> list[tuple]:
     file = "train_step_h100.json"
     doc = load_result(results_dir, file)
-    rows = [r for r in _rows(doc, file, TRAIN_STEP_KEYS) if r["error"] is None]
+    rows = [r for r in checked_rows(doc, file, TRAIN_STEP_KEYS) if r["error"] is None]
 
     def row(model, mode, batch):
         hit = [r for r in rows if (r["model"], r["mode"], r["batch"]) == (model, mode, batch)]
@@ -48,12 +48,12 @@ def _train_step_rows(results_dir) -> list[tuple]:
         (f"GRPO step (rollout + scoring + forward/backward + AdamW), Qwen2.5-7B shapes, batch 8, 256 + "
          f"{qerl['gen_len']} tokens, LoRA r32: qerl / lora / qlora",
          f"{qerl['step_s']:.1f} / {lora['step_s']:.1f} / {qlora['step_s']:.1f} s: "
-         f"{_x(lora['step_s'] / qerl['step_s'])} over lora, {_x(qlora['step_s'] / qerl['step_s'])} over qlora; peak "
+         f"{times(lora['step_s'] / qerl['step_s'])} over lora, {times(qlora['step_s'] / qerl['step_s'])} over qlora; peak "
          f"{qerl['peak_gib']:.1f} / {lora['peak_gib']:.1f} / {qlora['peak_gib']:.1f} GiB (paper, Tab. 3: qerl "
          f"{qerl['paper'].replace('x', '×', 1)}, qlora {qlora['paper'].replace('x', '×', 1)})", dev, file),
         ("the same step, Qwen2.5-14B shapes, batch 8: qerl / lora / qlora",
          f"{qerl14['step_s']:.1f} / {lora14['step_s']:.1f} / {qlora14['step_s']:.1f} s: "
-         f"{_x(lora14['step_s'] / qerl14['step_s'])} over lora, {_x(qlora14['step_s'] / qerl14['step_s'])} over "
+         f"{times(lora14['step_s'] / qerl14['step_s'])} over lora, {times(qlora14['step_s'] / qerl14['step_s'])} over "
          f"qlora; peak {qerl14['peak_gib']:.1f} / {lora14['peak_gib']:.1f} / {qlora14['peak_gib']:.1f} GiB (paper, "
          f"Tab. 3: {qerl14['paper'].replace('x', '×', 1)})", dev, file),
         ("the same step for Qwen2.5-32B shapes, mode qerl, batch 2, on one GPU",
@@ -72,7 +72,7 @@ def _train_merge_row(results_dir) -> tuple:
     """qerl's step against lora's with the rollout's adapters merged (TRL's way before a vLLM sync) and unmerged."""
     file = "train_step_merge_h200.json"
     doc = load_result(results_dir, file)
-    rows = [r for r in _rows(doc, file, TRAIN_STEP_KEYS + ("rollout_lora_merge",)) if r["error"] is None]
+    rows = [r for r in checked_rows(doc, file, TRAIN_STEP_KEYS + ("rollout_lora_merge",)) if r["error"] is None]
 
     def row(model, mode, merged=False):
         hit = [r for r in rows if (r["model"], r["mode"], r["rollout_lora_merge"]) == (model, mode, merged)]
@@ -83,13 +83,13 @@ def _train_merge_row(results_dir) -> tuple:
     def part(m):
         q, merged, plain = row(m, "qerl")["step_s"], row(m, "lora", True)["step_s"], row(m, "lora")["step_s"]
         paper = (row(m, "qerl")["paper"] or "-").replace("x", "×", 1)
-        return (f"{m.split('-')[1].upper()} {q:.1f} / {merged:.1f} / {plain:.1f} s ({_x(merged / q)} / {_x(plain / q)}; "
+        return (f"{m.split('-')[1].upper()} {q:.1f} / {merged:.1f} / {plain:.1f} s ({times(merged / q)} / {times(plain / q)}; "
                 f"paper, Tab. 3: {paper})")
 
     r = rows[0]
     return (f"the GRPO step in one run, batch {r['batch']}, 256 + {r['gen_len']} tokens, LoRA r{r['lora_rank']}: qerl / "
             f"lora with the rollout's adapters merged (`--rollout-lora-merge`) / lora unmerged (qerl's speedup over each)",
-            "; ".join(part(m) for m in sorted({r["model"] for r in rows}, key=_size)), device_name(doc, file), file)
+            "; ".join(part(m) for m in sorted({r["model"] for r in rows}, key=model_size)), device_name(doc, file), file)
 
 
 def _preset_rollout_row(results_dir) -> tuple:
@@ -97,14 +97,14 @@ def _preset_rollout_row(results_dir) -> tuple:
     measured later than the preset's step above."""
     file = "rollout_h200.json"
     doc = load_result(results_dir, file)
-    rows = _rows(doc, file, ROLLOUT_KEYS + ("lora_merged",))
+    rows = checked_rows(doc, file, ROLLOUT_KEYS + ("lora_merged",))
     case = dict(model="qwen2.5-7b", batch=128, rank=32, prompt_len=256, gen_len=4096, engine="qerl")
     fp = fastest(rows, file, weights="nvfp4", lora_merged=False, **case)
     bf, merged = (fastest(rows, file, weights="bf16", lora_merged=m, **case) for m in (False, True))
     return (f"the qwen2.5-7b-gsm8k preset's rollout phase alone, current kernels: {case['batch']} rows, 256 + "
             f"{case['gen_len']} tokens, LoRA r{case['rank']}: NVFP4 / bf16 / bf16 merged (`lora_merge`)",
-            f"{_tok(fp['tok_s'])} / {_tok(bf['tok_s'])} / {_tok(merged['tok_s'])} tok/s: NVFP4 at "
-            f"{_x(fp['tok_s'] / bf['tok_s'])} / {_x(fp['tok_s'] / merged['tok_s'])} of bf16's", device_name(doc, file),
+            f"{tok_text(fp['tok_s'])} / {tok_text(bf['tok_s'])} / {tok_text(merged['tok_s'])} tok/s: NVFP4 at "
+            f"{times(fp['tok_s'] / bf['tok_s'])} / {times(fp['tok_s'] / merged['tok_s'])} of bf16's", device_name(doc, file),
             file)
 
 

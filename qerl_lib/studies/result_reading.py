@@ -25,7 +25,7 @@ def load_result(results_dir: str | Path, name: str) -> dict:
     path = Path(results_dir) / name
     if not path.is_file():
         raise ResultsError(f"{path}: not found; the README's results table reads it (restore it, or change "
-                           f"qerl_lib/studies/headline.py)")
+                           f"qerl_lib/studies/headline.py / headline_training.py)")
     try:
         return json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
@@ -46,7 +46,7 @@ def field(doc, *keys, file: str):
     return value
 
 
-def _rows(doc: dict, file: str, keys: tuple[str, ...]) -> list[dict]:
+def checked_rows(doc: dict, file: str, keys: tuple[str, ...]) -> list[dict]:
     rows = field(doc, "rows", file=file)
     for i, row in enumerate(rows):
         for key in keys:
@@ -55,7 +55,7 @@ def _rows(doc: dict, file: str, keys: tuple[str, ...]) -> list[dict]:
     return rows
 
 
-def _provenances(doc: dict, file: str) -> list[dict]:
+def provenances(doc: dict, file: str) -> list[dict]:
     prov = field(doc, "provenance", file=file)
     return prov if isinstance(prov, list) else [prov]
 
@@ -63,7 +63,7 @@ def _provenances(doc: dict, file: str) -> list[dict]:
 def device_name(doc: dict, file: str) -> str:
     """The GPU of the file's run(s), from its provenance ("NVIDIA " dropped); several as "A + B"."""
     names = []
-    for i, prov in enumerate(_provenances(doc, file)):
+    for i, prov in enumerate(provenances(doc, file)):
         if "device" not in prov or "name" not in prov["device"]:
             raise ResultsError(f"{file}: missing field ['provenance'][{i}]['device']['name']")
         name = str(prov["device"]["name"]).removeprefix("NVIDIA ")
@@ -86,25 +86,25 @@ def fastest(rows: list[dict], file: str, **match) -> dict:
 
 # ---- formatting ---------------------------------------------------------------------------------
 
-def _x(ratio: float, decimals: int = 2) -> str:
+def times(ratio: float, decimals: int = 2) -> str:
     """A ratio as the tables print it (three decimals where a target sits close to the value)."""
     return f"{ratio:.{decimals}f}×"
 
 
-def _tok(tok_s: float) -> str:
+def tok_text(tok_s: float) -> str:
     return f"{tok_s:.0f}"
 
 
-def _ktok(tok_s: float) -> str:
+def ktok_text(tok_s: float) -> str:
     return f"{tok_s / 1000:#.3g}k"
 
 
-def _size(model: str) -> float:
+def model_size(model: str) -> float:
     """'qwen2.5-32b' -> 32.0, for ordering models by size."""
     m = re.search(r"(\d+(?:\.\d+)?)b$", model)
     return float(m.group(1)) if m else math.inf
 
 
-def _ci(d: dict, file: str) -> str:
+def ci_text(d: dict, file: str) -> str:
     mean, low, high = (field(d, k, file=file) for k in ("mean_diff", "low", "high"))
     return f"{mean:+.3f} nats, 95% CI [{low:+.3f}, {high:+.3f}]"
