@@ -133,6 +133,63 @@ FOLD_SCRIPT = textwrap.dedent("""
 """)
 
 
+SHRINK_SCRIPT = textwrap.dedent("""
+    import json, sys
+    import torch
+    from qerl_lib.engine import glue
+    from qerl_lib.engine.forward import residual_rms_norm, rms_norm
+    out = {}
+    for dtype_name, width, r in json.loads(sys.argv[1]):
+        dt = getattr(torch, dtype_name)
+        g = torch.Generator().manual_seed(width + r)
+        x, d = (torch.randn(5, 1, width, generator=g).to(dt) for _ in range(2))
+        w = (1 + 0.1 * torch.randn(width, generator=g)).to(dt)
+        a_cat = (0.05 * torch.randn(r, width, generator=g)).to(dt)
+        s, h, xa = glue.norm_shrink(x, d, w, 1e-6, a_cat)
+        s0, h0 = residual_rms_norm(x, d, w, 1e-6)
+        x1, h1, xa1 = glue.norm_shrink(x, None, w, 1e-5, a_cat)
+        rel = lambda u, v: float(((u.double() - v.double()).abs() / v.double().abs().clamp_min(1e-3)).max())
+        def shrink_ok(xa, h):  # one rounding to dt of the float64 dot, plus float32's summation error
+            exact = h.reshape(-1, width).double() @ a_cat.double().t()
+            sums = h.reshape(-1, width).double().abs() @ a_cat.double().abs().t()
+            unit = 2.0 ** -10 if dt == torch.float16 else 2.0 ** -23
+            return bool(((xa.double() - exact).abs() <= unit * exact.abs() + 1e-6 * sums + 1e-7).all())
+        out[f"{dtype_name}-{width}-{r}"] = {
+            "sum_equal": bool(torch.equal(s, s0)), "same_x": x1 is x, "norm_rel": rel(h, h0),
+            "plain_norm_rel": rel(h1, rms_norm(x, w, 1e-5)), "xa_shape": list(xa.shape),
+            "xa_ok": shrink_ok(xa, h), "plain_xa_ok": shrink_ok(xa1, h1),
+            "xa_rounded": bool(torch.equal(xa, xa.to(dt).float())), "xa_dtype": str(xa.dtype)}
+    print("RESULTS " + json.dumps(out))
+""")
+
+SHRINK_CASES = [("float32", 3584, 48), ("float32", 1000, 5), ("float16", 3584, 48), ("float16", 1000, 5)]
+
+
+@pytest.fixture(scope="module")
+def interpreted_shrink():
+    return run_triton_interpreter(SHRINK_SCRIPT, SHRINK_CASES)
+
+
+@pytest.mark.parametrize("dtype,width,rank", SHRINK_CASES)
+def test_norm_shrink_matches_the_norm_and_x_at_a_in_the_interpreter(interpreted_shrink, dtype, width, rank):
+    """``glue.norm_shrink``: the sum is the torch path's bit for bit, the norm within the plain kernel's bound (the
+    variance is summed in another order), and ``xa`` one rounding of the float64 ``h @ A^T`` (float32 values); a
+    rank count that is not a multiple of the programs' rank block (5) and a width that is not one of their step
+    (1000) included."""
+    r = interpreted_shrink[f"{dtype}-{width}-{rank}"]
+    tol = 2.0**-10 if dtype == "float16" else 1e-6
+    assert r["sum_equal"] and r["same_x"] and r["xa_shape"] == [5, rank] and r["xa_dtype"] == "torch.float32", r
+    assert r["norm_rel"] <= tol and r["plain_norm_rel"] <= tol, r
+    assert r["xa_ok"] and r["plain_xa_ok"] and r["xa_rounded"], r
+
+
+def test_norm_shrink_refuses_an_a_of_another_width():
+    from qerl_lib.engine import glue
+
+    with pytest.raises(ValueError, match=r"A_cat must be \[R, 64\]"):
+        glue.norm_shrink(torch.zeros(2, 64), None, torch.ones(64), 1e-6, torch.zeros(4, 32))
+
+
 @pytest.fixture(scope="module")
 def interpreted_fold():
     return run_triton_interpreter(FOLD_SCRIPT, FOLD_CASES, timeout=600)

@@ -15,6 +15,9 @@
   CUDA, for the same groups, ranks and rows: the output is the plain GEMM's bit for bit, ``xa`` is within one
   bf16 rounding of float64 ``x @ A^T``, and ``given_xa`` + ``expand_`` match the plain-torch adapters as the
   two-kernel path does; the engine (``QERL_LORA_SHRINK_IN_GEMM=1``) as the fused launch above.
+* The given-``xa`` epilogue (``epilogue(given=)``): CPU, what it accepts and that it compiles within the wide
+  shapes' registers; CUDA, bit-equal to the launch whose LoRA CTAs make the same ``xa``, and after
+  ``glue.norm_shrink`` within the two-kernel path's tolerance of the reference adapters.
 """
 
 from __future__ import annotations
@@ -82,6 +85,18 @@ def test_shrink_only_epilogue_owns_a_workspace_and_reads_xa_from_it():
         plan.a_cat, plan.b_cat, plan.bounds, plan.scale, plan.sync, expand=False).supported(8, 4096)
 
 
+def test_given_xa_epilogue_checks_its_xa():
+    """``GroupPlan.epilogue(given=xa)``: the GEMM only adds ``xa @ B^T``; ``xa`` must be float32, contiguous, with
+    the plan's stacked ranks as columns and at least the call's rows."""
+    plan, _, _ = make_group(4, 256, [(64, 5, 0.5), (96, 16, 2.0)], torch.bfloat16, "cpu")
+    xa = torch.zeros(8, 21, dtype=torch.float32)
+    epi = plan.epilogue(given=xa)
+    assert epi.expand and epi.given is xa and epi.supported(8, 256) and epi.supported(3, 256)
+    assert not epi.supported(9, 256)
+    for bad in (xa.bfloat16(), torch.zeros(8, 20), torch.zeros(21, 8).t(), torch.zeros(4, 21)):
+        assert not plan.epilogue(given=bad).supported(8, 256)
+
+
 def test_engine_picks_the_gemm_launch_only_where_the_mma_kernel_runs(monkeypatch):
     from types import SimpleNamespace
 
@@ -128,10 +143,10 @@ def test_lora_source_compiles_and_keeps_the_wide_shapes_registers():
     granule = lambda regs: math.ceil(regs * 32 / 256) * 256  # noqa: E731
     for cfg, per_sm in mma.WIDE_SHAPES:
         plain = _cubin_registers(mma.compile_cubin(mma.kernel_source(cfg, 1), mma.kernel_name(cfg, 1), "sm_90"))
-        for expand in (True, False):
-            fused = _cubin_registers(mma.compile_cubin(mma.kernel_source(cfg, 1, 48, expand),
-                                                       mma.kernel_name(cfg, 1, 48, expand), "sm_90"))
-            assert granule(fused) <= granule(plain), (cfg, expand, plain, fused)
+        for expand, given in ((True, False), (False, False), (True, True)):
+            fused = _cubin_registers(mma.compile_cubin(mma.kernel_source(cfg, 1, 48, expand, given),
+                                                       mma.kernel_name(cfg, 1, 48, expand, given), "sm_90"))
+            assert granule(fused) <= granule(plain), (cfg, expand, given, plain, fused)
 
 
 def _groups_7b(rank, rows):
@@ -179,6 +194,63 @@ def test_gemm_launch_with_adapters_matches_gemm_then_reference_adapters(rank, ro
         assert torch.equal(again, got if expand else base) and not plan.sync.any(), name
         if not expand:
             assert torch.equal(epilogue.xa(rows, k), xa), name
+
+
+@pytest.mark.cuda
+@cuda_mma
+@pytest.mark.parametrize("rank", [8, 16, 64, 128])
+@pytest.mark.parametrize("rows", [1, 5, 8])
+def test_given_xa_launch_equals_the_launch_that_makes_its_own_xa(rank, rows):
+    """The epilogue reading an ``xa`` made before the launch (``epilogue(given=)``, no LoRA CTAs) gives the bits of
+    the launch whose LoRA CTAs make that same ``xa`` (here: a shrink-only launch's) and add it, on every 7B group
+    (down's K-slices included); a second call gives the same bits and leaves the counters at zero."""
+    from qerl_lib.kernels.fp4_gemm import fp4_linear
+
+    for name, k, plan, x, weight, base in _groups_7b(rank, rows):
+        shrink = plan.epilogue(expand=False)
+        assert torch.equal(fp4_linear(x, weight, small_m_backend="mma", lora=shrink), base), name
+        xa = shrink.xa(rows, k).clone()
+        fused = fp4_linear(x, weight, small_m_backend="mma", lora=plan.epilogue())
+        given = fp4_linear(x, weight, small_m_backend="mma", lora=plan.epilogue(given=xa))
+        assert not torch.equal(given, base), name
+        assert torch.equal(given, fused), (name, float((given.float() - fused.float()).abs().max()))
+        assert torch.equal(fp4_linear(x, weight, small_m_backend="mma", lora=plan.epilogue(given=xa)), given)
+        assert not plan.sync.any(), name
+
+
+@pytest.mark.cuda
+@cuda_mma
+@pytest.mark.parametrize("rank", [16, 64])
+@pytest.mark.parametrize("rows", [1, 8])
+def test_shrink_in_the_norm_and_expand_in_the_gemm_match_the_reference(rank, rows):
+    """The launch-free LoRA path of a group that follows a norm: ``glue.norm_shrink`` makes the normed rows and ``xa``
+    (bf16: within one rounding of the glue norm and of float64 ``h @ A^T``), and the group's GEMM adds ``xa @ B^T`` in
+    its epilogue (``epilogue(given=)``), within the two-kernel path's tolerance of the base GEMM + plain-torch
+    adapters on those rows."""
+    from qerl_lib.engine import glue
+    from qerl_lib.kernels.fp4_gemm import fp4_linear
+
+    for name in ("qkv", "gate_up"):
+        k, widths = GROUPS_7B[name]
+        plan, _, _ = make_group(rows, k, [(w, rank, 2.0) for w in widths], torch.bfloat16, "cuda", seed=rank + rows)
+        g = torch.Generator().manual_seed(rows)
+        x, d = (torch.randn(rows, k, generator=g).bfloat16().cuda() for _ in range(2))
+        w = (1 + 0.1 * torch.randn(k, generator=g)).bfloat16().cuda()
+        s, h, xa = glue.norm_shrink(x, d, w, 1e-6, plan.a_cat)
+        s0, h0 = glue.residual_rms_norm(x, d, w, 1e-6)
+        assert torch.equal(s, s0), name
+        assert ((h.float() - h0.float()).abs() <= 2 ** -7 * h0.float().abs()).all(), name
+        exact = h.double() @ plan.a_cat.double().t()
+        sums = h.double().abs() @ plan.a_cat.double().abs().t()
+        assert ((xa.double() - exact).abs() <= 2 ** -8 * exact.abs() + 1e-5 * sums).all(), name
+        weight = _random_fp4(sum(widths), k, seed=rank)
+        base = fp4_linear(h, weight, small_m_backend="mma")
+        ref = lk.reference_apply(base.clone(), h, plan)
+        got = fp4_linear(h, weight, small_m_backend="mma", lora=plan.epilogue(given=xa))
+        delta = (ref.float() - base.float()).abs().max()
+        err = (got.float() - ref.float()).abs().max()
+        assert delta > 1.0, name
+        assert err <= 2 ** -7 * delta + 2 ** -7 * ref.float().abs().max(), (name, float(err), float(delta))
 
 
 def _small_nvfp4_model_with_adapters(rank=16):

@@ -26,6 +26,13 @@ rows are stored contiguously), which the next GEMM reads instead of launching it
 each element at its relabeled column directly (a 2-byte scatter) measured 4-6x slower in the LoRA variant of
 SiLU x up on an H100 (dev/LOG.md section 38).
 
+The norms can also make the next group's LoRA shrink (``norm_shrink``): ``xa = bf16(h @ A_cat^T)`` for the normed
+rows ``h``, as float32 values, which the group's mma.sync GEMM then adds in its own epilogue
+(``kernels/lora.GroupPlan.epilogue(given=)``), so that neither the shrink nor the expand is a launch of its own. Its
+programs are (row, block of ``SHRINK_RANKS`` ranks): each recomputes its row's norm (one more read of a row that is
+in L2) and dots its few rows of ``A_cat``, so no program reads more than ``SHRINK_RANKS x width`` of A; the programs
+of the first rank block store the norm's outputs.
+
 Numerics follow ``engine/forward.py``'s functions (transformers' order): ``x + delta`` rounded to the
 activation dtype; RMSNorm in float32 on that, rounded, *then* times the weight (one more rounding);
 SiLU in float32 rounded to the activation dtype, times ``up`` rounded. Sums run in a different
@@ -53,6 +60,7 @@ if triton is not None:
     from qerl_lib.kernels.fp4_decode import relabel_row, relabel_tile
 
 SILU_BLOCK = 2048
+SHRINK_RANKS, SHRINK_BLOCK_K = 4, 512  # norm_shrink: ranks per program, columns per step of its two passes
 LORA_BLOCK_N = 128  # columns of gate (and of up) per program of the SiLU x up kernel that adds the LoRA
 
 
@@ -72,6 +80,31 @@ def residual_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor
     hr = relabeled_copy(x) if relabeled else None
     _launch_norm(x, delta, weight, eps, summed, h, hr)
     return (summed, h, hr) if relabeled else (summed, h)
+
+
+def norm_shrink(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float, a_cat: torch.Tensor):
+    """``(x + delta, h, xa)`` (``(x, h, xa)`` without a delta, where nothing is added or stored) with ``h`` the
+    RMSNorm of the rows as `residual_rms_norm` makes it and ``xa [rows, R]`` float32 = ``bf16(h @ a_cat^T)``
+    (products exact in float32, summed in float32, rounded once to bf16): the shrink of the group that reads ``h``."""
+    width = x.shape[-1]
+    if a_cat.dim() != 2 or a_cat.shape[1] != width or a_cat.stride(-1) != 1 or a_cat.dtype != x.dtype:
+        raise ValueError(f"norm_shrink: A_cat must be [R, {width}] with a unit last stride in {x.dtype}, got "
+                         f"{list(a_cat.shape)} {a_cat.dtype}")
+    x2 = x.reshape(-1, width)
+    d2 = delta.reshape(-1, width) if delta is not None else x2
+    if x2.stride(-1) != 1 or d2.stride(-1) != 1 or weight.stride(-1) != 1:
+        raise ValueError("norm_shrink: inputs need a unit stride in their last dimension")
+    summed = torch.empty_like(x) if delta is not None else x
+    h = torch.empty_like(x)
+    s2, h2 = summed.view(-1, width), h.view(-1, width)
+    r = a_cat.shape[0]
+    xa = torch.empty(x2.shape[0], r, dtype=torch.float32, device=x.device)
+    early = pdl.use_for(x.device)
+    _norm_shrink_kernel[(x2.shape[0], triton.cdiv(r, SHRINK_RANKS))](
+        x2, d2, weight, s2, h2, a_cat, xa, float(eps), width, r, x2.stride(0), d2.stride(0), s2.stride(0),
+        h2.stride(0), a_cat.stride(0), HAS_DELTA=delta is not None, BLOCK_K=SHRINK_BLOCK_K, RB=SHRINK_RANKS,
+        PDL=early, launch_pdl=early, num_warps=4)
+    return summed, h, xa
 
 
 def relabeled_copy(like: torch.Tensor) -> torch.Tensor:
@@ -142,6 +175,50 @@ def _launch_norm(x, delta, weight, eps, summed, h, hr=None) -> None:
 
 
 if triton is not None:
+
+    @triton.jit
+    def _summed_chunk(x_ptr, d_ptr, x_offs, d_offs, ok, HAS_DELTA: tl.constexpr):
+        """A step of a row: x, or x + delta rounded to the activation dtype."""
+        x = tl.load(x_ptr + x_offs, mask=ok, other=0.0)
+        if HAS_DELTA:
+            d = tl.load(d_ptr + d_offs, mask=ok, other=0.0)
+            x = (x.to(tl.float32) + d.to(tl.float32)).to(x_ptr.dtype.element_ty)
+        return x
+
+    @triton.jit
+    def _norm_shrink_kernel(x_ptr, d_ptr, w_ptr, s_ptr, h_ptr, a_ptr, xa_ptr, eps, width, R, sx, sd, ss, sh, sa,
+                            HAS_DELTA: tl.constexpr, BLOCK_K: tl.constexpr, RB: tl.constexpr, PDL: tl.constexpr):
+        """Program (row, rank block): pass 1 sums the squares of the row (x + delta, rounded), pass 2 makes its normed
+        values step by step, stores them (rank block 0 only) and accumulates ``RB`` ranks of ``h @ A^T``."""
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
+        row, rb = tl.program_id(0), tl.program_id(1)
+        ks = tl.arange(0, BLOCK_K)
+        first = (ks * 0 + rb) == 0  # the first rank block's programs store the norm's outputs
+        sq = tl.zeros((BLOCK_K,), dtype=tl.float32)
+        for k0 in range(0, width, BLOCK_K):
+            ok = (k0 + ks) < width
+            x = _summed_chunk(x_ptr, d_ptr, row * sx + k0 + ks, row * sd + k0 + ks, ok, HAS_DELTA)
+            if HAS_DELTA:
+                tl.store(s_ptr + row * ss + k0 + ks, x, mask=ok & first)
+            hf = x.to(tl.float32)
+            sq += hf * hf
+        rstd = 1.0 / tl.sqrt_rn(tl.sum(sq, axis=0) / width + eps)
+        ranks = rb * RB + tl.arange(0, RB)
+        ok_r = ranks < R
+        acc = tl.zeros((RB, BLOCK_K), dtype=tl.float32)
+        for k0 in range(0, width, BLOCK_K):
+            ok = (k0 + ks) < width
+            x = _summed_chunk(x_ptr, d_ptr, row * sx + k0 + ks, row * sd + k0 + ks, ok, HAS_DELTA)
+            normed = (x.to(tl.float32) * rstd).to(x_ptr.dtype.element_ty)
+            w = tl.load(w_ptr + k0 + ks, mask=ok, other=0.0)
+            h = (w.to(tl.float32) * normed.to(tl.float32)).to(h_ptr.dtype.element_ty)
+            tl.store(h_ptr + row * sh + k0 + ks, h, mask=ok & first)
+            a = tl.load(a_ptr + ranks[:, None] * sa + (k0 + ks)[None, :], mask=ok_r[:, None] & ok[None, :], other=0.0)
+            acc += a.to(tl.float32) * h.to(tl.float32)[None, :]
+        xa = tl.sum(acc, axis=1).to(x_ptr.dtype.element_ty).to(tl.float32)
+        tl.store(xa_ptr + row * R + ranks, xa, mask=ok_r)
 
     @triton.jit
     def _rms_norm_kernel(x_ptr, d_ptr, w_ptr, s_ptr, h_ptr, hr_ptr, eps, width, sx, sd, ss, sh,

@@ -69,7 +69,10 @@ launch only makes ``xa`` beside its tiles (``GroupPlan.epilogue(expand=False)``;
 and the expand here follows it (``given_xa``): the NVFP4 counterpart of the bf16 base's A rows, one launch a
 group instead of two. Off by default: on an H200 its LoRA CTAs still add ~3 us to each GEMM launch, where the
 shrink here runs beside the GEMM; at 7B the step came out 2-4% slower at ranks 16 and 32 and 3% faster at 64
-(dev/LOG.md sections 50-51).
+(dev/LOG.md sections 50-51). A third, for groups that follow a norm: the norm kernel makes ``xa`` itself
+(``engine/glue.norm_shrink``) and the GEMM adds it in its epilogue (``GroupPlan.epilogue(given=xa)``, ``mma.cu``
+``LORA_GIVEN``: no LoRA CTAs, no wait), so the group has no LoRA launch at all; built and CUDA-tested, not yet
+wired into the engine or timed (dev/LOG.md section 66).
 
 Where we deviate from vLLM (the paper's engine): vLLM's punica kernels (SGMV/BGMV shrink and
 expand) serve many adapters per batch through an index per token; here one adapter serves the
@@ -149,11 +152,14 @@ class GroupPlan:
     sync: torch.Tensor  # int32 [4 + rank blocks of 16]: that epilogue's counters, zero between calls
     xa_workspace: torch.Tensor | None = None  # float32: where a shrink-only GEMM launch writes xa (allocated on use)
 
-    def epilogue(self, expand: bool = True):
+    def epilogue(self, expand: bool = True, given: torch.Tensor | None = None):
         """These adapters as the mma.sync GEMM's ``LoraEpilogue``: added by the group's base GEMM itself, or with
-        ``expand=False`` only ``xa`` made by that launch (into ``xa_workspace``), for ``given_xa`` and ``expand_``."""
+        ``expand=False`` only ``xa`` made by that launch (into ``xa_workspace``), for ``given_xa`` and ``expand_``.
+        ``given``: float32 ``xa [M, R]`` an earlier kernel wrote; the GEMM's epilogue only adds ``xa @ B^T``."""
         from qerl_lib.kernels.mma import LoraEpilogue
 
+        if given is not None:
+            return LoraEpilogue(self.a_cat, self.b_cat, self.bounds, self.scale, self.sync, given=given)
         if expand:
             return LoraEpilogue(self.a_cat, self.b_cat, self.bounds, self.scale, self.sync)
         if self.xa_workspace is None:

@@ -44,12 +44,19 @@
 // With LORA_EXPAND 0 the launch only makes xa ("shrink in the GEMM"): the LoRA CTAs are the first blockIdx.x
 // (no tickets: nobody waits on them), the GEMM CTAs are the plain kernel's, and the expand is the next
 // launch's job (kernels/lora.py's, which waits for this whole grid, LoRA CTAs included).
+// With LORA_GIVEN 1 (and LORA_EXPAND 1) xa [M][R] (float32 holding bf16 values) was written by an earlier kernel
+// of the stream: no LoRA CTAs, no tickets, no wait; the epilogue reads xa after griddepcontrol.wait, as it reads x.
 #ifndef LORA_R
 #define LORA_R 0
 #endif
 #ifndef LORA_EXPAND
 #define LORA_EXPAND 1
 #endif
+#ifndef LORA_GIVEN
+#define LORA_GIVEN 0
+#endif
+#define LORA_ADDS (LORA_R > 0 && LORA_EXPAND)    // the epilogue adds scale * xa @ B^T
+#define LORA_TICKETS (LORA_ADDS && !LORA_GIVEN)  // ... to an xa that this launch's LoRA CTAs make
 #ifndef PREFETCH
 #define PREFETCH 0  // chunks (of this warp's own, after the register ring's) prefetched into L2 before griddepcontrol.wait
 #endif
@@ -275,6 +282,12 @@ __device__ void lora_stage_xa(int* lsync, const float* lxa, float* xa_sh, int m_
   __syncthreads();
 }
 
+// LORA_GIVEN: copy xa[:m_rows] (written before this launch) into shared memory.
+__device__ void lora_copy_xa(const float* lxa, float* xa_sh, int m_rows) {
+  for (int e = threadIdx.x; e < m_rows * LORA_R; e += NWARPS * 32) xa_sh[e] = __ldcg(&lxa[e]);
+  __syncthreads();
+}
+
 // y + scale * xa[member's ranks] . B[row] in fp32, one rounding (addmm's); rows of no member unchanged.
 // lmem: per member (n0, n1, r0, rank); B rows are l_rp wide, zero-padded past the member's rank.
 __device__ __forceinline__ u16 lora_add(u16 y, const float* xa_tok, const u16* __restrict__ lb,
@@ -318,7 +331,7 @@ KERNEL_NAME(const u16* __restrict__ x, const u32* __restrict__ wq, const u8* __r
     return;
   }
   const int bx = (blockIdx.x - l_ctas) % n_row_blocks, by = (blockIdx.x - l_ctas) / n_row_blocks;
-#elif LORA_R > 0
+#elif LORA_TICKETS
   __shared__ int ticket_sh;
   if (threadIdx.x == 0) ticket_sh = atomicAdd(&lsync[0], 1);
   __syncthreads();
@@ -493,9 +506,13 @@ KERNEL_NAME(const u16* __restrict__ x, const u32* __restrict__ wq, const u8* __r
   const float factor = __fdiv_rn(256.0f, gs[0]);
   const int m_rows = min(M, MAXTOK);
   const bool split = n_split > 1;
-#if LORA_R > 0 && LORA_EXPAND
+#if LORA_ADDS
   __shared__ float xa_sh[MAXTOK][LORA_R];
+#if LORA_GIVEN
+  if (!split) lora_copy_xa(lxa, &xa_sh[0][0], m_rows);
+#else
   if (!split) lora_stage_xa(lsync, lxa, &xa_sh[0][0], m_rows, M, l_blocks, l_slices);
+#endif
 #endif
   for (int e = threadIdx.x; e < m_rows * ROWS_PER_CTA; e += NWARPS * 32) {
     const int tok = e / ROWS_PER_CTA, rl = e % ROWS_PER_CTA, row = row_cta + rl;
@@ -505,13 +522,13 @@ KERNEL_NAME(const u16* __restrict__ x, const u32* __restrict__ wq, const u8* __r
     for (int w = 0; w < WARPS_K; ++w) s += red[w][tok][rl];
     if (split) { ws[((long)by * M + tok) * N + row] = s; continue; }
     u16 y = epilogue(s, factor, bias, row);
-#if LORA_R > 0 && LORA_EXPAND
+#if LORA_ADDS
     y = lora_add(y, &xa_sh[tok][0], lb, lmem, lscale, l_members, l_rp, row);
 #endif
     out[(long)tok * ldo + row] = y;
   }
   if (!split) {
-#if LORA_R > 0 && LORA_EXPAND
+#if LORA_TICKETS
     lora_finish(lsync, total_ctas);
 #endif
     return;
@@ -523,13 +540,15 @@ KERNEL_NAME(const u16* __restrict__ x, const u32* __restrict__ wq, const u8* __r
   if (threadIdx.x == 0) is_last = atomicAdd(&counters[bx], 1) == n_split - 1;
   __syncthreads();
   if (!is_last) {
-#if LORA_R > 0 && LORA_EXPAND
+#if LORA_TICKETS
     lora_finish(lsync, total_ctas);
 #endif
     return;
   }
   __threadfence();
-#if LORA_R > 0 && LORA_EXPAND
+#if LORA_GIVEN
+  lora_copy_xa(lxa, &xa_sh[0][0], m_rows);
+#elif LORA_ADDS
   lora_stage_xa(lsync, lxa, &xa_sh[0][0], m_rows, M, l_blocks, l_slices);
 #endif
   for (int e = threadIdx.x; e < m_rows * ROWS_PER_CTA; e += NWARPS * 32) {
@@ -538,13 +557,13 @@ KERNEL_NAME(const u16* __restrict__ x, const u32* __restrict__ wq, const u8* __r
     float s = 0.f;
     for (int sl = 0; sl < n_split; ++sl) s += __ldcg(&ws[((long)sl * M + tok) * N + row]);
     u16 y = epilogue(s, factor, bias, row);
-#if LORA_R > 0 && LORA_EXPAND
+#if LORA_ADDS
     y = lora_add(y, &xa_sh[tok][0], lb, lmem, lscale, l_members, l_rp, row);
 #endif
     out[(long)tok * ldo + row] = y;
   }
   if (threadIdx.x == 0) counters[bx] = 0;  // ready for the next launch (and graph replay)
-#if LORA_R > 0 && LORA_EXPAND
+#if LORA_TICKETS
   lora_finish(lsync, total_ctas);
 #endif
 }

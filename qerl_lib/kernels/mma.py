@@ -258,20 +258,22 @@ def _driver() -> ctypes.CDLL:
         raise OSError(f"CUDA driver library libcuda.so.1 not loadable: {err}") from err
 
 
-def kernel_name(cfg: MmaConfig, nb: int, lora_r: int = 0, lora_expand: bool = True) -> str:
+def kernel_name(cfg: MmaConfig, nb: int, lora_r: int = 0, lora_expand: bool = True, lora_given: bool = False) -> str:
     extra = (f"_p{cfg.prefetch}" if cfg.prefetch else "") + (f"_h{cfg.l2_hint}" if cfg.l2_hint else "")
-    extra += (f"_l{lora_r}" + ("" if lora_expand else "s")) if lora_r else ""
+    extra += (f"_l{lora_r}" + ("" if lora_expand else "s") + ("g" if lora_given else "")) if lora_r else ""
     return f"qerl_fp4_mma_t{cfg.tiles}_r{cfg.warps_r}_k{cfg.warps_k}_n{nb}_d{cfg.depth}_o{cfg.min_ctas}{extra}"
 
 
-def kernel_source(cfg: MmaConfig, nb: int, lora_r: int = 0, lora_expand: bool = True) -> str:
+def kernel_source(cfg: MmaConfig, nb: int, lora_r: int = 0, lora_expand: bool = True, lora_given: bool = False) -> str:
     """The CUDA source for one launch shape (``nb`` n8 blocks: 1 for M <= 8, 2 for M <= 16; ``lora_r``:
-    the stacked rank of a LoRA epilogue, 0 for none; ``lora_expand=False``: the launch only makes ``xa``)."""
+    the stacked rank of a LoRA epilogue, 0 for none; ``lora_expand=False``: the launch only makes ``xa``;
+    ``lora_given``: the epilogue adds the adapters to an ``xa`` an earlier kernel wrote, no LoRA CTAs)."""
     defines = (f"#define T_TILES {cfg.tiles}\n#define WARPS_R {cfg.warps_r}\n#define WARPS_K {cfg.warps_k}\n"
                f"#define NB {nb}\n#define DEPTH {cfg.depth}\n#define MIN_CTAS {cfg.min_ctas}\n"
                f"#define PREFETCH {cfg.prefetch}\n#define L2_HINT {cfg.l2_hint}\n#define LORA_R {lora_r}\n"
-               f"#define LORA_EXPAND {int(lora_expand)}\n#define LORA_MAX_SLICES {LORA_SLICES}\n"
-               f"#define KERNEL_NAME {kernel_name(cfg, nb, lora_r, lora_expand)}\n")
+               f"#define LORA_EXPAND {int(lora_expand)}\n#define LORA_GIVEN {int(lora_given)}\n"
+               f"#define LORA_MAX_SLICES {LORA_SLICES}\n"
+               f"#define KERNEL_NAME {kernel_name(cfg, nb, lora_r, lora_expand, lora_given)}\n")
     return defines + SOURCE_PATH.read_text()
 
 
@@ -289,7 +291,11 @@ class LoraEpilogue:
 
     ``expand=False``: the launch only makes ``xa = bf16(x @ A^T)`` (as float32 values) into ``workspace``
     (float32, at least ``workspace_numel(8, R)`` elements), read back with ``xa(m, k)``; the output is the
-    plain GEMM's, and the caller adds ``xa @ B^T`` (``kernels/lora.given_xa`` then ``expand_``)."""
+    plain GEMM's, and the caller adds ``xa @ B^T`` (``kernels/lora.given_xa`` then ``expand_``).
+
+    ``given``: ``xa [>= m, R]`` float32 (bf16 values), contiguous, written by an earlier kernel of the stream (the
+    norm before the group, ``engine/glue.py``): the launch has no LoRA CTAs and only adds ``xa @ B^T`` per member
+    in its epilogue, which reads ``xa`` after the launch's wait for the previous kernel."""
 
     a_cat: torch.Tensor
     b_cat: torch.Tensor
@@ -298,6 +304,7 @@ class LoraEpilogue:
     sync: torch.Tensor
     expand: bool = True
     workspace: torch.Tensor | None = None
+    given: torch.Tensor | None = None
 
     @staticmethod
     def slices(k: int) -> tuple[int, int]:
@@ -327,7 +334,10 @@ class LoraEpilogue:
                 and a.shape[1] == k and 1 <= a.shape[0] <= LORA_MAX_R and b.shape[1] % 8 == 0
                 and self.sync.numel() >= 4 + math.ceil(a.shape[0] / 16)
                 and (self.expand or (self.workspace is not None and self.workspace.dtype == torch.float32
-                                     and self.workspace.numel() >= self.workspace_numel(m, a.shape[0]))))
+                                     and self.workspace.numel() >= self.workspace_numel(m, a.shape[0])))
+                and (self.given is None or (self.expand and self.given.dtype == torch.float32
+                                            and self.given.is_contiguous() and self.given.dim() == 2
+                                            and self.given.shape[0] >= m and self.given.shape[1] == a.shape[0])))
 
 
 def compile_cubin(source: str, name: str, arch: str, lib: ctypes.CDLL | None = None) -> bytes:
@@ -421,10 +431,11 @@ _COUNTERS: dict[int, torch.Tensor] = {}
 _LOCK = threading.Lock()
 
 
-def _get_kernel(cfg: MmaConfig, nb: int, device: torch.device, lora_r: int = 0, lora_expand: bool = True) -> _Kernel:
+def _get_kernel(cfg: MmaConfig, nb: int, device: torch.device, lora_r: int = 0, lora_expand: bool = True,
+                lora_given: bool = False) -> _Kernel:
     index = device.index if device.index is not None else torch.cuda.current_device()
     key = (index, cfg.tiles, cfg.warps_r, cfg.warps_k, cfg.depth, cfg.min_ctas, cfg.prefetch, cfg.l2_hint, nb, lora_r,
-           lora_expand)
+           lora_expand, lora_given)
     kern = _KERNELS.get(key)
     if kern is None:
         with _LOCK, torch.cuda.device(index):
@@ -432,8 +443,8 @@ def _get_kernel(cfg: MmaConfig, nb: int, device: torch.device, lora_r: int = 0, 
                 raise RuntimeError("mma_linear: first use of a launch shape inside CUDA-graph capture; "
                                    "run the call once before capturing (warm-up)")
             major, minor = torch.cuda.get_device_capability(index)
-            name = kernel_name(cfg, nb, lora_r, lora_expand)
-            cubin = compile_cubin(kernel_source(cfg, nb, lora_r, lora_expand), name, f"sm_{major}{minor}")
+            name = kernel_name(cfg, nb, lora_r, lora_expand, lora_given)
+            cubin = compile_cubin(kernel_source(cfg, nb, lora_r, lora_expand, lora_given), name, f"sm_{major}{minor}")
             torch.cuda.synchronize(index)  # makes PyTorch's primary context current on this thread
             kern = _KERNELS[key] = _Kernel(cubin, name)
     return kern
@@ -485,9 +496,10 @@ def mma_linear(x2: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, glob
                          f"and B [N = {n}, RP % 8 == 0]; take kernels/lora.py's path instead")
     lora_r = lora.a_cat.shape[0] if lora is not None else 0
     lora_expand = lora is None or lora.expand
+    lora_given = lora is not None and lora.given is not None
     cfg = config or pick_mma_config(m, n, k, _device_sms(x2.device.index))
     cfg.check_shared(nb, lora_r, lora_expand)
-    kern = _get_kernel(cfg, nb, x2.device, lora_r, lora_expand)
+    kern = _get_kernel(cfg, nb, x2.device, lora_r, lora_expand, lora_given)
     blocks = math.ceil(n / cfg.rows_per_cta)
     chunks = k // CHUNK
     per_split = math.ceil(chunks / cfg.split_k)
@@ -496,7 +508,10 @@ def mma_linear(x2: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, glob
     counters = _counters(x2.device, blocks)
     lora_args: list = [None, None, None, None, None, None, 0, 0, 0, 0]
     grid = (blocks, split)
-    if lora is not None:
+    if lora_given:  # the plain grid: the epilogue reads the given xa (no LoRA CTAs, no counters)
+        lora_args = [lora.a_cat, lora.b_cat, lora.given, lora.sync, lora.bounds, lora.scale, lora.bounds.shape[0], 0, 0,
+                     lora.b_cat.shape[1]]
+    elif lora is not None:
         slices, k_per_slice = lora.slices(k)
         partials = lora.partials(m, k)  # + the summed xa
         lora_args = [lora.a_cat, lora.b_cat, partials, lora.sync, lora.bounds, lora.scale, lora.bounds.shape[0], slices,
