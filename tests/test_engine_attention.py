@@ -51,7 +51,7 @@ INTERP_SCRIPT = textwrap.dedent("""
         out[i] = float((got - ref).abs().max())
     # RoPE + cache write vs the engine's torch RoPE and index_copy_ (q/k/v as views of one fused output)
     from qerl_lib.engine.attention import rope_and_cache
-    from qerl_lib.engine.forward import apply_rope
+    from qerl_lib.engine.reference_ops import apply_rope
     g = torch.Generator().manual_seed(99)
     b, h, kv, d, length, col = 3, 14, 2, 32, 40, 23
     fused = torch.randn(b, 1, (h + 2 * kv) * d, generator=g)
@@ -222,7 +222,7 @@ def _cuda_new_token(g, b, h, kv, d):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU (CUDA not available)")
 def test_cuda_rope_and_cache_matches_torch():
     from qerl_lib.engine.attention import rope_and_cache
-    from qerl_lib.engine.forward import apply_rope
+    from qerl_lib.engine.reference_ops import apply_rope
 
     g = torch.Generator(device="cuda").manual_seed(0)
     b, h, kv, d, length, col = 8, 28, 4, 128, 300, 257

@@ -33,7 +33,7 @@ programs are (row, block of ``SHRINK_RANKS`` ranks): each recomputes its row's n
 in L2) and dots its few rows of ``A_cat``, so no program reads more than ``SHRINK_RANKS x width`` of A; the programs
 of the first rank block store the norm's outputs.
 
-Numerics follow ``engine/forward.py``'s functions (transformers' order): ``x + delta`` rounded to the
+Numerics follow ``engine/reference_ops.py``'s functions (transformers' order): ``x + delta`` rounded to the
 activation dtype; RMSNorm in float32 on that, rounded, *then* times the weight (one more rounding);
 SiLU in float32 rounded to the activation dtype, times ``up`` rounded. Sums run in a different
 order than torch's, so results may differ by one rounding step now and then (tests: within
@@ -65,7 +65,7 @@ LORA_BLOCK_N = 128  # columns of gate (and of up) per program of the SiLU x up k
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, relabeled: bool = False):
-    """``forward.rms_norm`` as one kernel: ``x [..., H]`` -> normed ``[..., H]``. ``relabeled``: also return
+    """``reference_ops.rms_norm`` as one kernel: ``x [..., H]`` -> normed ``[..., H]``. ``relabeled``: also return
     a copy in the FP4 GEMM's K relabeling (``relabeled_copy``): ``(normed, copy)``."""
     h = torch.empty_like(x)
     hr = relabeled_copy(x) if relabeled else None
@@ -74,7 +74,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, relabeled: bool 
 
 
 def residual_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float, relabeled: bool = False):
-    """``forward.residual_rms_norm`` as one kernel: returns ``(x + delta, rms_norm(x + delta))``, and with
+    """``reference_ops.residual_rms_norm`` as one kernel: returns ``(x + delta, rms_norm(x + delta))``, and with
     ``relabeled`` a third item, the normed rows in the FP4 GEMM's K relabeling (``relabeled_copy``)."""
     summed, h = torch.empty_like(x), torch.empty_like(x)
     hr = relabeled_copy(x) if relabeled else None
@@ -119,7 +119,7 @@ def relabeled_copy(like: torch.Tensor) -> torch.Tensor:
 
 def silu_mul(act, gate: torch.Tensor, up: torch.Tensor, lora: "lora_kernels.Shrunk | None" = None,
              relabeled: bool = False):
-    """``forward.gated_act`` for SiLU as one kernel (``act`` is the model's SiLU module). ``lora``: the
+    """``reference_ops.gated_act`` for SiLU as one kernel (``act`` is the model's SiLU module). ``lora``: the
     gate/up group's ``kernels/lora.shrink_`` result, whose expand this kernel adds to gate and up first;
     gate and up must then be the two halves of the group's fused output (columns ``[0, I)`` and ``[I, 2I)``).
     ``relabeled``: return ``(out, copy)``, the copy in the FP4 GEMM's K relabeling (``relabeled_copy``)."""
