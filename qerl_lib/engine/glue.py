@@ -84,19 +84,16 @@ def residual_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor
 
 def norm_shrink(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float, a_cat: torch.Tensor):
     """``(x + delta, h, xa)`` (``(x, h, xa)`` without a delta, where nothing is added or stored) with ``h`` the
-    RMSNorm of the rows as `residual_rms_norm` makes it and ``xa [rows, R]`` float32 = ``bf16(h @ a_cat^T)``
-    (products exact in float32, summed in float32, rounded once to bf16): the shrink of the group that reads ``h``."""
+    RMSNorm of the rows as `residual_rms_norm` makes it and ``xa [rows, R]`` float32 holding ``h @ a_cat^T`` rounded
+    once to the activation dtype (products exact in float32, summed in float32): the shrink of the group that reads
+    ``h``, as the torch path's ``xa`` tensor rounds it."""
     width = x.shape[-1]
     if a_cat.dim() != 2 or a_cat.shape[1] != width or a_cat.stride(-1) != 1 or a_cat.dtype != x.dtype:
         raise ValueError(f"norm_shrink: A_cat must be [R, {width}] with a unit last stride in {x.dtype}, got "
                          f"{list(a_cat.shape)} {a_cat.dtype}")
-    x2 = x.reshape(-1, width)
-    d2 = delta.reshape(-1, width) if delta is not None else x2
-    if x2.stride(-1) != 1 or d2.stride(-1) != 1 or weight.stride(-1) != 1:
-        raise ValueError("norm_shrink: inputs need a unit stride in their last dimension")
     summed = torch.empty_like(x) if delta is not None else x
     h = torch.empty_like(x)
-    s2, h2 = summed.view(-1, width), h.view(-1, width)
+    x2, d2, s2, h2 = _norm_rows(x, delta, weight, summed, h, "norm_shrink")
     r = a_cat.shape[0]
     xa = torch.empty(x2.shape[0], r, dtype=torch.float32, device=x.device)
     early = pdl.use_for(x.device)
@@ -159,13 +156,21 @@ def _silu_mul_lora(g2: torch.Tensor, u2: torch.Tensor, out: torch.Tensor, lora: 
         RELABELED=outr is not None, PDL=lora.early, launch_pdl=lora.early, num_warps=lora_kernels.EXPAND_WARPS)
 
 
-def _launch_norm(x, delta, weight, eps, summed, h, hr=None) -> None:
+def _norm_rows(x, delta, weight, summed, h, name: str):
+    """The norm kernels' 2-D views ``(x, delta, summed, h)`` (x for an absent delta, h for an absent sum), checked
+    for the unit last stride they assume."""
     width = x.shape[-1]
     x2, h2 = x.reshape(-1, width), h.view(-1, width)
     d2 = delta.reshape(-1, width) if delta is not None else x2
     s2 = summed.view(-1, width) if summed is not None else h2
     if x2.stride(-1) != 1 or d2.stride(-1) != 1 or weight.stride(-1) != 1:
-        raise ValueError("rms_norm: inputs need a unit stride in their last dimension")
+        raise ValueError(f"{name}: inputs need a unit stride in their last dimension")
+    return x2, d2, s2, h2
+
+
+def _launch_norm(x, delta, weight, eps, summed, h, hr=None) -> None:
+    width = x.shape[-1]
+    x2, d2, s2, h2 = _norm_rows(x, delta, weight, summed, h, "rms_norm")
     block = triton.next_power_of_2(width)
     early = pdl.use_for(x.device)
     _rms_norm_kernel[(x2.shape[0],)](x2, d2, weight, s2, h2, h2 if hr is None else hr, float(eps), width,

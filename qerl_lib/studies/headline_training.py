@@ -4,7 +4,7 @@ preset's step and rollout, and a short real run; each read from its results file
 from __future__ import annotations
 
 from qerl_lib.studies.result_reading import (ROLLOUT_KEYS, ResultsError, checked_rows, device_name, fastest, field,
-                                             load_result, model_size, times, tok_text)
+                                             load_result, matching_row, model_size, times, tok_text)
 
 
 def _training_row(results_dir) -> tuple:
@@ -28,13 +28,10 @@ PRESET_STEP_KEYS = ("groups", "rollout_batch", "micro_batch", "num_iterations", 
 def _train_step_rows(results_dir) -> list[tuple]:
     file = "train_step_h100.json"
     doc = load_result(results_dir, file)
-    rows = [r for r in checked_rows(doc, file, TRAIN_STEP_KEYS) if r["error"] is None]
+    rows = checked_rows(doc, file, TRAIN_STEP_KEYS)
 
     def row(model, mode, batch):
-        hit = [r for r in rows if (r["model"], r["mode"], r["batch"]) == (model, mode, batch)]
-        if not hit:
-            raise ResultsError(f"{file}: no measured row with model={model}, mode={mode}, batch={batch}")
-        return hit[0]
+        return matching_row(rows, file, model=model, mode=mode, batch=batch)
 
     dev = device_name(doc, file)
     lora, qerl, qlora = row("qwen2.5-7b", "lora", 8), row("qwen2.5-7b", "qerl", 8), row("qwen2.5-7b", "qlora", 8)
@@ -72,13 +69,10 @@ def _train_merge_row(results_dir) -> tuple:
     """qerl's step against lora's with the rollout's adapters merged (TRL's way before a vLLM sync) and unmerged."""
     file = "train_step_merge_h200.json"
     doc = load_result(results_dir, file)
-    rows = [r for r in checked_rows(doc, file, TRAIN_STEP_KEYS + ("rollout_lora_merge",)) if r["error"] is None]
+    rows = checked_rows(doc, file, TRAIN_STEP_KEYS + ("rollout_lora_merge", "lora_rank"))
 
     def row(model, mode, merged=False):
-        hit = [r for r in rows if (r["model"], r["mode"], r["rollout_lora_merge"]) == (model, mode, merged)]
-        if not hit:
-            raise ResultsError(f"{file}: no measured row with model={model}, mode={mode}, rollout_lora_merge={merged}")
-        return hit[0]
+        return matching_row(rows, file, model=model, mode=mode, rollout_lora_merge=merged)
 
     def part(m):
         q, merged, plain = row(m, "qerl")["step_s"], row(m, "lora", True)["step_s"], row(m, "lora")["step_s"]
@@ -86,10 +80,10 @@ def _train_merge_row(results_dir) -> tuple:
         return (f"{m.split('-')[1].upper()} {q:.1f} / {merged:.1f} / {plain:.1f} s ({times(merged / q)} / {times(plain / q)}; "
                 f"paper, Tab. 3: {paper})")
 
-    r = rows[0]
+    r = next(r for r in rows if r["error"] is None)
     return (f"the GRPO step in one run, batch {r['batch']}, 256 + {r['gen_len']} tokens, LoRA r{r['lora_rank']}: qerl / "
             f"lora with the rollout's adapters merged (`--rollout-lora-merge`) / lora unmerged (qerl's speedup over each)",
-            "; ".join(part(m) for m in sorted({r["model"] for r in rows}, key=model_size)), device_name(doc, file), file)
+            "; ".join(part(m) for m in sorted({r["model"] for r in rows if r["error"] is None}, key=model_size)), device_name(doc, file), file)
 
 
 def _preset_rollout_row(results_dir) -> tuple:

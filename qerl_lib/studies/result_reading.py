@@ -75,6 +75,14 @@ def device_name(doc: dict, file: str) -> str:
 ROLLOUT_KEYS = ("model", "weights", "batch", "rank", "engine", "prompt_len", "gen_len", "tok_s", "peak_gib", "error")
 
 
+def matching_row(rows: list[dict], file: str, **match) -> dict:
+    """The first error-free row matching ``match``, or a `ResultsError` naming the file and the match."""
+    for r in rows:
+        if r["error"] is None and all(r[k] == v for k, v in match.items()):
+            return r
+    raise ResultsError(f"{file}: no measured row with {', '.join(f'{k}={v}' for k, v in match.items())}")
+
+
 def fastest(rows: list[dict], file: str, **match) -> dict:
     """The fastest error-free row matching `match` (the engine uses whichever backend measures faster)."""
     hits = [r for r in rows if r["error"] is None and r["tok_s"] and all(r[k] == v for k, v in match.items())]

@@ -45,29 +45,32 @@ def _kv_shape(arch: dict) -> tuple[int, int, int]:
     return arch["num_hidden_layers"], arch.get("num_key_value_heads") or heads, head_dim
 
 
+def _layer_linear_elements(arch: dict) -> tuple[int, int, int]:
+    """(Linears, weight elements, bias elements) of one decoder layer: the seven projections, and q/k/v's biases
+    where the architecture has them (Qwen2, or ``attention_bias``)."""
+    shapes = layer_projection_shapes(arch)
+    biased = arch.get("model_type") == "qwen2" or arch.get("attention_bias")
+    biases = sum(shapes[name][0] for name in ("q_proj", "k_proj", "v_proj")) if biased else 0
+    return len(shapes), sum(n * k for n, k in shapes.values()), biases
+
+
 def base_weight_bytes(arch: dict, base: str) -> int:
     """Bytes of a model of architecture ``arch`` (a transformers config as a dict) with its decoder Linears
     in ``base`` format (bf16, nvfp4, nf4, mxfp4) and everything else in bf16."""
     if base not in BYTES_PER_WEIGHT:
         raise ValueError(f"unknown base {base!r}: choose one of {', '.join(BYTES_PER_WEIGHT)}")
     hidden, layers, vocab = arch["hidden_size"], arch["num_hidden_layers"], arch["vocab_size"]
-    shapes = layer_projection_shapes(arch)
-    weights = sum(n * k for n, k in shapes.values())
-    per_layer = weights * BYTES_PER_WEIGHT[base] + (4 * len(shapes) if base == "nvfp4" else 0)
-    biased = arch.get("model_type") == "qwen2" or arch.get("attention_bias")  # q/k/v biases
-    biases = sum(shapes[name][0] for name in ("q_proj", "k_proj", "v_proj")) * 2 if biased else 0
+    linears, weights, biases = _layer_linear_elements(arch)
+    per_layer = weights * BYTES_PER_WEIGHT[base] + (4 * linears if base == "nvfp4" else 0)
     norms = 2 * hidden * 2
     embeddings = vocab * hidden * 2 * (1 if arch.get("tie_word_embeddings", False) else 2)
-    return int(round(layers * (per_layer + biases + norms) + hidden * 2 + embeddings))
+    return int(round(layers * (per_layer + biases * 2 + norms) + hidden * 2 + embeddings))
 
 
 def merged_copy_bytes(arch: dict, dtype_bytes: int = 2) -> int:
     """Bytes of the engine's merged weight copies (``RolloutEngine(lora_merge=True)``) with adapters on all seven
     projections of every layer: each decoder Linear's weight and bias once more, in the base's dtype."""
-    shapes = layer_projection_shapes(arch)
-    weights = sum(n * k for n, k in shapes.values())
-    biased = arch.get("model_type") == "qwen2" or arch.get("attention_bias")
-    biases = sum(shapes[name][0] for name in ("q_proj", "k_proj", "v_proj")) if biased else 0
+    _, weights, biases = _layer_linear_elements(arch)
     return arch["num_hidden_layers"] * (weights + biases) * dtype_bytes
 
 
