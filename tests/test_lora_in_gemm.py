@@ -18,6 +18,10 @@
 * The given-``xa`` epilogue (``epilogue(given=)``): CPU, what it accepts and that it compiles within the wide
   shapes' registers; CUDA, bit-equal to the launch whose LoRA CTAs make the same ``xa``, and after
   ``glue.norm_shrink`` within the two-kernel path's tolerance of the reference adapters.
+* The engine with ``QERL_LORA_SHRINK_IN_NORM=1``: CPU, which groups it takes (NVFP4 on the mma.sync kernel only)
+  and that a group given ``xa`` adds the same adapters where its GEMM cannot take it; CUDA, the rollouts as the
+  fused launch's above (PDL on and off identical, within bf16 noise of the two-kernel path), the norms having
+  made q/k/v's and gate/up's ``xa`` in every captured step.
 """
 
 from __future__ import annotations
@@ -114,6 +118,65 @@ def test_engine_picks_the_gemm_launch_only_where_the_mma_kernel_runs(monkeypatch
     assert gemm_lora_epilogue(plan, torch.cat([x, x]), False, True, True, member) is None  # 16 rows: no mma.sync
     monkeypatch.setattr(fp4_gemm, "uses_mma", lambda m, k, device, backend: False)
     assert gemm_lora_epilogue(plan, x, False, True, True, member) is None
+
+
+def _cpu_forward(monkeypatch, weights: str = "nvfp4", shrink_in_norm: str = "1", **kwargs):
+    """A ForwardPass over a tiny bf16 or NVFP4 Qwen2 on the CPU with the LoRA kernels' plans built (``interpreting``
+    patched), fused groups, rank-4 adapters on every projection, and the mma.sync path patched in at <= 8 rows."""
+    from qerl_lib.engine.adapters import LoraAdapter
+    from qerl_lib.engine.forward import ForwardPass, ModelView
+    from qerl_lib.kernels import fp4_gemm
+    from qerl_lib.models.loader import replace_linear_with_nvfp4
+    from tests.test_engine import tiny_model
+
+    model = tiny_model("qwen2", dtype=torch.bfloat16)
+    if weights == "nvfp4":
+        replace_linear_with_nvfp4(model, impl="kernel")  # the kernel path's layers (built, never called here)
+    monkeypatch.setenv("QERL_LORA_SHRINK_IN_NORM", shrink_in_norm)
+    monkeypatch.setattr(lk, "interpreting", lambda: True)
+    monkeypatch.setattr(fp4_gemm, "uses_mma", lambda m, k, device, backend: m <= 8)
+    fp = ForwardPass(ModelView(model), fuse_projections=True, lora_kernels=True, **kwargs)
+    g = torch.Generator().manual_seed(5)
+    adapters = {n: LoraAdapter((torch.randn(4, m.in_features, generator=g) * 0.3).bfloat16(),
+                               (torch.randn(m.out_features, 4, generator=g) * 0.3).bfloat16(), 2.0)
+                for n, m in model.named_modules() if n.endswith("_proj")}
+    fp.load_lora(adapters)
+    return fp
+
+
+def test_engine_lets_the_norm_make_xa_only_for_nvfp4_groups_on_the_mma_kernel(monkeypatch):
+    """``ForwardPass.norm_shrink_plan``: the group's plan with ``QERL_LORA_SHRINK_IN_NORM=1`` where an NVFP4 group runs
+    on the mma.sync kernel (at most 8 rows), else None: more rows, the switch off, a bf16 base, or another fold of
+    the shrink into the GEMM switched on."""
+    fp = _cpu_forward(monkeypatch)
+    assert fp.lora_kernels and fp.fused_groups() == 4
+    for i in range(2):
+        for group in ("qkv", "gate_up"):
+            assert fp.norm_shrink_plan(i, group, 8) is fp.lora.plans[(i, group)] is not None
+            assert fp.norm_shrink_plan(i, group, 1) is not None
+            assert fp.norm_shrink_plan(i, group, 9) is None  # the mma.sync kernel takes at most 8 rows
+    assert _cpu_forward(monkeypatch, shrink_in_norm="0").norm_shrink_plan(0, "qkv", 8) is None
+    assert _cpu_forward(monkeypatch, weights="bf16").norm_shrink_plan(0, "qkv", 8) is None
+    assert _cpu_forward(monkeypatch, lora_in_gemm=True).norm_shrink_plan(0, "qkv", 8) is None
+    monkeypatch.setenv("QERL_LORA_SHRINK_IN_GEMM", "1")
+    assert _cpu_forward(monkeypatch).norm_shrink_plan(0, "gate_up", 8) is None
+
+
+def test_a_group_given_xa_without_the_gemm_epilogue_adds_the_same_adapters(monkeypatch):
+    """Where the group's GEMM cannot take the given ``xa`` (here the CPU: no LoRA kernels run), ``_project_parts``
+    adds the adapters from it: the same outputs as from its own ``x @ A_cat^T``, and different ones from a wrong
+    ``xa`` (so the given one is what is read)."""
+    fp = _cpu_forward(monkeypatch, weights="bf16", shrink_in_norm="0")
+    fp.lora_kernels = False  # the plain-torch adapters of engine/adapters.add_lora_torch
+    h = torch.randn(3, 1, 64, generator=torch.Generator().manual_seed(1)).bfloat16()
+    for group in ("qkv", "gate_up"):
+        a_cat = fp.lora.layout[(0, group)][0]
+        xa = (h.reshape(-1, 64) @ a_cat.t()).float()  # bf16 values held in float32, as glue.norm_shrink writes
+        own, _ = fp._project_parts(0, group, h)
+        given, _ = fp._project_parts(0, group, h, given_xa=xa)
+        wrong, _ = fp._project_parts(0, group, h, given_xa=xa * 2)
+        assert all(torch.equal(a, b) for a, b in zip(own, given)), group
+        assert not any(torch.equal(a, b) for a, b in zip(own, wrong)), group
 
 
 def test_a_call_that_cannot_add_the_adapters_says_so():
@@ -269,21 +332,31 @@ def _small_nvfp4_model_with_adapters(rank=16):
 @pytest.mark.cuda
 @cuda_mma
 def test_engine_rollouts_with_lora_in_the_gemm(monkeypatch):
+    from qerl_lib.engine import glue
     from qerl_lib.engine.rollout import RolloutEngine
     from tests.test_engine import PROMPTS
 
     model, adapters = _small_nvfp4_model_with_adapters()
+    made = []  # (rows, stacked ranks) of each glue.norm_shrink call (traced once per captured graph)
+    real_norm_shrink = glue.norm_shrink
+    monkeypatch.setattr(glue, "norm_shrink", lambda *a: made.append(tuple(a[-1].shape)) or real_norm_shrink(*a))
     runs = {}
-    for name, in_gemm, shrink, early in (("gemm", True, "0", "1"), ("gemm-plain", True, "0", "0"),
-                                         ("shrink", False, "1", "1"), ("shrink-plain", False, "1", "0"),
-                                         ("two-kernels", False, "0", "1")):
+    for name, in_gemm, shrink, in_norm, early in (
+            ("gemm", True, "0", "0", "1"), ("gemm-plain", True, "0", "0", "0"), ("shrink", False, "1", "0", "1"),
+            ("shrink-plain", False, "1", "0", "0"), ("norm", False, "0", "1", "1"), ("norm-plain", False, "0", "1", "0"),
+            ("two-kernels", False, "0", "0", "1")):
         monkeypatch.setenv("QERL_PDL", early)
         monkeypatch.setenv("QERL_LORA_SHRINK_IN_GEMM", shrink)
+        monkeypatch.setenv("QERL_LORA_SHRINK_IN_NORM", in_norm)
+        made.clear()
         engine = RolloutEngine(model, lora_in_gemm=in_gemm)  # graphs+fused, LoRA kernels on CUDA
         runs[name] = engine.generate(PROMPTS, 24, temperature=0, stop_token_ids=[], lora=adapters)
         if shrink == "1":  # every group took the launch that makes xa (a workspace per plan)
             assert all(p is None or p.xa_workspace is not None for p in engine._forward.lora.plans.values()), name
+        # with the switch, each layer's q/k/v (3 x 16 ranks) and gate/up (2 x 16) norms made xa; never otherwise
+        assert (set(made) == {(48, 256), (32, 256)}) == (in_norm == "1"), (name, set(made))
     base = RolloutEngine(model).generate(PROMPTS, 24, temperature=0, stop_token_ids=[])
     assert [c.token_ids for c in runs["gemm"]] != [c.token_ids for c in base], "the adapters must matter"
     assert_rollouts_agree(runs["gemm"], runs["gemm-plain"], runs["two-kernels"], 24)
     assert_rollouts_agree(runs["shrink"], runs["shrink-plain"], runs["two-kernels"], 24)
+    assert_rollouts_agree(runs["norm"], runs["norm-plain"], runs["two-kernels"], 24)

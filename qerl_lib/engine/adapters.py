@@ -19,7 +19,8 @@ into the base output: 1 + members launches per projection group instead of 3 per
 CUDA decode step (``lora_kernels``) the engine runs ``kernels/lora.py`` instead: two Triton
 launches per group whatever its members, the first overlapping the base GEMM. Where the group's NVFP4
 GEMM runs on the mma.sync kernel (at most 8 rows), that launch may add the adapters itself or make
-``xa`` beside its tiles (``gemm_lora_epilogue``; ``lora_in_gemm``, ``QERL_LORA_SHRINK_IN_GEMM``).
+``xa`` beside its tiles (``gemm_lora_epilogue``; ``lora_in_gemm``, ``QERL_LORA_SHRINK_IN_GEMM``), or only add the
+expand of an ``xa`` that the norm before the group made (``QERL_LORA_SHRINK_IN_NORM``, ``engine/forward.py``).
 
 A as rows of a bf16 weight (``QERL_LORA_ROWS=0`` turns it off)
 --------------------------------------------------------------
@@ -179,19 +180,21 @@ def lora_from_peft(model, adapter_name: str | None = None) -> dict[str, LoraAdap
     return out
 
 
-def gemm_lora_epilogue(plan, x: torch.Tensor, in_gemm: bool, shrink_in_gemm: bool, fp4_kernel: bool, member):
+def gemm_lora_epilogue(plan, x: torch.Tensor, in_gemm: bool, shrink_in_gemm: bool, fp4_kernel: bool, member,
+                       given: torch.Tensor | None = None):
     """The ``kernels.mma.LoraEpilogue`` that a group's NVFP4 GEMM launch takes, or None: with ``in_gemm`` the
     launch adds the adapters itself, with ``shrink_in_gemm`` it only makes ``xa`` beside its tiles (the expand
-    stays ``kernels/lora.py``'s). Only where ``plan`` exists, the group runs one ``fp4_linear`` call
-    (``fp4_kernel``) and that call takes the mma.sync kernel (decode, at most 8 rows)."""
-    if plan is None or not fp4_kernel or not (in_gemm or shrink_in_gemm):
+    stays ``kernels/lora.py``'s), with ``given`` (float32 ``xa`` an earlier kernel made) it only adds the expand.
+    Only where ``plan`` exists, the group runs one ``fp4_linear`` call (``fp4_kernel``) and that call takes the
+    mma.sync kernel (decode, at most 8 rows)."""
+    if plan is None or not fp4_kernel or not (in_gemm or shrink_in_gemm or given is not None):
         return None
     from qerl_lib.kernels.fp4_gemm import uses_mma
 
     m, k = x.numel() // x.shape[-1], x.shape[-1]
     if not uses_mma(m, k, x.device, member.small_m_backend):
         return None  # before the epilogue: a shrink-only one allocates its plan's workspace on first use
-    epilogue = plan.epilogue(expand=in_gemm)
+    epilogue = plan.epilogue(given=given) if given is not None else plan.epilogue(expand=in_gemm)
     return epilogue if epilogue.supported(m, k) else None
 
 

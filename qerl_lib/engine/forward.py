@@ -39,6 +39,9 @@ parameters are never written. LoRA adapters passed as ``lora=`` get the same tre
 shrink and expand launches after the group's GEMM; above 8 rows the gate/up group's expand is
 instead added by the SiLU * up kernel that reads its output (``lora_fold``, ``engine/glue.py``). A bf16
 group's GEMM also makes ``xa``, without a shrink launch (``engine/adapters.py``; ``QERL_LORA_ROWS=0``: off).
+With ``QERL_LORA_SHRINK_IN_NORM=1`` (off by default; dev/LOG.md 65-67) an NVFP4 q/k/v or gate/up group at <= 8 rows
+launches nothing for its adapters: the residual add + RMSNorm before it also makes its ``xa`` (``glue.norm_shrink``)
+and its mma.sync GEMM adds ``xa @ B^T`` in the epilogue (``LoraEpilogue(given=)``); o and down keep two launches.
 With ``lora_merge`` a dense group runs one GEMM over an engine-owned merged copy instead (``engine/merged.py``).
 
 Fused projections
@@ -86,6 +89,7 @@ RELABEL_ENV = "QERL_FP4_RELABEL_X"  # "0": the Gluon FP4 launches permute x them
 SPLIT_FOLD_ENV = "QERL_LORA_SUMS_SPLITS"  # "0": never let the LoRA expand sum a K-split GEMM's partials (docstring)
 SHRINK_IN_GEMM_ENV = "QERL_LORA_SHRINK_IN_GEMM"  # "1": NVFP4 groups on the mma.sync kernel make xa in their launch
 LORA_ROWS_ENV = "QERL_LORA_ROWS"  # "0": bf16 groups' LoRA A not as extra rows of their weight (engine/adapters.py)
+SHRINK_IN_NORM_ENV = "QERL_LORA_SHRINK_IN_NORM"  # "1": the norm before an NVFP4 q/k/v or gate/up group makes its xa
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
 DECODE_ATTENTION = ("sdpa", "matmul", "kernel")
@@ -232,6 +236,8 @@ class ForwardPass:
         self.lora_sums_splits = os.environ.get(SPLIT_FOLD_ENV, "1") == "1" and view.device.type == "cuda"
         self.lora_rows = os.environ.get(LORA_ROWS_ENV, "1") != "0" and self.lora_kernels and fuse_projections
         self.lora_shrink_in_gemm = os.environ.get(SHRINK_IN_GEMM_ENV, "0") == "1" and self.lora_kernels
+        self.lora_shrink_in_norm = (os.environ.get(SHRINK_IN_NORM_ENV, "0") == "1" and self.lora_kernels
+                                    and not (self.lora_in_gemm or self.lora_shrink_in_gemm))
         self._relabel_plan: dict[tuple[int, str, int], bool] = {}  # (layer, group, rows) -> takes_relabeled
 
     def reserve_columns(self, length: int) -> None:
@@ -333,15 +339,30 @@ class ForwardPass:
             return members[0].prepare_kernel()
         return None
 
+    def norm_shrink_plan(self, layer: int, group: str, rows: int):
+        """The group's ``kernels/lora.GroupPlan`` where the norm before it makes its ``xa`` (``glue.norm_shrink``)
+        and its GEMM's epilogue adds the expand (``QERL_LORA_SHRINK_IN_NORM=1``, module docstring), else None:
+        an NVFP4 group with adapters that one ``fp4_linear`` call runs on the mma.sync kernel (at most 8 rows)."""
+        if not self.lora_shrink_in_norm or self.lora is None or rows > lora_kernels_mod.FEW_ROWS:
+            return None
+        plan, prepared = self.lora.plans.get((layer, group)), self._fp4_weight(layer, group)
+        if plan is None or prepared is None:
+            return None
+        from qerl_lib.kernels.fp4_gemm import uses_mma
+
+        member = self._groups[layer][group][0]
+        return plan if uses_mma(rows, prepared.shape[1], self.view.device, member.small_m_backend) else None
+
     def _project(self, layer: int, group: str, x: torch.Tensor, x_relabeled: torch.Tensor | None = None):
         return self._project_parts(layer, group, x, x_relabeled=x_relabeled)[0]
 
     def _project_parts(self, layer: int, group: str, x: torch.Tensor, defer: bool = False,
-                       x_relabeled: torch.Tensor | None = None):
+                       x_relabeled: torch.Tensor | None = None, given_xa: torch.Tensor | None = None):
         """``(outputs of the group's members, None)``; with ``defer``, where the LoRA kernels take the group,
         only their shrink runs and the second item is its ``kernels/lora.Shrunk``: the outputs then lack the
         adapters, and the caller's consumer kernel must add the expand (``glue.silu_mul(..., lora=)``).
-        ``x_relabeled``: x's relabeled copy, where ``takes_relabeled`` says the group's GEMM reads one."""
+        ``x_relabeled``: x's relabeled copy, where ``takes_relabeled`` says the group's GEMM reads one.
+        ``given_xa``: float32 ``x @ A_cat^T`` that the norm made (``norm_shrink_plan``); no shrink runs."""
         if self.merged is not None and self.merged.covers(layer, group):  # one GEMM over the merged copy
             return self.merged.project(layer, group, x), None
         fused, xa_cols = self._fused[layer][group], None  # xa_cols: xa made by the base GEMM's launch
@@ -350,7 +371,8 @@ class ForwardPass:
         # an NVFP4 GEMM on the mma.sync kernel may add the adapters itself, or make xa beside its tiles
         members = self._groups[layer][group]
         fp4 = plan is not None and self._fp4_weight(layer, group) is not None  # one fp4_linear call runs the group
-        epilogue = gemm_lora_epilogue(plan, x, self.lora_in_gemm, self.lora_shrink_in_gemm, fp4, members[0])
+        epilogue = gemm_lora_epilogue(plan, x, self.lora_in_gemm, self.lora_shrink_in_gemm, fp4, members[0],
+                                      given=None if defer else given_xa)
         # the expand kernel may sum a K-split GEMM's partials (module docstring): collect them instead of reducing
         splits = [] if fp4 and epilogue is None and not defer and self.lora_sums_splits and plan.covers_all() else None
         if fused is not None:
@@ -372,6 +394,8 @@ class ForwardPass:
             if epilogue.expand:  # the GEMM has added the adapters
                 return outs, None
             xa_cols = epilogue.xa(x.numel() // x.shape[-1], x.shape[-1])
+        elif given_xa is not None:
+            xa_cols = given_xa
         if plan is not None and full is not None:
             full2, x2 = full.reshape(-1, full.shape[-1]), x.reshape(-1, x.shape[-1])
             if full2.data_ptr() == full.data_ptr() and lora_kernels_mod.supported(full2, x2):
@@ -393,7 +417,8 @@ class ForwardPass:
         Written so that each residual add is fused with the norm that follows it (the next layer's
         input norm, or the final norm after the last layer). With the glue kernels, a kernel whose output
         feeds a GEMM that ``takes_relabeled`` also writes x's relabeled copy (``attend_relabels``: so can
-        ``attend(..., relabeled=True)``, returning ``(attention, copy)``)."""
+        ``attend(..., relabeled=True)``, returning ``(attention, copy)``), and a norm before a group that
+        ``norm_shrink_plan`` names also makes that group's LoRA ``xa``."""
         view, w = self.view, self.norm_weights
         bsz, seq, _ = x.shape
         rows = bsz * seq
@@ -402,21 +427,27 @@ class ForwardPass:
         def relabels(i: int, group: str) -> bool:
             return glue and self.takes_relabeled(i, group, rows)
 
-        def residual_norm(x, delta, weight, eps, copy: bool):  # (x + delta, its norm, the relabeled copy or None)
+        def norm_into(i: int, group: str | None, x, delta, weight, eps):
+            """(x + delta or x, its norm, the relabeled copy or None, the group's xa or None), for the group of
+            layer ``i`` that reads the norm (None: the final norm)."""
+            plan = self.norm_shrink_plan(i, group, rows) if glue and group is not None else None
+            if plan is not None:  # the norm makes the group's xa; its GEMM adds the expand
+                summed, h, xa = engine_glue.norm_shrink(x, delta, weight, eps, plan.a_cat)
+                return summed, h, None, xa
+            copy = group is not None and relabels(i, group)
+            if delta is None:
+                return (x, *ops.norm(x, weight, eps, relabeled=True), None) if copy else \
+                    (x, ops.norm(x, weight, eps), None, None)
             if copy:
-                return ops.residual_norm(x, delta, weight, eps, relabeled=True)
-            return (*ops.residual_norm(x, delta, weight, eps), None)
+                return (*ops.residual_norm(x, delta, weight, eps, relabeled=True), None)
+            return (*ops.residual_norm(x, delta, weight, eps), None, None)
 
-        hr = None
-        if relabels(0, "qkv"):
-            h, hr = ops.norm(x, w[0], view.eps[0][0], relabeled=True)
-        else:
-            h = ops.norm(x, w[0], view.eps[0][0])
+        _, h, hr, xa = norm_into(0, "qkv", x, None, w[0], view.eps[0][0])
         # lora_fold: the gate/up group's expand runs inside the SiLU x up kernel (glue.silu_mul's lora=)
         silu_glue = ops.gated is engine_glue.silu_mul
         fold = self.folds_gate_up(rows) and silu_glue
         for i in range(view.n_layers):
-            q, k, v = self._project(i, "qkv", h, hr)
+            (q, k, v), _ = self._project_parts(i, "qkv", h, x_relabeled=hr, given_xa=xa)
             q = q.view(bsz, seq, -1, view.head_dim).transpose(1, 2)
             k = k.view(bsz, seq, -1, view.head_dim).transpose(1, 2)
             v = v.view(bsz, seq, -1, view.head_dim).transpose(1, 2)
@@ -428,9 +459,9 @@ class ForwardPass:
                 attn = attend(i, q, k, v, ops)
             attn = attn.transpose(1, 2).reshape(bsz, seq, -1)
             (o,) = self._project(i, "o", attn, attn_r)
-            x, h, hr = residual_norm(x, o, w[2 * i + 1], view.eps[i][1], relabels(i, "gate_up"))
+            x, h, hr, xa = norm_into(i, "gate_up", x, o, w[2 * i + 1], view.eps[i][1])
             defer = fold and self._fused[i]["gate_up"] is not None
-            (gate, up), shrunk = self._project_parts(i, "gate_up", h, defer=defer, x_relabeled=hr)
+            (gate, up), shrunk = self._project_parts(i, "gate_up", h, defer=defer, x_relabeled=hr, given_xa=xa)
             act_r = None
             if (shrunk is not None or silu_glue) and relabels(i, "down"):
                 act_in, act_r = engine_glue.silu_mul(self._act, gate, up, lora=shrunk, relabeled=True)
@@ -441,7 +472,7 @@ class ForwardPass:
             (down,) = self._project(i, "down", act_in, act_r)
             last = i == view.n_layers - 1
             weight, eps = (w[-1], view.final_eps) if last else (w[2 * i + 2], view.eps[i + 1][0])
-            x, h, hr = residual_norm(x, down, weight, eps, not last and relabels(i + 1, "qkv"))
+            x, h, hr, xa = norm_into(i + 1, None if last else "qkv", x, down, weight, eps)
         return h
 
     def prefill(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None, cache,
