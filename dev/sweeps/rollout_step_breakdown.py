@@ -34,6 +34,7 @@ from qerl_lib.engine.rollout import RolloutEngine
 from qerl_lib.io import provenance
 
 CATEGORIES = (  # first match wins
+    ("norm + lora shrink", ("_norm_shrink_kernel",)),  # engine/glue.py's norm_shrink (QERL_LORA_SHRINK_IN_NORM=1)
     ("lora (shrink, expand)", ("_shrink_kernel", "_expand_kernel")),
     ("fp4 gemm (mma)", ("qerl_fp4",)),
     ("fp4 gemm (gluon)", ("_fp4_wgmma",)),  # fp4_wgmma's and the producer kernel's
