@@ -71,12 +71,16 @@ def _edit(path: Path, change) -> None:
      "no row with both outputs checked"),
     ("rollout_lora_merge_h200.json", lambda d: [r.update(lora_merged=False) for r in d["rows"]],
      "no row with lora_merged true"),
-    ("train_step_merge_h200.json", lambda d: d.update(rows=[r for r in d["rows"] if not r["rollout_lora_merge"]]),
-     "no measured row with model=qwen2.5-7b, mode=lora, rollout_lora_merge=True"),
+    ("train_step_merge_h200.json",
+     lambda d: d.update(rows=[r for r in d["rows"] if not (r["rollout_lora_merge"] and r["batch"] == 8)]),
+     "no measured row with model=qwen2.5-7b, mode=lora, rollout_lora_merge=True, batch=8"),
+    ("train_step_merge_h200.json", lambda d: d.update(rows=[r for r in d["rows"] if r["batch"] != 128 or r["mode"] != "qerl"]),
+     "no measured row with model=qwen2.5-7b, mode=qerl, batch=128"),
     ("rollout_h200.json", lambda d: d.update(rows=[r for r in d["rows"] if r["batch"] != 128 or r["lora_merged"]]),
      "no measured row with weights=nvfp4, lora_merged=False, model=qwen2.5-7b, batch=128"),
 ], ids=["field in rows", "top-level field", "nested field", "provenance", "no matching row", "no nf4 row",
-        "paper's nf4 number", "no checked marlin row", "no merged row", "no merged train row", "no preset rollout row"])
+        "paper's nf4 number", "no checked marlin row", "no merged row", "no merged train row", "no preset step row",
+        "no preset rollout row"])
 def test_a_missing_field_names_the_file_and_the_field(results_copy, file, change, expected):
     _edit(results_copy / file, change)
     with pytest.raises(ResultsError) as err:
@@ -182,7 +186,7 @@ def test_train_merge_row_is_qerls_step_against_both_lora_rows(results_copy):
     """Each model's speedups are lora's step over qerl's, merged and unmerged, from the rows of one file; the
     paper's number is the qerl row's."""
     doc = json.loads((results_copy / "train_step_merge_h200.json").read_text())
-    step = {(r["model"], r["mode"], r["rollout_lora_merge"]): r["step_s"] for r in doc["rows"]}
+    step = {(r["model"], r["mode"], r["rollout_lora_merge"]): r["step_s"] for r in doc["rows"] if r["batch"] == 8}
     _, value, device, file = headline_training._train_merge_row(results_copy)
     assert device == "H200" and file == "train_step_merge_h200.json"
     for model in ("qwen2.5-7b", "qwen2.5-14b"):
@@ -192,6 +196,16 @@ def test_train_merge_row_is_qerls_step_against_both_lora_rows(results_copy):
           lambda d: [r.update(step_s=r["step_s"] * 2) for r in d["rows"] if r["mode"] == "qerl"])
     q = step["qwen2.5-7b", "qerl", False] * 2
     assert f"{step['qwen2.5-7b', 'lora', True] / q:.2f}×" in headline_training._train_merge_row(results_copy)[1]
+
+
+def test_preset_step_row_is_qerl_against_the_merged_lora_step_at_128_rows(results_copy):
+    doc = json.loads((results_copy / "train_step_merge_h200.json").read_text())
+    rows = {r["mode"]: r for r in doc["rows"] if r["batch"] == 128}
+    quantity, value, device, _ = headline_training._preset_step_merged_row(results_copy)
+    q, m = rows["qerl"], rows["lora"]
+    assert m["rollout_lora_merge"] and "128 rows" in quantity and device == "H200"
+    assert value.startswith(f"{q['step_s']:.0f} / {m['step_s']:.0f} s") and f"qerl at {m['step_s'] / q['step_s']:.2f}×" in value
+    assert f"peak {q['peak_gib']:.1f} / {m['peak_gib']:.1f} GiB" in value
 
 
 def test_preset_rollout_row_compares_nvfp4_with_both_bf16_rows(results_copy):

@@ -39,9 +39,10 @@ parameters are never written. LoRA adapters passed as ``lora=`` get the same tre
 shrink and expand launches after the group's GEMM; above 8 rows the gate/up group's expand is
 instead added by the SiLU * up kernel that reads its output (``lora_fold``, ``engine/glue.py``). A bf16
 group's GEMM also makes ``xa``, without a shrink launch (``engine/adapters.py``; ``QERL_LORA_ROWS=0``: off).
-With ``QERL_LORA_SHRINK_IN_NORM=1`` (off by default; dev/LOG.md 65-67) an NVFP4 q/k/v or gate/up group at <= 8 rows
-launches nothing for its adapters: the residual add + RMSNorm before it also makes its ``xa`` (``glue.norm_shrink``)
-and its mma.sync GEMM adds ``xa @ B^T`` in the epilogue (``LoraEpilogue(given=)``); o and down keep two launches.
+With ``QERL_LORA_SHRINK_IN_NORM=1`` (off by default: slower on an H200, dev/LOG.md 67) an NVFP4 q/k/v or gate/up
+group at <= 8 rows launches nothing for its adapters: the residual add + RMSNorm before it also makes its ``xa``
+(``glue.norm_shrink``) and its mma.sync GEMM adds ``xa @ B^T`` in the epilogue (``LoraEpilogue(given=)``); o and
+down keep their two launches.
 With ``lora_merge`` a dense group runs one GEMM over an engine-owned merged copy instead (``engine/merged.py``).
 
 Fused projections

@@ -72,7 +72,7 @@ def _train_merge_row(results_dir) -> tuple:
     rows = checked_rows(doc, file, TRAIN_STEP_KEYS + ("rollout_lora_merge", "lora_rank"))
 
     def row(model, mode, merged=False):
-        return matching_row(rows, file, model=model, mode=mode, rollout_lora_merge=merged)
+        return matching_row(rows, file, model=model, mode=mode, rollout_lora_merge=merged, batch=8)
 
     def part(m):
         q, merged, plain = row(m, "qerl")["step_s"], row(m, "lora", True)["step_s"], row(m, "lora")["step_s"]
@@ -80,10 +80,26 @@ def _train_merge_row(results_dir) -> tuple:
         return (f"{m.split('-')[1].upper()} {q:.1f} / {merged:.1f} / {plain:.1f} s ({times(merged / q)} / {times(plain / q)}; "
                 f"paper, Tab. 3: {paper})")
 
-    r = next(r for r in rows if r["error"] is None)
+    r = row("qwen2.5-7b", "qerl")
+    models = sorted({r["model"] for r in rows if r["error"] is None and r["batch"] == 8}, key=model_size)
     return (f"the GRPO step in one run, batch {r['batch']}, 256 + {r['gen_len']} tokens, LoRA r{r['lora_rank']}: qerl / "
             f"lora with the rollout's adapters merged (`--rollout-lora-merge`) / lora unmerged (qerl's speedup over each)",
-            "; ".join(part(m) for m in sorted({r["model"] for r in rows if r["error"] is None}, key=model_size)), device_name(doc, file), file)
+            "; ".join(part(m) for m in models), device_name(doc, file), file)
+
+
+def _preset_step_merged_row(results_dir) -> tuple:
+    """The 7B GSM8K preset's whole step with the current kernels: qerl against lora with the rollout merged."""
+    file = "train_step_merge_h200.json"
+    doc = load_result(results_dir, file)
+    rows = checked_rows(doc, file, TRAIN_STEP_KEYS + PRESET_STEP_KEYS + ("rollout_lora_merge", "train_s",
+                                                                        "steps_measured"))
+    q = matching_row(rows, file, model="qwen2.5-7b", mode="qerl", batch=128)
+    m = matching_row(rows, file, model="qwen2.5-7b", mode="lora", batch=128, rollout_lora_merge=True)
+    return (f"the same preset's step, current kernels ({q['rollout_batch']} rows, μ = {q['num_iterations']}, "
+            f"{q['steps_measured']} measured step each): qerl / lora with the rollout's adapters merged",
+            f"{q['step_s']:.0f} / {m['step_s']:.0f} s (rollout {q['rollout_s']:.0f} / {m['rollout_s']:.0f} s, trainer "
+            f"{q['train_s']:.0f} / {m['train_s']:.0f} s): qerl at {times(m['step_s'] / q['step_s'])}; peak "
+            f"{q['peak_gib']:.1f} / {m['peak_gib']:.1f} GiB", device_name(doc, file), file)
 
 
 def _preset_rollout_row(results_dir) -> tuple:
@@ -104,5 +120,5 @@ def _preset_rollout_row(results_dir) -> tuple:
 
 def training_rows(results_dir) -> list[tuple]:
     """(quantity, value, device, file) of the README table's training topic, in its order."""
-    return [*_train_step_rows(results_dir), _preset_rollout_row(results_dir), _train_merge_row(results_dir),
-            _training_row(results_dir)]
+    return [*_train_step_rows(results_dir), _preset_rollout_row(results_dir), _preset_step_merged_row(results_dir),
+            _train_merge_row(results_dir), _training_row(results_dir)]

@@ -49,7 +49,10 @@ RESULT_FILES = {
     "train_step_merge_h200.json": "`qerl bench train` at 7B and 14B, batch 8, 256 + 2048 tokens, LoRA r32: modes qerl "
                                   "and lora, lora's rollout with the adapters merged (`--rollout-lora-merge`) and "
                                   "unmerged, one run, three measured steps per case (dev/LOG.md section 63, "
-                                  "`dev/runs/train_merge_h200_2026-11-28/`)",
+                                  "`dev/runs/train_merge_h200_2026-11-28/`); and the 7B GSM8K preset's own step, "
+                                  "qerl and lora merged, one measured step each (section 68, "
+                                  "`dev/runs/preset_step_h200_2026-11-28/`); two runs merged by "
+                                  "`dev/sweeps/merge_train_merge_h200.py`",
     "rollout_h200.json": "bf16 vs NVFP4 on Qwen2.5-7B/32B shapes, batch 8, 256 + 2048 tokens; engine vs "
                          "`transformers.generate`, SmolLM2 bf16, batch 64, 256 + 512 tokens; the 7B GSM8K preset's "
                          "rollout phase (128 rows, 256 + 4096, LoRA r32: NVFP4, bf16 merged and unmerged; dev/LOG.md "
