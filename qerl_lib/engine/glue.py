@@ -29,9 +29,10 @@ SiLU x up on an H100 (dev/LOG.md section 38).
 The norms can also make the next group's LoRA shrink (``norm_shrink``): ``xa = bf16(h @ A_cat^T)`` for the normed
 rows ``h``, as float32 values, which the group's mma.sync GEMM then adds in its own epilogue
 (``kernels/lora.GroupPlan.epilogue(given=)``), so that neither the shrink nor the expand is a launch of its own. Its
-programs are (row, block of ``SHRINK_RANKS`` ranks): each recomputes its row's norm (one more read of a row that is
-in L2) and dots its few rows of ``A_cat``, so no program reads more than ``SHRINK_RANKS x width`` of A; the programs
-of the first rank block store the norm's outputs.
+programs are (row, block of ranks): each loads its few rows of ``A_cat`` (``SHRINK_TILE`` elements) and the norm's
+weight before waiting for the previous kernel, then makes its row's norm in one pass, as the plain norm kernel does
+(one more read of a row that is in L2), and dots it with those rows; the first rank block's programs store the norm's
+outputs.
 
 Numerics follow ``engine/reference_ops.py``'s functions (transformers' order): ``x + delta`` rounded to the
 activation dtype; RMSNorm in float32 on that, rounded, *then* times the weight (one more rounding);
@@ -60,7 +61,7 @@ if triton is not None:
     from qerl_lib.kernels.fp4_decode import relabel_row, relabel_tile
 
 SILU_BLOCK = 2048
-SHRINK_RANKS, SHRINK_BLOCK_K = 4, 512  # norm_shrink: ranks per program, columns per step of its two passes
+SHRINK_TILE = 16384  # norm_shrink: elements of A per program (ranks per program = SHRINK_TILE / the row's block)
 LORA_BLOCK_N = 128  # columns of gate (and of up) per program of the SiLU x up kernel that adds the LoRA
 
 
@@ -94,13 +95,14 @@ def norm_shrink(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tenso
     summed = torch.empty_like(x) if delta is not None else x
     h = torch.empty_like(x)
     x2, d2, s2, h2 = _norm_rows(x, delta, weight, summed, h, "norm_shrink")
-    r = a_cat.shape[0]
+    r, block = a_cat.shape[0], triton.next_power_of_2(width)
+    ranks_per_program = max(1, min(16, SHRINK_TILE // block))
     xa = torch.empty(x2.shape[0], r, dtype=torch.float32, device=x.device)
     early = pdl.use_for(x.device)
-    _norm_shrink_kernel[(x2.shape[0], triton.cdiv(r, SHRINK_RANKS))](
+    _norm_shrink_kernel[(x2.shape[0], triton.cdiv(r, ranks_per_program))](
         x2, d2, weight, s2, h2, a_cat, xa, float(eps), width, r, x2.stride(0), d2.stride(0), s2.stride(0),
-        h2.stride(0), a_cat.stride(0), HAS_DELTA=delta is not None, BLOCK_K=SHRINK_BLOCK_K, RB=SHRINK_RANKS,
-        PDL=early, launch_pdl=early, num_warps=4)
+        h2.stride(0), a_cat.stride(0), HAS_DELTA=delta is not None, BLOCK=block, RB=ranks_per_program,
+        PDL=early, launch_pdl=early, num_warps=8 if block >= 4096 else 4)
     return summed, h, xa
 
 
@@ -182,47 +184,44 @@ def _launch_norm(x, delta, weight, eps, summed, h, hr=None) -> None:
 if triton is not None:
 
     @triton.jit
-    def _summed_chunk(x_ptr, d_ptr, x_offs, d_offs, ok, HAS_DELTA: tl.constexpr):
-        """A step of a row: x, or x + delta rounded to the activation dtype."""
-        x = tl.load(x_ptr + x_offs, mask=ok, other=0.0)
+    def _residual_row(x_ptr, d_ptr, s_ptr, row, cols, ok, store, sx, sd, ss, HAS_DELTA: tl.constexpr):
+        """A row of x, or of x + delta rounded to the activation dtype and stored where ``store`` says."""
+        x = tl.load(x_ptr + row * sx + cols, mask=ok, other=0.0)
         if HAS_DELTA:
-            d = tl.load(d_ptr + d_offs, mask=ok, other=0.0)
+            d = tl.load(d_ptr + row * sd + cols, mask=ok, other=0.0)
             x = (x.to(tl.float32) + d.to(tl.float32)).to(x_ptr.dtype.element_ty)
+            tl.store(s_ptr + row * ss + cols, x, mask=store)
         return x
 
     @triton.jit
+    def _rms_normed(x, w, eps, width, out_dtype: tl.constexpr):
+        """transformers' RMSNorm of a row: float32 statistics, rounded to x's dtype, then times the weight, rounded."""
+        hf = x.to(tl.float32)
+        variance = tl.sum(hf * hf, axis=0) / width
+        normed = (hf * (1.0 / tl.sqrt_rn(variance + eps))).to(x.dtype)
+        return (w.to(tl.float32) * normed.to(tl.float32)).to(out_dtype)
+
+    @triton.jit
     def _norm_shrink_kernel(x_ptr, d_ptr, w_ptr, s_ptr, h_ptr, a_ptr, xa_ptr, eps, width, R, sx, sd, ss, sh, sa,
-                            HAS_DELTA: tl.constexpr, BLOCK_K: tl.constexpr, RB: tl.constexpr, PDL: tl.constexpr):
-        """Program (row, rank block): pass 1 sums the squares of the row (x + delta, rounded), pass 2 makes its normed
-        values step by step, stores them (rank block 0 only) and accumulates ``RB`` ranks of ``h @ A^T``."""
+                            HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr, RB: tl.constexpr, PDL: tl.constexpr):
+        """Program (row, rank block), the whole row at once: its ``RB`` rows of ``A`` and the norm's weight are loaded
+        before the wait for the previous kernel (neither is written during a decode step), then the row as
+        ``_rms_norm_kernel`` makes it (the first rank block's programs store it) and ``RB`` ranks of ``h @ A^T``."""
+        row, rb = tl.program_id(0), tl.program_id(1)
+        cols = tl.arange(0, BLOCK)
+        ok = cols < width
+        ranks = rb * RB + tl.arange(0, RB)
+        ok_r = ranks < R
+        a = tl.load(a_ptr + ranks[:, None] * sa + cols[None, :], mask=ok_r[:, None] & ok[None, :], other=0.0)
+        w = tl.load(w_ptr + cols, mask=ok, other=0.0)
         if PDL:
             gdc_wait()
             gdc_launch_dependents()
-        row, rb = tl.program_id(0), tl.program_id(1)
-        ks = tl.arange(0, BLOCK_K)
-        first = (ks * 0 + rb) == 0  # the first rank block's programs store the norm's outputs
-        sq = tl.zeros((BLOCK_K,), dtype=tl.float32)
-        for k0 in range(0, width, BLOCK_K):
-            ok = (k0 + ks) < width
-            x = _summed_chunk(x_ptr, d_ptr, row * sx + k0 + ks, row * sd + k0 + ks, ok, HAS_DELTA)
-            if HAS_DELTA:
-                tl.store(s_ptr + row * ss + k0 + ks, x, mask=ok & first)
-            hf = x.to(tl.float32)
-            sq += hf * hf
-        rstd = 1.0 / tl.sqrt_rn(tl.sum(sq, axis=0) / width + eps)
-        ranks = rb * RB + tl.arange(0, RB)
-        ok_r = ranks < R
-        acc = tl.zeros((RB, BLOCK_K), dtype=tl.float32)
-        for k0 in range(0, width, BLOCK_K):
-            ok = (k0 + ks) < width
-            x = _summed_chunk(x_ptr, d_ptr, row * sx + k0 + ks, row * sd + k0 + ks, ok, HAS_DELTA)
-            normed = (x.to(tl.float32) * rstd).to(x_ptr.dtype.element_ty)
-            w = tl.load(w_ptr + k0 + ks, mask=ok, other=0.0)
-            h = (w.to(tl.float32) * normed.to(tl.float32)).to(h_ptr.dtype.element_ty)
-            tl.store(h_ptr + row * sh + k0 + ks, h, mask=ok & first)
-            a = tl.load(a_ptr + ranks[:, None] * sa + (k0 + ks)[None, :], mask=ok_r[:, None] & ok[None, :], other=0.0)
-            acc += a.to(tl.float32) * h.to(tl.float32)[None, :]
-        xa = tl.sum(acc, axis=1).to(x_ptr.dtype.element_ty).to(tl.float32)
+        first = ok & ((cols * 0 + rb) == 0)
+        x = _residual_row(x_ptr, d_ptr, s_ptr, row, cols, ok, first, sx, sd, ss, HAS_DELTA)
+        h = _rms_normed(x, w, eps, width, h_ptr.dtype.element_ty)
+        tl.store(h_ptr + row * sh + cols, h, mask=first)
+        xa = tl.sum(a.to(tl.float32) * h.to(tl.float32)[None, :], axis=1).to(x_ptr.dtype.element_ty).to(tl.float32)
         tl.store(xa_ptr + row * R + ranks, xa, mask=ok_r)
 
     @triton.jit
@@ -236,16 +235,8 @@ if triton is not None:
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         ok = cols < width
-        x = tl.load(x_ptr + row * sx + cols, mask=ok, other=0.0)
-        if HAS_DELTA:
-            d = tl.load(d_ptr + row * sd + cols, mask=ok, other=0.0)
-            x = (x.to(tl.float32) + d.to(tl.float32)).to(x_ptr.dtype.element_ty)
-            tl.store(s_ptr + row * ss + cols, x, mask=ok)
-        hf = x.to(tl.float32)
-        variance = tl.sum(hf * hf, axis=0) / width
-        normed = (hf * (1.0 / tl.sqrt_rn(variance + eps))).to(x_ptr.dtype.element_ty)
-        w = tl.load(w_ptr + cols, mask=ok, other=0.0)
-        h = (w.to(tl.float32) * normed.to(tl.float32)).to(h_ptr.dtype.element_ty)
+        x = _residual_row(x_ptr, d_ptr, s_ptr, row, cols, ok, ok, sx, sd, ss, HAS_DELTA)
+        h = _rms_normed(x, tl.load(w_ptr + cols, mask=ok, other=0.0), eps, width, h_ptr.dtype.element_ty)
         tl.store(h_ptr + row * sh + cols, h, mask=ok)
         if RELABELED:  # the row's blocks of 128 columns permuted in registers, stored contiguously
             tl.store(hr_ptr + row * width + cols, relabel_row(h, BLOCK), mask=ok)

@@ -46,6 +46,10 @@
 // launch's job (kernels/lora.py's, which waits for this whole grid, LoRA CTAs included).
 // With LORA_GIVEN 1 (and LORA_EXPAND 1) xa [M][R] (float32 holding bf16 values) was written by an earlier kernel
 // of the stream: no LoRA CTAs, no tickets, no wait; the epilogue reads xa after griddepcontrol.wait, as it reads x.
+// An epilogue that adds the adapters gives each thread whole rows of the CTA (lora_store_rows): the row's B is read
+// once for every token, a few 16-byte words in flight at a time, after the CTA asked L2 for its rows of B at the
+// start (a prefetch hint; B is read only after griddepcontrol.wait). Each token's dot is a chain of fmaf in rank
+// order, rounded once into the output, as addmm does.
 #ifndef LORA_R
 #define LORA_R 0
 #endif
@@ -288,28 +292,73 @@ __device__ void lora_copy_xa(const float* lxa, float* xa_sh, int m_rows) {
   __syncthreads();
 }
 
-// y + scale * xa[member's ranks] . B[row] in fp32, one rounding (addmm's); rows of no member unchanged.
-// lmem: per member (n0, n1, r0, rank); B rows are l_rp wide, zero-padded past the member's rank.
-__device__ __forceinline__ u16 lora_add(u16 y, const float* xa_tok, const u16* __restrict__ lb,
-                                        const int* __restrict__ lmem, const float* __restrict__ lscale,
-                                        int l_members, int l_rp, int row) {
+// The member whose output columns hold `row` (lmem: per member n0, n1, r0, rank): its first stacked rank, its rank
+// and its scale; false for a row of no member (left as the GEMM made it).
+__device__ __forceinline__ bool lora_member(int row, const int* __restrict__ lmem, const float* __restrict__ lscale,
+                                            int l_members, int& r0, int& rank, float& scale) {
   for (int j = 0; j < l_members; ++j) {
     if (row < __ldg(&lmem[4 * j]) || row >= __ldg(&lmem[4 * j + 1])) continue;
-    const int r0 = __ldg(&lmem[4 * j + 2]), rank = __ldg(&lmem[4 * j + 3]);
-    const U4* bp = reinterpret_cast<const U4*>(lb + (long)row * l_rp);
-    float d = 0.f;
-    for (int q = 0; q * 8 < rank; ++q) {
-      const U4 bv = load_shared_x(bp + q);
-      const u32 bw[4] = {bv.x, bv.y, bv.z, bv.w};
+    r0 = __ldg(&lmem[4 * j + 2]);
+    rank = __ldg(&lmem[4 * j + 3]);
+    scale = __ldg(&lscale[j]);
+    return true;
+  }
+  return false;
+}
+
+#define LORA_B_GROUP 4  // 16-byte words of a B row (8 ranks each) whose loads are in flight together
+
+// d[tok] = xa[tok][r0 : r0 + rank] . B[row][:rank] in fp32, each a chain of fmaf in rank order (addmm's terms, one
+// rounding later). The row's B is read once for all tokens, LORA_B_GROUP words at a time; B rows are l_rp wide,
+// zero-padded past the member's rank.
+__device__ __forceinline__ void lora_dots(float (&d)[MAXTOK], const float* xa_sh, const u16* __restrict__ lb,
+                                          int row, int r0, int rank, int l_rp, int m_rows) {
+#pragma unroll
+  for (int tok = 0; tok < MAXTOK; ++tok) d[tok] = 0.f;
+  const U4* bp = reinterpret_cast<const U4*>(lb + (long)row * l_rp);
+  for (int q0 = 0; q0 * 8 < rank; q0 += LORA_B_GROUP) {
+    U4 bv[LORA_B_GROUP];
+#pragma unroll
+    for (int u = 0; u < LORA_B_GROUP; ++u) bv[u] = (q0 + u) * 8 < rank ? load_shared_x(bp + q0 + u) : U4{0u, 0u, 0u, 0u};
+#pragma unroll
+    for (int u = 0; u < LORA_B_GROUP; ++u) {
+      const u32 bw[4] = {bv[u].x, bv[u].y, bv[u].z, bv[u].w};
 #pragma unroll
       for (int i = 0; i < 8; ++i) {
-        const int r = 8 * q + i;
-        if (r < rank) d = fmaf(xa_tok[r0 + r], __uint_as_float(i & 1 ? bw[i >> 1] & 0xFFFF0000u : bw[i >> 1] << 16), d);
+        const int r = 8 * (q0 + u) + i;
+        if (r >= rank) continue;
+        const float b = __uint_as_float(i & 1 ? bw[i >> 1] & 0xFFFF0000u : bw[i >> 1] << 16);
+#pragma unroll
+        for (int tok = 0; tok < MAXTOK; ++tok)
+          if (tok < m_rows) d[tok] = fmaf(xa_sh[tok * LORA_R + r0 + r], b, d[tok]);
       }
     }
-    return to_bf16(from_bf16(y) + __ldg(&lscale[j]) * d);
   }
-  return y;
+}
+
+// The epilogue of a launch that adds the adapters: one thread a row of the CTA, every token of it; sum(tok, rl)
+// is the GEMM's fp32 result (from the warps' partials, or from the K-slices'), then the base epilogue, then
+// + scale * d rounded once, as addmm does.
+template <typename Sum>
+__device__ __forceinline__ void lora_store_rows(Sum sum, const float* xa_sh, const u16* __restrict__ lb,
+                                                const int* __restrict__ lmem, const float* __restrict__ lscale,
+                                                int l_members, int l_rp, float factor, const u16* bias,
+                                                u16* __restrict__ out, int ldo, int row_cta, int N, int m_rows) {
+  for (int rl = threadIdx.x; rl < ROWS_PER_CTA; rl += NWARPS * 32) {
+    const int row = row_cta + rl;
+    if (row >= N) continue;
+    int r0 = 0, rank = 0;
+    float scale = 0.f, d[MAXTOK];
+    const bool adapted = lora_member(row, lmem, lscale, l_members, r0, rank, scale);
+    if (adapted) lora_dots(d, xa_sh, lb, row, r0, rank, l_rp, m_rows);
+#pragma unroll
+    for (int tok = 0; tok < MAXTOK; ++tok) {
+      if (tok >= m_rows) break;
+      u16 y = epilogue(sum(tok, rl), factor, bias, row);
+      if (adapted) y = to_bf16(from_bf16(y) + scale * d[tok]);
+      out[(long)tok * ldo + row] = y;
+    }
+  }
 }
 #endif
 
@@ -356,6 +405,13 @@ KERNEL_NAME(const u16* __restrict__ x, const u32* __restrict__ wq, const u8* __r
   const int g = lane >> 2, t = lane & 3;
   const int row_cta = bx * ROWS_PER_CTA;
   const int row_warp = row_cta + wr * ROWS_PER_WARP;
+#if LORA_ADDS
+  {  // this CTA's rows of B, one 128-byte line a thread, into L2 for the epilogue (a hint: read after the wait)
+    const char* b_rows = reinterpret_cast<const char*>(lb + (long)row_cta * l_rp);
+    const int b_bytes = (min(N, row_cta + ROWS_PER_CTA) - row_cta) * l_rp * 2;
+    for (int off = threadIdx.x * 128; off < b_bytes; off += NWARPS * 32 * 128) prefetch_l2(b_rows + off);
+  }
+#endif
   const long words_per_row = K >> 3, scales_per_row = K >> 4;
   const int n_chunks = K >> 7;
   const int c_begin = by * chunks_per_split;
@@ -514,6 +570,17 @@ KERNEL_NAME(const u16* __restrict__ x, const u32* __restrict__ wq, const u8* __r
   if (!split) lora_stage_xa(lsync, lxa, &xa_sh[0][0], m_rows, M, l_blocks, l_slices);
 #endif
 #endif
+#if LORA_ADDS
+  auto warp_sum = [&](int tok, int rl) {
+    float s = 0.f;
+#pragma unroll
+    for (int w = 0; w < WARPS_K; ++w) s += red[w][tok][rl];
+    return s;
+  };
+  if (!split) {
+    lora_store_rows(warp_sum, &xa_sh[0][0], lb, lmem, lscale, l_members, l_rp, factor, bias, out, ldo, row_cta, N, m_rows);
+  } else
+#endif
   for (int e = threadIdx.x; e < m_rows * ROWS_PER_CTA; e += NWARPS * 32) {
     const int tok = e / ROWS_PER_CTA, rl = e % ROWS_PER_CTA, row = row_cta + rl;
     if (row >= N) continue;
@@ -521,11 +588,7 @@ KERNEL_NAME(const u16* __restrict__ x, const u32* __restrict__ wq, const u8* __r
 #pragma unroll
     for (int w = 0; w < WARPS_K; ++w) s += red[w][tok][rl];
     if (split) { ws[((long)by * M + tok) * N + row] = s; continue; }
-    u16 y = epilogue(s, factor, bias, row);
-#if LORA_ADDS
-    y = lora_add(y, &xa_sh[tok][0], lb, lmem, lscale, l_members, l_rp, row);
-#endif
-    out[(long)tok * ldo + row] = y;
+    out[(long)tok * ldo + row] = epilogue(s, factor, bias, row);
   }
   if (!split) {
 #if LORA_TICKETS
@@ -551,17 +614,22 @@ KERNEL_NAME(const u16* __restrict__ x, const u32* __restrict__ wq, const u8* __r
 #elif LORA_ADDS
   lora_stage_xa(lsync, lxa, &xa_sh[0][0], m_rows, M, l_blocks, l_slices);
 #endif
+#if LORA_ADDS
+  auto slice_sum = [&](int tok, int rl) {
+    float s = 0.f;
+    for (int sl = 0; sl < n_split; ++sl) s += __ldcg(&ws[((long)sl * M + tok) * N + row_cta + rl]);
+    return s;
+  };
+  lora_store_rows(slice_sum, &xa_sh[0][0], lb, lmem, lscale, l_members, l_rp, factor, bias, out, ldo, row_cta, N, m_rows);
+#else
   for (int e = threadIdx.x; e < m_rows * ROWS_PER_CTA; e += NWARPS * 32) {
     const int tok = e / ROWS_PER_CTA, row = row_cta + e % ROWS_PER_CTA;
     if (row >= N) continue;
     float s = 0.f;
     for (int sl = 0; sl < n_split; ++sl) s += __ldcg(&ws[((long)sl * M + tok) * N + row]);
-    u16 y = epilogue(s, factor, bias, row);
-#if LORA_ADDS
-    y = lora_add(y, &xa_sh[tok][0], lb, lmem, lscale, l_members, l_rp, row);
-#endif
-    out[(long)tok * ldo + row] = y;
+    out[(long)tok * ldo + row] = epilogue(s, factor, bias, row);
   }
+#endif
   if (threadIdx.x == 0) counters[bx] = 0;  // ready for the next launch (and graph replay)
 #if LORA_TICKETS
   lora_finish(lsync, total_ctas);
