@@ -10,7 +10,9 @@ and the loss are left out: they are the same bf16 work in both modes); the optim
 reason. Timing alternates blocks of ``steps`` steps between the two models (both stay resident), so drift of the
 GPU's clocks falls on both; the ratio's 95% CI is a bootstrap over steps. One more step per model runs under
 torch.profiler and its kernel time is summed by category: the dequantization passes are the only work the NVFP4
-base adds at these sizes (every GEMM at M = rows x seq takes dequantize + cuBLAS).
+base adds at these sizes (every GEMM at M = rows x seq takes dequantize + cuBLAS). The profiled step also names
+where the time goes by operator: the ``--top`` aten ops by their own device time, with call counts (dev/LOG.md
+section 71: the elementwise half of the step, unattributed so far).
 """
 from __future__ import annotations
 
@@ -76,10 +78,11 @@ def timed(step, count: int) -> list[float]:
     return times
 
 
-def kernel_totals(step) -> dict[str, float]:
+def kernel_totals(step, top: int) -> tuple[dict[str, float], list[dict]]:
+    """Kernel seconds of one step by category, and the ``top`` operators by their own device seconds."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         step()
         torch.cuda.synchronize()
     path = tempfile.mktemp(suffix=".json")
@@ -90,7 +93,12 @@ def kernel_totals(step) -> dict[str, float]:
     for e in events:
         if e.get("cat") == "kernel":
             totals[category(e["name"])] += e["dur"] / 1e6
-    return dict(totals)
+
+    def own_device_us(a) -> float:  # the attribute's name moved between torch releases
+        return float(getattr(a, "self_device_time_total", None) or getattr(a, "self_cuda_time_total", 0.0))
+
+    ops = sorted(prof.key_averages(), key=own_device_us, reverse=True)[:top]
+    return dict(totals), [{"op": a.key, "calls": a.count, "device_s": own_device_us(a) / 1e6} for a in ops]
 
 
 def bootstrap_ratio(a: list[float], b: list[float], draws: int = 4000, seed: int = 0) -> tuple[float, float]:
@@ -109,6 +117,7 @@ def main() -> None:
     p.add_argument("--rank", type=int, default=32)
     p.add_argument("--blocks", type=int, default=3)
     p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--top", type=int, default=25, help="operators listed by their own device time")
     p.add_argument("--json", required=True)
     args = p.parse_args()
     device = torch.device("cuda")
@@ -123,14 +132,16 @@ def main() -> None:
     for block in range(args.blocks):
         for w in (("bf16", "nvfp4") if block % 2 == 0 else ("nvfp4", "bf16")):
             times[w] += timed(steps[w], args.steps)
-    kernels = {w: kernel_totals(steps[w]) for w in steps}
+    profiled = {w: kernel_totals(steps[w], args.top) for w in steps}
+    kernels = {w: k for w, (k, _) in profiled.items()}
     med = {w: statistics.median(t) for w, t in times.items()}
     low, high = bootstrap_ratio(times["bf16"], times["nvfp4"])
     record = {
         "provenance": provenance(), "device": torch.cuda.get_device_name(),
         "settings": vars(args), "step_s": times, "median_s": med,
         "nvfp4_over_bf16": med["nvfp4"] / med["bf16"], "ci95": [low, high],
-        "kernel_s": kernels, "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+        "kernel_s": kernels, "top_ops": {w: ops for w, (_, ops) in profiled.items()},
+        "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
     }
     write_json_atomic(args.json, record)
     print(f"{args.model}, {args.rows} x {args.seq} tokens, LoRA r{args.rank}, gradient checkpointing, fwd + bwd")
@@ -141,6 +152,10 @@ def main() -> None:
     for c in labels + ["total"]:
         vals = [sum(kernels[w].values()) if c == "total" else kernels[w].get(c, 0.0) for w in ("bf16", "nvfp4")]
         print(f"{c:<24}{vals[0]:>10.4f}{vals[1]:>10.4f}")
+    for w, (_, ops) in profiled.items():
+        print(f"top operators by own device time, {w}:")
+        for o in ops:
+            print(f"  {o['op'][:60]:<60}{o['calls']:>8}{o['device_s']:>10.4f} s")
 
 
 if __name__ == "__main__":
