@@ -125,6 +125,27 @@ def test_module_size_and_layering(path):
     assert not layering_violations(".".join(rel.parts), path.read_text()), layering_violations(".".join(rel.parts), path.read_text())
 
 
+CUDA_SOURCES = sorted(p for ext in ("*.cu", "*.cuh") for p in (ROOT / "qerl_lib").rglob(ext))
+
+
+@pytest.mark.parametrize("path", CUDA_SOURCES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_cuda_source_size(path):
+    lines = path.read_text().count("\n")
+    assert lines <= 600, f"{path.name} has {lines} lines: split it along a concept (house cap 600)"
+
+
+def test_rollout_benchmarks_hash_every_engine_and_kernel_source():
+    """`qerl bench rollout` pins the code that ran by hashing ``CODE_FILES``; a file missing from the list (or listed
+    under a name that no longer exists, which the hashing skips) would leave a benchmark's engine unrecorded."""
+    from qerl_lib.bench.rollout import CODE_FILES
+
+    lib = ROOT / "qerl_lib"
+    assert all((lib / name).is_file() for name in CODE_FILES), [n for n in CODE_FILES if not (lib / n).is_file()]
+    sources = {str(p.relative_to(lib)) for sub in ("engine", "kernels") for p in (lib / sub).iterdir()
+               if p.suffix in (".py", ".cu", ".cuh") and p.name != "__init__.py"}
+    assert sources <= set(CODE_FILES), sorted(sources - set(CODE_FILES))
+
+
 def test_layering_check_catches_a_planted_upward_import():
     planted = "from qerl_lib.engine.rollout import RolloutEngine\n"
     problems = layering_violations("qerl_lib.models.loader", planted)

@@ -65,6 +65,7 @@ import torch
 from qerl_lib.kernels import pdl as pdl_switch
 
 SOURCE_PATH = Path(__file__).with_name("mma.cu")
+HEADERS = ("mma_lora.cuh",)  # files mma.cu includes, handed to NVRTC by name (compile_cubin)
 MIN_CAPABILITY = (9, 0)
 CHUNK = 128  # codes per row per load step; K must be a multiple
 MAX_M = 16
@@ -341,10 +342,15 @@ class LoraEpilogue:
 
 
 def compile_cubin(source: str, name: str, arch: str, lib: ctypes.CDLL | None = None) -> bytes:
-    """NVRTC: CUDA source -> cubin for ``arch`` (e.g. ``"sm_90"``). Raises with the compiler log."""
+    """NVRTC: CUDA source -> cubin for ``arch`` (e.g. ``"sm_90"``), with ``HEADERS`` available to its ``#include``s.
+    Raises with the compiler log."""
     lib = lib or _nvrtc()
     prog = ctypes.c_void_p()
-    _nvrtc_check(lib, lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), f"{name}.cu".encode(), 0, None, None))
+    texts = [SOURCE_PATH.with_name(h).read_text().encode() for h in HEADERS]
+    headers = (ctypes.c_char_p * len(HEADERS))(*texts)
+    names = (ctypes.c_char_p * len(HEADERS))(*(h.encode() for h in HEADERS))
+    _nvrtc_check(lib, lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), f"{name}.cu".encode(),
+                                             len(HEADERS), headers, names))
     try:
         opts = [f"--gpu-architecture={arch}".encode(), b"--std=c++17", b"-lineinfo"]
         arr = (ctypes.c_char_p * len(opts))(*opts)
