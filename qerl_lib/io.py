@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as _dt
+import hashlib
 import importlib.metadata as _md
 import json
 import math
@@ -358,15 +359,31 @@ def device_info() -> dict:
 
 
 def provenance(command: str | None = None) -> dict:
-    """The block every results JSON carries: device, date (UTC), versions, command, and the ``QERL_*``
-    environment switches that were set (README "Environment switches"), since they change what ran."""
+    """The block every results JSON carries: device, date (UTC), versions, command, the ``QERL_*``
+    environment switches that were set (README "Environment switches"), since they change what ran, and the
+    library's source hash (``library_sha256``), which names the code that ran."""
     return {
         "device": device_info(),
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "versions": versions(),
         "command": command if command is not None else " ".join([sys.argv[0].split("/")[-1], *sys.argv[1:]]),
         "environment": {k: v for k, v in sorted(os.environ.items()) if k.startswith("QERL_")},
+        "library_sha256": library_sha256(),
     }
+
+
+LIBRARY_SOURCES = ("*.py", "*.cu", "*.cuh")  # what library_sha256 reads under qerl_lib/
+
+
+def library_sha256(root: str | os.PathLike | None = None) -> str:
+    """The first 12 hex digits of a sha256 over the library's source files (each one's path under ``root``, then
+    its bytes, in path order; ``root``: the installed ``qerl_lib``). It names the code that wrote a result also
+    where the tree is a copy without git history, as on the GPU machines; compiled caches are not read."""
+    base = Path(root) if root is not None else Path(__file__).resolve().parent
+    digest = hashlib.sha256()
+    for path in sorted({p for pattern in LIBRARY_SOURCES for p in base.rglob(pattern) if p.is_file()}):
+        digest.update(path.relative_to(base).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()[:12]
 
 
 def _cpu_count() -> int:

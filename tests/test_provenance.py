@@ -19,3 +19,23 @@ def test_provenance_records_the_qerl_switches_that_were_set_and_nothing_else(mon
     monkeypatch.delenv("QERL_LORA_ROWS")
     monkeypatch.delenv("QERL_PDL")
     assert provenance("x")["environment"] == {}
+
+
+def test_provenance_names_the_library_source_it_ran_and_the_hash_follows_every_source(tmp_path):
+    from qerl_lib.io import library_sha256
+
+    block = provenance("x")
+    assert block["library_sha256"] == library_sha256() and len(block["library_sha256"]) == 12
+    (tmp_path / "kernels").mkdir()
+    (tmp_path / "a.py").write_text("x = 1\n")
+    (tmp_path / "kernels" / "k.cu").write_text("// kernel\n")
+    first = library_sha256(tmp_path)
+    assert library_sha256(tmp_path) == first  # the same tree, the same hash
+    (tmp_path / "kernels" / "k.cu").write_text("// kernel, changed\n")
+    second = library_sha256(tmp_path)
+    assert second != first  # a CUDA source counts
+    (tmp_path / "notes.txt").write_text("not a source")
+    (tmp_path / "kernels" / "k.cpython-311.pyc").write_bytes(b"cache")
+    assert library_sha256(tmp_path) == second  # other files do not
+    (tmp_path / "a.py").rename(tmp_path / "b.py")
+    assert library_sha256(tmp_path) != second  # a renamed module counts
