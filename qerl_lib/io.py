@@ -375,15 +375,24 @@ def provenance(command: str | None = None) -> dict:
 LIBRARY_SOURCES = ("*.py", "*.cu", "*.cuh")  # what library_sha256 reads under qerl_lib/
 
 
-def library_sha256(root: str | os.PathLike | None = None) -> str:
-    """The first 12 hex digits of a sha256 over the library's source files (each one's path under ``root``, then
-    its bytes, in path order; ``root``: the installed ``qerl_lib``). It names the code that wrote a result also
-    where the tree is a copy without git history, as on the GPU machines; compiled caches are not read."""
-    base = Path(root) if root is not None else Path(__file__).resolve().parent
+def tree_sha256(path: str | os.PathLike, patterns: Iterable[str] = ("*",)) -> str:
+    """The first 12 hex digits of a sha256 over a file's bytes, or over a folder's files matching ``patterns`` (each
+    one's path under the folder, then its bytes, in path order)."""
+    base = Path(path)
     digest = hashlib.sha256()
-    for path in sorted({p for pattern in LIBRARY_SOURCES for p in base.rglob(pattern) if p.is_file()}):
-        digest.update(path.relative_to(base).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    if base.is_file():
+        digest.update(base.read_bytes())
+    else:
+        for file in sorted({p for pattern in patterns for p in base.rglob(pattern) if p.is_file()}):
+            digest.update(file.relative_to(base).as_posix().encode() + b"\0" + file.read_bytes() + b"\0")
     return digest.hexdigest()[:12]
+
+
+def library_sha256(root: str | os.PathLike | None = None) -> str:
+    """``tree_sha256`` of the library's source files (``root``: the installed ``qerl_lib``): it names the code that
+    wrote a result also where the tree is a copy without git history, as on the GPU machines; compiled caches are
+    not read."""
+    return tree_sha256(Path(root) if root is not None else Path(__file__).resolve().parent, LIBRARY_SOURCES)
 
 
 def _cpu_count() -> int:

@@ -146,6 +146,32 @@ def test_rollout_benchmarks_hash_every_engine_and_kernel_source():
     assert sources <= set(CODE_FILES), sorted(sources - set(CODE_FILES))
 
 
+FIGURES = sorted((ROOT / "figures").glob("*.png"))
+
+
+@pytest.mark.parametrize("path", FIGURES, ids=lambda p: p.name)
+def test_figure_names_its_data_and_matches_the_results_file_it_was_drawn_from(path):
+    """Every committed figure was written by ``plots/style.save_figure`` from a named source; one drawn from a file
+    under results/ carries that file's current hash, so a results file updated without redrawing its figures fails
+    here (the fix: ``make reproduce``, or the figure's own command in results/README.md)."""
+    from PIL import Image
+
+    from qerl_lib.io import tree_sha256
+
+    text = Image.open(path).text
+    assert "Source" in text and "Source-SHA256" in text, f"{path.name}: no Source metadata: redraw it with the kit"
+    source = Path(text["Source"])
+    source = source if source.is_absolute() else ROOT / source
+    try:
+        rel = source.resolve().relative_to(ROOT / "results")
+    except ValueError:
+        return  # drawn from a run of this machine (artifacts/): named, not checked
+    current = ROOT / "results" / rel
+    assert current.exists(), f"{path.name} was drawn from results/{rel}, which no longer exists"
+    assert tree_sha256(current) == text["Source-SHA256"], \
+        f"{path.name} is older than results/{rel}: run `make reproduce` (or the figure's command) and commit it"
+
+
 def test_layering_check_catches_a_planted_upward_import():
     planted = "from qerl_lib.engine.rollout import RolloutEngine\n"
     problems = layering_violations("qerl_lib.models.loader", planted)

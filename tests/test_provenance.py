@@ -39,3 +39,15 @@ def test_provenance_names_the_library_source_it_ran_and_the_hash_follows_every_s
     assert library_sha256(tmp_path) == second  # other files do not
     (tmp_path / "a.py").rename(tmp_path / "b.py")
     assert library_sha256(tmp_path) != second  # a renamed module counts
+
+
+def test_tree_sha256_of_a_file_is_its_bytes_hash(tmp_path):
+    import hashlib
+
+    from qerl_lib.io import tree_sha256
+
+    f = tmp_path / "r.json"
+    f.write_text('{"a": 1}')
+    assert tree_sha256(f) == hashlib.sha256(b'{"a": 1}').hexdigest()[:12]
+    f.write_text('{"a": 2}')
+    assert tree_sha256(f) == hashlib.sha256(b'{"a": 2}').hexdigest()[:12]

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import matplotlib
 
-from qerl_lib.io import file_mode
+from qerl_lib.io import file_mode, tree_sha256
 
 matplotlib.use("Agg")  # headless: notebooks under papermill, CI, GPU machines
 import matplotlib.pyplot as plt  # noqa: E402
@@ -30,20 +30,24 @@ def new_figure(ncols: int = 1, width: float = 5.0, height: float = 3.6):
 
 
 def save_figure(fig, path: str | os.PathLike, source: str | os.PathLike | None = None) -> Path:
-    """Save `fig` as PNG atomically; `source` (the JSON it was drawn from) is stamped in the corner.
+    """Save `fig` as PNG atomically; `source` (the JSON, or run folder, it was drawn from) is stamped in the corner
+    and recorded in the PNG's text chunks: ``Source`` (the path as given) and ``Source-SHA256`` (``io.tree_sha256``
+    of it), so that a figure can be checked against the data it claims (tests/test_hygiene.py does, for results/).
 
     The PNG gets mode 0o666 & ~umask, as a plain `open` would give it (not the temporary file's 0600).
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    metadata = {}
     if source is not None:
         fig.text(0.995, 0.005, f"data: {Path(source).name}", ha="right", va="bottom", fontsize=6, color="0.5")
+        metadata = {"Source": str(source), "Source-SHA256": tree_sha256(source) if Path(source).exists() else "missing"}
     fig.tight_layout()
     fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=".png", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
             os.fchmod(f.fileno(), file_mode())  # mkstemp's 0600 would make the figure private
-            fig.savefig(f, dpi=130, format="png")
+            fig.savefig(f, dpi=130, format="png", metadata=metadata)
         os.replace(tmp, path)
     finally:
         plt.close(fig)
