@@ -52,24 +52,24 @@ def make_case(group: str, m: int, rank: int, gen: torch.Generator):
     return out, x, plan
 
 
-def time_calls(fn) -> float:
-    """Microseconds per call: a graph of CALLS calls, median over REPLAYS replays."""
+def time_calls(fn, calls: int = CALLS, replays: int = REPLAYS) -> float:
+    """Microseconds per call: a graph of ``calls`` calls, median over ``replays`` replays."""
     fn()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for _ in range(CALLS):
+        for _ in range(calls):
             fn()
     graph.replay()
     torch.cuda.synchronize()
     times = []
-    for _ in range(REPLAYS):
+    for _ in range(replays):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         graph.replay()
         end.record()
         end.synchronize()
-        times.append(1e3 * start.elapsed_time(end) / CALLS)
+        times.append(1e3 * start.elapsed_time(end) / calls)
     return sorted(times)[len(times) // 2]
 
 

@@ -6,7 +6,8 @@ the delta as it reads the GEMM's output. Before any consumer kernel is changed, 
 long the critical path is with the adapters beside the GEMM instead of after it, on Qwen2.5-7B's four decode groups.
 
 Per group, rank and variant, a CUDA graph of LAYERS calls, each on its own random NVFP4 weight copy (so the weights
-stream from HBM as in a decode step), 8 rows of x, the mma.sync GEMM; median of REPLAYS replays, microseconds a call:
+stream from HBM as in a decode step), 8 rows of x, the mma.sync GEMM; median of REPLAYS replays, microseconds a call
+(the section-69 run warmed up on a side stream before capturing; this version warms up on the current stream):
 * ``base``: the GEMM alone;
 * ``serial``: the engine's order (GEMM, then kernels/lora.py's shrink, which reads x early under PDL, then the expand
   into the GEMM's output);
@@ -19,6 +20,7 @@ Run on a GPU from the repository root: python dev/sweeps/lora_side_stream_micro.
 Writes lora_side_stream_micro.json to $OUT.
 """
 
+import itertools
 import json
 import os
 import sys
@@ -27,7 +29,7 @@ import torch
 
 sys.path.insert(0, os.getcwd())
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from lora_kernel_micro import GROUPS, make_case  # noqa: E402
+from lora_kernel_micro import GROUPS, make_case, time_calls  # noqa: E402
 from qerl_lib.io import provenance  # noqa: E402
 from qerl_lib.kernels import lora as lk  # noqa: E402
 from qerl_lib.kernels import pdl  # noqa: E402
@@ -51,29 +53,10 @@ def random_weights(n: int, k: int, copies: int, gen: torch.Generator):
 
 
 def replay_us(body) -> float:
-    """Microseconds per call of ``body(i)`` for i in range(LAYERS), captured in one graph, median over REPLAYS."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up outside the capture
-        for i in range(LAYERS):
-            body(i)
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(LAYERS):
-            body(i)
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(REPLAYS):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(1e3 * start.elapsed_time(end) / LAYERS)
-    return sorted(times)[len(times) // 2]
+    """Microseconds per call of ``body(i)``, i cycling over the LAYERS weight copies, in a graph of LAYERS calls
+    (``lora_kernel_micro.time_calls``), median over REPLAYS replays."""
+    layer = itertools.cycle(range(LAYERS))
+    return time_calls(lambda: body(next(layer)), calls=LAYERS, replays=REPLAYS)
 
 
 def main():

@@ -444,11 +444,12 @@ def code_hashes() -> dict[str, str]:
     """sha256 (first 12 hex digits) of each of ``CODE_FILES``, keyed by its path under qerl_lib/: a
     benchmark may run on a tree that is not committed yet, so this pins which version of the kernels
     and the engine ran."""
-    import hashlib
     from pathlib import Path
 
+    from qerl_lib.io import tree_sha256
+
     root = Path(__file__).resolve().parents[1]
-    return {n: hashlib.sha256((root / n).read_bytes()).hexdigest()[:12] for n in CODE_FILES if (root / n).is_file()}
+    return {n: tree_sha256(root / n) for n in CODE_FILES if (root / n).is_file()}
 
 
 def _measure(fn, row: Row, log) -> Row:

@@ -19,11 +19,11 @@ Everything here is plain Python over ``data/configs`` and the results JSONs; not
 
 from __future__ import annotations
 
-import hashlib
 import math
 from collections.abc import Sequence
 from pathlib import Path
 
+from qerl_lib.io import tree_sha256
 from qerl_lib.models.fused import layer_projection_shapes
 from qerl_lib.quant.nvfp4 import GROUP_SIZE
 from qerl_lib.paths import CONFIGS_DIR, load_model_config  # noqa: F401 (re-exported)
@@ -45,7 +45,7 @@ KERNEL_HASH_KEYS = ("kernels/fp4_gemm.py", "fp4_gemm.py", "fp4_kernel.py")
 
 def current_kernel_hash() -> str:
     """sha256 (12 hex digits) of this tree's Triton FP4 kernel, as `qerl_lib.bench.rollout.code_hashes` records it."""
-    return hashlib.sha256(KERNEL_FILE.read_bytes()).hexdigest()[:12]
+    return tree_sha256(KERNEL_FILE)
 
 
 def decode_bytes_per_token(model: str) -> dict:
