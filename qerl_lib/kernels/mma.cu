@@ -67,10 +67,7 @@
 #ifndef L2_HINT
 #define L2_HINT 1  // weight loads: 0 plain, 1 L2::128B (MmaConfig's default), 2 L2::256B (L2 fetch size on a miss)
 #endif
-typedef unsigned int u32;
-typedef unsigned short u16;
-typedef unsigned char u8;
-struct __align__(16) U4 { u32 x, y, z, w; };
+#include "fp4_device.cuh"  // u32/u16/u8, U4, scale_bits, mul_bf16x2, prmt, bf16 casts, epilogue
 
 #define ROWS_PER_WARP (16 * T_TILES)
 #define ROWS_PER_CTA (ROWS_PER_WARP * WARPS_R)
@@ -117,46 +114,11 @@ __device__ __forceinline__ u16 load_scale_pair(const u16* p) {  // 8 B per row a
 __device__ __forceinline__ u32 code_pair_even(u32 v) { return ((v & 0x000F000Fu) * 0x1040u) & 0x81C081C0u; }
 __device__ __forceinline__ u32 code_pair_odd(u32 v) { return ((v & 0x00F000F0u) * 0x104u) & 0x81C081C0u; }
 
-// E4M3 byte -> bf16 bits of s * 2^118 (exact; E4M3 subnormals via an exact float product).
-__device__ __forceinline__ u32 scale_bits(u32 b) {
-  u32 mag = b & 0x7Fu;
-  u32 normal = (mag << 4) + 0x7700u;
-  u32 sub = __float_as_uint((float)mag * 6.49037107316853453566e32f) >> 16;  // 2^109
-  return (mag >= 8u ? normal : sub) | ((b & 0x80u) << 8);
-}
-
-__device__ __forceinline__ u32 mul_bf16x2(u32 a, u32 b) {
-  u32 d;
-  asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
-  return d;
-}
-
-__device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
-  u32 d;
-  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
-  return d;
-}
-
 __device__ __forceinline__ void mma16816(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
   asm volatile(
       "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
-__device__ __forceinline__ u16 to_bf16(float v) {
-  u16 r;
-  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(v));
-  return r;
-}
-
-__device__ __forceinline__ float from_bf16(u16 v) { return __uint_as_float(((u32)v) << 16); }
-
-// bf16(acc * 2^8/gs) (2^8 undoes the W' scaling), then + bias after the cast, as the oracle.
-__device__ __forceinline__ u16 epilogue(float acc, float factor, const u16* bias, int row) {
-  u16 y = to_bf16(acc * factor);
-  if (bias != 0) y = to_bf16(from_bf16(y) + from_bf16(bias[row]));
-  return y;
 }
 
 #include "mma_lora.cuh"  // LORA_R > 0: the LoRA CTAs and the epilogue that adds the adapters

@@ -1,0 +1,101 @@
+"""dev/LOG.md section 72: the register-A NVFP4 GEMM in CUDA (`kernels/fp4_ra.py`) against the oracle, then timed
+beside cuBLAS bf16 and the kit's current forward path (`fp4_linear`) at #18's training sizes, in one process.
+
+    PYTHONPATH=/tmp/site:. python3 dev/sweeps/fp4_ra_sweep.py --json OUT.json [--models qwen2.5-7b] [--ms 1024,4096]
+
+Correctness first (every launch shape on odd shapes: one K-step, step counts that are not a multiple of the
+three-way unroll, N and M off the tile, bias, an output inside a larger buffer whose other rows must stay
+untouched), then median device times in CUDA graphs with L2-rotated weight copies, as `qerl bench gemm` times.
+"""
+import argparse
+import sys
+
+import torch
+
+from qerl_lib.bench.gemm import (MAX_REL_ERR, l2_cache_bytes, mean_relative_error, projection_shapes,
+                                 rotation_copies, time_graph)
+from qerl_lib.io import provenance, write_json_atomic
+from qerl_lib.kernels import fp4_ra
+from qerl_lib.kernels.fp4_gemm import fp4_linear, prepare_fp4_weights
+from qerl_lib.quant.nvfp4 import quantize, reference_matmul
+
+CHECKS = [(128, 64, 100), (136, 192, 300), (264, 640, 257), (512, 3584, 1024), (3584, 3584, 1000), (4608, 3584, 33)]
+
+
+def check(cfg: fp4_ra.RaConfig, n: int, k: int, m: int, bias: bool, gen: torch.Generator) -> dict:
+    dense = (torch.randn(n, k, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)
+    q = quantize(dense)
+    w = prepare_fp4_weights(q.weight_packed, q.weight_scale, q.weight_global_scale)
+    x = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
+    b = (torch.randn(n, device="cuda", generator=gen) * 0.1).to(torch.bfloat16) if bias else None
+    ref = reference_matmul(x, q, b).float()
+    buf = torch.full((m + 2, n + 8), float("nan"), device="cuda", dtype=torch.bfloat16)
+    out = buf[1:m + 1, :n]
+    fp4_ra.linear(x, w.words, w.scales, w.global_scale, b, out, cfg)
+    torch.cuda.synchronize()
+    guard_ok = bool(buf[0].isnan().all() and buf[-1].isnan().all() and buf[1:m + 1, n:].isnan().all())
+    err = mean_relative_error(out.float(), ref)
+    again = torch.empty_like(out)
+    fp4_ra.linear(x, w.words, w.scales, w.global_scale, b, again, cfg)
+    return {"tok": cfg.tok, "stages": cfg.stages, "n": n, "k": k, "m": m, "bias": bias, "rel_err": err,
+            "finite": bool(out.isfinite().all()), "guard_ok": guard_ok, "deterministic": bool(torch.equal(out, again)),
+            "max_abs_diff": float((out.float() - ref).abs().max()),
+            "ok": err <= MAX_REL_ERR and bool(out.isfinite().all()) and guard_ok and bool(torch.equal(out, again))}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--models", default="qwen2.5-7b")
+    p.add_argument("--ms", default="1024,2048,4096")
+    p.add_argument("--configs", default="128:6,256:5,256:4,128:8")
+    p.add_argument("--json", required=True)
+    args = p.parse_args()
+    configs = [fp4_ra.RaConfig(*map(int, c.split(":"))) for c in args.configs.split(",")]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    checks = []
+    for cfg in configs:
+        for n, k, m in CHECKS:
+            for bias in (False, True):
+                row = check(cfg, n, k, m, bias, gen)
+                checks.append(row)
+                print(f"check tok={cfg.tok} stages={cfg.stages} N={n} K={k} M={m} bias={bias}: err {row['rel_err']:.2e} "
+                      f"guard {row['guard_ok']} det {row['deterministic']} {'ok' if row['ok'] else 'FAIL'}", flush=True)
+    rows, l2 = [], l2_cache_bytes()
+    for model in args.models.split(","):
+        for shape in projection_shapes(model):
+            n, k = shape.n, shape.k
+            dense = (torch.randn(n, k, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)
+            q = quantize(dense)
+            copies = rotation_copies(n * k * 0.5625, l2)
+            kit = [prepare_fp4_weights(q.weight_packed.clone(), q.weight_scale.clone(), q.weight_global_scale.clone())
+                   for _ in range(copies)]
+            bf16 = [dense.clone() for _ in range(rotation_copies(n * k * 2, l2))]
+            for m in map(int, args.ms.split(",")):
+                x = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
+                ref = reference_matmul(x, q).float()
+                out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+                row = {"model": model, "proj": shape.name, "layout": shape.layout, "n": n, "k": k, "m": m}
+                row["bf16_us"] = time_graph([lambda w=w: torch.nn.functional.linear(x, w) for w in bf16]).median_ms * 1e3
+                row["kit_us"] = time_graph([lambda w=w: fp4_linear(x, w, out=out) for w in kit]).median_ms * 1e3
+                line = (f"{model} {shape.name:<18} N={n:<6} K={k:<6} M={m:<5} bf16 {row['bf16_us']:8.1f}  "
+                        f"kit {row['kit_us']:8.1f} ({row['bf16_us'] / row['kit_us']:.2f}x)")
+                for cfg in configs:
+                    key = f"ra_t{cfg.tok}_s{cfg.stages}"
+                    fp4_ra.linear(x, kit[0].words, kit[0].scales, kit[0].global_scale, None, out, cfg)
+                    row[key + "_rel_err"] = mean_relative_error(out.float(), ref)
+                    row[key + "_us"] = time_graph([lambda w=w: fp4_ra.linear(x, w.words, w.scales, w.global_scale, None,
+                                                                             out, cfg) for w in kit]).median_ms * 1e3
+                    line += f"  {key} {row[key + '_us']:8.1f} ({row['bf16_us'] / row[key + '_us']:.2f}x)"
+                rows.append(row)
+                print(line, flush=True)
+                del x, ref, out
+            del kit, bf16, dense, q
+            torch.cuda.empty_cache()
+    doc = {"provenance": provenance(" ".join(["dev/sweeps/fp4_ra_sweep.py", *sys.argv[1:]])),
+           "checks": checks, "rows": rows}
+    write_json_atomic(args.json, doc)
+    return 0 if all(c["ok"] for c in checks) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

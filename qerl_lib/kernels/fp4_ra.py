@@ -1,0 +1,233 @@
+"""The NVFP4 GEMM at training sizes in CUDA: register-A ``wgmma`` with a producer warp, no barrier between consumers.
+
+Why another kernel
+------------------
+At training sizes (M = thousands of tokens) the frozen NVFP4 matmuls run as an exact dequantization pass into a bf16
+temporary and then cuBLAS (``fp4_gemm``), which costs a quarter more than a bf16 GEMM at M = 1024, or as the Gluon
+register-A kernel (``fp4_wgmma_producer``) on the wide gate/up shapes. That kernel's MMAs alone keep cuBLAS's pace,
+but Triton 3.6's Gluon couples its two consumer warpgroups once a K-step (a partition-wide barrier before every
+mbarrier wait and arrive; a wgmma in a worker partition is serialized), and it reads ``x`` in a K relabeling that
+costs a permuted copy of ``x`` per call (up to a quarter of the call on the long-K down projection). This kernel is
+the same design written in CUDA for NVRTC (``fp4_ra.cu``, read it beside this docstring), without either cost.
+
+How one CTA works
+-----------------
+Three warpgroups. One thread of the first (the *producer*) streams K-steps of 64 through a ring of ``stages``
+shared-memory stages by TMA: the ``x`` tile (``tok`` rows x 64, with the 128-byte swizzle that ``wgmma`` reads as
+its B operand) and the 128 weight rows' 32 bytes (the compressed-tensors bytes as they are on disk). The other two
+(the *consumers*, 64 weight rows each) hold the weights as ``wgmma``'s A operand in registers (swap-AB: the output
+is computed transposed, weight rows on the MMA's M side, rows of ``x`` on its N side). Per K-step a consumer:
+
+1. waits on the stage's ``full`` mbarrier (the TMA copies complete it);
+2. reads its rows' bytes from shared memory and decodes them into 4 k16 fragments in **natural K order**: the
+   fragment pair ``(2t, 2t + 1)`` of lane ``4g + t`` is byte ``t`` of a 4-byte word, so one lane-dependent
+   shift, a copy of the high nibble 12 bits up, and ``mma.cu``'s multiply by ``2^6 + 2^12`` give both codes as
+   bf16 bits of ``fp4 * 2^-126``; one packed ``mul.rn.bf16x2`` by the exact E4M3 scale (``s * 2^118``, from a
+   256-entry table) makes ``fp4 * s * 2^-8`` (exact: at most 6 significant bits);
+3. issues the step's 4 ``wgmma`` as one group and waits until only that group is in flight, so the next step's
+   decode runs under this step's MMAs; the A registers alternate between two sets by step parity;
+4. signals the step before ``empty`` with one ``mbarrier.arrive`` per warp (count 8): nothing makes the two
+   consumer warpgroups wait for each other, and the producer refills a stage once both have retired it.
+
+The epilogue is the oracle's single rounding, ``bf16(acc * 2^8 / gs)`` then ``+ bias`` after the cast
+(``nvfp4.reference_matmul``), staged through shared memory so that each output row is stored as 16-byte runs.
+The producer warpgroup gives registers to the consumers (``setmaxnreg``: 40 against 232), which need 128 for the
+accumulators of a 256-row tile of ``x``.
+
+Where we deviate from CUTLASS and Machete (vLLM's Hopper mixed-input GEMM for int4): no offline repack of the
+weights into the fragment order (they read one 16-byte load per fragment; here the compressed-tensors bytes are
+read in place and each lane picks its byte, which costs ~5 integer ops per fragment register against ~3), and no
+2-CTA cluster multicasting the ``x`` tile. E4M3-subnormal block scales are kept, as compressed-tensors does.
+
+Requirements: an sm_90 GPU (``wgmma`` and ``setmaxnreg`` need ``sm_90a``), K % 64 == 0, N % 8 == 0, 16-byte aligned
+rows of ``x``, ``out`` and the weight bytes, 4-byte aligned scale rows. ``available()`` says whether it can run;
+nothing in the library's default paths calls it yet (dev/LOG.md section 72 measures it).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import math
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from qerl_lib.kernels import mma
+
+SOURCE_PATH = Path(__file__).with_name("fp4_ra.cu")
+BLOCK_K = 64  # K per stage
+ROWS_PER_CTA = 128  # weight rows: two consumer warpgroups of 64
+THREADS = 384
+SHARED_MEMORY_LIMIT = 227 * 1024  # dynamic shared memory one CTA of an sm_90 SM may use
+
+
+@dataclass(frozen=True)
+class RaConfig:
+    """One launch shape: ``tok`` rows of ``x`` per CTA (the wgmma N: 64, 128 or 256) and ``stages`` in the ring."""
+
+    tok: int = 256
+    stages: int = 5
+
+    def __post_init__(self):
+        if self.tok not in (64, 128, 256):
+            raise ValueError(f"RaConfig.tok must be 64, 128 or 256, got {self.tok!r}")
+        if not isinstance(self.stages, int) or not 2 <= self.stages <= 12:
+            raise ValueError(f"RaConfig.stages must be an int in [2, 12], got {self.stages!r}")
+        if self.shared_bytes > SHARED_MEMORY_LIMIT:
+            raise ValueError(f"RaConfig: {self.shared_bytes} B of shared memory > {SHARED_MEMORY_LIMIT}; lower stages or tok")
+        if self.tok * (ROWS_PER_CTA + 8) * 2 > self.stages * self.stage_bytes:
+            raise ValueError("RaConfig: the staged output tile does not fit in the ring; raise stages")
+
+    @property
+    def stage_bytes(self) -> int:
+        return self.tok * BLOCK_K * 2 + ROWS_PER_CTA * BLOCK_K // 2
+
+    @property
+    def shared_bytes(self) -> int:
+        """Dynamic shared memory: 1024-byte alignment slack, the ring, its mbarriers, the E4M3 table."""
+        return 1023 + self.stages * self.stage_bytes + 16 * self.stages + 256 * 4
+
+    @property
+    def name(self) -> str:
+        return f"qerl_fp4_ra_t{self.tok}_s{self.stages}"
+
+
+def _wgmma_macro(tok: int) -> str:
+    """``WGMMA(acc, a, desc)``: one m64n{tok}k16 bf16 wgmma, A (4 registers) from registers, B by descriptor."""
+    n = tok // 2
+    regs = ", ".join(f"%{i}" for i in range(n))
+    asm = ("{\\n .reg .pred p;\\n setp.ne.b32 p, 1, 0;\\n"
+           f" wgmma.mma_async.sync.aligned.m64n{tok}k16.f32.bf16.bf16 {{{regs}}}, "
+           f"{{%{n}, %{n + 1}, %{n + 2}, %{n + 3}}}, %{n + 4}, p, 1, 1, 0;\\n}}\\n")
+    outs = ", ".join(f'"+f"(ACC[{i}])' for i in range(n))
+    return (f'#define WGMMA(ACC, A, DESC) asm volatile("{asm}" : {outs} : "r"(A[0]), "r"(A[1]), "r"(A[2]), '
+            f'"r"(A[3]), "l"(DESC))\n')
+
+
+def kernel_source(cfg: RaConfig) -> str:
+    return (f"#define TOK {cfg.tok}\n#define STAGES {cfg.stages}\n#define KERNEL_NAME {cfg.name}\n"
+            + _wgmma_macro(cfg.tok) + SOURCE_PATH.read_text())
+
+
+def compile_cubin(cfg: RaConfig) -> bytes:
+    """NVRTC: the kernel for ``cfg`` as an sm_90a cubin (raises with the compiler's log)."""
+    return mma.compile_cubin(kernel_source(cfg), cfg.name, "sm_90a")
+
+
+# ============================================================================ availability
+def supported_problem(n: int, k: int) -> bool:
+    """Shapes this kernel takes: K a multiple of 64, N a multiple of 8."""
+    return k > 0 and k % BLOCK_K == 0 and n > 0 and n % 8 == 0
+
+
+@functools.lru_cache(maxsize=None)
+def unavailable_reason(device_index: int = 0) -> str | None:
+    """Why the kernel cannot run here (one line), or None."""
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    cap = torch.cuda.get_device_capability(device_index)
+    if cap != (9, 0):
+        return f"compute capability {cap[0]}.{cap[1]}: wgmma with setmaxnreg is compiled for sm_90a (Hopper) only"
+    return mma.unavailable_reason(device_index)
+
+
+def available(device_index: int = 0) -> bool:
+    return unavailable_reason(device_index) is None
+
+
+# ============================================================================ TMA descriptors
+_BF16, _UINT8 = 9, 0  # CUtensorMapDataType
+_SWIZZLE = {32: 1, 64: 2, 128: 3}  # CUtensorMapSwizzle
+_L2_PROMOTION_128B = 2
+
+
+def encode_tensor_map(ptr: int, dtype_code: int, inner: int, outer: int, row_bytes: int, box_inner: int,
+                      box_outer: int, swizzle: int) -> ctypes.Array:
+    """A 2-D ``CUtensorMap`` (128 bytes, 64-byte aligned) for a row-major ``[outer, inner]`` tensor whose rows start
+    ``row_bytes`` apart, read in ``[box_outer, box_inner]`` boxes with a ``swizzle``-byte swizzle; rows and columns past
+    the tensor read as zeros. Returns the buffer (keep it alive until the launch)."""
+    holder = ctypes.create_string_buffer(128 + 64)
+    addr = (ctypes.addressof(holder) + 63) & ~63
+    u64x2, u32x2 = ctypes.c_uint64 * 2, ctypes.c_uint32 * 2
+    drv = mma._driver()
+    mma._cu_check(drv.cuTensorMapEncodeTiled(
+        ctypes.c_void_p(addr), ctypes.c_int(dtype_code), ctypes.c_uint(2), ctypes.c_void_p(ptr),
+        u64x2(inner, outer), (ctypes.c_uint64 * 1)(row_bytes), u32x2(box_inner, box_outer), u32x2(1, 1),
+        ctypes.c_int(0), ctypes.c_int(_SWIZZLE[swizzle]), ctypes.c_int(_L2_PROMOTION_128B), ctypes.c_int(0)),
+        "cuTensorMapEncodeTiled")
+    view = (ctypes.c_char * 128).from_address(addr)
+    view._holder = holder  # the aligned view keeps its buffer alive
+    return view
+
+
+# ============================================================================ launch
+class _Kernel:
+    """A loaded cubin function with its dynamic shared memory opted in."""
+
+    def __init__(self, cubin: bytes, cfg: RaConfig):
+        drv = mma._driver()
+        self._module = ctypes.c_void_p()
+        mma._cu_check(drv.cuModuleLoadData(ctypes.byref(self._module), cubin), "cuModuleLoadData")
+        self._func = ctypes.c_void_p()
+        mma._cu_check(drv.cuModuleGetFunction(ctypes.byref(self._func), self._module, cfg.name.encode()),
+                      "cuModuleGetFunction")
+        mma._cu_check(drv.cuFuncSetAttribute(self._func, 8, cfg.shared_bytes),  # MAX_DYNAMIC_SHARED_SIZE_BYTES
+                      "cuFuncSetAttribute")
+        self.shared_bytes = cfg.shared_bytes
+
+    def __call__(self, grid: tuple[int, int], args: list) -> None:
+        holders = [a if isinstance(a, ctypes.Array) else
+                   ctypes.c_void_p(a.data_ptr()) if isinstance(a, torch.Tensor) else
+                   ctypes.c_void_p(0) if a is None else ctypes.c_int(a) for a in args]
+        params = (ctypes.c_void_p * len(holders))(*[ctypes.cast(ctypes.byref(h), ctypes.c_void_p) for h in holders])
+        stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
+        mma._cu_check(mma._driver().cuLaunchKernel(self._func, grid[0], grid[1], 1, THREADS, 1, 1, self.shared_bytes,
+                                                   stream, params, None), "cuLaunchKernel")
+
+
+_KERNELS: dict[tuple, _Kernel] = {}
+_LOCK = threading.Lock()
+
+
+def _get_kernel(cfg: RaConfig, device: torch.device) -> _Kernel:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    kern = _KERNELS.get((index, cfg))
+    if kern is None:
+        with _LOCK, torch.cuda.device(index):
+            if torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("fp4_ra.linear: first use of a launch shape inside CUDA-graph capture; warm up first")
+            cubin = compile_cubin(cfg)
+            torch.cuda.synchronize(index)  # makes PyTorch's primary context current on this thread
+            kern = _KERNELS[(index, cfg)] = _Kernel(cubin, cfg)
+    return kern
+
+
+def linear(x2: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor,
+           bias: torch.Tensor | None, out: torch.Tensor, config: RaConfig | None = None) -> torch.Tensor:
+    """``out[m, n] = bf16(x2 @ W.T * 2^8/gs ...)`` (+ bias) for bf16 ``x2 [m, k]``: ``words`` int32 ``[N, K/8]`` and
+    ``scales`` uint8 ``[N, K/16]`` (the compressed-tensors bytes, read in place), ``global_scale`` float32 ``[1]`` on
+    the device, ``out`` bf16 ``[m, N]`` with unit column stride. One launch, no temporaries."""
+    m, k = x2.shape
+    n = words.shape[0]
+    cfg = config or RaConfig()
+    if not supported_problem(n, k):
+        raise ValueError(f"fp4_ra.linear takes K % {BLOCK_K} == 0 and N % 8 == 0, got N={n}, K={k}")
+    if x2.dtype != torch.bfloat16 or out.dtype != torch.bfloat16 or words.dtype != torch.int32 or scales.dtype != torch.uint8:
+        raise ValueError("fp4_ra.linear: x and out must be bf16, words int32 and scales uint8 (a PreparedFP4Weight's)")
+    if x2.stride(1) != 1 or out.stride(1) != 1 or words.stride(1) != 1 or scales.stride(1) != 1:
+        raise ValueError("fp4_ra.linear: x, out, words and scales need unit column stride")
+    aligned16 = [x2.data_ptr(), out.data_ptr(), words.data_ptr(), 2 * x2.stride(0) if m > 1 else 16,
+                 2 * out.stride(0) if m > 1 else 16, 4 * words.stride(0)]
+    if any(v % 16 for v in aligned16) or scales.data_ptr() % 4 or scales.stride(0) % 4:
+        raise ValueError("fp4_ra.linear needs 16-byte aligned rows of x, out and words, and 4-byte aligned scale rows")
+    if m == 0:
+        return out
+    x_map = encode_tensor_map(x2.data_ptr(), _BF16, k, m, 2 * x2.stride(0), BLOCK_K, cfg.tok, 128)
+    w_map = encode_tensor_map(words.data_ptr(), _UINT8, k // 2, n, 4 * words.stride(0), BLOCK_K // 2, ROWS_PER_CTA, 32)
+    kern = _get_kernel(cfg, x2.device)
+    grid = (math.ceil(n / ROWS_PER_CTA), math.ceil(m / cfg.tok))
+    kern(grid, [x_map, w_map, scales, global_scale, bias, out, m, n, k, out.stride(0), scales.stride(0)])
+    return out
