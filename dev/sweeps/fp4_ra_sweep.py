@@ -88,7 +88,7 @@ def main() -> int:
                     line += f"  {key} {row[key + '_us']:8.1f} ({row['bf16_us'] / row[key + '_us']:.2f}x)"
                 rows.append(row)
                 print(line, flush=True)
-                del x, ref, out
+                del ref
             del kit, bf16, dense, q
             torch.cuda.empty_cache()
     doc = {"provenance": provenance(" ".join(["dev/sweeps/fp4_ra_sweep.py", *sys.argv[1:]])),

@@ -18,9 +18,11 @@
 // unrolled by three), so no set an MMA in flight reads is rewritten.
 //
 // Natural K order: fragment register (row r, k pair 2t, 2t+1 of k16 step s) holds the two nibbles of byte 8s + t
-// of the row's 32 bytes, (row r, pair 2t+8, 2t+9) those of byte 8s + t + 4. One lane-dependent shift brings byte
-// t down, the high nibble is copied 12 bits up, and one multiply by 2^6 + 2^12 places both codes as bf16 bits of
-// fp4 * 2^-126 (mma.cu's pair trick); the exact E4M3 scale (s * 2^118 from a 256-entry table) multiplies both.
+// of the row's 32 bytes, (row r, pair 2t+8, 2t+9) those of byte 8s + t + 4. A 64 KB table in shared memory turns a
+// byte into its two codes as bf16 bits of fp4 * 2^-126 (natural_pair: mma.cu's pair trick) and an E4M3 byte into
+// its exact scale s * 2^118 (twice); it is replicated per lane, so every lane reads its own bank, and one prmt
+// makes the address (the byte, above the lane's offset). A fragment register is then prmt, ld.shared and one packed
+// mul.rn.bf16x2 by the scale: fp4 * s * 2^-8, exact.
 //
 // Epilogue: out = bf16(acc * 2^8/gs) (+ bias after the cast), staged through shared memory as [TOK][128 + 8] bf16
 // and stored as 16-byte rows; rows of x past M and weight rows past N are not stored (TMA read them as zeros).
@@ -34,6 +36,10 @@ struct __align__(64) TensorMap { u64 v[16]; };  // CUtensorMap, filled on the ho
 #define W_BYTES (ROWS * BK / 2)        // weight tile of a stage
 #define STAGE_BYTES (X_BYTES + W_BYTES)
 #define OUT_STRIDE (ROWS + 8)          // bf16 per staged output row (the padding spreads the banks)
+#define TABLE_BYTES (256 * 256)        // decode table: 256 entries x (32 lanes' code words, 32 lanes' scale words)
+#ifndef PROBE
+#define PROBE 0  // diagnostics only (dev/LOG.md section 72): 1 = no weight decode (A from the scale table), 2 = no MMA
+#endif
 
 __device__ __forceinline__ u32 smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
 
@@ -56,6 +62,11 @@ __device__ __forceinline__ void tma_load_2d(u32 dst, const TensorMap* map, int c
   asm volatile(
       "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];"
       :: "r"(dst), "l"((u64)map), "r"(c0), "r"(c1), "r"(bar) : "memory");
+}
+__device__ __forceinline__ u32 lds32(u32 addr) {
+  u32 r;
+  asm("ld.shared.u32 %0, [%1];" : "=r"(r) : "r"(addr));  // the table: constant once built
+  return r;
 }
 __device__ __forceinline__ U4 lds128(u32 addr) {
   U4 r;
@@ -90,16 +101,12 @@ KERNEL_NAME(const __grid_constant__ TensorMap x_map, const __grid_constant__ Ten
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   const u32 raw = smem_addr(smem_raw);
   const u32 base = (raw + 1023u) & ~1023u;  // 128-byte swizzled tiles want 1024-byte alignment
-  const u32 bars = base + STAGES * STAGE_BYTES;  // full[STAGES], empty[STAGES]
-  u32* lut = reinterpret_cast<u32*>(smem_raw + (bars - raw) + 16 * STAGES);
+  const u32 table = base + STAGES * STAGE_BYTES;  // TABLE_BYTES: the decode table (below)
+  const u32 bars = table + TABLE_BYTES;           // full[STAGES], empty[STAGES]
   const int n0 = blockIdx.x * ROWS, tok0 = blockIdx.y * TOK;
   const int n_steps = K / BK;
   const int wg = threadIdx.x >> 7;
 
-  for (int b = threadIdx.x; b < 256; b += 384) {
-    const u32 s = scale_bits(b);
-    lut[b] = s | (s << 16);
-  }
   if (threadIdx.x == 0) {
     for (int s = 0; s < STAGES; ++s) {
       mbar_init(bars + 8 * s, 1);
@@ -125,12 +132,25 @@ KERNEL_NAME(const __grid_constant__ TensorMap x_map, const __grid_constant__ Ten
   }
   asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
 
+  // The decode table, built while the producer's first copies fly: entry b (256 bytes) holds, for each lane l, the
+  // codes of byte b as bf16x2 (natural_pair) at 4l and the E4M3 byte b as a bf16x2 scale (s * 2^118, twice) at
+  // 128 + 4l. Each lane reads only its own bank, and one prmt gives a lane's address: byte b above lane * 4.
+  {
+    u32* tab = reinterpret_cast<u32*>(smem_raw + (table - raw));
+    for (int idx = threadIdx.x - 128; idx < TABLE_BYTES / 4; idx += 256) {
+      const u32 b = (u32)idx >> 6, scale = scale_bits(b);
+      tab[idx] = (idx & 32) ? scale | (scale << 16) : natural_pair(b, 0);
+    }
+    asm volatile("bar.sync 1, 256;" ::: "memory");
+  }
+
   // consumer warpgroup c (0, 1): weight rows 64c .. 64c + 63 of the CTA's tile
   const int c = wg - 1, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
   const int g = lane >> 2, t = lane & 3;
   const int rl0 = 64 * c + 16 * warp + g;  // rows rl0 and rl0 + 8 (same 32-byte swizzle phase)
   const u32 swz = (u32)((rl0 >> 2) & 1);
-  const u32 shift = 8u * t;
+  const u32 code_lane = 4u * lane, scale_lane = 128u + 4u * lane;  // the low byte of a table address
+  const u32 code_sel = 0x5504u | (t << 4);  // prmt: byte t of a word above code_lane / scale_lane
   const u8* sp0 = sc + (long)min(n0 + rl0, N - 1) * ldsc;
   const u8* sp1 = sc + (long)min(n0 + rl0 + 8, N - 1) * ldsc;
 
@@ -160,11 +180,12 @@ KERNEL_NAME(const __grid_constant__ TensorMap x_map, const __grid_constant__ Ten
     const u32 lo0[4] = {w00.x, w00.z, w01.x, w01.z}, hi0[4] = {w00.y, w00.w, w01.y, w01.w};             \
     const u32 lo1[4] = {w10.x, w10.z, w11.x, w11.z}, hi1[4] = {w10.y, w10.w, w11.y, w11.w};             \
     _Pragma("unroll") for (int s = 0; s < 4; ++s) {                                                     \
-      const u32 s0 = lut[(scl[Q][0] >> (8 * s)) & 0xFFu], s1 = lut[(scl[Q][1] >> (8 * s)) & 0xFFu];     \
-      a[Q][s][0] = mul_bf16x2(natural_pair(lo0[s], shift), s0);                                        \
-      a[Q][s][1] = mul_bf16x2(natural_pair(lo1[s], shift), s1);                                        \
-      a[Q][s][2] = mul_bf16x2(natural_pair(hi0[s], shift), s0);                                        \
-      a[Q][s][3] = mul_bf16x2(natural_pair(hi1[s], shift), s1);                                        \
+      const u32 s0 = lds32(table + prmt(scl[Q][0], scale_lane, 0x5504u | (s << 4)));                   \
+      const u32 s1 = lds32(table + prmt(scl[Q][1], scale_lane, 0x5504u | (s << 4)));                   \
+      a[Q][s][0] = PROBE == 1 ? s0 : mul_bf16x2(lds32(table + prmt(lo0[s], code_lane, code_sel)), s0); \
+      a[Q][s][1] = PROBE == 1 ? s1 : mul_bf16x2(lds32(table + prmt(lo1[s], code_lane, code_sel)), s1); \
+      a[Q][s][2] = PROBE == 1 ? s0 ^ lo0[0] : mul_bf16x2(lds32(table + prmt(hi0[s], code_lane, code_sel)), s0); \
+      a[Q][s][3] = PROBE == 1 ? s1 ^ lo1[0] : mul_bf16x2(lds32(table + prmt(hi1[s], code_lane, code_sel)), s1); \
     }                                                                                                   \
     if ((J) + 3 < n_steps) {                                                                            \
       scl[Q][0] = *reinterpret_cast<const u32*>(sp0 + 4 * ((J) + 3));                                   \
@@ -183,7 +204,11 @@ KERNEL_NAME(const __grid_constant__ TensorMap x_map, const __grid_constant__ Ten
       decoded(a[P][s], desc[s]);                                                                        \
     }                                                                                                   \
     asm volatile("wgmma.fence.sync.aligned;" ::: "memory");                                             \
-    _Pragma("unroll") for (int s = 0; s < 4; ++s) WGMMA(acc, a[P][s], desc[s]);                         \
+    if (PROBE != 2) {                                                                                   \
+      _Pragma("unroll") for (int s = 0; s < 4; ++s) WGMMA(acc, a[P][s], desc[s]);                       \
+    } else {                                                                                            \
+      _Pragma("unroll") for (int s = 0; s < 4; ++s) acc[s] += __uint_as_float(a[P][s][0] ^ a[P][s][3]); \
+    }                                                                                                   \
     asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");                                      \
     asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");                                      \
     if (i > 0 && lane == 0) mbar_arrive(bars + 8 * (STAGES + (i - 1) % STAGES));                       \

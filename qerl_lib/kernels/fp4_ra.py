@@ -20,12 +20,15 @@ is computed transposed, weight rows on the MMA's M side, rows of ``x`` on its N 
 
 1. waits on the stage's ``full`` mbarrier (the TMA copies complete it);
 2. reads its rows' bytes from shared memory and decodes them into 4 k16 fragments in **natural K order**: the
-   fragment pair ``(2t, 2t + 1)`` of lane ``4g + t`` is byte ``t`` of a 4-byte word, so one lane-dependent
-   shift, a copy of the high nibble 12 bits up, and ``mma.cu``'s multiply by ``2^6 + 2^12`` give both codes as
-   bf16 bits of ``fp4 * 2^-126``; one packed ``mul.rn.bf16x2`` by the exact E4M3 scale (``s * 2^118``, from a
-   256-entry table) makes ``fp4 * s * 2^-8`` (exact: at most 6 significant bits);
-3. issues the step's 4 ``wgmma`` as one group and waits until only that group is in flight, so the next step's
-   decode runs under this step's MMAs; the A registers alternate between two sets by step parity;
+   fragment pair ``(2t, 2t + 1)`` of lane ``4g + t`` is the two nibbles of byte ``t`` of a 4-byte word. A 64 KB
+   table in shared memory, replicated per lane so that each lane reads its own bank, holds for every byte value its
+   two codes as bf16 bits of ``fp4 * 2^-126`` (``mma.cu``'s pair trick, computed once per CTA) and its exact E4M3
+   scale ``s * 2^118``; one ``prmt`` turns (byte, lane) into the address, and one packed ``mul.rn.bf16x2`` by the
+   scale makes ``fp4 * s * 2^-8`` (exact: at most 6 significant bits): three instructions a fragment register;
+3. issues the 4 ``wgmma`` of the step it decoded the iteration before as one group, then waits until only that
+   group is in flight: the decode of step ``i + 1`` runs under step ``i - 1``'s MMAs, and three sets of A registers
+   rotate. (ptxas serializes every wgmma, warning C7513, when a register that a wgmma reads is written while an
+   earlier group whose wait comes after that wgmma is in flight; decoding step ``i + 1`` after issuing step ``i`` did.)
 4. signals the step before ``empty`` with one ``mbarrier.arrive`` per warp (count 8): nothing makes the two
    consumer warpgroups wait for each other, and the producer refills a stage once both have retired it.
 
@@ -36,7 +39,7 @@ accumulators of a 256-row tile of ``x``.
 
 Where we deviate from CUTLASS and Machete (vLLM's Hopper mixed-input GEMM for int4): no offline repack of the
 weights into the fragment order (they read one 16-byte load per fragment; here the compressed-tensors bytes are
-read in place and each lane picks its byte, which costs ~5 integer ops per fragment register against ~3), and no
+read in place and each lane looks its byte up in the table), and no
 2-CTA cluster multicasting the ``x`` tile. E4M3-subnormal block scales are kept, as compressed-tensors does.
 
 Requirements: an sm_90 GPU (``wgmma`` and ``setmaxnreg`` need ``sm_90a``), K % 64 == 0, N % 8 == 0, 16-byte aligned
@@ -61,6 +64,7 @@ SOURCE_PATH = Path(__file__).with_name("fp4_ra.cu")
 BLOCK_K = 64  # K per stage
 ROWS_PER_CTA = 128  # weight rows: two consumer warpgroups of 64
 THREADS = 384
+TABLE_BYTES = 256 * 256  # the decode table (fp4_ra.cu): 256 byte values x 32 lanes x (codes, scale) words
 SHARED_MEMORY_LIMIT = 227 * 1024  # dynamic shared memory one CTA of an sm_90 SM may use
 
 
@@ -69,7 +73,7 @@ class RaConfig:
     """One launch shape: ``tok`` rows of ``x`` per CTA (the wgmma N: 64, 128 or 256) and ``stages`` in the ring."""
 
     tok: int = 256
-    stages: int = 5
+    stages: int = 4
 
     def __post_init__(self):
         if self.tok not in (64, 128, 256):
@@ -78,8 +82,6 @@ class RaConfig:
             raise ValueError(f"RaConfig.stages must be an int in [2, 12], got {self.stages!r}")
         if self.shared_bytes > SHARED_MEMORY_LIMIT:
             raise ValueError(f"RaConfig: {self.shared_bytes} B of shared memory > {SHARED_MEMORY_LIMIT}; lower stages or tok")
-        if self.tok * (ROWS_PER_CTA + 8) * 2 > self.stages * self.stage_bytes:
-            raise ValueError("RaConfig: the staged output tile does not fit in the ring; raise stages")
 
     @property
     def stage_bytes(self) -> int:
@@ -87,8 +89,8 @@ class RaConfig:
 
     @property
     def shared_bytes(self) -> int:
-        """Dynamic shared memory: 1024-byte alignment slack, the ring, its mbarriers, the E4M3 table."""
-        return 1023 + self.stages * self.stage_bytes + 16 * self.stages + 256 * 4
+        """Dynamic shared memory: 1024-byte alignment slack, the ring, the decode table, the ring's mbarriers."""
+        return 1023 + self.stages * self.stage_bytes + TABLE_BYTES + 16 * self.stages
 
     @property
     def name(self) -> str:
@@ -112,9 +114,10 @@ def kernel_source(cfg: RaConfig) -> str:
             + _wgmma_macro(cfg.tok) + SOURCE_PATH.read_text())
 
 
-def compile_cubin(cfg: RaConfig) -> bytes:
-    """NVRTC: the kernel for ``cfg`` as an sm_90a cubin (raises with the compiler's log)."""
-    return mma.compile_cubin(kernel_source(cfg), cfg.name, "sm_90a")
+def compile_cubin(cfg: RaConfig, log: list[str] | None = None) -> bytes:
+    """NVRTC: the kernel for ``cfg`` as an sm_90a cubin (raises with the compiler's log); ``log`` receives ptxas's
+    report (registers, spills, and any C75xx warning that it serialized the wgmmas)."""
+    return mma.compile_cubin(kernel_source(cfg), cfg.name, "sm_90a", options=("--ptxas-options=-v",), log=log)
 
 
 # ============================================================================ availability

@@ -341,9 +341,11 @@ class LoraEpilogue:
                                             and self.given.shape[0] >= m and self.given.shape[1] == a.shape[0])))
 
 
-def compile_cubin(source: str, name: str, arch: str, lib: ctypes.CDLL | None = None) -> bytes:
+def compile_cubin(source: str, name: str, arch: str, lib: ctypes.CDLL | None = None, options: tuple[str, ...] = (),
+                  log: list[str] | None = None) -> bytes:
     """NVRTC: CUDA source -> cubin for ``arch`` (e.g. ``"sm_90"``), with ``HEADERS`` available to its ``#include``s.
-    Raises with the compiler log."""
+    ``options``: extra NVRTC options (e.g. ``"--ptxas-options=-v"``); ``log``: a list that receives the compiler's log
+    on success. Raises with the log on failure."""
     lib = lib or _nvrtc()
     prog = ctypes.c_void_p()
     texts = [SOURCE_PATH.with_name(h).read_text().encode() for h in HEADERS]
@@ -352,15 +354,17 @@ def compile_cubin(source: str, name: str, arch: str, lib: ctypes.CDLL | None = N
     _nvrtc_check(lib, lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), f"{name}.cu".encode(),
                                              len(HEADERS), headers, names))
     try:
-        opts = [f"--gpu-architecture={arch}".encode(), b"--std=c++17", b"-lineinfo"]
+        opts = [f"--gpu-architecture={arch}".encode(), b"--std=c++17", b"-lineinfo", *(o.encode() for o in options)]
         arr = (ctypes.c_char_p * len(opts))(*opts)
         res = lib.nvrtcCompileProgram(prog, len(opts), arr)
+        size = ctypes.c_size_t()
+        lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+        text = ctypes.create_string_buffer(size.value)
+        lib.nvrtcGetProgramLog(prog, text)
         if res != 0:
-            size = ctypes.c_size_t()
-            lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
-            log = ctypes.create_string_buffer(size.value)
-            lib.nvrtcGetProgramLog(prog, log)
-            raise RuntimeError(f"NVRTC could not compile {name} for {arch}:\n{log.value.decode(errors='replace')}")
+            raise RuntimeError(f"NVRTC could not compile {name} for {arch}:\n{text.value.decode(errors='replace')}")
+        if log is not None:
+            log.append(text.value.decode(errors="replace"))
         size = ctypes.c_size_t()
         _nvrtc_check(lib, lib.nvrtcGetCUBINSize(prog, ctypes.byref(size)))
         buf = ctypes.create_string_buffer(size.value)

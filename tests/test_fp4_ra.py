@@ -1,0 +1,119 @@
+"""The register-A NVFP4 GEMM in CUDA (``kernels/fp4_ra.py``): its configuration, its decode table's bit trick, what
+NVRTC/ptxas make of every shipped launch shape (CPU), and its outputs against ``nvfp4.reference_matmul`` (CUDA)."""
+import pytest
+import torch
+
+from qerl_lib.kernels import fp4_ra, mma
+from qerl_lib.quant.nvfp4 import GROUP_SIZE, decode_e2m1, quantize, reference_matmul
+
+SHAPES = [fp4_ra.RaConfig(256, 4), fp4_ra.RaConfig(128, 8), fp4_ra.RaConfig(128, 6), fp4_ra.RaConfig(64, 8)]
+
+
+def _nvrtc_or_none():
+    try:
+        return mma._nvrtc()
+    except OSError:
+        return None
+
+
+def test_config_validation_names_the_limit():
+    with pytest.raises(ValueError, match="tok must be 64, 128 or 256"):
+        fp4_ra.RaConfig(tok=192)
+    with pytest.raises(ValueError, match="stages"):
+        fp4_ra.RaConfig(stages=1)
+    with pytest.raises(ValueError, match="shared memory"):
+        fp4_ra.RaConfig(256, 5)  # 5 x 36 KB + the 64 KB table > 227 KB
+    for cfg in SHAPES + [fp4_ra.RaConfig(64, 2)]:  # the epilogue stages [tok, 136] bf16 in the ring (fp4_ra.cu)
+        assert cfg.tok * (fp4_ra.ROWS_PER_CTA + 8) * 2 <= cfg.stages * cfg.stage_bytes
+
+
+def _natural_pair(b: int) -> int:
+    """fp4_ra.cu's natural_pair(b, 0), transcribed: both nibbles of byte b as bf16 bits, low nibble in the low half."""
+    both = (b & 0xF) | ((b << 12) & 0xF0000)
+    return (both * 0x1040) & 0x81C081C0
+
+
+def _bf16_value(bits: int) -> float:
+    import struct
+
+    return struct.unpack("<f", struct.pack("<I", bits << 16))[0]
+
+
+def test_table_entries_are_the_two_codes_of_every_byte():
+    """Every byte value: the low half decodes to fp4(low nibble) * 2^-126, the high half to fp4(high nibble) * 2^-126
+    (code 1 = 0.5 as a bf16 subnormal), i.e. code k%2 == 0 is the low nibble, as compressed-tensors packs K."""
+    codes = torch.arange(16, dtype=torch.uint8)
+    values = decode_e2m1(codes).tolist()
+    for b in range(256):
+        bits = _natural_pair(b)
+        assert _bf16_value(bits & 0xFFFF) == values[b & 0xF] * 2.0 ** -126
+        assert _bf16_value(bits >> 16) == values[b >> 4] * 2.0 ** -126
+
+
+def test_table_addresses_put_a_lanes_byte_above_its_bank():
+    """prmt(word, lane offset, 0x5504 | t << 4) as PTX defines it: byte t of the word at bits 8-15, the offset's low byte
+    at 0-7, zeros above; so the address is 256 * byte + 4 * lane (+ 128 for the scale half)."""
+    def prmt(a: int, b: int, sel: int) -> int:
+        src = a.to_bytes(4, "little") + b.to_bytes(4, "little")
+        return int.from_bytes(bytes(src[(sel >> (4 * i)) & 7] for i in range(4)), "little")
+
+    word = 0x9C3A5E71
+    for t in range(4):
+        for lane in (0, 5, 31):
+            for offset in (4 * lane, 128 + 4 * lane):
+                assert prmt(word, offset, 0x5504 | (t << 4)) == 256 * ((word >> (8 * t)) & 0xFF) + offset
+
+
+@pytest.mark.skipif(_nvrtc_or_none() is None, reason="no libnvrtc here (CUDA builds of PyTorch ship it; or set QERL_NVRTC)")
+@pytest.mark.parametrize("cfg", SHAPES, ids=lambda c: c.name)
+def test_every_launch_shape_compiles_without_spills_or_serialized_wgmma(cfg):
+    """ptxas must neither spill nor serialize the wgmmas (C7512/C7513/C7515: each MMA would wait for the one before,
+    dev/LOG.md section 72); its report comes back through NVRTC's log."""
+    log: list[str] = []
+    cubin = fp4_ra.compile_cubin(cfg, log=log)
+    assert cubin[:4] == b"\x7fELF"
+    text = log[0]
+    assert "C751" not in text, text
+    assert "0 bytes spill stores, 0 bytes spill loads" in text, text
+
+
+def test_linear_rejects_shapes_and_dtypes_it_cannot_run():
+    w = torch.zeros(136, 64 // 8, dtype=torch.int32)
+    s = torch.zeros(136, 64 // GROUP_SIZE, dtype=torch.uint8)
+    gs = torch.ones(1)
+    with pytest.raises(ValueError, match="K % 64 == 0"):
+        fp4_ra.linear(torch.zeros(4, 48, dtype=torch.bfloat16), w[:, :6], s[:, :3], gs, None,
+                      torch.zeros(4, 136, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="N % 8 == 0"):
+        fp4_ra.linear(torch.zeros(4, 64, dtype=torch.bfloat16), w[:130], s[:130], gs, None,
+                      torch.zeros(4, 130, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="must be bf16"):
+        fp4_ra.linear(torch.zeros(4, 64, dtype=torch.float16), w, s, gs, None, torch.zeros(4, 136, dtype=torch.bfloat16))
+
+
+CHECKS = [(128, 64, 100, False), (136, 192, 300, True), (264, 640, 257, False), (512, 3584, 1024, True),
+          (4608, 3584, 33, False)]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not fp4_ra.available(), reason=f"fp4_ra cannot run here: {fp4_ra.unavailable_reason()}")
+@pytest.mark.parametrize("cfg", SHAPES, ids=lambda c: c.name)
+@pytest.mark.parametrize("n,k,m,bias", CHECKS)
+def test_matches_the_oracle_and_writes_only_its_output(cfg, n, k, m, bias):
+    """Fresh random weights and x: mean relative error <= 1e-3 against the oracle (the kernel sums exact products in
+    fp32 in another order), every output written, nothing around it touched, two launches bit-equal."""
+    gen = torch.Generator(device="cuda").manual_seed(n * 7 + k * 3 + m)
+    q = quantize((torch.randn(n, k, device="cuda", generator=gen) * 0.02).to(torch.bfloat16))
+    words, scales = q.weight_packed.view(torch.int32), q.weight_scale.view(torch.uint8)
+    x = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
+    b = (torch.randn(n, device="cuda", generator=gen) * 0.1).to(torch.bfloat16) if bias else None
+    ref = reference_matmul(x, q, b).double()
+    buf = torch.full((m + 2, n + 8), float("nan"), device="cuda", dtype=torch.bfloat16)
+    out = buf[1:m + 1, :n]
+    fp4_ra.linear(x, words, scales, q.weight_global_scale, b, out, cfg)
+    err = ((out.double() - ref).abs().mean() / ref.abs().mean()).item()
+    assert out.isfinite().all() and err <= 1e-3, err
+    assert buf[0].isnan().all() and buf[-1].isnan().all() and buf[1:m + 1, n:].isnan().all()
+    again = torch.empty_like(out)
+    fp4_ra.linear(x, words, scales, q.weight_global_scale, b, again, cfg)
+    assert torch.equal(out, again)
