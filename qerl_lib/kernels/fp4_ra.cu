@@ -1,11 +1,12 @@
 // NVFP4 x BF16 GEMM at training sizes, register-A wgmma (Hopper): out[M, N] = x[M, K] @ W[N, K]^T.
 // Compiled at run time by NVRTC for sm_90a (qerl_lib/kernels/fp4_ra.py, which explains the design); the launch
-// shape comes in as TOK (rows of x per CTA: wgmma's N), STAGES and KERNEL_NAME, and WGMMA_ASM (the wgmma
+// shape comes in as TOK (rows of x per CTA: wgmma's N), STAGES and KERNEL_NAME, and the macro WGMMA (the wgmma
 // instruction with its TOK / 2 accumulator operands, generated in Python).
 //
 // Layout read in place (compressed-tensors): W codes as bytes [N, K/2] (code k of a row is nibble k%2 of byte
 // k/2), E4M3 block scales as bytes [N, K/16], fp32 global scale gs[1] (w = fp4 * s / gs). x bf16 [M, ldx],
-// out bf16 [M, ldo], scale rows ldsc bytes apart. K % 64 == 0, N % 8 == 0. x and W arrive by TMA through the two tensor maps.
+// out bf16 [M, ldo], scale rows ldsc bytes apart. K % 64 == 0, N % 8 == 0. x and W arrive by TMA through the two
+// tensor maps.
 //
 // One CTA: 3 warpgroups. Warpgroup 0 is the producer: one thread waits for a stage's "empty" mbarrier and issues
 // the TMA copies of a K-step of 64 (the x tile [TOK, 64] with the 128-byte swizzle wgmma reads, and the W tile
@@ -13,8 +14,8 @@
 // consumers, 64 weight rows each (swap-AB: the weights are wgmma's A operand, in registers; x is B, in shared
 // memory). Per K-step a consumer waits for "full" of the next step, reads its rows' 32 bytes from shared memory
 // and decodes its 4 k16 fragments in natural K order, issues this step's 4 wgmma (decoded the step before) as one
-// group, waits until only that group is in flight, and then each of its warps arrives on the "empty" barrier of the step before (count 8: one arrive per
-// consumer warp, no barrier between the two warpgroups). A registers rotate through three sets (the loop is
+// group, waits until only that group is in flight, and then each of its warps arrives on the "empty" barrier of
+// the step before (count 8: one arrive per consumer warp, no barrier between the two warpgroups). A registers rotate through three sets (the loop is
 // unrolled by three), so no set an MMA in flight reads is rewritten.
 //
 // Natural K order: fragment register (row r, k pair 2t, 2t+1 of k16 step s) holds the two nibbles of byte 8s + t
