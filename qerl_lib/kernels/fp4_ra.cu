@@ -15,8 +15,8 @@
 // memory). Per K-step a consumer waits for "full" of the next step, reads its rows' 32 bytes from shared memory
 // and decodes its 4 k16 fragments in natural K order, issues this step's 4 wgmma (decoded the step before) as one
 // group, waits until only that group is in flight, and then each of its warps arrives on the "empty" barrier of
-// the step before (count 8: one arrive per consumer warp, no barrier between the two warpgroups). A registers rotate through three sets (the loop is
-// unrolled by three), so no set an MMA in flight reads is rewritten.
+// the step before (count 8: one arrive per consumer warp, no barrier between the two warpgroups). A registers
+// rotate through three sets (the loop is unrolled by three), so no set an MMA in flight reads is rewritten.
 //
 // Natural K order: fragment register (row r, k pair 2t, 2t+1 of k16 step s) holds the two nibbles of byte 8s + t
 // of the row's 32 bytes, (row r, pair 2t+8, 2t+9) those of byte 8s + t + 4. A 64 KB table in shared memory turns a

@@ -39,7 +39,8 @@ accumulators of a 256-row tile of ``x``.
 
 Where we deviate from CUTLASS and Machete (vLLM's Hopper mixed-input GEMM for int4): no offline repack of the
 weights into the fragment order (they read one 16-byte load per fragment; here the compressed-tensors bytes are
-read in place and each lane looks its byte up in the table), and no 2-CTA cluster multicasting the ``x`` tile. E4M3-subnormal block scales are kept, as compressed-tensors does.
+read in place and each lane looks its byte up in the table), and no 2-CTA cluster multicasting the ``x`` tile.
+E4M3-subnormal block scales are kept, as compressed-tensors does.
 
 Requirements: an sm_90 GPU (``wgmma`` and ``setmaxnreg`` need ``sm_90a``), K % 64 == 0, N % 8 == 0, 16-byte aligned
 rows of ``x``, ``out`` and the weight bytes, 4-byte aligned scale rows. ``available()`` says whether it can run;
