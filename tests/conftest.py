@@ -115,6 +115,17 @@ def _interpreter_incompatible() -> str | None:
     return None
 
 
+def nvrtc_or_none():
+    """libnvrtc as ``kernels/mma.py`` finds it, or None: the offline NVRTC compile tests of the CUDA kernels skip
+    without it."""
+    from qerl_lib.kernels import mma
+
+    try:
+        return mma._nvrtc()
+    except OSError:
+        return None
+
+
 def sm90_ptxas() -> str | None:
     """The ptxas Triton itself uses for sm_90 (its bundled binaries differ between versions), or None without
     Triton's NVIDIA backend: the offline-compile tests of the Gluon kernels run it on the PTX they get."""

@@ -18,6 +18,7 @@ import torch
 from qerl_lib.kernels import mma
 from qerl_lib.kernels.fp4_gemm import fp4_linear, prepare_fp4_weights, resolve_small_m_backend, uses_mma
 from qerl_lib.quant.nvfp4 import dequantize, quantize, reference_matmul
+from tests.conftest import nvrtc_or_none
 
 HAS_MMA = mma.available() if torch.cuda.is_available() else False
 
@@ -224,13 +225,6 @@ def test_configs_validate_and_the_rule_never_leaves_an_empty_slice():
     assert mma.supported_problem(16, 256) and not mma.supported_problem(17, 256) and not mma.supported_problem(8, 200)
 
 
-def _nvrtc_or_none():
-    try:
-        return mma._nvrtc()
-    except OSError:
-        return None
-
-
 def test_wave_fill_counts_the_part_empty_last_wave():
     assert mma.wave_fill(264, 264) == 1.0
     assert mma.wave_fill(592, 264) == pytest.approx(592 / 792)  # 7B gate/up, 64-row CTAs: 2.24 waves
@@ -278,7 +272,7 @@ def _cubin_registers(cubin: bytes) -> int:
     raise AssertionError("no register count in the cubin")
 
 
-@pytest.mark.skipif(_nvrtc_or_none() is None, reason="no libnvrtc here (CUDA builds of PyTorch ship it; or set QERL_NVRTC)")
+@pytest.mark.skipif(nvrtc_or_none() is None, reason="no libnvrtc here (CUDA builds of PyTorch ship it; or set QERL_NVRTC)")
 def test_wide_shapes_run_at_the_ctas_per_sm_the_rule_assumes():
     """The wave arithmetic of the rule rests on each shape's residency: check it from the registers
     NVRTC allocates for sm_90 (65,536 per SM in 256-register warp granules), threads (2,048 per SM)
@@ -320,7 +314,7 @@ def test_forcing_mma_without_a_gpu_names_the_fix(monkeypatch):
         uses_mma(8, 4096, torch.device("cuda"))
 
 
-@pytest.mark.skipif(_nvrtc_or_none() is None, reason="no libnvrtc here (CUDA builds of PyTorch ship it; or set QERL_NVRTC)")
+@pytest.mark.skipif(nvrtc_or_none() is None, reason="no libnvrtc here (CUDA builds of PyTorch ship it; or set QERL_NVRTC)")
 @pytest.mark.parametrize("nb", [1, 2])
 def test_source_compiles_for_hopper_in_every_shape_the_rule_picks(nb):
     shapes = [(4608, 3584), (37888, 3584), (3584, 18944), (55296, 5120), (5120, 27648), (22016, 2048)]  # 7B, 32B, 3B

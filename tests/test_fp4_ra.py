@@ -4,16 +4,10 @@ import pytest
 import torch
 
 from qerl_lib.kernels import fp4_ra, mma
-from qerl_lib.quant.nvfp4 import GROUP_SIZE, decode_e2m1, quantize, reference_matmul
+from qerl_lib.quant.nvfp4 import GROUP_SIZE, decode_e2m1, reference_matmul
+from tests.conftest import cuda_nvfp4_weights, nvrtc_or_none
 
 SHAPES = [fp4_ra.RaConfig(256, 4), fp4_ra.RaConfig(128, 8), fp4_ra.RaConfig(128, 6), fp4_ra.RaConfig(64, 8)]
-
-
-def _nvrtc_or_none():
-    try:
-        return mma._nvrtc()
-    except OSError:
-        return None
 
 
 def test_config_validation_names_the_limit():
@@ -64,7 +58,7 @@ def test_table_addresses_put_a_lanes_byte_above_its_bank():
                 assert prmt(word, offset, 0x5504 | (t << 4)) == 256 * ((word >> (8 * t)) & 0xFF) + offset
 
 
-@pytest.mark.skipif(_nvrtc_or_none() is None, reason="no libnvrtc here (CUDA builds of PyTorch ship it; or set QERL_NVRTC)")
+@pytest.mark.skipif(nvrtc_or_none() is None, reason="no libnvrtc here (CUDA builds of PyTorch ship it; or set QERL_NVRTC)")
 @pytest.mark.parametrize("cfg", SHAPES, ids=lambda c: c.name)
 def test_every_launch_shape_compiles_without_spills_or_serialized_wgmma(cfg):
     """ptxas must neither spill nor serialize the wgmmas (C7512/C7513/C7515: each MMA would wait for the one before,
@@ -102,9 +96,8 @@ CHECKS = [(128, 64, 100, False), (136, 192, 300, True), (264, 640, 257, False), 
 def test_matches_the_oracle_and_writes_only_its_output(cfg, n, k, m, bias):
     """Fresh random weights and x: mean relative error <= 1e-3 against the oracle (the kernel sums exact products in
     fp32 in another order), every output written, nothing around it touched, two launches bit-equal."""
-    gen = torch.Generator(device="cuda").manual_seed(n * 7 + k * 3 + m)
-    q = quantize((torch.randn(n, k, device="cuda", generator=gen) * 0.02).to(torch.bfloat16))
-    words, scales = q.weight_packed.view(torch.int32), q.weight_scale.view(torch.uint8)
+    q, w, gen = cuda_nvfp4_weights(n, k, seed=n * 7 + k * 3 + m)
+    words, scales = w.words, w.scales
     x = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
     b = (torch.randn(n, device="cuda", generator=gen) * 0.1).to(torch.bfloat16) if bias else None
     ref = reference_matmul(x, q, b).double()

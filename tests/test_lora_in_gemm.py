@@ -34,6 +34,7 @@ import torch
 
 from qerl_lib.kernels import lora as lk
 from qerl_lib.kernels import mma
+from tests.conftest import nvrtc_or_none
 from tests.test_lora_kernels import assert_rollouts_agree, cuda_adapters, make_group
 
 HAS_MMA = mma.available() if torch.cuda.is_available() else False
@@ -42,13 +43,6 @@ cuda_mma = pytest.mark.skipif(not HAS_MMA, reason="needs a CUDA GPU with compute
 # group -> (K, member widths), Qwen2.5-7B
 GROUPS_7B = {"qkv": (3584, [3584, 512, 512]), "o": (3584, [3584]), "gate_up": (3584, [18944, 18944]),
              "down": (18944, [3584])}
-
-
-def _nvrtc_or_none():
-    try:
-        return mma._nvrtc()
-    except OSError:
-        return None
 
 
 def _random_fp4(n, k, seed, device="cuda"):
@@ -190,7 +184,7 @@ def test_a_call_that_cannot_add_the_adapters_says_so():
     assert fp4_linear(x, w).shape == (4, 192)
 
 
-@pytest.mark.skipif(_nvrtc_or_none() is None, reason="no libnvrtc here (CUDA builds of PyTorch ship it; or set QERL_NVRTC)")
+@pytest.mark.skipif(nvrtc_or_none() is None, reason="no libnvrtc here (CUDA builds of PyTorch ship it; or set QERL_NVRTC)")
 def test_lora_source_compiles_and_keeps_the_wide_shapes_residency():
     from tests.test_fp4_kernel_mma import _cubin_registers
 

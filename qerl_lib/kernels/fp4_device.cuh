@@ -34,10 +34,13 @@ __device__ __forceinline__ u16 to_bf16(float v) {
 
 __device__ __forceinline__ float from_bf16(u16 v) { return __uint_as_float(((u32)v) << 16); }
 
+// The bias, added after the output's cast and rounded again, as the oracle (nvfp4.reference_matmul) adds it.
+__device__ __forceinline__ u16 add_bias(u16 y, u16 b) { return to_bf16(from_bf16(y) + from_bf16(b)); }
+
 // bf16(acc * 2^8/gs) (2^8 undoes the W' scaling), then + bias after the cast, as the oracle.
 __device__ __forceinline__ u16 epilogue(float acc, float factor, const u16* bias, int row) {
   u16 y = to_bf16(acc * factor);
-  if (bias != 0) y = to_bf16(from_bf16(y) + from_bf16(bias[row]));
+  if (bias != 0) y = add_bias(y, bias[row]);
   return y;
 }
 

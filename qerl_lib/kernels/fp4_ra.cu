@@ -240,8 +240,8 @@ KERNEL_NAME(const __grid_constant__ TensorMap x_map, const __grid_constant__ Ten
       const int tok = 8 * j + 2 * t + e;
       u16 y0 = to_bf16(acc[4 * j + e] * factor), y1 = to_bf16(acc[4 * j + 2 + e] * factor);
       if (bias != 0) {
-        y0 = to_bf16(from_bf16(y0) + from_bf16(b0));
-        y1 = to_bf16(from_bf16(y1) + from_bf16(b1));
+        y0 = add_bias(y0, b0);
+        y1 = add_bias(y1, b1);
       }
       staged[tok * OUT_STRIDE + rl0] = y0;
       staged[tok * OUT_STRIDE + rl0 + 8] = y1;

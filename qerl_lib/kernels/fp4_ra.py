@@ -52,7 +52,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -167,45 +166,10 @@ def encode_tensor_map(ptr: int, dtype_code: int, inner: int, outer: int, row_byt
 
 
 # ============================================================================ launch
-class _Kernel:
-    """A loaded cubin function with its dynamic shared memory opted in."""
-
-    def __init__(self, cubin: bytes, cfg: RaConfig):
-        drv = mma._driver()
-        self._module = ctypes.c_void_p()
-        mma._cu_check(drv.cuModuleLoadData(ctypes.byref(self._module), cubin), "cuModuleLoadData")
-        self._func = ctypes.c_void_p()
-        mma._cu_check(drv.cuModuleGetFunction(ctypes.byref(self._func), self._module, cfg.name.encode()),
-                      "cuModuleGetFunction")
-        mma._cu_check(drv.cuFuncSetAttribute(self._func, 8, cfg.shared_bytes),  # MAX_DYNAMIC_SHARED_SIZE_BYTES
-                      "cuFuncSetAttribute")
-        self.shared_bytes = cfg.shared_bytes
-
-    def __call__(self, grid: tuple[int, int], args: list) -> None:
-        holders = [a if isinstance(a, ctypes.Array) else
-                   ctypes.c_void_p(a.data_ptr()) if isinstance(a, torch.Tensor) else
-                   ctypes.c_void_p(0) if a is None else ctypes.c_int(a) for a in args]
-        params = (ctypes.c_void_p * len(holders))(*[ctypes.cast(ctypes.byref(h), ctypes.c_void_p) for h in holders])
-        stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
-        mma._cu_check(mma._driver().cuLaunchKernel(self._func, grid[0], grid[1], 1, THREADS, 1, 1, self.shared_bytes,
-                                                   stream, params, None), "cuLaunchKernel")
-
-
-_KERNELS: dict[tuple, _Kernel] = {}
-_LOCK = threading.Lock()
-
-
-def _get_kernel(cfg: RaConfig, device: torch.device) -> _Kernel:
+def _get_kernel(cfg: RaConfig, device: torch.device) -> mma._Kernel:
     index = device.index if device.index is not None else torch.cuda.current_device()
-    kern = _KERNELS.get((index, cfg))
-    if kern is None:
-        with _LOCK, torch.cuda.device(index):
-            if torch.cuda.is_current_stream_capturing():
-                raise RuntimeError("fp4_ra.linear: first use of a launch shape inside CUDA-graph capture; warm up first")
-            cubin = compile_cubin(cfg)
-            torch.cuda.synchronize(index)  # makes PyTorch's primary context current on this thread
-            kern = _KERNELS[(index, cfg)] = _Kernel(cubin, cfg)
-    return kern
+    return mma.load_kernel(("fp4_ra", index, cfg), index, lambda: compile_cubin(cfg), cfg.name, cfg.shared_bytes,
+                           caller="fp4_ra.linear")
 
 
 def linear(x2: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor,
@@ -232,5 +196,5 @@ def linear(x2: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, global_s
     w_map = encode_tensor_map(words.data_ptr(), _UINT8, k // 2, n, 4 * words.stride(0), BLOCK_K // 2, ROWS_PER_CTA, 32)
     kern = _get_kernel(cfg, x2.device)
     grid = (math.ceil(n / ROWS_PER_CTA), math.ceil(m / cfg.tok))
-    kern(grid, [x_map, w_map, scales, global_scale, bias, out, m, n, k, out.stride(0), scales.stride(0)])
+    kern(grid, THREADS, [x_map, w_map, scales, global_scale, bias, out, m, n, k, out.stride(0), scales.stride(0)])
     return out

@@ -57,6 +57,7 @@ import glob
 import math
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -401,15 +402,24 @@ class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
 _PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
 
 
-class _Kernel:
-    """A loaded cubin function and a lean launcher on PyTorch's current stream."""
+_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+_DEFAULT_SHARED_LIMIT = 48 * 1024  # dynamic shared memory a kernel gets without opting in
 
-    def __init__(self, cubin: bytes, name: str):
+
+class _Kernel:
+    """A loaded cubin function and a lean launcher on PyTorch's current stream; ``shared_bytes``: the dynamic
+    shared memory of every launch (opted in past 48 KB)."""
+
+    def __init__(self, cubin: bytes, name: str, shared_bytes: int = 0):
         drv = _driver()
         self._module = ctypes.c_void_p()
         _cu_check(drv.cuModuleLoadData(ctypes.byref(self._module), cubin), "cuModuleLoadData")
         self._func = ctypes.c_void_p()
         _cu_check(drv.cuModuleGetFunction(ctypes.byref(self._func), self._module, name.encode()), "cuModuleGetFunction")
+        if shared_bytes > _DEFAULT_SHARED_LIMIT:
+            _cu_check(drv.cuFuncSetAttribute(self._func, _MAX_DYNAMIC_SHARED_SIZE_BYTES, shared_bytes),
+                      "cuFuncSetAttribute")
+        self.shared_bytes = shared_bytes
         self._launch = drv.cuLaunchKernel
         self._launch_ex = drv.cuLaunchKernelEx
 
@@ -421,18 +431,19 @@ class _Kernel:
         return n.value
 
     def __call__(self, grid: tuple[int, int], threads: int, args: list, pdl: bool = False) -> None:
-        """Launch; ``pdl``: programmatic dependent launch (the CTAs may start while the previous
+        """Launch; ``args``: tensors (their pointers), None (a null pointer), ints, or ctypes arrays passed by
+        value (a ``CUtensorMap``); ``pdl``: programmatic dependent launch (the CTAs may start while the previous
         kernel in the stream runs, and wait for it in the kernel before touching its outputs)."""
         vals = [ctypes.c_void_p(a.data_ptr()) if isinstance(a, torch.Tensor) else
-                ctypes.c_void_p(0) if a is None else ctypes.c_int(a) for a in args]
+                ctypes.c_void_p(0) if a is None else a if isinstance(a, ctypes.Array) else ctypes.c_int(a) for a in args]
         params = (ctypes.c_void_p * len(vals))(*[ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in vals])
         stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
         if not pdl:
-            _cu_check(self._launch(self._func, grid[0], grid[1], 1, threads, 1, 1, 0, stream, params, None),
-                      "cuLaunchKernel")
+            _cu_check(self._launch(self._func, grid[0], grid[1], 1, threads, 1, 1, self.shared_bytes, stream, params,
+                                   None), "cuLaunchKernel")
             return
         attr = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
-        config = _LaunchConfig(grid[0], grid[1], 1, threads, 1, 1, 0, stream, ctypes.pointer(attr), 1)
+        config = _LaunchConfig(grid[0], grid[1], 1, threads, 1, 1, self.shared_bytes, stream, ctypes.pointer(attr), 1)
         _cu_check(self._launch_ex(ctypes.byref(config), self._func, params, None), "cuLaunchKernelEx")
 
 
@@ -448,15 +459,26 @@ def _get_kernel(cfg: MmaConfig, nb: int, device: torch.device, lora_r: int = 0, 
            lora_expand, lora_given)
     kern = _KERNELS.get(key)
     if kern is None:
+        name = kernel_name(cfg, nb, lora_r, lora_expand, lora_given)
+        arch = "sm_%d%d" % torch.cuda.get_device_capability(index)
+        kern = load_kernel(key, index, lambda: compile_cubin(kernel_source(cfg, nb, lora_r, lora_expand, lora_given),
+                                                             name, arch), name)
+    return kern
+
+
+def load_kernel(key: tuple, index: int, build: Callable[[], bytes], name: str, shared_bytes: int = 0,
+                caller: str = "mma_linear") -> _Kernel:
+    """The kernel cached under ``key``, else ``build()``'s cubin loaded on CUDA device ``index`` (compiled once per
+    process; the first use of a launch shape may not happen inside CUDA-graph capture)."""
+    kern = _KERNELS.get(key)
+    if kern is None:
         with _LOCK, torch.cuda.device(index):
             if torch.cuda.is_current_stream_capturing():
-                raise RuntimeError("mma_linear: first use of a launch shape inside CUDA-graph capture; "
+                raise RuntimeError(f"{caller}: first use of a launch shape inside CUDA-graph capture; "
                                    "run the call once before capturing (warm-up)")
-            major, minor = torch.cuda.get_device_capability(index)
-            name = kernel_name(cfg, nb, lora_r, lora_expand, lora_given)
-            cubin = compile_cubin(kernel_source(cfg, nb, lora_r, lora_expand, lora_given), name, f"sm_{major}{minor}")
+            cubin = build()
             torch.cuda.synchronize(index)  # makes PyTorch's primary context current on this thread
-            kern = _KERNELS[key] = _Kernel(cubin, name)
+            kern = _KERNELS[key] = _Kernel(cubin, name, shared_bytes)
     return kern
 
 
