@@ -3,11 +3,11 @@ NVRTC/ptxas make of every shipped launch shape (CPU), and its outputs against ``
 import pytest
 import torch
 
-from qerl_lib.kernels import fp4_ra, mma
+from qerl_lib.kernels import fp4_ra
 from qerl_lib.quant.nvfp4 import GROUP_SIZE, decode_e2m1, reference_matmul
 from tests.conftest import cuda_nvfp4_weights, nvrtc_or_none
 
-SHAPES = [fp4_ra.RaConfig(256, 4), fp4_ra.RaConfig(128, 8), fp4_ra.RaConfig(128, 6), fp4_ra.RaConfig(64, 8)]
+SHAPES = [fp4_ra.RaConfig(256, 4), fp4_ra.RaConfig(128, 7), fp4_ra.RaConfig(128, 6), fp4_ra.RaConfig(64, 8)]
 
 
 def test_config_validation_names_the_limit():
@@ -17,8 +17,58 @@ def test_config_validation_names_the_limit():
         fp4_ra.RaConfig(stages=1)
     with pytest.raises(ValueError, match="shared memory"):
         fp4_ra.RaConfig(256, 5)  # 5 x 36 KB + the 64 KB table > 227 KB
-    for cfg in SHAPES + [fp4_ra.RaConfig(64, 2)]:  # the epilogue stages [tok, 136] bf16 in the ring (fp4_ra.cu)
-        assert cfg.tok * (fp4_ra.ROWS_PER_CTA + 8) * 2 <= cfg.stages * cfg.stage_bytes
+    with pytest.raises(ValueError, match="schedule must be one of"):
+        fp4_ra.RaConfig(schedule="stream")
+    with pytest.raises(ValueError, match="min_split_steps"):
+        fp4_ra.RaConfig(min_split_steps=0)
+
+
+def _steps_of_every_cta(s: fp4_ra.RaSchedule) -> list[int]:
+    return [sum(ke - kb for _, kb, ke, _ in s.units(cta)) for cta in range(s.grid)]
+
+
+@pytest.mark.parametrize("schedule", fp4_ra.SCHEDULES)
+@pytest.mark.parametrize("m,n,k,tok,sms", [(1024, 18944, 3584, 256, 132), (1024, 3584, 18944, 256, 132),
+                                           (1024, 512, 3584, 256, 132), (4096, 4608, 3584, 128, 132),
+                                           (257, 264, 640, 256, 132), (100, 128, 64, 64, 132), (3000, 5120, 5120, 256, 114)])
+def test_schedule_covers_every_k_step_of_every_tile_once(schedule, m, n, k, tok, sms):
+    """The units of all CTAs cover each (tile, K-step) exactly once; a CTA has at most two split units, in slots 0
+    and 1; the CTAs that share a split tile are those the kernel's summing loop visits (first..last, each with the
+    slot it computes); and no CTA gets more than a tile's K-steps beyond the average."""
+    cfg = fp4_ra.RaConfig(tok, 4 if tok == 256 else 6, schedule, min_split_steps=8)
+    s = fp4_ra.plan_schedule(m, n, k, cfg, sms)
+    assert s.grid <= (s.tiles if schedule == "one_tile" else sms)
+    seen = {}
+    sharing: dict[int, list[tuple[int, int]]] = {}
+    for cta in range(s.grid):
+        split = [(t, kb, ke, slot) for t, kb, ke, slot in s.units(cta) if (kb, ke) != (0, s.n_steps)]
+        assert len(split) <= 2 and [slot for *_, slot in split] in ([], [0], [1], [0, 1])
+        for t, kb, ke, slot in s.units(cta):
+            assert 0 <= t < s.tiles and 0 <= kb < ke <= s.n_steps
+            for step in range(kb, ke):
+                assert (t, step) not in seen
+                seen[t, step] = cta
+            if (kb, ke) != (0, s.n_steps):
+                assert t >= s.dp_tiles
+                sharing.setdefault(t, []).append((cta, slot))
+    assert len(seen) == s.tiles * s.n_steps
+    for t, ctas in sharing.items():
+        local = t - s.dp_tiles
+        first, last = local * s.n_steps // s.sk_per, ((local + 1) * s.n_steps - 1) // s.sk_per
+        assert ctas == [(j, 0 if j * s.sk_per // s.n_steps == local else 1) for j in range(first, last + 1)]
+    steps = _steps_of_every_cta(s)
+    assert max(steps) - s.tiles * s.n_steps / s.grid <= s.n_steps
+
+
+def test_split_schedule_shortens_a_part_empty_last_wave():
+    """7B down at M = 1024 on 132 SMs: 112 tiles of 296 K-steps; whole tiles leave the busiest CTA 296 steps, the
+    split schedule ceil(112 * 296 / 132) = 252; a grid that fills whole waves is left whole."""
+    whole = fp4_ra.plan_schedule(1024, 3584, 18944, fp4_ra.RaConfig(schedule="persistent"), 132)
+    split = fp4_ra.plan_schedule(1024, 3584, 18944, fp4_ra.RaConfig(), 132)
+    assert max(_steps_of_every_cta(whole)) == 296 and max(_steps_of_every_cta(split)) == 252
+    assert split.split_tiles == 112 and split.grid == 132
+    full = fp4_ra.plan_schedule(1024, 128 * 132, 3584, fp4_ra.RaConfig(), 132)  # 528 tiles: 4 whole waves
+    assert full.sk_ctas == 0 and full.dp_tiles == 528
 
 
 def _natural_pair(b: int) -> int:
@@ -86,12 +136,19 @@ def test_linear_rejects_shapes_and_dtypes_it_cannot_run():
 
 
 CHECKS = [(128, 64, 100, False), (136, 192, 300, True), (264, 640, 257, False), (512, 3584, 1024, True),
-          (4608, 3584, 33, False)]
+          (4608, 3584, 33, False), (4608, 3584, 1024, True)]
+# every launch shape with the default schedule (split), and the 256-row shape with each schedule and many-way splits
+LAUNCHES = SHAPES + [fp4_ra.RaConfig(256, 4, "one_tile"), fp4_ra.RaConfig(256, 4, "persistent"),
+                     fp4_ra.RaConfig(256, 4, min_split_steps=1)]
+
+
+def _launch_id(cfg: fp4_ra.RaConfig) -> str:
+    return f"{cfg.name}_{cfg.schedule}{cfg.min_split_steps}"
 
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not fp4_ra.available(), reason=f"fp4_ra cannot run here: {fp4_ra.unavailable_reason()}")
-@pytest.mark.parametrize("cfg", SHAPES, ids=lambda c: c.name)
+@pytest.mark.parametrize("cfg", LAUNCHES, ids=_launch_id)
 @pytest.mark.parametrize("n,k,m,bias", CHECKS)
 def test_matches_the_oracle_and_writes_only_its_output(cfg, n, k, m, bias):
     """Fresh random weights and x: mean relative error <= 1e-3 against the oracle (the kernel sums exact products in

@@ -54,7 +54,7 @@ def main() -> int:
         for c in args.configs.split(","):
             tok, stages = map(int, c.split(":"))
             for probe in (0, 1, 2):
-                cfg = ProbeConfig(tok, stages, probe)
+                cfg = ProbeConfig(tok, stages, probe=probe)
                 key = f"t{tok}_s{stages}_p{probe}_us"
                 row[key] = time_graph([lambda w=w: fp4_ra.linear(x, w.words, w.scales, w.global_scale, None, out, cfg)
                                        for w in kit]).median_ms * 1e3

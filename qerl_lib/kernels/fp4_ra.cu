@@ -1,6 +1,6 @@
 // NVFP4 x BF16 GEMM at training sizes, register-A wgmma (Hopper): out[M, N] = x[M, K] @ W[N, K]^T.
 // Compiled at run time by NVRTC for sm_90a (qerl_lib/kernels/fp4_ra.py, which explains the design); the launch
-// shape comes in as TOK (rows of x per CTA: wgmma's N), STAGES and KERNEL_NAME, and the macro WGMMA (the wgmma
+// shape comes in as TOK (rows of x per tile: wgmma's N), STAGES and KERNEL_NAME, and the macro WGMMA (the wgmma
 // instruction with its TOK / 2 accumulator operands, generated in Python).
 //
 // Layout read in place (compressed-tensors): W codes as bytes [N, K/2] (code k of a row is nibble k%2 of byte
@@ -8,9 +8,13 @@
 // out bf16 [M, ldo], scale rows ldsc bytes apart. K % 64 == 0, N % 8 == 0. x and W arrive by TMA through the two
 // tensor maps.
 //
+// Persistent: a CTA walks a list of units (unit_of: whole tiles of 128 weight rows x TOK rows of x, then a share of
+// the K-steps of the tiles left over when they would fill only part of a last wave) and builds its decode table once.
+//
 // One CTA: 3 warpgroups. Warpgroup 0 is the producer: one thread waits for a stage's "empty" mbarrier and issues
 // the TMA copies of a K-step of 64 (the x tile [TOK, 64] with the 128-byte swizzle wgmma reads, and the W tile
-// [128 rows, 32 bytes] with the 32-byte swizzle) that complete its "full" mbarrier. Warpgroups 1 and 2 are the
+// [128 rows, 32 bytes] with the 32-byte swizzle) that complete its "full" mbarrier; its ring position runs on from
+// unit to unit, so the next unit's first stages load while the consumers finish a tile. Warpgroups 1 and 2 are the
 // consumers, 64 weight rows each (swap-AB: the weights are wgmma's A operand, in registers; x is B, in shared
 // memory). Per K-step a consumer waits for "full" of the next step, reads its rows' 32 bytes from shared memory
 // and decodes its 4 k16 fragments in natural K order, issues this step's 4 wgmma (decoded the step before) as one
@@ -25,8 +29,10 @@
 // makes the address (the byte, above the lane's offset). A fragment register is then prmt, ld.shared and one packed
 // mul.rn.bf16x2 by the scale: fp4 * s * 2^-8, exact.
 //
-// Epilogue: out = bf16(acc * 2^8/gs) (+ bias after the cast), staged through shared memory as [TOK][128 + 8] bf16
-// and stored as 16-byte rows; rows of x past M and weight rows past N are not stored (TMA read them as zeros).
+// Epilogue: out = bf16(acc * 2^8/gs) (+ bias after the cast), each consumer warpgroup staging its 64 columns through
+// its own shared-memory buffer, EPI_TOK rows of x at a time, and storing 16-byte rows; rows of x past M and weight
+// rows past N are not stored (TMA read them as zeros). A split tile's partial sums go through global memory
+// (`partial`, fp32) and a per-tile arrival counter (`arrived`, zero before the launch and left zero after it).
 #include "fp4_device.cuh"
 typedef unsigned long long u64;
 struct __align__(64) TensorMap { u64 v[16]; };  // CUtensorMap, filled on the host (cuTensorMapEncodeTiled)
@@ -36,7 +42,9 @@ struct __align__(64) TensorMap { u64 v[16]; };  // CUtensorMap, filled on the ho
 #define X_BYTES (TOK * BK * 2)         // x tile of a stage
 #define W_BYTES (ROWS * BK / 2)        // weight tile of a stage
 #define STAGE_BYTES (X_BYTES + W_BYTES)
-#define OUT_STRIDE (ROWS + 8)          // bf16 per staged output row (the padding spreads the banks)
+#define EPI_TOK 32                     // rows of x per epilogue chunk
+#define STAGED_STRIDE (64 + 8)         // bf16 per staged output row of a warpgroup (the padding spreads the banks)
+#define STAGING_BYTES (EPI_TOK * STAGED_STRIDE * 2)
 #define TABLE_BYTES (256 * 256)        // decode table: 256 entries x (32 lanes' code words, 32 lanes' scale words)
 #ifndef PROBE
 #define PROBE 0  // diagnostics only (dev/LOG.md section 72): 1 = no weight decode (A from the scale table), 2 = no MMA
@@ -69,6 +77,9 @@ __device__ __forceinline__ u32 lds32(u32 addr) {
   asm("ld.shared.u32 %0, [%1];" : "=r"(r) : "r"(addr));  // the table: constant once built
   return r;
 }
+__device__ __forceinline__ void sts16(u32 addr, u16 v) {
+  asm volatile("st.shared.u16 [%0], %1;" :: "r"(addr), "h"(v) : "memory");
+}
 __device__ __forceinline__ U4 lds128(u32 addr) {
   U4 r;
   asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "r"(addr));
@@ -95,17 +106,46 @@ __device__ __forceinline__ void decoded(const u32* a, u64 desc) {
   asm volatile("" :: "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc) : "memory");
 }
 
+// One unit of a CTA's work: K-steps [kb, ke) of tile `tile` (tiles are numbered with the rows of x fastest: tile t
+// covers weight rows 128 * (t / m_tiles) and rows of x TOK * (t % m_tiles)). A CTA first takes whole tiles
+// blockIdx.x, blockIdx.x + gridDim.x, ... below dp_tiles; then, if blockIdx.x < sk_ctas, the K-steps
+// [sk_per * blockIdx.x, sk_per * (blockIdx.x + 1)) of the tiles from dp_tiles on, flattened tile by tile (the split
+// tail: a tile whose K-steps several CTAs share is summed by the last of them to finish). `slot` says which of the
+// CTA's two partial-sum buffers a split unit uses (0: the first unit of its range, 1: the last).
+struct Unit { int tile, kb, ke, slot; };
+
+__device__ __forceinline__ bool unit_of(int u, int n_steps, int tiles, int dp_tiles, int sk_per, int sk_ctas,
+                                        Unit& un) {
+  const int cta = blockIdx.x, grid = gridDim.x;
+  const int n_dp = cta < dp_tiles ? (dp_tiles - cta + grid - 1) / grid : 0;
+  if (u < n_dp) {
+    un.tile = cta + u * grid, un.kb = 0, un.ke = n_steps, un.slot = 0;
+    return true;
+  }
+  const int v = u - n_dp;
+  if (cta >= sk_ctas) return false;
+  const int start = cta * sk_per, end = min(start + sk_per, (tiles - dp_tiles) * n_steps);
+  const int pos = v == 0 ? start : (start / n_steps + v) * n_steps;
+  if (pos >= end) return false;
+  const int local = pos / n_steps;
+  un.tile = dp_tiles + local, un.kb = pos - local * n_steps, un.ke = min(n_steps, un.kb + end - pos);
+  un.slot = v == 0 ? 0 : 1;
+  return true;
+}
+
 extern "C" __global__ void __launch_bounds__(384, 1)
 KERNEL_NAME(const __grid_constant__ TensorMap x_map, const __grid_constant__ TensorMap w_map,
             const u8* __restrict__ sc, const float* __restrict__ gs, const u16* __restrict__ bias,
-            u16* __restrict__ out, int M, int N, int K, int ldo, int ldsc) {
+            u16* __restrict__ out, float* __restrict__ partial, int* __restrict__ arrived, int M, int N, int K,
+            int ldo, int ldsc, int m_tiles, int dp_tiles, int sk_per, int sk_ctas) {
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   const u32 raw = smem_addr(smem_raw);
   const u32 base = (raw + 1023u) & ~1023u;  // 128-byte swizzled tiles want 1024-byte alignment
   const u32 table = base + STAGES * STAGE_BYTES;  // TABLE_BYTES: the decode table (below)
-  const u32 bars = table + TABLE_BYTES;           // full[STAGES], empty[STAGES]
-  const int n0 = blockIdx.x * ROWS, tok0 = blockIdx.y * TOK;
+  const u32 staging = table + TABLE_BYTES;        // STAGING_BYTES: the epilogue's, per consumer warpgroup
+  const u32 bars = staging + 2 * STAGING_BYTES;   // full[STAGES], empty[STAGES], then one flag per consumer
   const int n_steps = K / BK;
+  const int tiles = m_tiles * ((N + ROWS - 1) / ROWS);
   const int wg = threadIdx.x >> 7;
 
   if (threadIdx.x == 0) {
@@ -117,25 +157,30 @@ KERNEL_NAME(const __grid_constant__ TensorMap x_map, const __grid_constant__ Ten
   }
   __syncthreads();
 
-  if (wg == 0) {  // producer
+  if (wg == 0) {  // producer: the ring position g runs on across units, so a unit's first stages load early
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
     if (threadIdx.x == 0) {
-      for (int i = 0; i < n_steps; ++i) {
-        const int slot = i % STAGES;
-        mbar_wait(bars + 8 * (STAGES + slot), ((i / STAGES) & 1) ^ 1);
-        const u32 full = bars + 8 * slot, tile = base + slot * STAGE_BYTES;
-        mbar_expect_tx(full, STAGE_BYTES);
-        tma_load_2d(tile, &x_map, i * BK, tok0, full);
-        tma_load_2d(tile + X_BYTES, &w_map, i * (BK / 2), n0, full);
+      Unit un;
+      int g = 0;
+      for (int u = 0; unit_of(u, n_steps, tiles, dp_tiles, sk_per, sk_ctas, un); ++u) {
+        const int n0 = (un.tile / m_tiles) * ROWS, tok0 = (un.tile % m_tiles) * TOK;
+        for (int i = un.kb; i < un.ke; ++i, ++g) {
+          const int slot = g % STAGES;
+          mbar_wait(bars + 8 * (STAGES + slot), ((g / STAGES) & 1) ^ 1);
+          const u32 full = bars + 8 * slot, tile = base + slot * STAGE_BYTES;
+          mbar_expect_tx(full, STAGE_BYTES);
+          tma_load_2d(tile, &x_map, i * BK, tok0, full);
+          tma_load_2d(tile + X_BYTES, &w_map, i * (BK / 2), n0, full);
+        }
       }
     }
     return;
   }
   asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
 
-  // The decode table, built while the producer's first copies fly: entry b (256 bytes) holds, for each lane l, the
-  // codes of byte b as bf16x2 (natural_pair) at 4l and the E4M3 byte b as a bf16x2 scale (s * 2^118, twice) at
-  // 128 + 4l. Each lane reads only its own bank, and one prmt gives a lane's address: byte b above lane * 4.
+  // The decode table, built once while the producer's first copies fly: entry b (256 bytes) holds, for each lane
+  // l, the codes of byte b as bf16x2 (natural_pair) at 4l and the E4M3 byte b as a bf16x2 scale (s * 2^118, twice)
+  // at 128 + 4l. Each lane reads only its own bank, and one prmt gives a lane's address: byte b above lane * 4.
   {
     u32* tab = reinterpret_cast<u32*>(smem_raw + (table - raw));
     for (int idx = threadIdx.x - 128; idx < TABLE_BYTES / 4; idx += 256) {
@@ -145,36 +190,40 @@ KERNEL_NAME(const __grid_constant__ TensorMap x_map, const __grid_constant__ Ten
     asm volatile("bar.sync 1, 256;" ::: "memory");
   }
 
-  // consumer warpgroup c (0, 1): weight rows 64c .. 64c + 63 of the CTA's tile
-  const int c = wg - 1, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
+  // consumer warpgroup c (0, 1): weight rows 64c .. 64c + 63 of each tile
+  const int c = wg - 1, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31, ct = threadIdx.x & 127;
   const int g = lane >> 2, t = lane & 3;
   const int rl0 = 64 * c + 16 * warp + g;  // rows rl0 and rl0 + 8 (same 32-byte swizzle phase)
   const u32 swz = (u32)((rl0 >> 2) & 1);
   const u32 code_lane = 4u * lane, scale_lane = 128u + 4u * lane;  // the low byte of a table address
   const u32 code_sel = 0x5504u | (t << 4);  // prmt: byte t of a word above code_lane / scale_lane
-  const u8* sp0 = sc + (long)min(n0 + rl0, N - 1) * ldsc;
-  const u8* sp1 = sc + (long)min(n0 + rl0 + 8, N - 1) * ldsc;
 
   float acc[TOK / 2];
-#pragma unroll
-  for (int i = 0; i < TOK / 2; ++i) acc[i] = 0.f;
-
-  // Step j's fragments go to register set j % 3 and are decoded one step before its MMAs are issued: ptxas
+  // Step j's fragments go to register set (j - kb) % 3 and are decoded one step before its MMAs are issued: ptxas
   // serializes every wgmma (C7513) when a register that a wgmma reads is written while an earlier wgmma whose
   // wait comes after that wgmma is in flight. So while step i - 1's MMAs run, step i + 1 decodes and step i's
   // (decoded the step before) issue; three sets are live at once.
   u32 scl[3][2];    // block-scale bytes (4 steps per u32) of the next step to decode into each set, rows rl0, rl0 + 8
   u32 a[3][4][4];   // [set][k16 step][fragment register]
+
+  Unit un;
+  int g0 = 0;  // ring position of the unit's first K-step
+  for (int u = 0; unit_of(u, n_steps, tiles, dp_tiles, sk_per, sk_ctas, un); ++u) {
+    const int kb = un.kb, ke = un.ke;
+    const u8* sp0 = sc + (long)min((un.tile / m_tiles) * ROWS + rl0, N - 1) * ldsc;
+    const u8* sp1 = sc + (long)min((un.tile / m_tiles) * ROWS + rl0 + 8, N - 1) * ldsc;
 #pragma unroll
-  for (int q = 0; q < 3; ++q) {
-    scl[q][0] = q < n_steps ? *reinterpret_cast<const u32*>(sp0 + 4 * q) : 0u;
-    scl[q][1] = q < n_steps ? *reinterpret_cast<const u32*>(sp1 + 4 * q) : 0u;
-  }
+    for (int i = 0; i < TOK / 2; ++i) acc[i] = 0.f;
+#pragma unroll
+    for (int q = 0; q < 3; ++q) {
+      scl[q][0] = kb + q < ke ? *reinterpret_cast<const u32*>(sp0 + 4 * (kb + q)) : 0u;
+      scl[q][1] = kb + q < ke ? *reinterpret_cast<const u32*>(sp1 + 4 * (kb + q)) : 0u;
+    }
 
 #define DECODE(Q, J)                                                                                    \
   {                                                                                                     \
-    const int slot = (J) % STAGES;                                                                      \
-    mbar_wait(bars + 8 * slot, ((J) / STAGES) & 1);                                                     \
+    const int ring = g0 + (J) - kb, slot = ring % STAGES;                                               \
+    mbar_wait(bars + 8 * slot, (ring / STAGES) & 1);                                                    \
     const u32 wrow = base + slot * STAGE_BYTES + X_BYTES + 32 * rl0;                                    \
     const U4 w00 = lds128(wrow + 16 * (0 ^ swz)), w01 = lds128(wrow + 16 * (1 ^ swz));                  \
     const U4 w10 = lds128(wrow + 256 + 16 * (0 ^ swz)), w11 = lds128(wrow + 256 + 16 * (1 ^ swz));     \
@@ -188,7 +237,7 @@ KERNEL_NAME(const __grid_constant__ TensorMap x_map, const __grid_constant__ Ten
       a[Q][s][2] = PROBE == 1 ? s0 ^ lo0[0] : mul_bf16x2(lds32(table + prmt(hi0[s], code_lane, code_sel)), s0); \
       a[Q][s][3] = PROBE == 1 ? s1 ^ lo1[0] : mul_bf16x2(lds32(table + prmt(hi1[s], code_lane, code_sel)), s1); \
     }                                                                                                   \
-    if ((J) + 3 < n_steps) {                                                                            \
+    if ((J) + 3 < ke) {                                                                                 \
       scl[Q][0] = *reinterpret_cast<const u32*>(sp0 + 4 * ((J) + 3));                                   \
       scl[Q][1] = *reinterpret_cast<const u32*>(sp1 + 4 * ((J) + 3));                                   \
     }                                                                                                   \
@@ -196,9 +245,9 @@ KERNEL_NAME(const __grid_constant__ TensorMap x_map, const __grid_constant__ Ten
 
 #define CONSUME(P)                                                                                      \
   {                                                                                                     \
-    const int i = i0 + (P);                                                                             \
-    if (i + 1 < n_steps) DECODE(((P) + 1) % 3, i + 1)                                                   \
-    const u32 tile = base + (i % STAGES) * STAGE_BYTES;                                                 \
+    const int i = i0 + (P), ring = g0 + i - kb;                                                         \
+    if (i + 1 < ke) DECODE(((P) + 1) % 3, i + 1)                                                        \
+    const u32 tile = base + (ring % STAGES) * STAGE_BYTES;                                              \
     u64 desc[4];                                                                                        \
     _Pragma("unroll") for (int s = 0; s < 4; ++s) {                                                     \
       desc[s] = x_desc(tile + 32 * s);                                                                  \
@@ -212,46 +261,97 @@ KERNEL_NAME(const __grid_constant__ TensorMap x_map, const __grid_constant__ Ten
     }                                                                                                   \
     asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");                                      \
     asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");                                      \
-    if (i > 0 && lane == 0) mbar_arrive(bars + 8 * (STAGES + (i - 1) % STAGES));                       \
+    if (i > kb && lane == 0) mbar_arrive(bars + 8 * (STAGES + (ring - 1) % STAGES));                   \
   }
 
-  DECODE(0, 0)
-  for (int i0 = 0; i0 < n_steps; i0 += 3) {
-    CONSUME(0)
-    if (i0 + 1 < n_steps) CONSUME(1)
-    if (i0 + 2 < n_steps) CONSUME(2)
-  }
+    DECODE(0, kb)
+    for (int i0 = kb; i0 < ke; i0 += 3) {
+      CONSUME(0)
+      if (i0 + 1 < ke) CONSUME(1)
+      if (i0 + 2 < ke) CONSUME(2)
+    }
 #undef CONSUME
 #undef DECODE
-  asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+    asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
 #pragma unroll
-  for (int r = 0; r < TOK / 2; ++r) fence_acc(acc[r]);
-
-  // epilogue: both consumer warpgroups are done with the stages; stage the tile as [TOK][OUT_STRIDE] bf16
-  asm volatile("bar.sync 1, 256;" ::: "memory");
-  u16* staged = reinterpret_cast<u16*>(smem_raw + (base - raw));
-  const float factor = __fdiv_rn(256.0f, gs[0]);
-  const u16 b0 = bias != 0 && n0 + rl0 < N ? bias[n0 + rl0] : (u16)0;
-  const u16 b1 = bias != 0 && n0 + rl0 + 8 < N ? bias[n0 + rl0 + 8] : (u16)0;
-#pragma unroll
-  for (int j = 0; j < TOK / 8; ++j)
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const int tok = 8 * j + 2 * t + e;
-      u16 y0 = to_bf16(acc[4 * j + e] * factor), y1 = to_bf16(acc[4 * j + 2 + e] * factor);
-      if (bias != 0) {
-        y0 = add_bias(y0, b0);
-        y1 = add_bias(y1, b1);
-      }
-      staged[tok * OUT_STRIDE + rl0] = y0;
-      staged[tok * OUT_STRIDE + rl0 + 8] = y1;
+    for (int r = 0; r < TOK / 2; ++r) fence_acc(acc[r]);
+    g0 += ke - kb;
+    if (lane == 0) mbar_arrive(bars + 8 * (STAGES + (g0 - 1) % STAGES));
+    {  // the unit again, from a copy of u that the compiler cannot see through: recomputing it is cheaper than
+       // keeping its fields live through the main loop (they would take registers the accumulators need)
+      int u_again;
+      asm volatile("mov.b32 %0, %1;" : "=r"(u_again) : "r"(u));
+      unit_of(u_again, n_steps, tiles, dp_tiles, sk_per, sk_ctas, un);
     }
-  asm volatile("bar.sync 1, 256;" ::: "memory");
-  const int ct = threadIdx.x - 128;
-  for (int v = ct; v < TOK * (ROWS / 8); v += 256) {
-    const int tok = v / (ROWS / 8), col = 8 * (v % (ROWS / 8));
-    if (tok0 + tok < M && n0 + col < N)
-      *reinterpret_cast<U4*>(out + (long)(tok0 + tok) * ldo + n0 + col) =
-          *reinterpret_cast<const U4*>(staged + tok * OUT_STRIDE + col);
+    const int n0 = (un.tile / m_tiles) * ROWS, tok0 = (un.tile % m_tiles) * TOK;
+    const u32 flag = bars + 16 * STAGES + 4 * c, staged = staging + c * STAGING_BYTES;
+
+    if (kb != 0 || ke != n_steps) {
+      // A split tile: this warpgroup's partial sums go to its buffer, laid out [TOK / 8][128 threads][4] floats so
+      // that a warp's float4 accesses are contiguous; the last of the tile's CTAs to arrive sums all buffers in CTA
+      // order (the same order whichever CTA is last, so launches are bit-equal) and writes the tile.
+      const int per_buf = (TOK / 8) * 128 * 4;
+      float4* mine = reinterpret_cast<float4*>(partial + (long)((2 * blockIdx.x + un.slot) * 2 + c) * per_buf) + ct;
+#pragma unroll
+      for (int j = 0; j < TOK / 8; ++j)
+        __stcg(mine + 128 * j, make_float4(acc[4 * j], acc[4 * j + 1], acc[4 * j + 2], acc[4 * j + 3]));
+      __threadfence();
+      asm volatile("bar.sync %0, 128;" :: "r"(2 + c) : "memory");
+      const int local = un.tile - dp_tiles;
+      const int first = local * n_steps / sk_per, last = ((local + 1) * n_steps - 1) / sk_per;
+      if (ct == 0) {
+        int* counter = arrived + 2 * local + c;
+        const int done = atomicAdd(counter, 1) == last - first;
+        if (done) *counter = 0;  // ready for the next launch
+        asm volatile("st.shared.u32 [%0], %1;" :: "r"(flag), "r"(done) : "memory");
+      }
+      asm volatile("bar.sync %0, 128;" :: "r"(2 + c) : "memory");
+      u32 last_to_arrive;
+      asm volatile("ld.shared.u32 %0, [%1];" : "=r"(last_to_arrive) : "r"(flag) : "memory");
+      if (!last_to_arrive) continue;
+      __threadfence();
+#pragma unroll
+      for (int r = 0; r < TOK / 2; ++r) acc[r] = 0.f;
+      for (int j_cta = first; j_cta <= last; ++j_cta) {
+        const int slot = j_cta * sk_per / n_steps == local ? 0 : 1;
+        const float4* buf = reinterpret_cast<const float4*>(partial + (long)((2 * j_cta + slot) * 2 + c) * per_buf) + ct;
+#pragma unroll
+        for (int j = 0; j < TOK / 8; ++j) {
+          const float4 p = __ldcg(buf + 128 * j);
+          acc[4 * j] += p.x, acc[4 * j + 1] += p.y, acc[4 * j + 2] += p.z, acc[4 * j + 3] += p.w;
+        }
+      }
+    }
+
+    // epilogue: out = bf16(acc * 2^8/gs) (+ bias), EPI_TOK rows of x at a time staged through this warpgroup's
+    // [EPI_TOK][64 + 8] bf16 and stored as 16-byte runs; rows past M and weight rows past N are not stored
+    const float factor = __fdiv_rn(256.0f, gs[0]);
+    const u16 b0 = bias != 0 && n0 + rl0 < N ? bias[n0 + rl0] : (u16)0;
+    const u16 b1 = bias != 0 && n0 + rl0 + 8 < N ? bias[n0 + rl0 + 8] : (u16)0;
+    const int rw = rl0 - 64 * c;  // the row within this warpgroup's 64
+#pragma unroll
+    for (int chunk = 0; chunk < TOK / EPI_TOK; ++chunk) {
+      asm volatile("bar.sync %0, 128;" :: "r"(2 + c) : "memory");  // the previous chunk's reads are done
+#pragma unroll
+      for (int j = chunk * (EPI_TOK / 8); j < (chunk + 1) * (EPI_TOK / 8); ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int tok = 8 * j + 2 * t + e - chunk * EPI_TOK;
+          u16 y0 = to_bf16(acc[4 * j + e] * factor), y1 = to_bf16(acc[4 * j + 2 + e] * factor);
+          if (bias != 0) {
+            y0 = add_bias(y0, b0);
+            y1 = add_bias(y1, b1);
+          }
+          sts16(staged + 2 * (tok * STAGED_STRIDE + rw), y0);
+          sts16(staged + 2 * (tok * STAGED_STRIDE + rw + 8), y1);
+        }
+      asm volatile("bar.sync %0, 128;" :: "r"(2 + c) : "memory");
+#pragma unroll
+      for (int v = ct; v < EPI_TOK * 8; v += 128) {
+        const int tok = v >> 3, col = 8 * (v & 7), row = tok0 + chunk * EPI_TOK + tok, n = n0 + 64 * c + col;
+        if (row < M && n < N)
+          *reinterpret_cast<U4*>(out + (long)row * ldo + n) = lds128(staged + 2 * (tok * STAGED_STRIDE + col));
+      }
+    }
   }
 }

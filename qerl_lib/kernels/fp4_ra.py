@@ -32,8 +32,22 @@ is computed transposed, weight rows on the MMA's M side, rows of ``x`` on its N 
 4. signals the step before ``empty`` with one ``mbarrier.arrive`` per warp (count 8): nothing makes the two
    consumer warpgroups wait for each other, and the producer refills a stage once both have retired it.
 
+Which tiles a CTA takes
+-----------------------
+A tile is 128 weight rows x ``tok`` rows of ``x``. By default (``RaConfig.schedule = "split"``) the kernel is
+persistent: one CTA per SM walks a list of *units* (``RaSchedule.units`` spells out the kernel's ``unit_of``), builds
+its decode table once, and the producer's ring runs on from unit to unit, so the next tile's first stages load while
+the consumers finish the last one. Whole waves of tiles are taken whole; the tiles that would fill only part of a last
+wave (all of them when there are fewer tiles than SMs) are flattened into K-steps and shared out evenly, so the
+busiest SM runs ``ceil(rest * K / 64 / SMs)`` K-steps instead of a whole tile's. A CTA that does only part of a tile's
+K-steps writes its fp32 partial sums to a workspace and counts itself in on the tile's counter; the last to arrive adds
+all of the tile's partial sums in CTA order (the same order whoever arrives last, so launches are bit-equal) and
+writes the tile. Stream-K (Osama et al., 2023) splits every tile's K this way; here only the tail is split, as
+CUTLASS's hybrid stream-K does, so most tiles pay no fixup.
+
 The epilogue is the oracle's single rounding, ``bf16(acc * 2^8 / gs)`` then ``+ bias`` after the cast
-(``nvfp4.reference_matmul``), staged through shared memory so that each output row is stored as 16-byte runs.
+(``nvfp4.reference_matmul``), staged through each consumer warpgroup's own shared-memory buffer (the ring is busy
+with the next tile by then) so that each output row is stored as 16-byte runs.
 The producer warpgroup gives registers to the consumers (``setmaxnreg``: 40 against 232), which need 128 for the
 accumulators of a 256-row tile of ``x``.
 
@@ -44,7 +58,7 @@ E4M3-subnormal block scales are kept, as compressed-tensors does.
 
 Requirements: an sm_90 GPU (``wgmma`` and ``setmaxnreg`` need ``sm_90a``), K % 64 == 0, N % 8 == 0, 16-byte aligned
 rows of ``x``, ``out`` and the weight bytes, 4-byte aligned scale rows. ``available()`` says whether it can run;
-nothing in the library's default paths calls it yet (dev/LOG.md section 72 measures it).
+nothing in the library's default paths calls it yet (dev/LOG.md sections 72 and 74 measure it).
 """
 
 from __future__ import annotations
@@ -65,14 +79,29 @@ ROWS_PER_CTA = 128  # weight rows: two consumer warpgroups of 64
 THREADS = 384
 TABLE_BYTES = 256 * 256  # the decode table (fp4_ra.cu): 256 byte values x 32 lanes x (codes, scale) words
 SHARED_MEMORY_LIMIT = 227 * 1024  # dynamic shared memory one CTA of an sm_90 SM may use
+STAGING_BYTES = 32 * (64 + 8) * 2  # one consumer warpgroup's epilogue staging (fp4_ra.cu: EPI_TOK x STAGED_STRIDE bf16)
+
+
+SCHEDULES = ("one_tile", "persistent", "split")
 
 
 @dataclass(frozen=True)
 class RaConfig:
-    """One launch shape: ``tok`` rows of ``x`` per CTA (the wgmma N: 64, 128 or 256) and ``stages`` in the ring."""
+    """One launch shape: ``tok`` rows of ``x`` per tile (the wgmma N: 64, 128 or 256) and ``stages`` in the ring (both
+    compiled in), and how tiles are spread over the SMs (``schedule``, a launch argument):
+
+    - ``"one_tile"``: one CTA per tile, as many CTAs as tiles;
+    - ``"persistent"``: one CTA per SM, each taking whole tiles in turn (its table built once, the next tile's first
+      stages loaded under the previous tile's epilogue);
+    - ``"split"``: persistent, and the tiles that would fill only part of a last wave are shared along K by up to one
+      CTA per SM, at least ``min_split_steps`` K-steps of 64 each; the last CTA of a tile to finish sums the partial
+      sums (fp32, through global memory) in a fixed order, so launches stay bit-equal.
+    """
 
     tok: int = 256
     stages: int = 4
+    schedule: str = "split"
+    min_split_steps: int = 8
 
     def __post_init__(self):
         if self.tok not in (64, 128, 256):
@@ -81,6 +110,10 @@ class RaConfig:
             raise ValueError(f"RaConfig.stages must be an int in [2, 12], got {self.stages!r}")
         if self.shared_bytes > SHARED_MEMORY_LIMIT:
             raise ValueError(f"RaConfig: {self.shared_bytes} B of shared memory > {SHARED_MEMORY_LIMIT}; lower stages or tok")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"RaConfig.schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
+        if not isinstance(self.min_split_steps, int) or self.min_split_steps < 1:
+            raise ValueError(f"RaConfig.min_split_steps must be a positive int, got {self.min_split_steps!r}")
 
     @property
     def stage_bytes(self) -> int:
@@ -88,12 +121,69 @@ class RaConfig:
 
     @property
     def shared_bytes(self) -> int:
-        """Dynamic shared memory: 1024-byte alignment slack, the ring, the decode table, the ring's mbarriers."""
-        return 1023 + self.stages * self.stage_bytes + TABLE_BYTES + 16 * self.stages
+        """Dynamic shared memory: 1024-byte alignment slack, the ring, the decode table, the two consumer warpgroups'
+        epilogue staging, the ring's mbarriers and two flags."""
+        return 1023 + self.stages * self.stage_bytes + TABLE_BYTES + 2 * STAGING_BYTES + 16 * self.stages + 8
 
     @property
     def name(self) -> str:
+        """The compiled kernel's name (and cache key): the schedule is a launch argument, not compiled in."""
         return f"qerl_fp4_ra_t{self.tok}_s{self.stages}"
+
+
+@dataclass(frozen=True)
+class RaSchedule:
+    """The launch's work split (``plan_schedule``), as the kernel's ``unit_of`` reads it: ``grid`` CTAs; ``tiles``
+    tiles, numbered with the ``m_tiles`` tiles of ``x`` fastest; the first ``dp_tiles`` whole, CTA ``c`` taking tiles
+    ``c, c + grid, ...``; then the K-steps of the remaining tiles, flattened, ``sk_per`` to each of CTAs
+    ``0 .. sk_ctas - 1``."""
+
+    grid: int
+    m_tiles: int
+    tiles: int
+    n_steps: int
+    dp_tiles: int
+    sk_per: int = 0
+    sk_ctas: int = 0
+
+    @property
+    def split_tiles(self) -> int:
+        return self.tiles - self.dp_tiles
+
+    def units(self, cta: int) -> list[tuple[int, int, int, int]]:
+        """CTA ``cta``'s ``(tile, first K-step, end K-step, partial-sum slot)`` in order: ``unit_of`` in fp4_ra.cu,
+        written out for the tests and for reading."""
+        out = [(t, 0, self.n_steps, 0) for t in range(cta, self.dp_tiles, self.grid)]
+        if cta < self.sk_ctas:
+            start = cta * self.sk_per
+            end = min(start + self.sk_per, self.split_tiles * self.n_steps)
+            pos, v = start, 0
+            while pos < end:
+                local, kb = divmod(pos, self.n_steps)
+                ke = min(self.n_steps, kb + end - pos)
+                out.append((self.dp_tiles + local, kb, ke, 0 if v == 0 else 1))
+                v += 1
+                pos = (start // self.n_steps + v) * self.n_steps
+        return out
+
+
+def plan_schedule(m: int, n: int, k: int, cfg: RaConfig, sms: int) -> RaSchedule:
+    """How ``cfg.schedule`` spreads an ``[m, k] x [n, k]^T`` product over ``sms`` SMs (see ``RaConfig``)."""
+    m_tiles, n_steps = math.ceil(m / cfg.tok), k // BLOCK_K
+    tiles = m_tiles * math.ceil(n / ROWS_PER_CTA)
+    if cfg.schedule == "one_tile":
+        return RaSchedule(tiles, m_tiles, tiles, n_steps, tiles)
+    whole = RaSchedule(min(sms, tiles), m_tiles, tiles, n_steps, tiles)
+    full_waves, rest = divmod(tiles, sms)
+    if cfg.schedule == "persistent" or rest == 0:
+        return whole
+    steps = rest * n_steps
+    ctas = min(sms, max(1, steps // cfg.min_split_steps))
+    per = math.ceil(steps / ctas)
+    ctas = math.ceil(steps / per)
+    if ctas <= rest:  # no CTA would get less than a tile's K-steps: nothing to gain
+        return whole
+    return RaSchedule(sms if full_waves else ctas, m_tiles, tiles, n_steps, full_waves * sms, per, ctas)
 
 
 def _wgmma_macro(tok: int) -> str:
@@ -168,15 +258,22 @@ def encode_tensor_map(ptr: int, dtype_code: int, inner: int, outer: int, row_byt
 # ============================================================================ launch
 def _get_kernel(cfg: RaConfig, device: torch.device) -> mma._Kernel:
     index = device.index if device.index is not None else torch.cuda.current_device()
-    return mma.load_kernel(("fp4_ra", index, cfg), index, lambda: compile_cubin(cfg), cfg.name, cfg.shared_bytes,
-                           caller="fp4_ra.linear")
+    return mma.load_kernel(("fp4_ra", index, cfg.name), index, lambda: compile_cubin(cfg), cfg.name,
+                           cfg.shared_bytes, caller="fp4_ra.linear")
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def linear(x2: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor,
            bias: torch.Tensor | None, out: torch.Tensor, config: RaConfig | None = None) -> torch.Tensor:
     """``out[m, n] = bf16(x2 @ W.T * 2^8/gs ...)`` (+ bias) for bf16 ``x2 [m, k]``: ``words`` int32 ``[N, K/8]`` and
     ``scales`` uint8 ``[N, K/16]`` (the compressed-tensors bytes, read in place), ``global_scale`` float32 ``[1]`` on
-    the device, ``out`` bf16 ``[m, N]`` with unit column stride. One launch, no temporaries."""
+    the device, ``out`` bf16 ``[m, N]`` with unit column stride. One launch; the ``"split"`` schedule also takes an
+    fp32 workspace for the partial sums (``4 * tok * 256`` bytes per splitting CTA) and the arrival counters that
+    ``mma.py``'s K-slices use (one device, one stream at a time; warm up before CUDA-graph capture)."""
     m, k = x2.shape
     n = words.shape[0]
     cfg = config or RaConfig()
@@ -195,6 +292,13 @@ def linear(x2: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, global_s
     x_map = encode_tensor_map(x2.data_ptr(), _BF16, k, m, 2 * x2.stride(0), BLOCK_K, cfg.tok, 128)
     w_map = encode_tensor_map(words.data_ptr(), _UINT8, k // 2, n, 4 * words.stride(0), BLOCK_K // 2, ROWS_PER_CTA, 32)
     kern = _get_kernel(cfg, x2.device)
-    grid = (math.ceil(n / ROWS_PER_CTA), math.ceil(m / cfg.tok))
-    kern(grid, THREADS, [x_map, w_map, scales, global_scale, bias, out, m, n, k, out.stride(0), scales.stride(0)])
+    sched = plan_schedule(m, n, k, cfg, _sm_count(x2.device.index if x2.device.index is not None
+                                                  else torch.cuda.current_device()))
+    partial = arrived = None
+    if sched.sk_ctas:
+        partial = torch.empty(sched.sk_ctas * 4 * cfg.tok * 64, dtype=torch.float32, device=x2.device)
+        arrived = mma._counters(x2.device, 2 * sched.split_tiles)
+    kern((sched.grid, 1), THREADS, [x_map, w_map, scales, global_scale, bias, out, partial, arrived, m, n, k,
+                                    out.stride(0), scales.stride(0), sched.m_tiles, sched.dp_tiles, sched.sk_per,
+                                    sched.sk_ctas])
     return out
