@@ -21,6 +21,8 @@ def test_config_validation_names_the_limit():
         fp4_ra.RaConfig(schedule="stream")
     with pytest.raises(ValueError, match="min_split_steps"):
         fp4_ra.RaConfig(min_split_steps=0)
+    with pytest.raises(ValueError, match="split_max_fill"):
+        fp4_ra.RaConfig(split_max_fill=1.5)
 
 
 def _steps_of_every_cta(s: fp4_ra.RaSchedule) -> list[int]:
@@ -69,6 +71,8 @@ def test_split_schedule_shortens_a_part_empty_last_wave():
     assert split.split_tiles == 112 and split.grid == 132
     full = fp4_ra.plan_schedule(1024, 128 * 132, 3584, fp4_ra.RaConfig(), 132)  # 528 tiles: 4 whole waves
     assert full.sk_ctas == 0 and full.dp_tiles == 528
+    crowded = fp4_ra.plan_schedule(1024, 3584, 18944, fp4_ra.RaConfig(split_max_fill=0.5), 132)  # 112 / 132 > 0.5
+    assert crowded == whole
 
 
 def _natural_pair(b: int) -> int:

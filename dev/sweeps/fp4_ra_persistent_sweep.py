@@ -21,7 +21,8 @@ from qerl_lib.kernels.fp4_gemm import fp4_linear, prepare_fp4_weights
 from qerl_lib.quant.nvfp4 import quantize, reference_matmul
 
 LAUNCHES = {"one_tile": fp4_ra.RaConfig(256, 4, "one_tile"), "persistent": fp4_ra.RaConfig(256, 4, "persistent"),
-            "split": fp4_ra.RaConfig(256, 4, "split"), "split_t128": fp4_ra.RaConfig(128, 7, "split"),
+            "split": fp4_ra.RaConfig(256, 4, "split"),
+            "split_half": fp4_ra.RaConfig(256, 4, "split", split_max_fill=0.5),
             "split_nodecode": fp4_ra_probe.ProbeConfig(256, 4, "split", probe=1)}
 EXTRA_CHECKS = [(4608, 3584, 1024), (3584, 18944, 1024)]  # one whole wave + a split tail; all tiles split
 

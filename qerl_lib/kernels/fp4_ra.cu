@@ -199,7 +199,7 @@ KERNEL_NAME(const __grid_constant__ TensorMap x_map, const __grid_constant__ Ten
   const u32 code_sel = 0x5504u | (t << 4);  // prmt: byte t of a word above code_lane / scale_lane
 
   float acc[TOK / 2];
-  // Step j's fragments go to register set (j - kb) % 3 and are decoded one step before its MMAs are issued: ptxas
+  // Step j's fragments go to register set j % 3 (j counted from the unit's first) and are decoded one step before its MMAs are issued: ptxas
   // serializes every wgmma (C7513) when a register that a wgmma reads is written while an earlier wgmma whose
   // wait comes after that wgmma is in flight. So while step i - 1's MMAs run, step i + 1 decodes and step i's
   // (decoded the step before) issue; three sets are live at once.
@@ -209,20 +209,23 @@ KERNEL_NAME(const __grid_constant__ TensorMap x_map, const __grid_constant__ Ten
   Unit un;
   int g0 = 0;  // ring position of the unit's first K-step
   for (int u = 0; unit_of(u, n_steps, tiles, dp_tiles, sk_per, sk_ctas, un); ++u) {
-    const int kb = un.kb, ke = un.ke;
-    const u8* sp0 = sc + (long)min((un.tile / m_tiles) * ROWS + rl0, N - 1) * ldsc;
-    const u8* sp1 = sc + (long)min((un.tile / m_tiles) * ROWS + rl0 + 8, N - 1) * ldsc;
+    // the main loop counts the unit's steps from 0 (len of them; the first is K-step un.kb, at ring position g0):
+    // with the unit's first K-step in its bounds instead, ptxas keeps the shared-memory base out of the uniform
+    // registers and adds it to every table address (~25 more instructions a step)
+    const int len = un.ke - un.kb;
+    const u8* sp0 = sc + (long)min((un.tile / m_tiles) * ROWS + rl0, N - 1) * ldsc + 4 * un.kb;
+    const u8* sp1 = sc + (long)min((un.tile / m_tiles) * ROWS + rl0 + 8, N - 1) * ldsc + 4 * un.kb;
 #pragma unroll
     for (int i = 0; i < TOK / 2; ++i) acc[i] = 0.f;
 #pragma unroll
     for (int q = 0; q < 3; ++q) {
-      scl[q][0] = kb + q < ke ? *reinterpret_cast<const u32*>(sp0 + 4 * (kb + q)) : 0u;
-      scl[q][1] = kb + q < ke ? *reinterpret_cast<const u32*>(sp1 + 4 * (kb + q)) : 0u;
+      scl[q][0] = q < len ? *reinterpret_cast<const u32*>(sp0 + 4 * q) : 0u;
+      scl[q][1] = q < len ? *reinterpret_cast<const u32*>(sp1 + 4 * q) : 0u;
     }
 
 #define DECODE(Q, J)                                                                                    \
   {                                                                                                     \
-    const int ring = g0 + (J) - kb, slot = ring % STAGES;                                               \
+    const int ring = g0 + (J), slot = ring % STAGES;                                                    \
     mbar_wait(bars + 8 * slot, (ring / STAGES) & 1);                                                    \
     const u32 wrow = base + slot * STAGE_BYTES + X_BYTES + 32 * rl0;                                    \
     const U4 w00 = lds128(wrow + 16 * (0 ^ swz)), w01 = lds128(wrow + 16 * (1 ^ swz));                  \
@@ -237,7 +240,7 @@ KERNEL_NAME(const __grid_constant__ TensorMap x_map, const __grid_constant__ Ten
       a[Q][s][2] = PROBE == 1 ? s0 ^ lo0[0] : mul_bf16x2(lds32(table + prmt(hi0[s], code_lane, code_sel)), s0); \
       a[Q][s][3] = PROBE == 1 ? s1 ^ lo1[0] : mul_bf16x2(lds32(table + prmt(hi1[s], code_lane, code_sel)), s1); \
     }                                                                                                   \
-    if ((J) + 3 < ke) {                                                                                 \
+    if ((J) + 3 < len) {                                                                                \
       scl[Q][0] = *reinterpret_cast<const u32*>(sp0 + 4 * ((J) + 3));                                   \
       scl[Q][1] = *reinterpret_cast<const u32*>(sp1 + 4 * ((J) + 3));                                   \
     }                                                                                                   \
@@ -245,8 +248,8 @@ KERNEL_NAME(const __grid_constant__ TensorMap x_map, const __grid_constant__ Ten
 
 #define CONSUME(P)                                                                                      \
   {                                                                                                     \
-    const int i = i0 + (P), ring = g0 + i - kb;                                                         \
-    if (i + 1 < ke) DECODE(((P) + 1) % 3, i + 1)                                                        \
+    const int i = i0 + (P), ring = g0 + i;                                                              \
+    if (i + 1 < len) DECODE(((P) + 1) % 3, i + 1)                                                        \
     const u32 tile = base + (ring % STAGES) * STAGE_BYTES;                                              \
     u64 desc[4];                                                                                        \
     _Pragma("unroll") for (int s = 0; s < 4; ++s) {                                                     \
@@ -261,21 +264,21 @@ KERNEL_NAME(const __grid_constant__ TensorMap x_map, const __grid_constant__ Ten
     }                                                                                                   \
     asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");                                      \
     asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");                                      \
-    if (i > kb && lane == 0) mbar_arrive(bars + 8 * (STAGES + (ring - 1) % STAGES));                   \
+    if (i > 0 && lane == 0) mbar_arrive (bars + 8 * (STAGES + (ring - 1) % STAGES));                   \
   }
 
-    DECODE(0, kb)
-    for (int i0 = kb; i0 < ke; i0 += 3) {
+    DECODE(0, 0)
+    for (int i0 = 0; i0 < len; i0 += 3) {
       CONSUME(0)
-      if (i0 + 1 < ke) CONSUME(1)
-      if (i0 + 2 < ke) CONSUME(2)
+      if (i0 + 1 < len) CONSUME(1)
+      if (i0 + 2 < len) CONSUME(2)
     }
 #undef CONSUME
 #undef DECODE
     asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
 #pragma unroll
     for (int r = 0; r < TOK / 2; ++r) fence_acc(acc[r]);
-    g0 += ke - kb;
+    g0 += len;
     if (lane == 0) mbar_arrive(bars + 8 * (STAGES + (g0 - 1) % STAGES));
     {  // the unit again, from a copy of u that the compiler cannot see through: recomputing it is cheaper than
        // keeping its fields live through the main loop (they would take registers the accumulators need)
@@ -286,45 +289,75 @@ KERNEL_NAME(const __grid_constant__ TensorMap x_map, const __grid_constant__ Ten
     const int n0 = (un.tile / m_tiles) * ROWS, tok0 = (un.tile % m_tiles) * TOK;
     const u32 flag = bars + 16 * STAGES + 4 * c, staged = staging + c * STAGING_BYTES;
 
-    if (kb != 0 || ke != n_steps) {
-      // A split tile: this warpgroup's partial sums go to its buffer, laid out [TOK / 8][128 threads][4] floats so
-      // that a warp's float4 accesses are contiguous; the last of the tile's CTAs to arrive sums all buffers in CTA
-      // order (the same order whichever CTA is last, so launches are bit-equal) and writes the tile.
-      const int per_buf = (TOK / 8) * 128 * 4;
-      float4* mine = reinterpret_cast<float4*>(partial + (long)((2 * blockIdx.x + un.slot) * 2 + c) * per_buf) + ct;
-#pragma unroll
-      for (int j = 0; j < TOK / 8; ++j)
-        __stcg(mine + 128 * j, make_float4(acc[4 * j], acc[4 * j + 1], acc[4 * j + 2], acc[4 * j + 3]));
-      __threadfence();
-      asm volatile("bar.sync %0, 128;" :: "r"(2 + c) : "memory");
-      const int local = un.tile - dp_tiles;
+    bool store = true;
+    if (un.kb != 0 || un.ke != n_steps) {
+      // A split tile. Its K-steps belong to CTAs first..last; each counts itself in on the tile's counter as it
+      // finishes, and the last to arrive (usually `first`, whose share of the tile is its last unit) writes the tile:
+      // it waits until the others have written their partial sums (they are running: they arrived), then adds them
+      // in CTA order, keeping its own in registers if it is `first` and otherwise writing it too, so the sum is the
+      // same whichever CTA is last (launches are bit-equal). A warpgroup's buffer is [TOK / 8][128 threads][4]
+      // floats, so that a warp's float4 accesses are contiguous; the two warpgroups keep separate counters.
+      const int local = un.tile - dp_tiles, me = blockIdx.x;
       const int first = local * n_steps / sk_per, last = ((local + 1) * n_steps - 1) / sk_per;
+      int* counters = arrived + 4 * local + 2 * c;  // [0]: CTAs arrived, [1]: partial sums written
       if (ct == 0) {
-        int* counter = arrived + 2 * local + c;
-        const int done = atomicAdd(counter, 1) == last - first;
-        if (done) *counter = 0;  // ready for the next launch
-        asm volatile("st.shared.u32 [%0], %1;" :: "r"(flag), "r"(done) : "memory");
+        const u32 is_last = atomicAdd(counters, 1) == last - first;
+        asm volatile("st.shared.u32 [%0], %1;" :: "r"(flag), "r"(is_last) : "memory");
       }
       asm volatile("bar.sync %0, 128;" :: "r"(2 + c) : "memory");
-      u32 last_to_arrive;
-      asm volatile("ld.shared.u32 %0, [%1];" : "=r"(last_to_arrive) : "r"(flag) : "memory");
-      if (!last_to_arrive) continue;
-      __threadfence();
+      u32 flag_value;
+      asm volatile("ld.shared.u32 %0, [%1];" : "=r"(flag_value) : "r"(flag) : "memory");
+      // the same in every lane, and a shuffle from lane 0 tells ptxas so: a branch it must treat as divergent
+      // around the epilogue costs the whole loop the uniform registers (the shared-memory base among them, which
+      // then gets added to every table address: ~25 more instructions a K-step)
+      const bool is_last = __shfl_sync(0xffffffffu, flag_value, 0) != 0;
+      const int per_buf = (TOK / 8) * 128 * 4;
+      if (!is_last || me != first) {
+        float4* mine = reinterpret_cast<float4*>(partial + (long)((2 * me + un.slot) * 2 + c) * per_buf) + ct;
 #pragma unroll
-      for (int r = 0; r < TOK / 2; ++r) acc[r] = 0.f;
-      for (int j_cta = first; j_cta <= last; ++j_cta) {
-        const int slot = j_cta * sk_per / n_steps == local ? 0 : 1;
-        const float4* buf = reinterpret_cast<const float4*>(partial + (long)((2 * j_cta + slot) * 2 + c) * per_buf) + ct;
+        for (int j = 0; j < TOK / 8; ++j)
+          __stcg(mine + 128 * j, make_float4(acc[4 * j], acc[4 * j + 1], acc[4 * j + 2], acc[4 * j + 3]));
+        __threadfence();
+        asm volatile("bar.sync %0, 128;" :: "r"(2 + c) : "memory");
+        if (ct == 0 && !is_last) atomicAdd(counters + 1, 1);
+      }
+      if (is_last) {
+        if (ct == 0) {
+          u32 written;
+          do {
+            asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(written) : "l"(counters + 1) : "memory");
+          } while (written < (u32)(last - first));
+          counters[0] = counters[1] = 0;  // ready for the next launch
+        }
+        asm volatile("bar.sync %0, 128;" :: "r"(2 + c) : "memory");
+        __threadfence();
+        const auto buffer = [&](int j_cta) {
+          const int slot = j_cta * sk_per / n_steps == local ? 0 : 1;
+          return reinterpret_cast<const float4*>(partial + (long)((2 * j_cta + slot) * 2 + c) * per_buf) + ct;
+        };
+        if (me != first) {  // start from first's sums as they are (0 + p would turn a -0 into +0)
+          const float4* buf = buffer(first);
 #pragma unroll
-        for (int j = 0; j < TOK / 8; ++j) {
-          const float4 p = __ldcg(buf + 128 * j);
-          acc[4 * j] += p.x, acc[4 * j + 1] += p.y, acc[4 * j + 2] += p.z, acc[4 * j + 3] += p.w;
+          for (int j = 0; j < TOK / 8; ++j) {
+            const float4 p = __ldcg(buf + 128 * j);
+            acc[4 * j] = p.x, acc[4 * j + 1] = p.y, acc[4 * j + 2] = p.z, acc[4 * j + 3] = p.w;
+          }
+        }
+        for (int j_cta = first + 1; j_cta <= last; ++j_cta) {
+          const float4* buf = buffer(j_cta);
+#pragma unroll
+          for (int j = 0; j < TOK / 8; ++j) {
+            const float4 p = __ldcg(buf + 128 * j);
+            acc[4 * j] += p.x, acc[4 * j + 1] += p.y, acc[4 * j + 2] += p.z, acc[4 * j + 3] += p.w;
+          }
         }
       }
+      store = is_last;
     }
 
     // epilogue: out = bf16(acc * 2^8/gs) (+ bias), EPI_TOK rows of x at a time staged through this warpgroup's
     // [EPI_TOK][64 + 8] bf16 and stored as 16-byte runs; rows past M and weight rows past N are not stored
+    if (!store) continue;
     const float factor = __fdiv_rn(256.0f, gs[0]);
     const u16 b0 = bias != 0 && n0 + rl0 < N ? bias[n0 + rl0] : (u16)0;
     const u16 b1 = bias != 0 && n0 + rl0 + 8 < N ? bias[n0 + rl0 + 8] : (u16)0;

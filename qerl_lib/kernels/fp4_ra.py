@@ -95,13 +95,15 @@ class RaConfig:
       stages loaded under the previous tile's epilogue);
     - ``"split"``: persistent, and the tiles that would fill only part of a last wave are shared along K by up to one
       CTA per SM, at least ``min_split_steps`` K-steps of 64 each; the last CTA of a tile to finish sums the partial
-      sums (fp32, through global memory) in a fixed order, so launches stay bit-equal.
+      sums (fp32, through global memory) in a fixed order, so launches stay bit-equal; only when those tiles fill
+      at most ``split_max_fill`` of the SMs (above it, the fixup's traffic costs more than the idle SMs do).
     """
 
     tok: int = 256
     stages: int = 4
     schedule: str = "split"
     min_split_steps: int = 8
+    split_max_fill: float = 1.0
 
     def __post_init__(self):
         if self.tok not in (64, 128, 256):
@@ -114,6 +116,8 @@ class RaConfig:
             raise ValueError(f"RaConfig.schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
         if not isinstance(self.min_split_steps, int) or self.min_split_steps < 1:
             raise ValueError(f"RaConfig.min_split_steps must be a positive int, got {self.min_split_steps!r}")
+        if not 0.0 <= self.split_max_fill <= 1.0:
+            raise ValueError(f"RaConfig.split_max_fill must be in [0, 1], got {self.split_max_fill!r}")
 
     @property
     def stage_bytes(self) -> int:
@@ -175,7 +179,7 @@ def plan_schedule(m: int, n: int, k: int, cfg: RaConfig, sms: int) -> RaSchedule
         return RaSchedule(tiles, m_tiles, tiles, n_steps, tiles)
     whole = RaSchedule(min(sms, tiles), m_tiles, tiles, n_steps, tiles)
     full_waves, rest = divmod(tiles, sms)
-    if cfg.schedule == "persistent" or rest == 0:
+    if cfg.schedule == "persistent" or rest == 0 or rest > cfg.split_max_fill * sms:
         return whole
     steps = rest * n_steps
     ctas = min(sms, max(1, steps // cfg.min_split_steps))
@@ -297,7 +301,7 @@ def linear(x2: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, global_s
     partial = arrived = None
     if sched.sk_ctas:
         partial = torch.empty(sched.sk_ctas * 4 * cfg.tok * 64, dtype=torch.float32, device=x2.device)
-        arrived = mma._counters(x2.device, 2 * sched.split_tiles)
+        arrived = mma._counters(x2.device, 4 * sched.split_tiles)
     kern((sched.grid, 1), THREADS, [x_map, w_map, scales, global_scale, bias, out, partial, arrived, m, n, k,
                                     out.stride(0), scales.stride(0), sched.m_tiles, sched.dp_tiles, sched.sk_per,
                                     sched.sk_ctas])
