@@ -41,7 +41,8 @@ struct __align__(64) TensorMap { u64 v[16]; };  // CUtensorMap, filled on the ho
 #define ROWS 128                       // weight rows per CTA: two consumer warpgroups of 64
 #define X_BYTES (TOK * BK * 2)         // x tile of a stage
 #define W_BYTES (ROWS * BK / 2)        // weight tile of a stage
-#define STAGE_BYTES (X_BYTES + W_BYTES)
+#define S_BYTES (ROWS * 16)            // the weight rows' 4 block scales of a stage, as bf16x2 words
+#define STAGE_BYTES (X_BYTES + W_BYTES + S_BYTES)
 #define EPI_TOK 32                     // rows of x per epilogue chunk
 #define STAGED_STRIDE (64 + 8)         // bf16 per staged output row of a warpgroup (the padding spreads the banks)
 #define STAGING_BYTES (EPI_TOK * STAGED_STRIDE * 2)
@@ -76,6 +77,9 @@ __device__ __forceinline__ u32 lds32(u32 addr) {
   u32 r;
   asm("ld.shared.u32 %0, [%1];" : "=r"(r) : "r"(addr));  // the table: constant once built
   return r;
+}
+__device__ __forceinline__ void sts128(u32 addr, U4 v) {
+  asm volatile("st.shared.v4.u32 [%0], {%1,%2,%3,%4};" :: "r"(addr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
 }
 __device__ __forceinline__ void sts16(u32 addr, u16 v) {
   asm volatile("st.shared.u16 [%0], %1;" :: "r"(addr), "h"(v) : "memory");
@@ -150,7 +154,7 @@ KERNEL_NAME(const __grid_constant__ TensorMap x_map, const __grid_constant__ Ten
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < STAGES; ++s) {
-      mbar_init(bars + 8 * s, 1);
+      mbar_init(bars + 8 * s, 5);  // the TMA thread's expect_tx and one arrive per producer warp (the scales)
       mbar_init(bars + 8 * (STAGES + s), 8);
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
@@ -159,19 +163,31 @@ KERNEL_NAME(const __grid_constant__ TensorMap x_map, const __grid_constant__ Ten
 
   if (wg == 0) {  // producer: the ring position g runs on across units, so a unit's first stages load early
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
-    if (threadIdx.x == 0) {
-      Unit un;
-      int g = 0;
-      for (int u = 0; unit_of(u, n_steps, tiles, dp_tiles, sk_per, sk_ctas, un); ++u) {
-        const int n0 = (un.tile / m_tiles) * ROWS, tok0 = (un.tile % m_tiles) * TOK;
-        for (int i = un.kb; i < un.ke; ++i, ++g) {
-          const int slot = g % STAGES;
-          mbar_wait(bars + 8 * (STAGES + slot), ((g / STAGES) & 1) ^ 1);
-          const u32 full = bars + 8 * slot, tile = base + slot * STAGE_BYTES;
-          mbar_expect_tx(full, STAGE_BYTES);
+    // Thread 0 issues the TMA copies; every thread also converts the 4 block scales of one weight row (its index)
+    // for the stage into bf16x2 words (s * 2^118, twice), which the consumers read with one 16-byte load a row.
+    Unit un;
+    int g = 0;
+    const int lane = threadIdx.x & 31;
+    for (int u = 0; unit_of(u, n_steps, tiles, dp_tiles, sk_per, sk_ctas, un); ++u) {
+      const int n0 = (un.tile / m_tiles) * ROWS, tok0 = (un.tile % m_tiles) * TOK;
+      const u32* srow = reinterpret_cast<const u32*>(sc + (long)min(n0 + (int)threadIdx.x, N - 1) * ldsc);
+      for (int i = un.kb; i < un.ke; ++i, ++g) {
+        const int slot = g % STAGES;
+        const u32 bytes4 = srow[i];
+        mbar_wait(bars + 8 * (STAGES + slot), ((g / STAGES) & 1) ^ 1);
+        const u32 full = bars + 8 * slot, tile = base + slot * STAGE_BYTES;
+        if (threadIdx.x == 0) {
+          mbar_expect_tx(full, X_BYTES + W_BYTES);
           tma_load_2d(tile, &x_map, i * BK, tok0, full);
           tma_load_2d(tile + X_BYTES, &w_map, i * (BK / 2), n0, full);
         }
+        U4 v;
+        v.x = scale_bits(bytes4 & 0xFFu), v.y = scale_bits((bytes4 >> 8) & 0xFFu);
+        v.z = scale_bits((bytes4 >> 16) & 0xFFu), v.w = scale_bits(bytes4 >> 24);
+        v.x |= v.x << 16, v.y |= v.y << 16, v.z |= v.z << 16, v.w |= v.w << 16;
+        sts128(tile + X_BYTES + W_BYTES + 16 * threadIdx.x, v);
+        __syncwarp();
+        if (lane == 0) mbar_arrive(full);
       }
     }
     return;
@@ -179,13 +195,13 @@ KERNEL_NAME(const __grid_constant__ TensorMap x_map, const __grid_constant__ Ten
   asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
 
   // The decode table, built once while the producer's first copies fly: entry b (256 bytes) holds, for each lane
-  // l, the codes of byte b as bf16x2 (natural_pair) at 4l and the E4M3 byte b as a bf16x2 scale (s * 2^118, twice)
-  // at 128 + 4l. Each lane reads only its own bank, and one prmt gives a lane's address: byte b above lane * 4.
+  // l, the codes of byte b as bf16x2 (natural_pair) at 4l (the entry's second half is not used). Each lane reads
+  // only its own bank, and one prmt gives a lane's address: byte b above lane * 4.
   {
     u32* tab = reinterpret_cast<u32*>(smem_raw + (table - raw));
-    for (int idx = threadIdx.x - 128; idx < TABLE_BYTES / 4; idx += 256) {
-      const u32 b = (u32)idx >> 6, scale = scale_bits(b);
-      tab[idx] = (idx & 32) ? scale | (scale << 16) : natural_pair(b, 0);
+    for (int idx = threadIdx.x - 128; idx < TABLE_BYTES / 8; idx += 256) {
+      const u32 b = (u32)idx >> 5;
+      tab[2 * idx - (idx & 31)] = natural_pair(b, 0);  // word (b, lane) at 64 b + lane
     }
     asm volatile("bar.sync 1, 256;" ::: "memory");
   }
@@ -195,15 +211,14 @@ KERNEL_NAME(const __grid_constant__ TensorMap x_map, const __grid_constant__ Ten
   const int g = lane >> 2, t = lane & 3;
   const int rl0 = 64 * c + 16 * warp + g;  // rows rl0 and rl0 + 8 (same 32-byte swizzle phase)
   const u32 swz = (u32)((rl0 >> 2) & 1);
-  const u32 code_lane = 4u * lane, scale_lane = 128u + 4u * lane;  // the low byte of a table address
-  const u32 code_sel = 0x5504u | (t << 4);  // prmt: byte t of a word above code_lane / scale_lane
+  const u32 code_lane = 4u * lane;  // the low byte of a table address
+  const u32 code_sel = 0x5504u | (t << 4);  // prmt: byte t of a word above code_lane
 
   float acc[TOK / 2];
   // Step j's fragments go to register set j % 3 (j counted from the unit's first) and are decoded one step before its MMAs are issued: ptxas
   // serializes every wgmma (C7513) when a register that a wgmma reads is written while an earlier wgmma whose
   // wait comes after that wgmma is in flight. So while step i - 1's MMAs run, step i + 1 decodes and step i's
   // (decoded the step before) issue; three sets are live at once.
-  u32 scl[3][2];    // block-scale bytes (4 steps per u32) of the next step to decode into each set, rows rl0, rl0 + 8
   u32 a[3][4][4];   // [set][k16 step][fragment register]
 
   Unit un;
@@ -213,15 +228,8 @@ KERNEL_NAME(const __grid_constant__ TensorMap x_map, const __grid_constant__ Ten
     // with the unit's first K-step in its bounds instead, ptxas keeps the shared-memory base out of the uniform
     // registers and adds it to every table address (~25 more instructions a step)
     const int len = un.ke - un.kb;
-    const u8* sp0 = sc + (long)min((un.tile / m_tiles) * ROWS + rl0, N - 1) * ldsc + 4 * un.kb;
-    const u8* sp1 = sc + (long)min((un.tile / m_tiles) * ROWS + rl0 + 8, N - 1) * ldsc + 4 * un.kb;
 #pragma unroll
     for (int i = 0; i < TOK / 2; ++i) acc[i] = 0.f;
-#pragma unroll
-    for (int q = 0; q < 3; ++q) {
-      scl[q][0] = q < len ? *reinterpret_cast<const u32*>(sp0 + 4 * q) : 0u;
-      scl[q][1] = q < len ? *reinterpret_cast<const u32*>(sp1 + 4 * q) : 0u;
-    }
 
 #define DECODE(Q, J)                                                                                    \
   {                                                                                                     \
@@ -230,19 +238,17 @@ KERNEL_NAME(const __grid_constant__ TensorMap x_map, const __grid_constant__ Ten
     const u32 wrow = base + slot * STAGE_BYTES + X_BYTES + 32 * rl0;                                    \
     const U4 w00 = lds128(wrow + 16 * (0 ^ swz)), w01 = lds128(wrow + 16 * (1 ^ swz));                  \
     const U4 w10 = lds128(wrow + 256 + 16 * (0 ^ swz)), w11 = lds128(wrow + 256 + 16 * (1 ^ swz));     \
+    const u32 srow = base + slot * STAGE_BYTES + X_BYTES + W_BYTES + 16 * rl0;                          \
+    const U4 sc0 = lds128(srow), sc1 = lds128(srow + 128);                                              \
+    const u32 s0s[4] = {sc0.x, sc0.y, sc0.z, sc0.w}, s1s[4] = {sc1.x, sc1.y, sc1.z, sc1.w};             \
     const u32 lo0[4] = {w00.x, w00.z, w01.x, w01.z}, hi0[4] = {w00.y, w00.w, w01.y, w01.w};             \
     const u32 lo1[4] = {w10.x, w10.z, w11.x, w11.z}, hi1[4] = {w10.y, w10.w, w11.y, w11.w};             \
     _Pragma("unroll") for (int s = 0; s < 4; ++s) {                                                     \
-      const u32 s0 = lds32(table + prmt(scl[Q][0], scale_lane, 0x5504u | (s << 4)));                   \
-      const u32 s1 = lds32(table + prmt(scl[Q][1], scale_lane, 0x5504u | (s << 4)));                   \
+      const u32 s0 = s0s[s], s1 = s1s[s];                                                               \
       a[Q][s][0] = PROBE == 1 ? s0 : mul_bf16x2(lds32(table + prmt(lo0[s], code_lane, code_sel)), s0); \
       a[Q][s][1] = PROBE == 1 ? s1 : mul_bf16x2(lds32(table + prmt(lo1[s], code_lane, code_sel)), s1); \
       a[Q][s][2] = PROBE == 1 ? s0 ^ lo0[0] : mul_bf16x2(lds32(table + prmt(hi0[s], code_lane, code_sel)), s0); \
       a[Q][s][3] = PROBE == 1 ? s1 ^ lo1[0] : mul_bf16x2(lds32(table + prmt(hi1[s], code_lane, code_sel)), s1); \
-    }                                                                                                   \
-    if ((J) + 3 < len) {                                                                                \
-      scl[Q][0] = *reinterpret_cast<const u32*>(sp0 + 4 * ((J) + 3));                                   \
-      scl[Q][1] = *reinterpret_cast<const u32*>(sp1 + 4 * ((J) + 3));                                   \
     }                                                                                                   \
   }
 

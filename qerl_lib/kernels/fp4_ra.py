@@ -121,7 +121,8 @@ class RaConfig:
 
     @property
     def stage_bytes(self) -> int:
-        return self.tok * BLOCK_K * 2 + ROWS_PER_CTA * BLOCK_K // 2
+        """The x tile, the weight bytes and the weight rows' block scales as bf16x2 words (4 a row)."""
+        return self.tok * BLOCK_K * 2 + ROWS_PER_CTA * BLOCK_K // 2 + ROWS_PER_CTA * 16
 
     @property
     def shared_bytes(self) -> int:
