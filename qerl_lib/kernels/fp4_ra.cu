@@ -90,7 +90,8 @@ __device__ __forceinline__ U4 lds128(u32 addr) {
   return r;
 }
 
-// wgmma B descriptor: K-major, 128-byte swizzle, 8-row groups 1024 bytes apart, start address >> 4.
+// wgmma B descriptor: K-major, 128-byte swizzle, 8-row groups 1024 bytes apart, start address >> 4 (shared memory
+// addresses are below 2^18, so adding (offset >> 4) to a descriptor moves its start address without carrying).
 __device__ __forceinline__ u64 x_desc(u32 addr) {
   return (u64)((addr & 0x3FFFFu) >> 4) | ((u64)1 << 16) | ((u64)(1024 >> 4) << 32) | ((u64)1 << 62);
 }
@@ -166,7 +167,7 @@ KERNEL_NAME(const __grid_constant__ TensorMap x_map, const __grid_constant__ Ten
     // Thread 0 issues the TMA copies; every thread also converts the 4 block scales of one weight row (its index)
     // for the stage into bf16x2 words (s * 2^118, twice), which the consumers read with one 16-byte load a row.
     Unit un;
-    int g = 0;
+    u32 g = 0;
     const int lane = threadIdx.x & 31;
     for (int u = 0; unit_of(u, n_steps, tiles, dp_tiles, sk_per, sk_ctas, un); ++u) {
       const int n0 = (un.tile / m_tiles) * ROWS, tok0 = (un.tile % m_tiles) * TOK;
@@ -221,8 +222,9 @@ KERNEL_NAME(const __grid_constant__ TensorMap x_map, const __grid_constant__ Ten
   // (decoded the step before) issue; three sets are live at once.
   u32 a[3][4][4];   // [set][k16 step][fragment register]
 
+  const u64 desc_base = x_desc(base);
   Unit un;
-  int g0 = 0;  // ring position of the unit's first K-step
+  u32 g0 = 0;  // ring position of the unit's first K-step (unsigned: % and / by STAGES are then cheap)
   for (int u = 0; unit_of(u, n_steps, tiles, dp_tiles, sk_per, sk_ctas, un); ++u) {
     // the main loop counts the unit's steps from 0 (len of them; the first is K-step un.kb, at ring position g0):
     // with the unit's first K-step in its bounds instead, ptxas keeps the shared-memory base out of the uniform
@@ -233,7 +235,7 @@ KERNEL_NAME(const __grid_constant__ TensorMap x_map, const __grid_constant__ Ten
 
 #define DECODE(Q, J)                                                                                    \
   {                                                                                                     \
-    const int ring = g0 + (J), slot = ring % STAGES;                                                    \
+    const u32 ring = g0 + (J), slot = ring % STAGES;                                                    \
     mbar_wait(bars + 8 * slot, (ring / STAGES) & 1);                                                    \
     const u32 wrow = base + slot * STAGE_BYTES + X_BYTES + 32 * rl0;                                    \
     const U4 w00 = lds128(wrow + 16 * (0 ^ swz)), w01 = lds128(wrow + 16 * (1 ^ swz));                  \
@@ -254,12 +256,13 @@ KERNEL_NAME(const __grid_constant__ TensorMap x_map, const __grid_constant__ Ten
 
 #define CONSUME(P)                                                                                      \
   {                                                                                                     \
-    const int i = i0 + (P), ring = g0 + i;                                                              \
+    const int i = i0 + (P);                                                                             \
+    const u32 ring = g0 + i;                                                                            \
     if (i + 1 < len) DECODE(((P) + 1) % 3, i + 1)                                                        \
-    const u32 tile = base + (ring % STAGES) * STAGE_BYTES;                                              \
+    const u64 desc0 = desc_base + (u32)((ring % STAGES) * (STAGE_BYTES >> 4));                          \
     u64 desc[4];                                                                                        \
     _Pragma("unroll") for (int s = 0; s < 4; ++s) {                                                     \
-      desc[s] = x_desc(tile + 32 * s);                                                                  \
+      desc[s] = desc0 + 2 * s;  /* the start address field (bits 0-13) moves 32 bytes; it cannot carry */ \
       decoded(a[P][s], desc[s]);                                                                        \
     }                                                                                                   \
     asm volatile("wgmma.fence.sync.aligned;" ::: "memory");                                             \
