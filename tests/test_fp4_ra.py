@@ -63,16 +63,19 @@ def test_schedule_covers_every_k_step_of_every_tile_once(schedule, m, n, k, tok,
 
 
 def test_split_schedule_shortens_a_part_empty_last_wave():
-    """7B down at M = 1024 on 132 SMs: 112 tiles of 296 K-steps; whole tiles leave the busiest CTA 296 steps, the
-    split schedule ceil(112 * 296 / 132) = 252; a grid that fills whole waves is left whole."""
+    """7B down at M = 1024 on 132 SMs: 112 tiles of 296 K-steps; whole tiles leave the busiest CTA 296 steps, splitting
+    them all ceil(112 * 296 / 132) = 252; a grid that fills whole waves is left whole, and so by default is a last wave
+    more than half full."""
     whole = fp4_ra.plan_schedule(1024, 3584, 18944, fp4_ra.RaConfig(schedule="persistent"), 132)
-    split = fp4_ra.plan_schedule(1024, 3584, 18944, fp4_ra.RaConfig(), 132)
+    split = fp4_ra.plan_schedule(1024, 3584, 18944, fp4_ra.RaConfig(split_max_fill=1.0), 132)
     assert max(_steps_of_every_cta(whole)) == 296 and max(_steps_of_every_cta(split)) == 252
     assert split.split_tiles == 112 and split.grid == 132
     full = fp4_ra.plan_schedule(1024, 128 * 132, 3584, fp4_ra.RaConfig(), 132)  # 528 tiles: 4 whole waves
     assert full.sk_ctas == 0 and full.dp_tiles == 528
-    crowded = fp4_ra.plan_schedule(1024, 3584, 18944, fp4_ra.RaConfig(split_max_fill=0.5), 132)  # 112 / 132 > 0.5
+    crowded = fp4_ra.plan_schedule(1024, 3584, 18944, fp4_ra.RaConfig(), 132)  # 112 / 132 > the default 0.5
     assert crowded == whole
+    tail = fp4_ra.plan_schedule(1024, 5120, 27648, fp4_ra.RaConfig(), 132)  # 32B down: 160 tiles, 28 left over
+    assert tail.dp_tiles == 132 and tail.split_tiles == 28 and tail.sk_ctas == 132
 
 
 def _natural_pair(b: int) -> int:
@@ -143,7 +146,7 @@ CHECKS = [(128, 64, 100, False), (136, 192, 300, True), (264, 640, 257, False), 
           (4608, 3584, 33, False), (4608, 3584, 1024, True)]
 # every launch shape with the default schedule (split), and the 256-row shape with each schedule and many-way splits
 LAUNCHES = SHAPES + [fp4_ra.RaConfig(256, 4, "one_tile"), fp4_ra.RaConfig(256, 4, "persistent"),
-                     fp4_ra.RaConfig(256, 4, min_split_steps=1)]
+                     fp4_ra.RaConfig(256, 4, min_split_steps=1, split_max_fill=1.0)]
 
 
 def _launch_id(cfg: fp4_ra.RaConfig) -> str:

@@ -1,11 +1,13 @@
 """dev/LOG.md section 74: the register-A CUDA GEMM (`kernels/fp4_ra.py`) persistent, and with the part-empty last
-wave split along K, against one CTA per tile, cuBLAS bf16 and the kit's forward path (`fp4_linear`), in one process.
+wave split along K, against one CTA per tile, cuBLAS bf16 and the kit's forward path (`fp4_linear`), in one process
+(runs 1-4: "split" with split_max_fill 1.0 and "split_half" with 0.5, the no-decode probe with 1.0; from run 5 the
+default 0.5 is "split", 1.0 "split_all", and the probes use the default).
 
     PYTHONPATH=/tmp/site:. python3 dev/sweeps/fp4_ra_persistent_sweep.py --json OUT.json [--models qwen2.5-7b]
 
 Correctness of every schedule first (section 72's odd shapes, and shapes whose tiles leave a part-empty wave), then
 median device times in CUDA graphs with L2-rotated weight copies, as `qerl bench gemm` times, plus the split launch
-without its weight decode (section 72's probe 1: the pipeline's ceiling at that shape).
+without its weight decode (section 72's probe 1: the pipeline's ceiling at that shape) and without its epilogue (probe 3).
 """
 import argparse
 import sys
@@ -22,8 +24,10 @@ from qerl_lib.quant.nvfp4 import quantize, reference_matmul
 
 LAUNCHES = {"one_tile": fp4_ra.RaConfig(256, 4, "one_tile"), "persistent": fp4_ra.RaConfig(256, 4, "persistent"),
             "split": fp4_ra.RaConfig(256, 4, "split"),
-            "split_half": fp4_ra.RaConfig(256, 4, "split", split_max_fill=0.5),
-            "split_nodecode": fp4_ra_probe.ProbeConfig(256, 4, "split", probe=1)}
+            "split_all": fp4_ra.RaConfig(256, 4, "split", split_max_fill=1.0),
+            "split_nodecode": fp4_ra_probe.ProbeConfig(256, 4, "split", probe=1),
+            "split_noepilogue": fp4_ra_probe.ProbeConfig(256, 4, "split", probe=3)}
+PROBES = ("split_nodecode", "split_noepilogue")  # diagnostics: their outputs are not checked
 EXTRA_CHECKS = [(4608, 3584, 1024), (3584, 18944, 1024)]  # one whole wave + a split tail; all tiles split
 
 
@@ -36,7 +40,7 @@ def main() -> int:
     gen = torch.Generator(device="cuda").manual_seed(0)
     checks = []
     for name, cfg in LAUNCHES.items():
-        if name == "split_nodecode":
+        if name in PROBES:
             continue
         for n, k, m in CHECKS + EXTRA_CHECKS:
             for bias in (False, True):
@@ -68,7 +72,7 @@ def main() -> int:
                     row[name + "_schedule"] = {"grid": s.grid, "tiles": s.tiles, "dp_tiles": s.dp_tiles,
                                                "sk_per": s.sk_per, "sk_ctas": s.sk_ctas}
                     fp4_ra.linear(x, kit[0].words, kit[0].scales, kit[0].global_scale, None, out, cfg)
-                    if name != "split_nodecode":
+                    if name not in PROBES:
                         row[name + "_rel_err"] = mean_relative_error(out.float(), ref)
                     row[name + "_us"] = time_graph([lambda w=w: fp4_ra.linear(x, w.words, w.scales, w.global_scale,
                                                                                None, out, cfg) for w in kit]).median_ms * 1e3

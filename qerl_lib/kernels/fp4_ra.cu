@@ -48,7 +48,7 @@ struct __align__(64) TensorMap { u64 v[16]; };  // CUtensorMap, filled on the ho
 #define STAGING_BYTES (EPI_TOK * STAGED_STRIDE * 2)
 #define TABLE_BYTES (256 * 256)        // decode table: 256 entries x (32 lanes' code words, 32 lanes' scale words)
 #ifndef PROBE
-#define PROBE 0  // diagnostics only (dev/LOG.md section 72): 1 = no weight decode (A from the scale table), 2 = no MMA
+#define PROBE 0  // diagnostics only (dev/LOG.md sections 72, 74): 1 = no weight decode, 2 = no MMA, 3 = no epilogue
 #endif
 
 __device__ __forceinline__ u32 smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
@@ -175,13 +175,14 @@ KERNEL_NAME(const __grid_constant__ TensorMap x_map, const __grid_constant__ Ten
       for (int i = un.kb; i < un.ke; ++i, ++g) {
         const int slot = g % STAGES;
         const u32 bytes4 = srow[i];
-        mbar_wait(bars + 8 * (STAGES + slot), ((g / STAGES) & 1) ^ 1);
         const u32 full = bars + 8 * slot, tile = base + slot * STAGE_BYTES;
-        if (threadIdx.x == 0) {
+        if (threadIdx.x == 0) {  // one thread polls the stage's "empty" barrier; the others wait at a hardware barrier
+          mbar_wait(bars + 8 * (STAGES + slot), ((g / STAGES) & 1) ^ 1);
           mbar_expect_tx(full, X_BYTES + W_BYTES);
           tma_load_2d(tile, &x_map, i * BK, tok0, full);
           tma_load_2d(tile + X_BYTES, &w_map, i * (BK / 2), n0, full);
         }
+        asm volatile("bar.sync 4, 128;" ::: "memory");  // the stage is free: its scales may be written
         U4 v;
         v.x = scale_bits(bytes4 & 0xFFu), v.y = scale_bits((bytes4 >> 8) & 0xFFu);
         v.z = scale_bits((bytes4 >> 16) & 0xFFu), v.w = scale_bits(bytes4 >> 24);
@@ -366,7 +367,7 @@ KERNEL_NAME(const __grid_constant__ TensorMap x_map, const __grid_constant__ Ten
 
     // epilogue: out = bf16(acc * 2^8/gs) (+ bias), EPI_TOK rows of x at a time staged through this warpgroup's
     // [EPI_TOK][64 + 8] bf16 and stored as 16-byte runs; rows past M and weight rows past N are not stored
-    if (!store) continue;
+    if (!store || PROBE == 3) continue;
     const float factor = __fdiv_rn(256.0f, gs[0]);
     const u16 b0 = bias != 0 && n0 + rl0 < N ? bias[n0 + rl0] : (u16)0;
     const u16 b1 = bias != 0 && n0 + rl0 + 8 < N ? bias[n0 + rl0 + 8] : (u16)0;

@@ -103,7 +103,7 @@ class RaConfig:
     stages: int = 4
     schedule: str = "split"
     min_split_steps: int = 8
-    split_max_fill: float = 1.0
+    split_max_fill: float = 0.5
 
     def __post_init__(self):
         if self.tok not in (64, 128, 256):
