@@ -1,5 +1,5 @@
 """dev/LOG.md section 72: where the register-A CUDA GEMM's time goes. Each launch shape is timed as built (probe 0),
-without the weight decode (probe 1: the A registers come from the scale table; loads, waits and MMAs unchanged) and
+without the weight decode (probe 1: the A registers are the block scales; loads, waits and MMAs unchanged) and
 without the MMAs (probe 2: decode, loads and waits only), on a few 7B shapes, beside cuBLAS bf16. Outputs of the
 probes are meaningless; only their times are read.
 

@@ -23,11 +23,12 @@
 // rotate through three sets (the loop is unrolled by three), so no set an MMA in flight reads is rewritten.
 //
 // Natural K order: fragment register (row r, k pair 2t, 2t+1 of k16 step s) holds the two nibbles of byte 8s + t
-// of the row's 32 bytes, (row r, pair 2t+8, 2t+9) those of byte 8s + t + 4. A 64 KB table in shared memory turns a
-// byte into its two codes as bf16 bits of fp4 * 2^-126 (natural_pair: mma.cu's pair trick) and an E4M3 byte into
-// its exact scale s * 2^118 (twice); it is replicated per lane, so every lane reads its own bank, and one prmt
-// makes the address (the byte, above the lane's offset). A fragment register is then prmt, ld.shared and one packed
-// mul.rn.bf16x2 by the scale: fp4 * s * 2^-8, exact.
+// of the row's 32 bytes, (row r, pair 2t+8, 2t+9) those of byte 8s + t + 4. A table in shared memory turns a byte
+// into its two codes as bf16 bits of fp4 * 2^-126 (natural_pair: mma.cu's pair trick); it is replicated per lane,
+// so every lane reads its own bank, and one prmt makes the address (the byte, above the lane's offset). The producer
+// warpgroup writes each stage's block scales as bf16x2 words of the exact s * 2^118 (twice), one 16-byte row of 4
+// per weight row. A fragment register is then prmt, ld.shared and one packed mul.rn.bf16x2 by the scale:
+// fp4 * s * 2^-8, exact.
 //
 // Epilogue: out = bf16(acc * 2^8/gs) (+ bias after the cast), each consumer warpgroup staging its 64 columns through
 // its own shared-memory buffer, EPI_TOK rows of x at a time, and storing 16-byte rows; rows of x past M and weight
@@ -46,7 +47,7 @@ struct __align__(64) TensorMap { u64 v[16]; };  // CUtensorMap, filled on the ho
 #define EPI_TOK 32                     // rows of x per epilogue chunk
 #define STAGED_STRIDE (64 + 8)         // bf16 per staged output row of a warpgroup (the padding spreads the banks)
 #define STAGING_BYTES (EPI_TOK * STAGED_STRIDE * 2)
-#define TABLE_BYTES (256 * 256)        // decode table: 256 entries x (32 lanes' code words, 32 lanes' scale words)
+#define TABLE_BYTES (256 * 256)        // decode table: 256 entries x 32 lanes' code words (the upper 128 B unused)
 #ifndef PROBE
 #define PROBE 0  // diagnostics only (dev/LOG.md sections 72, 74): 1 = no weight decode, 2 = no MMA, 3 = no epilogue
 #endif
@@ -81,8 +82,16 @@ __device__ __forceinline__ u32 lds32(u32 addr) {
 __device__ __forceinline__ void sts128(u32 addr, U4 v) {
   asm volatile("st.shared.v4.u32 [%0], {%1,%2,%3,%4};" :: "r"(addr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
 }
-__device__ __forceinline__ void sts16(u32 addr, u16 v) {
-  asm volatile("st.shared.u16 [%0], %1;" :: "r"(addr), "h"(v) : "memory");
+__device__ __forceinline__ void stsm_x4_trans(u32 addr, const u32* r) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};"
+               :: "r"(addr), "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3]) : "memory");
+}
+// Two outputs of one weight row as bf16x2 (lo: the first row of x): bf16(acc * 2^8/gs), then + bias after the cast.
+__device__ __forceinline__ u32 out_pair(float lo, float hi, float factor, bool has_bias, u16 b) {
+  if (has_bias) return (u32)add_bias(to_bf16(lo * factor), b) | ((u32)add_bias(to_bf16(hi * factor), b) << 16);
+  u32 d;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi * factor), "f"(lo * factor));
+  return d;
 }
 __device__ __forceinline__ U4 lds128(u32 addr) {
   U4 r;
@@ -371,23 +380,25 @@ KERNEL_NAME(const __grid_constant__ TensorMap x_map, const __grid_constant__ Ten
     const float factor = __fdiv_rn(256.0f, gs[0]);
     const u16 b0 = bias != 0 && n0 + rl0 < N ? bias[n0 + rl0] : (u16)0;
     const u16 b1 = bias != 0 && n0 + rl0 + 8 < N ? bias[n0 + rl0 + 8] : (u16)0;
-    const int rw = rl0 - 64 * c;  // the row within this warpgroup's 64
+    // stmatrix .trans writes 8x8 blocks of the accumulator fragment transposed: thread (g, t)'s pair (weight row g,
+    // rows of x 2t and 2t + 1) of block m lands in rows of x 2t, 2t + 1 of the staged tile, and thread i names the
+    // staged row (i % 8) of block i / 8; blocks 2q and 2q + 1 are weight rows 16 warp + 0..7 and 8..15 of rows of x
+    // 8q .. 8q + 7 of the chunk (q = 0, 1 per instruction).
+    const u32 block_row = staged + 2 * ((8 * (lane >> 4) + (lane & 7)) * STAGED_STRIDE + 16 * warp + 8 * ((lane >> 3) & 1));
 #pragma unroll
     for (int chunk = 0; chunk < TOK / EPI_TOK; ++chunk) {
       asm volatile("bar.sync %0, 128;" :: "r"(2 + c) : "memory");  // the previous chunk's reads are done
 #pragma unroll
-      for (int j = chunk * (EPI_TOK / 8); j < (chunk + 1) * (EPI_TOK / 8); ++j)
+      for (int jj = 0; jj < EPI_TOK / 8; jj += 2) {
+        u32 r[4];
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int tok = 8 * j + 2 * t + e - chunk * EPI_TOK;
-          u16 y0 = to_bf16(acc[4 * j + e] * factor), y1 = to_bf16(acc[4 * j + 2 + e] * factor);
-          if (bias != 0) {
-            y0 = add_bias(y0, b0);
-            y1 = add_bias(y1, b1);
-          }
-          sts16(staged + 2 * (tok * STAGED_STRIDE + rw), y0);
-          sts16(staged + 2 * (tok * STAGED_STRIDE + rw + 8), y1);
+        for (int q = 0; q < 2; ++q) {
+          const int j = chunk * (EPI_TOK / 8) + jj + q;
+          r[2 * q] = out_pair(acc[4 * j], acc[4 * j + 1], factor, bias != 0, b0);
+          r[2 * q + 1] = out_pair(acc[4 * j + 2], acc[4 * j + 3], factor, bias != 0, b1);
         }
+        stsm_x4_trans(block_row + 2 * 8 * jj * STAGED_STRIDE, r);
+      }
       asm volatile("bar.sync %0, 128;" :: "r"(2 + c) : "memory");
 #pragma unroll
       for (int v = ct; v < EPI_TOK * 8; v += 128) {

@@ -14,17 +14,19 @@ How one CTA works
 -----------------
 Three warpgroups. One thread of the first (the *producer*) streams K-steps of 64 through a ring of ``stages``
 shared-memory stages by TMA: the ``x`` tile (``tok`` rows x 64, with the 128-byte swizzle that ``wgmma`` reads as
-its B operand) and the 128 weight rows' 32 bytes (the compressed-tensors bytes as they are on disk). The other two
+its B operand) and the 128 weight rows' 32 bytes (the compressed-tensors bytes as they are on disk). Each of the
+producer's 128 threads also turns one weight row's 4 E4M3 block scales of the step into bf16x2 words of the exact
+``s * 2^118`` (twice) in the stage, so that a consumer reads a row's scales with one 16-byte load. The other two
 (the *consumers*, 64 weight rows each) hold the weights as ``wgmma``'s A operand in registers (swap-AB: the output
 is computed transposed, weight rows on the MMA's M side, rows of ``x`` on its N side). Per K-step a consumer:
 
-1. waits on the stage's ``full`` mbarrier (the TMA copies complete it);
-2. reads its rows' bytes from shared memory and decodes them into 4 k16 fragments in **natural K order**: the
-   fragment pair ``(2t, 2t + 1)`` of lane ``4g + t`` is the two nibbles of byte ``t`` of a 4-byte word. A 64 KB
-   table in shared memory, replicated per lane so that each lane reads its own bank, holds for every byte value its
-   two codes as bf16 bits of ``fp4 * 2^-126`` (``mma.cu``'s pair trick, computed once per CTA) and its exact E4M3
-   scale ``s * 2^118``; one ``prmt`` turns (byte, lane) into the address, and one packed ``mul.rn.bf16x2`` by the
-   scale makes ``fp4 * s * 2^-8`` (exact: at most 6 significant bits): three instructions a fragment register;
+1. waits on the stage's ``full`` mbarrier (the TMA copies and one arrive per producer warp complete it);
+2. reads its rows' bytes and scales from shared memory and decodes the bytes into 4 k16 fragments in **natural K
+   order**: the fragment pair ``(2t, 2t + 1)`` of lane ``4g + t`` is the two nibbles of byte ``t`` of a 4-byte word.
+   A table in shared memory (256-byte entries, one word per lane so that each lane reads its own bank) holds for
+   every byte value its two codes as bf16 bits of ``fp4 * 2^-126`` (``mma.cu``'s pair trick, computed once per
+   CTA); one ``prmt`` turns (byte, lane) into the address, and one packed ``mul.rn.bf16x2`` by the scale makes
+   ``fp4 * s * 2^-8`` (exact: at most 6 significant bits): three instructions a fragment register;
 3. issues the 4 ``wgmma`` of the step it decoded the iteration before as one group, then waits until only that
    group is in flight: the decode of step ``i + 1`` runs under step ``i - 1``'s MMAs, and three sets of A registers
    rotate. (ptxas serializes every wgmma, warning C7513, when a register that a wgmma reads is written while an
@@ -77,7 +79,7 @@ SOURCE_PATH = Path(__file__).with_name("fp4_ra.cu")
 BLOCK_K = 64  # K per stage
 ROWS_PER_CTA = 128  # weight rows: two consumer warpgroups of 64
 THREADS = 384
-TABLE_BYTES = 256 * 256  # the decode table (fp4_ra.cu): 256 byte values x 32 lanes x (codes, scale) words
+TABLE_BYTES = 256 * 256  # the decode table (fp4_ra.cu): 256 byte values x 256-byte entries (32 lanes' code words)
 SHARED_MEMORY_LIMIT = 227 * 1024  # dynamic shared memory one CTA of an sm_90 SM may use
 STAGING_BYTES = 32 * (64 + 8) * 2  # one consumer warpgroup's epilogue staging (fp4_ra.cu: EPI_TOK x STAGED_STRIDE bf16)
 
