@@ -174,3 +174,50 @@ def test_matches_the_oracle_and_writes_only_its_output(cfg, n, k, m, bias):
     again = torch.empty_like(out)
     fp4_ra.linear(x, words, scales, q.weight_global_scale, b, again, cfg)
     assert torch.equal(out, again)
+
+
+@pytest.mark.parametrize("m,n,k,picked", [
+    (1024, 18944, 3584, True), (2048, 37888, 3584, True), (1536, 27648, 5120, True), (2048, 55296, 5120, True),
+    (1024, 3584, 18944, False), (2048, 5120, 27648, False), (1024, 7168, 5120, False),  # down, 32B fused q/k/v: not adopted
+    (1024, 3584, 3584, False), (2048, 4608, 3584, False), (1024, 512, 3584, False), (1024, 5120, 5120, False),
+    (1023, 37888, 3584, False), (2049, 37888, 3584, False), (4096, 3584, 18944, False),  # outside the measured rows
+    (1024, 37888, 3600, False)])  # K not a multiple of 64
+def test_rule_picks_the_register_a_kernel_only_where_it_measured_faster(m, n, k, picked):
+    from qerl_lib.kernels.launch_rule import path_name, pick_ra_config, plan_launch
+
+    assert (pick_ra_config(m, n, k) == fp4_ra.RaConfig()) == picked
+    planned = plan_launch(m, n, k, gluon=True, producer_aligned=True, ra=True)
+    assert isinstance(planned, fp4_ra.RaConfig) == picked
+    assert not isinstance(plan_launch(m, n, k, gluon=True, producer_aligned=True, ra=False), fp4_ra.RaConfig)
+    if picked:
+        assert path_name(planned) == "cuda-register-a"
+
+
+def test_rule_can_be_turned_off(monkeypatch):
+    from qerl_lib.kernels.launch_rule import RA_ENV, pick_ra_config
+
+    monkeypatch.setenv(RA_ENV, "0")
+    assert pick_ra_config(1024, 18944, 3584) is None
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not fp4_ra.available(), reason=f"fp4_ra cannot run here: {fp4_ra.unavailable_reason()}")
+@pytest.mark.parametrize("misaligned_out", [False, True])
+def test_fp4_linear_routes_to_it_and_matches_the_oracle(monkeypatch, misaligned_out):
+    """At 1024 rows of a wide shape ``fp4_linear`` plans this kernel and its output matches the oracle; an output
+    that is not 16-byte aligned falls back to the launch the rule gives without it; QERL_FP4_RA=0 plans another."""
+    from qerl_lib.kernels.fp4_gemm import fp4_linear, planned_launch
+    from qerl_lib.kernels.launch_rule import RA_ENV
+
+    m, n, k = 1024, 16384, 512
+    q, w, gen = cuda_nvfp4_weights(n, k, seed=11)
+    x = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
+    b = (torch.randn(n, device="cuda", generator=gen) * 0.1).to(torch.bfloat16)
+    assert isinstance(planned_launch(m, w, x.device), fp4_ra.RaConfig)
+    ref = reference_matmul(x, q, b).double()
+    out = torch.empty(m * n + 1, device="cuda", dtype=torch.bfloat16)[1:].view(m, n) if misaligned_out else None
+    y = fp4_linear(x, w, b, out=out)
+    err = ((y.double() - ref).abs().mean() / ref.abs().mean()).item()
+    assert y.isfinite().all() and err <= 1e-3, err
+    monkeypatch.setenv(RA_ENV, "0")
+    assert not isinstance(planned_launch(m, w, x.device), fp4_ra.RaConfig)

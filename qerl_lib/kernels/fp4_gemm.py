@@ -60,10 +60,11 @@ where it can run (sm_90+ and NVRTC; faster than this one, dev/LOG.md); ``fp4_lin
 projection group's LoRA adapters (``lora=``). On an H100/H200 the Gluon kernels run where ``launch_rule`` picks them:
 ``kernels/fp4_wgmma.py`` at 25-128 rows, ``kernels/fp4_wgmma_producer.py`` at most 24-96-row calls (its decode
 spans), on gate/up at 193-2048 and down at 193-512 rows (``QERL_FP4_WGMMA=0`` turns both off, ``QERL_FP4_PRODUCER=0``
-the second). Other CUDA calls run the Triton kernel (or dequantize + cuBLAS for large M); CPU tensors run the
-plain-torch oracles (``nvfp4.reference_matmul``) unless ``impl="triton"`` forces the kernels, which then need
-``TRITON_INTERPRET=1`` set before Triton is imported; the interpreter cannot run PTX and mishandles bf16
-(``_interpreted``), so the kernels multiply in fp32: identical bits.
+the second). On Hopper the register-A CUDA kernel (``kernels/fp4_ra.py``) takes the wide gate/up calls at 1024-2048
+rows from the producer kernel (``QERL_FP4_RA=0`` turns it off). Other CUDA calls run the Triton kernel (or dequantize + cuBLAS for
+large M); CPU tensors run the plain-torch oracles (``nvfp4.reference_matmul``) unless ``impl="triton"`` forces the
+kernels, which then need ``TRITON_INTERPRET=1`` set before Triton is imported; the interpreter cannot run PTX and
+mishandles bf16 (``_interpreted``), so the kernels multiply in fp32: identical bits.
 """
 
 from __future__ import annotations
@@ -76,7 +77,7 @@ from dataclasses import dataclass
 
 import torch
 
-from qerl_lib.kernels import fp4_wgmma, fp4_wgmma_producer, mma
+from qerl_lib.kernels import fp4_ra, fp4_wgmma, fp4_wgmma_producer, mma
 from qerl_lib.kernels.fp4_decode import code_pair_bits
 from qerl_lib.kernels.fp4_wgmma import num_sms as _num_sms
 from qerl_lib.kernels.launch_rule import (SMALL_M_BACKENDS, SMALL_M_ENV, KernelConfig, pick_config,  # noqa: F401
@@ -247,14 +248,18 @@ def dequantize_exact(weight: PreparedFP4Weight, unscale: bool = True) -> torch.T
     return out
 
 
-def planned_launch(m: int, weight: PreparedFP4Weight, device: torch.device, allow_cublas: bool = True):
+def planned_launch(m: int, weight: PreparedFP4Weight, device: torch.device, allow_cublas: bool = True,
+                   ra: bool = True):
     """The launch ``fp4_linear`` gives ``m`` rows of x on ``device`` where the mma.sync kernel does not run them
-    (``launch_rule.plan_launch``: a Gluon kernel's config or a ``KernelConfig``); benchmarks read its path from it."""
+    (``launch_rule.plan_launch``: the register-A CUDA kernel's, a Gluon kernel's config or a ``KernelConfig``;
+    ``ra=False`` leaves the first out); benchmarks read its path from it."""
     n, k = weight.shape
     gluon = os.environ.get(WGMMA_ENV, "1") != "0" and fp4_wgmma.available(device)
+    ra = ra and device.type == "cuda" and weight.tma_aligned and \
+        fp4_ra.available(device.index if device.index is not None else torch.cuda.current_device())
     return plan_launch(m, n, k, _num_sms(device), gluon=gluon,
                        producer_aligned=gluon and weight.tma_aligned,
-                       allow_cublas=allow_cublas and not math.isnan(weight.inv_global_scale))
+                       allow_cublas=allow_cublas and not math.isnan(weight.inv_global_scale), ra=ra)
 
 
 # ============================================================================ validation
@@ -346,6 +351,12 @@ def _triton_linear(x: torch.Tensor, weight: PreparedFP4Weight, bias: torch.Tenso
                        mma_rule(m, n, k) if mma_rule is not None else None, lora=lora)
         return out.reshape(*lead, n)
     config = config or planned_launch(m, weight, x2.device, allow_cublas)
+    if isinstance(config, fp4_ra.RaConfig):  # the register-A CUDA kernel (the rule's or forced)
+        if out.data_ptr() % 16 == 0:  # x2 is 16-byte aligned already; the weights were checked (tma_aligned)
+            fp4_ra.linear(x2, weight.words, weight.scales, weight.global_scale,
+                          bias.contiguous() if bias is not None else None, out, config)
+            return out.reshape(*lead, n)
+        config = planned_launch(m, weight, x2.device, allow_cublas, ra=False)
     if isinstance(config, fp4_wgmma_producer.ProducerConfig):  # the producer-warp Gluon kernel (rule's or forced)
         fp4_wgmma_producer.linear(x2 if x_relabeled is None else x_relabeled, weight.words, weight.scales,
                                   weight.global_scale, bias, out, config, permuted=x_relabeled is not None,

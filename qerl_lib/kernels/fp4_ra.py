@@ -60,7 +60,8 @@ E4M3-subnormal block scales are kept, as compressed-tensors does.
 
 Requirements: an sm_90 GPU (``wgmma`` and ``setmaxnreg`` need ``sm_90a``), K % 64 == 0, N % 8 == 0, 16-byte aligned
 rows of ``x``, ``out`` and the weight bytes, 4-byte aligned scale rows. ``available()`` says whether it can run;
-nothing in the library's default paths calls it yet (dev/LOG.md sections 72 and 74 measure it).
+``fp4_gemm.fp4_linear`` runs it where ``launch_rule.pick_ra_config`` picks it (dev/LOG.md sections 72 and 74 measure
+it).
 """
 
 from __future__ import annotations

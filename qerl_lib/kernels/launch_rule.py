@@ -5,7 +5,8 @@ same bits. The rules and their thresholds come from GPU sweeps on an H100 and an
 results and reasoning in dev/LOG.md): the decode step (M <= 8) runs the mma.sync kernel where it can
 (``uses_mma``); at 25-128 rows the Gluon kernel (``pick_wgmma_config``), except where the producer-warp Gluon
 kernel (``pick_producer_config``) runs: most shapes at 24-96 rows, the wide gate/up shapes at 193-2048 rows and
-the long-K down shapes at 193-512; everything else the Triton kernel,
+the long-K down shapes at 193-512, except that the register-A CUDA kernel (``pick_ra_config``) takes the wide
+ones at 1024-2048; everything else the Triton kernel,
 whose small-M launches want enough programs in flight (K-splits) without overflowing one wave, or from 193
 rows one exact dequantization pass and cuBLAS (``pick_config``). ``plan_launch`` chains the last three.
 """
@@ -18,7 +19,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from qerl_lib.kernels import fp4_wgmma_producer, mma
+from qerl_lib.kernels import fp4_ra, fp4_wgmma_producer, mma
+from qerl_lib.kernels.fp4_ra import RaConfig
 from qerl_lib.kernels.fp4_wgmma import WgmmaConfig, supported_problem
 from qerl_lib.kernels.fp4_wgmma_producer import ProducerConfig
 
@@ -273,12 +275,38 @@ def pick_producer_config(m: int, n: int, k: int, num_sms: int = 132) -> Producer
     return ProducerConfig(128, 4) if producer_block_m(m, n, num_sms) == 128 else ProducerConfig()
 
 
+# The register-A CUDA kernel (kernels/fp4_ra.py: persistent, the part-empty last wave split along K) on the wide gate/up
+# shapes (N >= PRODUCER_MIN_N) from RA_MIN_M to RA_MAX_M rows, where the producer kernel ran before: faster in the same
+# run on an H200 (dev/LOG.md section 74, runs 3-6: 7B gate/up +2-4% at M = 1024 and +8-20% at 2048, fused gate/up
+# +2-12%, 32B level to +10%; `qerl bench gemm` with and without it: fp4 time 1.02-1.11x shorter on those rows against
+# 0.98-1.06x on the unchanged ones). Also faster there at M = 1024 but not adopted: the long-K down shapes (+10-18%
+# against dequantize + cuBLAS) and 32B's fused q/k/v (+8-14%), which lost or tied at 2048 in the bench; q/o, k/v and
+# 7B's fused q/k/v were level or slower, and at M = 4096 dequantize + cuBLAS (0.93-1.00x of bf16) beat it (0.84-0.97x).
+# Not yet measured on an H100.
+RA_MIN_M = 1024
+RA_MAX_M = 2048
+RA_ENV = "QERL_FP4_RA"  # "0": never pick it (read at each call; default "1")
+
+
+def pick_ra_config(m: int, n: int, k: int) -> RaConfig | None:
+    """The register-A CUDA kernel's launch (``fp4_ra.RaConfig()``: 256 rows of x, 4 stages, split tail) where the rule
+    picks it (``RA_MIN_M`` <= m <= ``RA_MAX_M`` and N >= ``PRODUCER_MIN_N``), else None. ``QERL_FP4_RA=0`` turns it
+    off."""
+    if os.environ.get(RA_ENV, "1") == "0" or not RA_MIN_M <= m <= RA_MAX_M or not fp4_ra.supported_problem(n, k):
+        return None
+    return RaConfig() if n >= PRODUCER_MIN_N else None
+
+
 def plan_launch(m: int, n: int, k: int, num_sms: int = 132, *, gluon: bool = False, producer_aligned: bool = False,
-                allow_cublas: bool = True) -> ProducerConfig | WgmmaConfig | KernelConfig:
+                allow_cublas: bool = True, ra: bool = False) -> RaConfig | ProducerConfig | WgmmaConfig | KernelConfig:
     """The launch ``fp4_gemm`` gives an ``[m, k] x [k, n]`` problem that its mma.sync kernel does not take: the
-    producer kernel's or the Gluon kernel's config where ``gluon`` (they can run here and are not turned off) and
-    their rules pick them (the producer kernel only where ``producer_aligned``: its weights meet TMA's alignment),
-    else ``pick_config``'s."""
+    register-A CUDA kernel's where ``ra`` (it can run here and its weights meet TMA's alignment) and its rule picks it;
+    else the producer kernel's or the Gluon kernel's config where ``gluon`` (they can run here and are not turned off)
+    and their rules pick them (the producer kernel only where ``producer_aligned``), else ``pick_config``'s."""
+    if ra:
+        config = pick_ra_config(m, n, k)
+        if config is not None:
+            return config
     if gluon:
         config = (producer_aligned and pick_producer_config(m, n, k, num_sms)) or pick_wgmma_config(m, n, k, num_sms)
         if config is not None:
@@ -286,8 +314,10 @@ def plan_launch(m: int, n: int, k: int, num_sms: int = 132, *, gluon: bool = Fal
     return pick_config(m, n, k, num_sms, allow_cublas)
 
 
-def path_name(config: ProducerConfig | WgmmaConfig | KernelConfig) -> str:
+def path_name(config: RaConfig | ProducerConfig | WgmmaConfig | KernelConfig) -> str:
     """A launch's kernel as benchmarks label it."""
+    if isinstance(config, RaConfig):
+        return "cuda-register-a"
     if isinstance(config, ProducerConfig):
         return "gluon-producer"
     if isinstance(config, WgmmaConfig):
