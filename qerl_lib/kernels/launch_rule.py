@@ -277,7 +277,7 @@ def pick_producer_config(m: int, n: int, k: int, num_sms: int = 132) -> Producer
 
 # The register-A CUDA kernel (kernels/fp4_ra.py: persistent, the part-empty last wave split along K) on the wide gate/up
 # shapes (N >= PRODUCER_MIN_N) from RA_MIN_M to RA_MAX_M rows, where the producer kernel ran before: faster in the same
-# run on an H200 (dev/LOG.md section 74, runs 3-6: 7B gate/up +2-4% at M = 1024 and +8-20% at 2048, fused gate/up
+# run on an H200 (dev/LOG.md section 74: 7B gate/up +2-4% at M = 1024 and +8-20% at 2048, fused gate/up
 # +2-12%, 32B level to +10%; `qerl bench gemm` with and without it: fp4 time 1.02-1.11x shorter on those rows against
 # 0.98-1.06x on the unchanged ones). Also faster there at M = 1024 but not adopted: the long-K down shapes (+10-18%
 # against dequantize + cuBLAS) and 32B's fused q/k/v (+8-14%), which lost or tied at 2048 in the bench; q/o, k/v and
