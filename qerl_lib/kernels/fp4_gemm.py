@@ -61,10 +61,10 @@ projection group's LoRA adapters (``lora=``). On an H100/H200 the Gluon kernels 
 ``kernels/fp4_wgmma.py`` at 25-128 rows, ``kernels/fp4_wgmma_producer.py`` at most 24-96-row calls (its decode
 spans), on gate/up at 193-2048 and down at 193-512 rows (``QERL_FP4_WGMMA=0`` turns both off, ``QERL_FP4_PRODUCER=0``
 the second). On Hopper the register-A CUDA kernel (``kernels/fp4_ra.py``) takes the wide gate/up calls at 1024-2048
-rows from the producer kernel (``QERL_FP4_RA=0`` turns it off). Other CUDA calls run the Triton kernel (or dequantize + cuBLAS for
-large M); CPU tensors run the plain-torch oracles (``nvfp4.reference_matmul``) unless ``impl="triton"`` forces the
-kernels, which then need ``TRITON_INTERPRET=1`` set before Triton is imported; the interpreter cannot run PTX and
-mishandles bf16 (``_interpreted``), so the kernels multiply in fp32: identical bits.
+rows from the producer kernel (``QERL_FP4_RA=0`` turns it off). Other CUDA calls run the Triton kernel (or
+dequantize + cuBLAS for large M); CPU tensors run the plain-torch oracles (``nvfp4.reference_matmul``) unless
+``impl="triton"`` forces the kernels, which then need ``TRITON_INTERPRET=1`` set before Triton is imported; the
+interpreter cannot run PTX and mishandles bf16 (``_interpreted``), so the kernels multiply in fp32: identical bits.
 """
 
 from __future__ import annotations
@@ -164,13 +164,15 @@ def fp4_matmul(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch
 
 def fp4_linear(x: torch.Tensor, weight: PreparedFP4Weight, bias: torch.Tensor | None = None, *,
                impl: str = "auto", out: torch.Tensor | None = None,
-               config: KernelConfig | fp4_wgmma.WgmmaConfig | fp4_wgmma_producer.ProducerConfig | None = None,
+               config: KernelConfig | fp4_wgmma.WgmmaConfig | fp4_wgmma_producer.ProducerConfig | fp4_ra.RaConfig
+               | None = None,
                small_m_backend: str | None = None, mma_rule: Callable[[int, int, int], mma.MmaConfig] | None = None,
                lora: mma.LoraEpilogue | None = None, x_relabeled: torch.Tensor | None = None,
                defer_reduce: list | None = None) -> torch.Tensor:
     """``x @ W.T (+ bias)`` for a ``prepare_fp4_weights`` result; the path ``NVFP4Linear`` uses.
     ``out``: optional bf16 ``[..., N]`` contiguous tensor to write into. ``config`` forces one launch of the
-    Triton kernel (``KernelConfig``) or a Gluon one (``fp4_wgmma.WgmmaConfig``, ``fp4_wgmma_producer.ProducerConfig``).
+    Triton kernel (``KernelConfig``), a Gluon one (``fp4_wgmma.WgmmaConfig``, ``fp4_wgmma_producer.ProducerConfig``)
+    or the register-A CUDA kernel (``fp4_ra.RaConfig``).
     ``small_m_backend``: which kernel runs M <= 8 ("auto", "mma", "triton"; None: ``QERL_FP4_SMALL_M``,
     default "auto"). ``mma_rule``: the mma.sync kernel's launch shape as a function
     of ``(m, n, k)`` (None: ``pick_mma_config``). ``lora``: adapters the mma.sync kernel adds itself;

@@ -226,19 +226,17 @@ KERNEL_NAME(const __grid_constant__ TensorMap x_map, const __grid_constant__ Ten
   const u32 code_sel = 0x5504u | (t << 4);  // prmt: byte t of a word above code_lane
 
   float acc[TOK / 2];
-  // Step j's fragments go to register set j % 3 (j counted from the unit's first) and are decoded one step before its MMAs are issued: ptxas
-  // serializes every wgmma (C7513) when a register that a wgmma reads is written while an earlier wgmma whose
-  // wait comes after that wgmma is in flight. So while step i - 1's MMAs run, step i + 1 decodes and step i's
-  // (decoded the step before) issue; three sets are live at once.
+  // Step j's fragments (j counted from the unit's first step) go to register set j % 3 and are decoded one step
+  // before its MMAs are issued: ptxas serializes every wgmma (C7513) when a register that a wgmma reads is written
+  // while an earlier wgmma whose wait comes after that wgmma is in flight. So while step i - 1's MMAs run, step
+  // i + 1 decodes and step i's (decoded the step before) issue; three sets are live at once.
   u32 a[3][4][4];   // [set][k16 step][fragment register]
 
   const u64 desc_base = x_desc(base);
   Unit un;
   u32 g0 = 0;  // ring position of the unit's first K-step (unsigned: % and / by STAGES are then cheap)
   for (int u = 0; unit_of(u, n_steps, tiles, dp_tiles, sk_per, sk_ctas, un); ++u) {
-    // the main loop counts the unit's steps from 0 (len of them; the first is K-step un.kb, at ring position g0):
-    // with the unit's first K-step in its bounds instead, ptxas keeps the shared-memory base out of the uniform
-    // registers and adds it to every table address (~25 more instructions a step)
+    // the main loop counts the unit's steps from 0: len of them, the first is K-step un.kb, at ring position g0
     const int len = un.ke - un.kb;
 #pragma unroll
     for (int i = 0; i < TOK / 2; ++i) acc[i] = 0.f;
@@ -283,7 +281,7 @@ KERNEL_NAME(const __grid_constant__ TensorMap x_map, const __grid_constant__ Ten
     }                                                                                                   \
     asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");                                      \
     asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");                                      \
-    if (i > 0 && lane == 0) mbar_arrive (bars + 8 * (STAGES + (ring - 1) % STAGES));                   \
+    if (i > 0 && lane == 0) mbar_arrive(bars + 8 * (STAGES + (ring - 1) % STAGES));                    \
   }
 
     DECODE(0, 0)
@@ -384,7 +382,8 @@ KERNEL_NAME(const __grid_constant__ TensorMap x_map, const __grid_constant__ Ten
     // rows of x 2t and 2t + 1) of block m lands in rows of x 2t, 2t + 1 of the staged tile, and thread i names the
     // staged row (i % 8) of block i / 8; blocks 2q and 2q + 1 are weight rows 16 warp + 0..7 and 8..15 of rows of x
     // 8q .. 8q + 7 of the chunk (q = 0, 1 per instruction).
-    const u32 block_row = staged + 2 * ((8 * (lane >> 4) + (lane & 7)) * STAGED_STRIDE + 16 * warp + 8 * ((lane >> 3) & 1));
+    const u32 block_row =
+        staged + 2 * ((8 * (lane >> 4) + (lane & 7)) * STAGED_STRIDE + 16 * warp + 8 * ((lane >> 3) & 1));
 #pragma unroll
     for (int chunk = 0; chunk < TOK / EPI_TOK; ++chunk) {
       asm volatile("bar.sync %0, 128;" :: "r"(2 + c) : "memory");  // the previous chunk's reads are done

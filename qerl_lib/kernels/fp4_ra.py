@@ -264,15 +264,9 @@ def encode_tensor_map(ptr: int, dtype_code: int, inner: int, outer: int, row_byt
 
 
 # ============================================================================ launch
-def _get_kernel(cfg: RaConfig, device: torch.device) -> mma._Kernel:
-    index = device.index if device.index is not None else torch.cuda.current_device()
+def _get_kernel(cfg: RaConfig, index: int) -> mma._Kernel:
     return mma.load_kernel(("fp4_ra", index, cfg.name), index, lambda: compile_cubin(cfg), cfg.name,
                            cfg.shared_bytes, caller="fp4_ra.linear")
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def linear(x2: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor,
@@ -299,9 +293,9 @@ def linear(x2: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, global_s
         return out
     x_map = encode_tensor_map(x2.data_ptr(), _BF16, k, m, 2 * x2.stride(0), BLOCK_K, cfg.tok, 128)
     w_map = encode_tensor_map(words.data_ptr(), _UINT8, k // 2, n, 4 * words.stride(0), BLOCK_K // 2, ROWS_PER_CTA, 32)
-    kern = _get_kernel(cfg, x2.device)
-    sched = plan_schedule(m, n, k, cfg, _sm_count(x2.device.index if x2.device.index is not None
-                                                  else torch.cuda.current_device()))
+    index = x2.device.index if x2.device.index is not None else torch.cuda.current_device()
+    kern = _get_kernel(cfg, index)
+    sched = plan_schedule(m, n, k, cfg, mma._device_sms(index))
     partial = arrived = None
     if sched.sk_ctas:
         partial = torch.empty(sched.sk_ctas * 4 * cfg.tok * 64, dtype=torch.float32, device=x2.device)
