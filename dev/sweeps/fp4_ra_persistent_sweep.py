@@ -15,12 +15,10 @@ import sys
 import torch
 
 import fp4_ra_probe  # noqa: F401  (dev/sweeps: PROBE builds through ProbeConfig)
-from fp4_ra_sweep import CHECKS, check
-from qerl_lib.bench.gemm import l2_cache_bytes, mean_relative_error, projection_shapes, rotation_copies, time_graph
+from fp4_ra_sweep import CHECKS, check, timed_shapes
+from qerl_lib.bench.gemm import mean_relative_error, time_graph
 from qerl_lib.io import provenance, write_json_atomic
 from qerl_lib.kernels import fp4_ra
-from qerl_lib.kernels.fp4_gemm import fp4_linear, prepare_fp4_weights
-from qerl_lib.quant.nvfp4 import quantize, reference_matmul
 
 LAUNCHES = {"one_tile": fp4_ra.RaConfig(256, 4, "one_tile"), "persistent": fp4_ra.RaConfig(256, 4, "persistent"),
             "split": fp4_ra.RaConfig(256, 4, "split"),
@@ -49,39 +47,24 @@ def main() -> int:
                 print(f"check {name} N={n} K={k} M={m} bias={bias}: err {row['rel_err']:.2e} guard {row['guard_ok']} "
                       f"det {row['deterministic']} {'ok' if row['ok'] else 'FAIL'}", flush=True)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    rows, l2 = [], l2_cache_bytes()
-    for model in args.models.split(","):
-        for shape in projection_shapes(model):
-            n, k = shape.n, shape.k
-            dense = (torch.randn(n, k, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)
-            q = quantize(dense)
-            kit = [prepare_fp4_weights(q.weight_packed.clone(), q.weight_scale.clone(), q.weight_global_scale.clone())
-                   for _ in range(rotation_copies(n * k * 0.5625, l2))]
-            bf16 = [dense.clone() for _ in range(rotation_copies(n * k * 2, l2))]
-            for m in map(int, args.ms.split(",")):
-                x = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
-                ref = reference_matmul(x, q).float()
-                out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
-                row = {"model": model, "proj": shape.name, "layout": shape.layout, "n": n, "k": k, "m": m, "sms": sms}
-                row["bf16_us"] = time_graph([lambda w=w: torch.nn.functional.linear(x, w) for w in bf16]).median_ms * 1e3
-                row["kit_us"] = time_graph([lambda w=w: fp4_linear(x, w, out=out) for w in kit]).median_ms * 1e3
-                line = (f"{model} {shape.name:<18} N={n:<6} K={k:<6} M={m:<5} bf16 {row['bf16_us']:7.1f} "
-                        f"kit {row['bf16_us'] / row['kit_us']:.2f}x")
-                for name, cfg in LAUNCHES.items():
-                    s = fp4_ra.plan_schedule(m, n, k, cfg, sms)
-                    row[name + "_schedule"] = {"grid": s.grid, "tiles": s.tiles, "dp_tiles": s.dp_tiles,
-                                               "sk_per": s.sk_per, "sk_ctas": s.sk_ctas}
-                    fp4_ra.linear(x, kit[0].words, kit[0].scales, kit[0].global_scale, None, out, cfg)
-                    if name not in PROBES:
-                        row[name + "_rel_err"] = mean_relative_error(out.float(), ref)
-                    row[name + "_us"] = time_graph([lambda w=w: fp4_ra.linear(x, w.words, w.scales, w.global_scale,
-                                                                               None, out, cfg) for w in kit]).median_ms * 1e3
-                    line += f" {name} {row['bf16_us'] / row[name + '_us']:.2f}x"
-                rows.append(row)
-                print(line, flush=True)
-                del ref
-            del kit, bf16, dense, q
-            torch.cuda.empty_cache()
+    rows = []
+    for row, x, ref, out, kit in timed_shapes(args.models.split(","), map(int, args.ms.split(",")), gen):
+        n, k, m = row["n"], row["k"], row["m"]
+        row["sms"] = sms
+        line = (f"{row['model']} {row['proj']:<18} N={n:<6} K={k:<6} M={m:<5} bf16 {row['bf16_us']:7.1f} "
+                f"kit {row['bf16_us'] / row['kit_us']:.2f}x")
+        for name, cfg in LAUNCHES.items():
+            s = fp4_ra.plan_schedule(m, n, k, cfg, sms)
+            row[name + "_schedule"] = {"grid": s.grid, "tiles": s.tiles, "dp_tiles": s.dp_tiles, "sk_per": s.sk_per,
+                                       "sk_ctas": s.sk_ctas}
+            fp4_ra.linear(x, kit[0].words, kit[0].scales, kit[0].global_scale, None, out, cfg)
+            if name not in PROBES:
+                row[name + "_rel_err"] = mean_relative_error(out.float(), ref)
+            row[name + "_us"] = time_graph([lambda w=w: fp4_ra.linear(x, w.words, w.scales, w.global_scale, None, out,
+                                                                      cfg) for w in kit]).median_ms * 1e3
+            line += f" {name} {row['bf16_us'] / row[name + '_us']:.2f}x"
+        rows.append(row)
+        print(line, flush=True)
     doc = {"provenance": provenance(" ".join(["dev/sweeps/fp4_ra_persistent_sweep.py", *sys.argv[1:]])),
            "checks": checks, "rows": rows}
     write_json_atomic(args.json, doc)

@@ -43,6 +43,30 @@ def check(cfg: fp4_ra.RaConfig, n: int, k: int, m: int, bias: bool, gen: torch.G
             "ok": err <= MAX_REL_ERR and bool(out.isfinite().all()) and guard_ok and bool(torch.equal(out, again))}
 
 
+def timed_shapes(models, ms, gen: torch.Generator):
+    """For each model's projection shapes and each M: the row with cuBLAS bf16's and ``fp4_linear``'s median device
+    times (CUDA graphs, L2-rotated weight copies), and what a caller needs to time its own launches beside them:
+    ``x``, the oracle's output (fp32), an output buffer and the rotated NVFP4 weights."""
+    l2, ms = l2_cache_bytes(), list(ms)
+    for model in models:
+        for shape in projection_shapes(model):
+            n, k = shape.n, shape.k
+            dense = (torch.randn(n, k, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)
+            q = quantize(dense)
+            kit = [prepare_fp4_weights(q.weight_packed.clone(), q.weight_scale.clone(), q.weight_global_scale.clone())
+                   for _ in range(rotation_copies(n * k * 0.5625, l2))]
+            bf16 = [dense.clone() for _ in range(rotation_copies(n * k * 2, l2))]
+            for m in ms:
+                x = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
+                out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+                row = {"model": model, "proj": shape.name, "layout": shape.layout, "n": n, "k": k, "m": m}
+                row["bf16_us"] = time_graph([lambda w=w: torch.nn.functional.linear(x, w) for w in bf16]).median_ms * 1e3
+                row["kit_us"] = time_graph([lambda w=w: fp4_linear(x, w, out=out) for w in kit]).median_ms * 1e3
+                yield row, x, reference_matmul(x, q).float(), out, kit
+            del kit, bf16, dense, q
+            torch.cuda.empty_cache()
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--models", default="qwen2.5-7b")
@@ -61,37 +85,19 @@ def main() -> int:
                 checks.append(row)
                 print(f"check tok={cfg.tok} stages={cfg.stages} N={n} K={k} M={m} bias={bias}: err {row['rel_err']:.2e} "
                       f"guard {row['guard_ok']} det {row['deterministic']} {'ok' if row['ok'] else 'FAIL'}", flush=True)
-    rows, l2 = [], l2_cache_bytes()
-    for model in args.models.split(","):
-        for shape in projection_shapes(model):
-            n, k = shape.n, shape.k
-            dense = (torch.randn(n, k, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)
-            q = quantize(dense)
-            copies = rotation_copies(n * k * 0.5625, l2)
-            kit = [prepare_fp4_weights(q.weight_packed.clone(), q.weight_scale.clone(), q.weight_global_scale.clone())
-                   for _ in range(copies)]
-            bf16 = [dense.clone() for _ in range(rotation_copies(n * k * 2, l2))]
-            for m in map(int, args.ms.split(",")):
-                x = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
-                ref = reference_matmul(x, q).float()
-                out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
-                row = {"model": model, "proj": shape.name, "layout": shape.layout, "n": n, "k": k, "m": m}
-                row["bf16_us"] = time_graph([lambda w=w: torch.nn.functional.linear(x, w) for w in bf16]).median_ms * 1e3
-                row["kit_us"] = time_graph([lambda w=w: fp4_linear(x, w, out=out) for w in kit]).median_ms * 1e3
-                line = (f"{model} {shape.name:<18} N={n:<6} K={k:<6} M={m:<5} bf16 {row['bf16_us']:8.1f}  "
-                        f"kit {row['kit_us']:8.1f} ({row['bf16_us'] / row['kit_us']:.2f}x)")
-                for cfg in configs:
-                    key = f"ra_t{cfg.tok}_s{cfg.stages}"
-                    fp4_ra.linear(x, kit[0].words, kit[0].scales, kit[0].global_scale, None, out, cfg)
-                    row[key + "_rel_err"] = mean_relative_error(out.float(), ref)
-                    row[key + "_us"] = time_graph([lambda w=w: fp4_ra.linear(x, w.words, w.scales, w.global_scale, None,
-                                                                             out, cfg) for w in kit]).median_ms * 1e3
-                    line += f"  {key} {row[key + '_us']:8.1f} ({row['bf16_us'] / row[key + '_us']:.2f}x)"
-                rows.append(row)
-                print(line, flush=True)
-                del ref
-            del kit, bf16, dense, q
-            torch.cuda.empty_cache()
+    rows = []
+    for row, x, ref, out, kit in timed_shapes(args.models.split(","), map(int, args.ms.split(",")), gen):
+        line = (f"{row['model']} {row['proj']:<18} N={row['n']:<6} K={row['k']:<6} M={row['m']:<5} "
+                f"bf16 {row['bf16_us']:8.1f}  kit {row['kit_us']:8.1f} ({row['bf16_us'] / row['kit_us']:.2f}x)")
+        for cfg in configs:
+            key = f"ra_t{cfg.tok}_s{cfg.stages}"
+            fp4_ra.linear(x, kit[0].words, kit[0].scales, kit[0].global_scale, None, out, cfg)
+            row[key + "_rel_err"] = mean_relative_error(out.float(), ref)
+            row[key + "_us"] = time_graph([lambda w=w: fp4_ra.linear(x, w.words, w.scales, w.global_scale, None, out,
+                                                                     cfg) for w in kit]).median_ms * 1e3
+            line += f"  {key} {row[key + '_us']:8.1f} ({row['bf16_us'] / row[key + '_us']:.2f}x)"
+        rows.append(row)
+        print(line, flush=True)
     doc = {"provenance": provenance(" ".join(["dev/sweeps/fp4_ra_sweep.py", *sys.argv[1:]])),
            "checks": checks, "rows": rows}
     write_json_atomic(args.json, doc)

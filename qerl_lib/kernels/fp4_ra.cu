@@ -38,16 +38,14 @@
 typedef unsigned long long u64;
 struct __align__(64) TensorMap { u64 v[16]; };  // CUtensorMap, filled on the host (cuTensorMapEncodeTiled)
 
-#define BK 64                          // K per stage (4 wgmma k16 steps)
-#define ROWS 128                       // weight rows per CTA: two consumer warpgroups of 64
+// BK (K per stage), ROWS (weight rows per CTA), EPI_TOK (rows of x per epilogue chunk), STAGED_STRIDE (bf16 per
+// staged output row of a warpgroup) and TABLE_BYTES (the decode table: 256 entries x 32 lanes' code words, the upper
+// 128 B of each unused) come from fp4_ra.py, which sizes the shared memory from the same numbers.
 #define X_BYTES (TOK * BK * 2)         // x tile of a stage
 #define W_BYTES (ROWS * BK / 2)        // weight tile of a stage
 #define S_BYTES (ROWS * 16)            // the weight rows' 4 block scales of a stage, as bf16x2 words
 #define STAGE_BYTES (X_BYTES + W_BYTES + S_BYTES)
-#define EPI_TOK 32                     // rows of x per epilogue chunk
-#define STAGED_STRIDE (64 + 8)         // bf16 per staged output row of a warpgroup (the padding spreads the banks)
 #define STAGING_BYTES (EPI_TOK * STAGED_STRIDE * 2)
-#define TABLE_BYTES (256 * 256)        // decode table: 256 entries x 32 lanes' code words (the upper 128 B unused)
 #ifndef PROBE
 #define PROBE 0  // diagnostics only (dev/LOG.md sections 72, 74): 1 = no weight decode, 2 = no MMA, 3 = no epilogue
 #endif

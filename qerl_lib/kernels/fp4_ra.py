@@ -77,12 +77,15 @@ import torch
 from qerl_lib.kernels import mma
 
 SOURCE_PATH = Path(__file__).with_name("fp4_ra.cu")
+# The layout numbers fp4_ra.cu is compiled with (kernel_source defines them), so that shared_bytes and the kernel agree.
 BLOCK_K = 64  # K per stage
 ROWS_PER_CTA = 128  # weight rows: two consumer warpgroups of 64
+EPI_TOK = 32  # rows of x per epilogue chunk
+STAGED_STRIDE = 64 + 8  # bf16 per staged output row of a consumer warpgroup (the padding spreads the banks)
+TABLE_BYTES = 256 * 256  # the decode table: 256 byte values x 256-byte entries (32 lanes' code words)
+STAGING_BYTES = EPI_TOK * STAGED_STRIDE * 2  # one consumer warpgroup's epilogue staging
 THREADS = 384
-TABLE_BYTES = 256 * 256  # the decode table (fp4_ra.cu): 256 byte values x 256-byte entries (32 lanes' code words)
 SHARED_MEMORY_LIMIT = 227 * 1024  # dynamic shared memory one CTA of an sm_90 SM may use
-STAGING_BYTES = 32 * (64 + 8) * 2  # one consumer warpgroup's epilogue staging (fp4_ra.cu: EPI_TOK x STAGED_STRIDE bf16)
 
 
 SCHEDULES = ("one_tile", "persistent", "split")
@@ -207,8 +210,9 @@ def _wgmma_macro(tok: int) -> str:
 
 
 def kernel_source(cfg: RaConfig) -> str:
-    return (f"#define TOK {cfg.tok}\n#define STAGES {cfg.stages}\n#define KERNEL_NAME {cfg.name}\n"
-            + _wgmma_macro(cfg.tok) + SOURCE_PATH.read_text())
+    layout = {"BK": BLOCK_K, "ROWS": ROWS_PER_CTA, "EPI_TOK": EPI_TOK, "STAGED_STRIDE": STAGED_STRIDE,
+              "TABLE_BYTES": TABLE_BYTES, "TOK": cfg.tok, "STAGES": cfg.stages, "KERNEL_NAME": cfg.name}
+    return "".join(f"#define {k} {v}\n" for k, v in layout.items()) + _wgmma_macro(cfg.tok) + SOURCE_PATH.read_text()
 
 
 def compile_cubin(cfg: RaConfig, log: list[str] | None = None) -> bytes:

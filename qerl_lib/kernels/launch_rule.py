@@ -292,7 +292,7 @@ def pick_ra_config(m: int, n: int, k: int) -> RaConfig | None:
     """The register-A CUDA kernel's launch (``fp4_ra.RaConfig()``: 256 rows of x, 4 stages, split tail) where the rule
     picks it (``RA_MIN_M`` <= m <= ``RA_MAX_M`` and N >= ``PRODUCER_MIN_N``), else None. ``QERL_FP4_RA=0`` turns it
     off."""
-    if os.environ.get(RA_ENV, "1") == "0" or not RA_MIN_M <= m <= RA_MAX_M or not fp4_ra.supported_problem(n, k):
+    if not RA_MIN_M <= m <= RA_MAX_M or os.environ.get(RA_ENV, "1") == "0" or not fp4_ra.supported_problem(n, k):
         return None
     return RaConfig() if n >= PRODUCER_MIN_N else None
 

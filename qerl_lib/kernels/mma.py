@@ -490,12 +490,14 @@ def ctas_per_sm(cfg: MmaConfig, nb: int, device: torch.device) -> int:
 
 
 def _counters(device: torch.device, blocks: int) -> torch.Tensor:
-    """Per-row-block arrival counters for K-slices; zero between launches (the kernel resets them)."""
+    """Arrival counters for K-slices (mma.cu) and split tiles (fp4_ra.cu); zero between launches (the kernels
+    reset them)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     buf = _COUNTERS.get(index)
     if buf is None or buf.numel() < blocks:
         if torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("mma_linear: counter buffer must grow inside CUDA-graph capture; warm up first")
+            raise RuntimeError("NVFP4 arrival counters (mma_linear's K-slices, fp4_ra's split tiles) would have to "
+                               "grow inside CUDA-graph capture; run the call once before capturing (warm-up)")
         buf = _COUNTERS[index] = torch.zeros(max(blocks, 4096), dtype=torch.int32, device=device)
     return buf
 
