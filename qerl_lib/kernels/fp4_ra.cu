@@ -34,6 +34,14 @@
 // its own shared-memory buffer, EPI_TOK rows of x at a time, and storing 16-byte rows; rows of x past M and weight
 // rows past N are not stored (TMA read them as zeros). A split tile's partial sums go through global memory
 // (`partial`, fp32) and a per-tile arrival counter (`arrived`, zero before the launch and left zero after it).
+// BACKWARD = 1 compiles the backward layout, dx[M, K] = dy[M, N] @ W[N, K] (the input gradient), from the same bytes:
+// a tile is 128 columns of W (K, the output) x TOK rows of dy, a K-step is 64 rows of W (N, the reduction). The
+// fragment pair (2t, 2t + 1) now comes from two rows of W with their own block scales, so the producer warpgroup
+// repacks each step: the raw [64 rows, 64 bytes] W tile arrives by TMA (64-byte swizzle) in a ring of RAW_SLOTS
+// stages loaded RAW_SLOTS - 1 K-steps ahead, and the producer writes for each consumer lane its 16 byte values
+// (row pair's two codes at one column) as halfword table addresses (value << 7 | 4 lane: the table is packed to
+// 128-byte entries) and its 8 pairs of block scales as bf16x2 words. The consumer's decode is then one extraction,
+// one table load and one multiply a fragment register, as in the forward.
 #include "fp4_device.cuh"
 typedef unsigned long long u64;
 struct __align__(64) TensorMap { u64 v[16]; };  // CUtensorMap, filled on the host (cuTensorMapEncodeTiled)
@@ -41,9 +49,18 @@ struct __align__(64) TensorMap { u64 v[16]; };  // CUtensorMap, filled on the ho
 // BK (K per stage), ROWS (weight rows per CTA), EPI_TOK (rows of x per epilogue chunk), STAGED_STRIDE (bf16 per
 // staged output row of a warpgroup) and TABLE_BYTES (the decode table: 256 entries x 32 lanes' code words, the upper
 // 128 B of each unused) come from fp4_ra.py, which sizes the shared memory from the same numbers.
+#ifndef BACKWARD
+#define BACKWARD 0
+#endif
 #define X_BYTES (TOK * BK * 2)         // x tile of a stage
+#if BACKWARD
+#define W_BYTES (ROWS * BK)            // the repacked weights: 256 consumer lanes x 16 halfword table addresses
+#define S_BYTES (ROWS * 8)             // 8 blocks x 4 lane columns x 8 bf16x2 scale pairs
+#define RAW_BYTES (BK * ROWS / 2)      // a raw W tile: 64 rows x 64 bytes
+#else
 #define W_BYTES (ROWS * BK / 2)        // weight tile of a stage
 #define S_BYTES (ROWS * 16)            // the weight rows' 4 block scales of a stage, as bf16x2 words
+#endif
 #define STAGE_BYTES (X_BYTES + W_BYTES + S_BYTES)
 #define STAGING_BYTES (EPI_TOK * STAGED_STRIDE * 2)
 #ifndef PROBE
@@ -145,6 +162,108 @@ __device__ __forceinline__ bool unit_of(int u, int n_steps, int tiles, int dp_ti
   return true;
 }
 
+#if BACKWARD
+// Byte offset of (row, byte column) in a raw W tile: 64-byte rows with TMA's 64-byte swizzle (16-byte chunk c of row
+// r lands at chunk c ^ ((r >> 1) & 3)).
+__device__ __forceinline__ u32 raw_offset(int row, int col) { return 64 * row + (col ^ (((row >> 1) & 3) << 4)); }
+
+// The backward layout's producer warpgroup (thread p). Thread 0 issues the TMA copies: dy into the stage and the raw W
+// tile into the raw ring, RAW_SLOTS - 1 K-steps ahead (its own cursor over the units). Every thread then, per K-step:
+// - repacks the raw tile for two consumer lanes, (g = 2 gq, t) and (2 gq + 1, t) of consumer warp wa = p / 16: the
+//   value of (k row r, pair column n) is nibble r of W row n (low) and of row n + 1 (high); it gathers byte gq of its 4
+//   words of rows n and n + 1 with prmt, splits even k (lane 2 gq) from odd (2 gq + 1) with two masks, and writes each
+//   value as the table address value << 7 | 4 lane;
+// - turns 2 of the 4 block scales it loaded (W row 64 i + p / 2, blocks 4 (p % 2) .. + 3 of the tile) into bf16x2
+//   pairs with the next row's (a shuffle brings the partner row's bytes).
+__device__ __forceinline__ void backward_producer(const TensorMap& x_map, const TensorMap& w_map, const u8* sc, int N,
+                                                  int ldsc, int n_steps, int tiles, int m_tiles, int dp_tiles,
+                                                  int sk_per, int sk_ctas, u32 base, u32 raw_ring, u32 bars,
+                                                  u32 raw_full) {
+  const int p = threadIdx.x, lane = p & 31;
+  Unit lead = {0, 0, 0, 0};  // thread 0's cursor: the K-step whose raw tile it issues next
+  int lead_u = 0, lead_i = 0;
+  bool lead_ok = false;
+  const auto issue_raw = [&](u32 pos) {
+    const u32 slot = pos % RAW_SLOTS, bar = raw_full + 8 * slot;
+    mbar_expect_tx(bar, RAW_BYTES);
+    tma_load_2d(raw_ring + slot * RAW_BYTES, &w_map, (lead.tile / m_tiles) * (ROWS / 2), lead_i * BK, bar);
+    if (++lead_i == lead.ke && (lead_ok = unit_of(++lead_u, n_steps, tiles, dp_tiles, sk_per, sk_ctas, lead)))
+      lead_i = lead.kb;
+  };
+  if (p == 0) {
+    lead_ok = unit_of(0, n_steps, tiles, dp_tiles, sk_per, sk_ctas, lead);
+    lead_i = lead.kb;
+    for (u32 pos = 0; pos + 1 < RAW_SLOTS && lead_ok; ++pos) issue_raw(pos);
+  }
+  const int wa = p >> 4, gq = (p >> 2) & 3, t = p & 3;
+  const u32 sel = gq | ((gq + 4) << 4), lane4 = 0x10001u * (32 * gq + 4 * t);  // 4 x lane (2 gq, t), twice
+  const int ct_even = 32 * wa + 8 * gq + t;  // consumer lane index of (2 gq, t); (2 gq + 1, t) is 4 further
+  const int srow = p >> 1, sblock = 4 * (p & 1), odd = (p >> 1) & 1;
+  Unit un;
+  u32 g = 0;
+  for (int u = 0; unit_of(u, n_steps, tiles, dp_tiles, sk_per, sk_ctas, un); ++u) {
+    const int k0 = (un.tile / m_tiles) * ROWS, tok0 = (un.tile % m_tiles) * TOK;
+    for (int i = un.kb; i < un.ke; ++i, ++g) {
+      const u32 slot = g % STAGES, full = bars + 8 * slot, stage = base + slot * STAGE_BYTES;
+      const int sb = k0 / 16 + sblock;  // N % 64 == 0: a word of 4 blocks is wholly inside the row or past it
+      const u32 bytes4 = sb < N / 16 ? *reinterpret_cast<const u32*>(sc + (long)(i * BK + srow) * ldsc + sb) : 0u;
+      if (p == 0) {
+        mbar_wait(bars + 8 * (STAGES + slot), ((g / STAGES) & 1) ^ 1);
+        mbar_expect_tx(full, X_BYTES);
+        tma_load_2d(stage, &x_map, i * BK, tok0, full);
+      }
+      asm volatile("bar.sync 4, 128;" ::: "memory");  // the stage is free, and so is the raw slot read last step
+      if (p == 0 && lead_ok) issue_raw(g + RAW_SLOTS - 1);
+      mbar_wait(raw_full + 8 * (g % RAW_SLOTS), (g / RAW_SLOTS) & 1);
+      const u32 raw = raw_ring + (g % RAW_SLOTS) * RAW_BYTES;
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        U4 ev, ov;
+        u32* e = &ev.x;
+        u32* o = &ov.x;
+#pragma unroll
+        for (int ss = 0; ss < 2; ++ss) {
+          const int s = 2 * half + ss;
+          u32 w0[4], w1[4];
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {  // j = khalf + 2 h: W rows n, n + 1 = 16 s + 8 h + 2 t, word 2 wa + khalf
+            const int n = 16 * s + 8 * (j >> 1) + 2 * t, col = 4 * (2 * wa + (j & 1));
+            w0[j] = lds32(raw + raw_offset(n, col));
+            w1[j] = lds32(raw + raw_offset(n + 1, col));
+          }
+          const u32 A = prmt(prmt(w0[0], w0[1], sel), prmt(w0[2], w0[3], sel), 0x5410u);
+          const u32 B = prmt(prmt(w1[0], w1[1], sel), prmt(w1[2], w1[3], sel), 0x5410u);
+          const u32 E = (A & 0x0F0F0F0Fu) | ((B << 4) & 0xF0F0F0F0u);  // even k: lane (2 gq, t), value j in byte j
+          const u32 O = ((A >> 4) & 0x0F0F0F0Fu) | (B & 0xF0F0F0F0u);  // odd k: lane (2 gq + 1, t)
+          e[2 * ss] = (prmt(E, 0, 0x4140u) << 7) | lane4;
+          e[2 * ss + 1] = (prmt(E, 0, 0x4342u) << 7) | lane4;
+          o[2 * ss] = (prmt(O, 0, 0x4140u) << 7) | (lane4 + 0x100010u);
+          o[2 * ss + 1] = (prmt(O, 0, 0x4342u) << 7) | (lane4 + 0x100010u);
+        }
+        const u32 dst = stage + X_BYTES + half * (W_BYTES / 2);
+        sts128(dst + 16 * ct_even, ev);
+        sts128(dst + 16 * (ct_even + 4), ov);
+      }
+      {  // scale pairs: rows srow & ~1 and srow | 1, block kb -> word 2 s + h of lane column t of block kb's warp
+        const u32 partner = __shfl_xor_sync(0xffffffffu, bytes4, 2);
+        const u32 lo = odd ? partner : bytes4, hi = odd ? bytes4 : partner;
+        const int n = srow & ~1, word = 8 * ((n >> 1) & 3) + 2 * (n >> 4) + ((n >> 3) & 1);
+#pragma unroll
+        for (int q = 0; q < 2; ++q) {
+          const int kb = sblock + 2 * odd + q;
+          const u32 shift = 8 * (2 * odd + q);
+          const u32 v = scale_bits((lo >> shift) & 0xFFu) | (scale_bits((hi >> shift) & 0xFFu) << 16);
+          asm volatile("st.shared.u32 [%0], %1;" :: "r"(stage + X_BYTES + W_BYTES + 4 * (kb * 32 + word)), "r"(v)
+                       : "memory");
+        }
+      }
+      __syncwarp();
+      if (lane == 0) mbar_arrive(full);
+    }
+  }
+}
+#endif
+
 extern "C" __global__ void __launch_bounds__(384, 1)
 KERNEL_NAME(const __grid_constant__ TensorMap x_map, const __grid_constant__ TensorMap w_map,
             const u8* __restrict__ sc, const float* __restrict__ gs, const u16* __restrict__ bias,
@@ -155,7 +274,13 @@ KERNEL_NAME(const __grid_constant__ TensorMap x_map, const __grid_constant__ Ten
   const u32 base = (raw + 1023u) & ~1023u;  // 128-byte swizzled tiles want 1024-byte alignment
   const u32 table = base + STAGES * STAGE_BYTES;  // TABLE_BYTES: the decode table (below)
   const u32 staging = table + TABLE_BYTES;        // STAGING_BYTES: the epilogue's, per consumer warpgroup
+#if BACKWARD
+  const u32 raw_ring = staging + 2 * STAGING_BYTES;  // RAW_SLOTS x RAW_BYTES (1024-byte aligned: the swizzle)
+  const u32 bars = raw_ring + RAW_SLOTS * RAW_BYTES;
+  const u32 raw_full = bars + 16 * STAGES + 8;        // after full, empty and the flags
+#else
   const u32 bars = staging + 2 * STAGING_BYTES;   // full[STAGES], empty[STAGES], then one flag per consumer
+#endif
   const int n_steps = K / BK;
   const int tiles = m_tiles * ((N + ROWS - 1) / ROWS);
   const int wg = threadIdx.x >> 7;
@@ -165,10 +290,21 @@ KERNEL_NAME(const __grid_constant__ TensorMap x_map, const __grid_constant__ Ten
       mbar_init(bars + 8 * s, 5);  // the TMA thread's expect_tx and one arrive per producer warp (the scales)
       mbar_init(bars + 8 * (STAGES + s), 8);
     }
+#if BACKWARD
+    for (int s = 0; s < RAW_SLOTS; ++s) mbar_init(raw_full + 8 * s, 1);
+#endif
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
 
+#if BACKWARD
+  if (wg == 0) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
+    backward_producer(x_map, w_map, sc, N, ldsc, n_steps, tiles, m_tiles, dp_tiles, sk_per, sk_ctas, base, raw_ring,
+                      bars, raw_full);
+    return;
+  }
+#else
   if (wg == 0) {  // producer: the ring position g runs on across units, so a unit's first stages load early
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
     // Thread 0 issues the TMA copies; every thread also converts the 4 block scales of one weight row (its index)
@@ -201,6 +337,7 @@ KERNEL_NAME(const __grid_constant__ TensorMap x_map, const __grid_constant__ Ten
     }
     return;
   }
+#endif
   asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
 
   // The decode table, built once while the producer's first copies fly: entry b (256 bytes) holds, for each lane
@@ -208,10 +345,14 @@ KERNEL_NAME(const __grid_constant__ TensorMap x_map, const __grid_constant__ Ten
   // only its own bank, and one prmt gives a lane's address: byte b above lane * 4.
   {
     u32* tab = reinterpret_cast<u32*>(smem_raw + (table - raw));
+#if BACKWARD  // packed: word (b, lane) at 32 b + lane (the producer writes the addresses)
+    for (int idx = threadIdx.x - 128; idx < TABLE_BYTES / 4; idx += 256) tab[idx] = natural_pair((u32)idx >> 5, 0);
+#else
     for (int idx = threadIdx.x - 128; idx < TABLE_BYTES / 8; idx += 256) {
       const u32 b = (u32)idx >> 5;
       tab[2 * idx - (idx & 31)] = natural_pair(b, 0);  // word (b, lane) at 64 b + lane
     }
+#endif
     asm volatile("bar.sync 1, 256;" ::: "memory");
   }
 
@@ -219,9 +360,13 @@ KERNEL_NAME(const __grid_constant__ TensorMap x_map, const __grid_constant__ Ten
   const int c = wg - 1, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31, ct = threadIdx.x & 127;
   const int g = lane >> 2, t = lane & 3;
   const int rl0 = 64 * c + 16 * warp + g;  // rows rl0 and rl0 + 8 (same 32-byte swizzle phase)
+#if BACKWARD
+  const int cb = threadIdx.x - 128;  // the consumer lane among both warpgroups' 256 (the producer's numbering)
+#else
   const u32 swz = (u32)((rl0 >> 2) & 1);
   const u32 code_lane = 4u * lane;  // the low byte of a table address
   const u32 code_sel = 0x5504u | (t << 4);  // prmt: byte t of a word above code_lane
+#endif
 
   float acc[TOK / 2];
   // Step j's fragments (j counted from the unit's first step) go to register set j % 3 and are decoded one step
@@ -239,6 +384,28 @@ KERNEL_NAME(const __grid_constant__ TensorMap x_map, const __grid_constant__ Ten
 #pragma unroll
     for (int i = 0; i < TOK / 2; ++i) acc[i] = 0.f;
 
+#if BACKWARD
+// Lane ct's 16 halfword table addresses (2 per word: word 2s + h holds rows r and r + 8 of pair column 2t + 8h of
+// k16 step s) and its warp's block's 8 scale pairs (word 2s + h, both rows) -> the 4 k16 fragments of the step.
+#define DECODE(Q, J)                                                                                    \
+  {                                                                                                     \
+    const u32 ring = g0 + (J), slot = ring % STAGES;                                                    \
+    mbar_wait(bars + 8 * slot, (ring / STAGES) & 1);                                                    \
+    const u32 stage = base + slot * STAGE_BYTES;                                                        \
+    const U4 q0 = lds128(stage + X_BYTES + 16 * cb), q1 = lds128(stage + X_BYTES + W_BYTES / 2 + 16 * cb); \
+    const u32 sp = stage + X_BYTES + W_BYTES + 32 * (4 * (cb >> 5) + t);                                \
+    const U4 p0 = lds128(sp), p1 = lds128(sp + 16);                                                     \
+    const u32 hw[8] = {q0.x, q0.y, q0.z, q0.w, q1.x, q1.y, q1.z, q1.w};                                 \
+    const u32 ps[8] = {p0.x, p0.y, p0.z, p0.w, p1.x, p1.y, p1.z, p1.w};                                 \
+    _Pragma("unroll") for (int s = 0; s < 4; ++s) {                                                     \
+      _Pragma("unroll") for (int h = 0; h < 2; ++h) {                                                   \
+        const u32 w = hw[2 * s + h], sc2 = ps[2 * s + h];                                               \
+        a[Q][s][2 * h] = PROBE == 1 ? w ^ sc2 : mul_bf16x2(lds32(table + (w & 0xFFFFu)), sc2);         \
+        a[Q][s][2 * h + 1] = PROBE == 1 ? sc2 : mul_bf16x2(lds32(table + (w >> 16)), sc2);              \
+      }                                                                                                 \
+    }                                                                                                   \
+  }
+#else
 #define DECODE(Q, J)                                                                                    \
   {                                                                                                     \
     const u32 ring = g0 + (J), slot = ring % STAGES;                                                    \
@@ -259,6 +426,7 @@ KERNEL_NAME(const __grid_constant__ TensorMap x_map, const __grid_constant__ Ten
       a[Q][s][3] = PROBE == 1 ? s1 ^ lo1[0] : mul_bf16x2(lds32(table + prmt(hi1[s], code_lane, code_sel)), s1); \
     }                                                                                                   \
   }
+#endif
 
 #define CONSUME(P)                                                                                      \
   {                                                                                                     \

@@ -83,6 +83,9 @@ ROWS_PER_CTA = 128  # weight rows: two consumer warpgroups of 64
 EPI_TOK = 32  # rows of x per epilogue chunk
 STAGED_STRIDE = 64 + 8  # bf16 per staged output row of a consumer warpgroup (the padding spreads the banks)
 TABLE_BYTES = 256 * 256  # the decode table: 256 byte values x 256-byte entries (32 lanes' code words)
+TABLE_BYTES_BACKWARD = 256 * 128  # packed to 128-byte entries (the producer writes whole addresses)
+RAW_SLOTS = 3  # backward: raw W tiles in flight, loaded RAW_SLOTS - 1 K-steps ahead of the repack
+RAW_BYTES = BLOCK_K * ROWS_PER_CTA // 2  # backward: one raw W tile, 64 rows x 64 bytes
 STAGING_BYTES = EPI_TOK * STAGED_STRIDE * 2  # one consumer warpgroup's epilogue staging
 THREADS = 384
 SHARED_MEMORY_LIMIT = 227 * 1024  # dynamic shared memory one CTA of an sm_90 SM may use
@@ -103,6 +106,8 @@ class RaConfig:
       CTA per SM, at least ``min_split_steps`` K-steps of 64 each; the last CTA of a tile to finish sums the partial
       sums (fp32, through global memory) in a fixed order, so launches stay bit-equal; only when those tiles fill
       at most ``split_max_fill`` of the SMs (above it, the fixup's traffic costs more than the idle SMs do).
+
+    ``backward`` compiles the backward layout (``grad_input``: ``dy @ W``) instead of the forward.
     """
 
     tok: int = 256
@@ -110,6 +115,7 @@ class RaConfig:
     schedule: str = "split"
     min_split_steps: int = 8
     split_max_fill: float = 0.5
+    backward: bool = False
 
     def __post_init__(self):
         if self.tok not in (64, 128, 256):
@@ -124,22 +130,33 @@ class RaConfig:
             raise ValueError(f"RaConfig.min_split_steps must be a positive int, got {self.min_split_steps!r}")
         if not 0.0 <= self.split_max_fill <= 1.0:
             raise ValueError(f"RaConfig.split_max_fill must be in [0, 1], got {self.split_max_fill!r}")
+        if not isinstance(self.backward, bool):
+            raise ValueError(f"RaConfig.backward must be a bool, got {self.backward!r}")
 
     @property
     def stage_bytes(self) -> int:
-        """The x tile, the weight bytes and the weight rows' block scales as bf16x2 words (4 a row)."""
+        """The x tile, the weight bytes and the weight rows' block scales as bf16x2 words (4 a row); backward, the
+        repacked weights (a halfword table address per fragment half-register) and the scale pairs (8 per lane column
+        of each 16-column block)."""
+        if self.backward:
+            return self.tok * BLOCK_K * 2 + ROWS_PER_CTA * BLOCK_K + ROWS_PER_CTA * 8
         return self.tok * BLOCK_K * 2 + ROWS_PER_CTA * BLOCK_K // 2 + ROWS_PER_CTA * 16
+
+    @property
+    def table_bytes(self) -> int:
+        return TABLE_BYTES_BACKWARD if self.backward else TABLE_BYTES
 
     @property
     def shared_bytes(self) -> int:
         """Dynamic shared memory: 1024-byte alignment slack, the ring, the decode table, the two consumer warpgroups'
-        epilogue staging, the ring's mbarriers and two flags."""
-        return 1023 + self.stages * self.stage_bytes + TABLE_BYTES + 2 * STAGING_BYTES + 16 * self.stages + 8
+        epilogue staging, (backward) the raw weight ring, the mbarriers and two flags."""
+        raw = RAW_SLOTS * (RAW_BYTES + 8) if self.backward else 0
+        return 1023 + self.stages * self.stage_bytes + self.table_bytes + 2 * STAGING_BYTES + raw + 16 * self.stages + 8
 
     @property
     def name(self) -> str:
         """The compiled kernel's name (and cache key): the schedule is a launch argument, not compiled in."""
-        return f"qerl_fp4_ra_t{self.tok}_s{self.stages}"
+        return f"qerl_fp4_ra{'_bwd' if self.backward else ''}_t{self.tok}_s{self.stages}"
 
 
 @dataclass(frozen=True)
@@ -211,7 +228,8 @@ def _wgmma_macro(tok: int) -> str:
 
 def kernel_source(cfg: RaConfig) -> str:
     layout = {"BK": BLOCK_K, "ROWS": ROWS_PER_CTA, "EPI_TOK": EPI_TOK, "STAGED_STRIDE": STAGED_STRIDE,
-              "TABLE_BYTES": TABLE_BYTES, "TOK": cfg.tok, "STAGES": cfg.stages, "KERNEL_NAME": cfg.name}
+              "TABLE_BYTES": cfg.table_bytes, "TOK": cfg.tok, "STAGES": cfg.stages, "KERNEL_NAME": cfg.name,
+              "BACKWARD": int(cfg.backward), "RAW_SLOTS": RAW_SLOTS}
     return "".join(f"#define {k} {v}\n" for k, v in layout.items()) + _wgmma_macro(cfg.tok) + SOURCE_PATH.read_text()
 
 
@@ -273,6 +291,36 @@ def _get_kernel(cfg: RaConfig, index: int) -> mma._Kernel:
                            cfg.shared_bytes, caller="fp4_ra.linear")
 
 
+def _check_operands(who: str, a: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, out: torch.Tensor):
+    if a.dtype != torch.bfloat16 or out.dtype != torch.bfloat16 or words.dtype != torch.int32 or scales.dtype != torch.uint8:
+        raise ValueError(f"{who}: activations and out must be bf16, words int32 and scales uint8 (a PreparedFP4Weight's)")
+    if a.stride(1) != 1 or out.stride(1) != 1 or words.stride(1) != 1 or scales.stride(1) != 1:
+        raise ValueError(f"{who}: activations, out, words and scales need unit column stride")
+    m = a.shape[0]
+    aligned16 = [a.data_ptr(), out.data_ptr(), words.data_ptr(), 2 * a.stride(0) if m > 1 else 16,
+                 2 * out.stride(0) if m > 1 else 16, 4 * words.stride(0)]
+    if any(v % 16 for v in aligned16) or scales.data_ptr() % 4 or scales.stride(0) % 4:
+        raise ValueError(f"{who} needs 16-byte aligned rows of activations, out and words, and 4-byte aligned scale rows")
+
+
+def _launch(cfg: RaConfig, a: torch.Tensor, w_map, scales: torch.Tensor, global_scale: torch.Tensor,
+            bias: torch.Tensor | None, out: torch.Tensor, n_out: int, k_red: int) -> torch.Tensor:
+    """One launch of ``cfg``'s kernel: ``a [m, k_red]`` (read by TMA) against the weight's ``w_map``, ``out [m, n_out]``."""
+    m = a.shape[0]
+    x_map = encode_tensor_map(a.data_ptr(), _BF16, k_red, m, 2 * a.stride(0), BLOCK_K, cfg.tok, 128)
+    index = a.device.index if a.device.index is not None else torch.cuda.current_device()
+    kern = _get_kernel(cfg, index)
+    sched = plan_schedule(m, n_out, k_red, cfg, mma._device_sms(index))
+    partial = arrived = None
+    if sched.sk_ctas:
+        partial = torch.empty(sched.sk_ctas * 4 * cfg.tok * 64, dtype=torch.float32, device=a.device)
+        arrived = mma._counters(a.device, 4 * sched.split_tiles)
+    kern((sched.grid, 1), THREADS, [x_map, w_map, scales, global_scale, bias, out, partial, arrived, m, n_out, k_red,
+                                    out.stride(0), scales.stride(0), sched.m_tiles, sched.dp_tiles, sched.sk_per,
+                                    sched.sk_ctas])
+    return out
+
+
 def linear(x2: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor,
            bias: torch.Tensor | None, out: torch.Tensor, config: RaConfig | None = None) -> torch.Tensor:
     """``out[m, n] = bf16(x2 @ W.T * 2^8/gs ...)`` (+ bias) for bf16 ``x2 [m, k]``: ``words`` int32 ``[N, K/8]`` and
@@ -283,28 +331,37 @@ def linear(x2: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, global_s
     m, k = x2.shape
     n = words.shape[0]
     cfg = config or RaConfig()
+    if cfg.backward:
+        raise ValueError("fp4_ra.linear runs the forward layout: pass a RaConfig with backward=False")
     if not supported_problem(n, k):
         raise ValueError(f"fp4_ra.linear takes K % {BLOCK_K} == 0 and N % 8 == 0, got N={n}, K={k}")
-    if x2.dtype != torch.bfloat16 or out.dtype != torch.bfloat16 or words.dtype != torch.int32 or scales.dtype != torch.uint8:
-        raise ValueError("fp4_ra.linear: x and out must be bf16, words int32 and scales uint8 (a PreparedFP4Weight's)")
-    if x2.stride(1) != 1 or out.stride(1) != 1 or words.stride(1) != 1 or scales.stride(1) != 1:
-        raise ValueError("fp4_ra.linear: x, out, words and scales need unit column stride")
-    aligned16 = [x2.data_ptr(), out.data_ptr(), words.data_ptr(), 2 * x2.stride(0) if m > 1 else 16,
-                 2 * out.stride(0) if m > 1 else 16, 4 * words.stride(0)]
-    if any(v % 16 for v in aligned16) or scales.data_ptr() % 4 or scales.stride(0) % 4:
-        raise ValueError("fp4_ra.linear needs 16-byte aligned rows of x, out and words, and 4-byte aligned scale rows")
+    _check_operands("fp4_ra.linear", x2, words, scales, out)
     if m == 0:
         return out
-    x_map = encode_tensor_map(x2.data_ptr(), _BF16, k, m, 2 * x2.stride(0), BLOCK_K, cfg.tok, 128)
     w_map = encode_tensor_map(words.data_ptr(), _UINT8, k // 2, n, 4 * words.stride(0), BLOCK_K // 2, ROWS_PER_CTA, 32)
-    index = x2.device.index if x2.device.index is not None else torch.cuda.current_device()
-    kern = _get_kernel(cfg, index)
-    sched = plan_schedule(m, n, k, cfg, mma._device_sms(index))
-    partial = arrived = None
-    if sched.sk_ctas:
-        partial = torch.empty(sched.sk_ctas * 4 * cfg.tok * 64, dtype=torch.float32, device=x2.device)
-        arrived = mma._counters(x2.device, 4 * sched.split_tiles)
-    kern((sched.grid, 1), THREADS, [x_map, w_map, scales, global_scale, bias, out, partial, arrived, m, n, k,
-                                    out.stride(0), scales.stride(0), sched.m_tiles, sched.dp_tiles, sched.sk_per,
-                                    sched.sk_ctas])
-    return out
+    return _launch(cfg, x2, w_map, scales, global_scale, bias, out, n, k)
+
+
+def supported_backward_problem(n: int, k: int) -> bool:
+    """Backward shapes: N (the reduction) and K (the output) multiples of 64."""
+    return n > 0 and k > 0 and n % BLOCK_K == 0 and k % BLOCK_K == 0
+
+
+def grad_input(dy2: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor,
+               out: torch.Tensor, config: RaConfig | None = None) -> torch.Tensor:
+    """The backward layout, ``out[m, k] = bf16(dy2 @ W * 2^8/gs ...)`` for bf16 ``dy2 [m, N]`` (the input gradient of
+    ``y = x @ W.T``), from the same compressed-tensors bytes as ``linear`` (no transposed copy); ``out`` bf16 ``[m, K]``.
+    ``config`` must have ``backward=True`` (the default one does). Same workspace and counters as ``linear``."""
+    m, n = dy2.shape
+    k = 8 * words.shape[1]
+    cfg = config or RaConfig(backward=True)
+    if not cfg.backward:
+        raise ValueError("fp4_ra.grad_input runs the backward layout: pass a RaConfig with backward=True")
+    if words.shape[0] != n or not supported_backward_problem(n, k):
+        raise ValueError(f"fp4_ra.grad_input takes dy [m, N] with N % {BLOCK_K} == 0 and K % {BLOCK_K} == 0 "
+                         f"for a weight [N, K], got dy {tuple(dy2.shape)} and a weight [{words.shape[0]}, {k}]")
+    _check_operands("fp4_ra.grad_input", dy2, words, scales, out)
+    if m == 0:
+        return out
+    w_map = encode_tensor_map(words.data_ptr(), _UINT8, k // 2, n, 4 * words.stride(0), BLOCK_K, BLOCK_K, 64)
+    return _launch(cfg, dy2, w_map, scales, global_scale, None, out, k, n)
