@@ -79,19 +79,18 @@ def test_repack_gives_every_lane_its_fragment_codes_as_table_addresses():
 
 
 def test_scale_pairs_land_where_each_consumer_lane_reads_them():
-    """The producer's scale words (thread p: W row p / 2, blocks 4 (p % 2) + 2 odd + q) fill each [block][lane column
-    t][word 2 s + h] exactly once with (s[n, block], s[n + 1, block]), n = 16 s + 8 h + 2 t: the pair that multiplies
-    fragment registers 2h, 2h + 1 of k16 step s of every lane (g, t) of warp `block`."""
+    """The producer's scale words (thread p: W rows 2 (p / 4) and the next, blocks 2 (p % 4) and 2 (p % 4) + 1) fill
+    each [block][lane column t][word 2 s + h] exactly once with (s[n, block], s[n + 1, block]), n = 16 s + 8 h + 2 t:
+    the pair that multiplies fragment registers 2h, 2h + 1 of k16 step s of every lane (g, t) of warp `block`."""
     seen = {}
     for p in range(128):
-        srow, sblock, odd = p >> 1, 4 * (p & 1), (p >> 1) & 1
-        n = srow & ~1
-        word = 8 * ((n >> 1) & 3) + 2 * (n >> 4) + ((n >> 3) & 1)
+        sn, sq = 2 * (p >> 2), p & 3
+        sword = 8 * ((sn >> 1) & 3) + 2 * (sn >> 4) + ((sn >> 3) & 1)
         for q in range(2):
-            kb = sblock + 2 * odd + q
-            index = kb * 32 + word
+            kb = 2 * sq + q
+            index = 32 * kb + sword  # fp4_ra.cu: byte 128 kb + 4 sword
             assert index not in seen
-            seen[index] = (n, kb)
+            seen[index] = (sn, kb)
     assert sorted(seen) == list(range(256))
     for kb in range(8):
         for t in range(4):
@@ -132,9 +131,11 @@ def test_grad_input_rejects_what_it_cannot_run():
         fp4_ra.grad_input(dy[:, :96], words[:96], scales[:96], gs, out)
     with pytest.raises(ValueError, match="must be bf16"):
         fp4_ra.grad_input(dy.float(), words, scales, gs, out)
+    with pytest.raises(ValueError, match="16-byte aligned scale rows"):
+        fp4_ra.grad_input(dy, words, scales, gs, out)
 
 
-CHECKS = [(128, 128, 1), (64, 192, 300), (192, 448, 257), (512, 3584, 1024), (3584, 512, 777), (1024, 2048, 4096)]
+CHECKS = [(128, 256, 1), (64, 768, 300), (192, 1280, 257), (512, 3584, 1024), (3584, 512, 777), (1024, 2048, 4096)]
 LAUNCHES = SHAPES + [fp4_ra.RaConfig(128, 4, schedule="split", min_split_steps=1, backward=True),
                      fp4_ra.RaConfig(256, 4, schedule="persistent", backward=True),
                      fp4_ra.RaConfig(256, 4, schedule="one_tile", backward=True)]

@@ -6,7 +6,8 @@ in one process.
 
 Correctness first (odd shapes, every launch, an output inside a larger buffer, two launches bit-equal), then median
 device times in CUDA graphs with L2-rotated weight copies, as `qerl bench gemm` times, plus the default launch without
-its weight decode (probe 1: the A registers are the scale pairs; the repack, loads, waits and MMAs unchanged).
+its weight decode (probe 1: the A registers are the scale pairs; the repack, loads, waits and MMAs unchanged) and
+without the producer's repack (probe 4: the raw ring is still loaded and waited for).
 """
 import argparse
 import sys
@@ -23,9 +24,11 @@ from qerl_lib.quant.nvfp4 import quantize, reference_grad_input
 
 LAUNCHES = {"t256s4": fp4_ra.RaConfig(256, 4, backward=True), "t128s6": fp4_ra.RaConfig(128, 6, backward=True),
             "t256s4_persistent": fp4_ra.RaConfig(256, 4, "persistent", backward=True),
-            "t256s4_nodecode": fp4_ra_probe.ProbeConfig(256, 4, backward=True, probe=1)}
-PROBES = ("t256s4_nodecode",)
-CHECKS = [(128, 128, 1), (64, 192, 300), (192, 448, 257), (3584, 512, 777), (18944, 3584, 1024), (3584, 18944, 1000)]
+            "t256s4_nodecode": fp4_ra_probe.ProbeConfig(256, 4, backward=True, probe=1),
+            "t256s4_norepack": fp4_ra_probe.ProbeConfig(256, 4, backward=True, probe=4),
+            "t128s6_norepack": fp4_ra_probe.ProbeConfig(128, 6, backward=True, probe=4)}
+PROBES = ("t256s4_nodecode", "t256s4_norepack", "t128s6_norepack")
+CHECKS = [(128, 256, 1), (64, 768, 300), (192, 1280, 257), (3584, 512, 777), (18944, 3584, 1024), (3584, 18944, 1000)]
 
 
 def check(cfg: fp4_ra.RaConfig, n: int, k: int, m: int, gen: torch.Generator) -> dict:

@@ -57,6 +57,7 @@ struct __align__(64) TensorMap { u64 v[16]; };  // CUtensorMap, filled on the ho
 #define W_BYTES (ROWS * BK)            // the repacked weights: 256 consumer lanes x 16 halfword table addresses
 #define S_BYTES (ROWS * 8)             // 8 blocks x 4 lane columns x 8 bf16x2 scale pairs
 #define RAW_BYTES (BK * ROWS / 2)      // a raw W tile: 64 rows x 64 bytes
+#define RAW_SLOT_BYTES (RAW_BYTES + BK * 16)  // and its rows' block scales: 64 rows x 16 bytes
 #else
 #define W_BYTES (ROWS * BK / 2)        // weight tile of a stage
 #define S_BYTES (ROWS * 16)            // the weight rows' 4 block scales of a stage, as bf16x2 words
@@ -64,7 +65,8 @@ struct __align__(64) TensorMap { u64 v[16]; };  // CUtensorMap, filled on the ho
 #define STAGE_BYTES (X_BYTES + W_BYTES + S_BYTES)
 #define STAGING_BYTES (EPI_TOK * STAGED_STRIDE * 2)
 #ifndef PROBE
-#define PROBE 0  // diagnostics only (dev/LOG.md sections 72, 74): 1 = no weight decode, 2 = no MMA, 3 = no epilogue
+#define PROBE 0  // diagnostics only (dev/LOG.md sections 72, 74, 76): 1 = no weight decode, 2 = no MMA, 3 = no
+                // epilogue, 4 = (backward) no repack by the producer
 #endif
 
 __device__ __forceinline__ u32 smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
@@ -166,27 +168,35 @@ __device__ __forceinline__ bool unit_of(int u, int n_steps, int tiles, int dp_ti
 // Byte offset of (row, byte column) in a raw W tile: 64-byte rows with TMA's 64-byte swizzle (16-byte chunk c of row
 // r lands at chunk c ^ ((r >> 1) & 3)).
 __device__ __forceinline__ u32 raw_offset(int row, int col) { return 64 * row + (col ^ (((row >> 1) & 3) << 4)); }
+__device__ __forceinline__ u32 lds32_fresh(u32 addr) {  // a ring's bytes: volatile, so it stays after the wait
+  u32 r;
+  asm volatile("ld.shared.u32 %0, [%1];" : "=r"(r) : "r"(addr) : "memory");
+  return r;
+}
 
-// The backward layout's producer warpgroup (thread p). Thread 0 issues the TMA copies: dy into the stage and the raw W
-// tile into the raw ring, RAW_SLOTS - 1 K-steps ahead (its own cursor over the units). Every thread then, per K-step:
+// The backward layout's producer warpgroup (thread p). Thread 0 issues the TMA copies: dy into the stage, and the raw
+// W tile with its rows' block scales (a [64 rows, 16 bytes] box from the 16-byte boundary at or below the tile's first
+// block: TMA's narrowest) into the raw ring, RAW_SLOTS - 1 K-steps ahead (its own cursor over the units). Every thread
+// then, per K-step:
 // - repacks the raw tile for two consumer lanes, (g = 2 gq, t) and (2 gq + 1, t) of consumer warp wa = p / 16: the
 //   value of (k row r, pair column n) is nibble r of W row n (low) and of row n + 1 (high); it gathers byte gq of its 4
 //   words of rows n and n + 1 with prmt, splits even k (lane 2 gq) from odd (2 gq + 1) with two masks, and writes each
 //   value as the table address value << 7 | 4 lane;
-// - turns 2 of the 4 block scales it loaded (W row 64 i + p / 2, blocks 4 (p % 2) .. + 3 of the tile) into bf16x2
-//   pairs with the next row's (a shuffle brings the partner row's bytes).
-__device__ __forceinline__ void backward_producer(const TensorMap& x_map, const TensorMap& w_map, const u8* sc, int N,
-                                                  int ldsc, int n_steps, int tiles, int m_tiles, int dp_tiles,
-                                                  int sk_per, int sk_ctas, u32 base, u32 raw_ring, u32 bars,
-                                                  u32 raw_full) {
+// - pairs the block scales of rows n = 2 (p / 4) and n + 1 for blocks 2 (p % 4) and 2 (p % 4) + 1 as bf16x2 words.
+__device__ __forceinline__ void backward_producer(const TensorMap& x_map, const TensorMap& w_map,
+                                                  const TensorMap& s_map, int n_steps, int tiles, int m_tiles,
+                                                  int dp_tiles, int sk_per, int sk_ctas, u32 base, u32 raw_ring,
+                                                  u32 bars, u32 raw_full) {
   const int p = threadIdx.x, lane = p & 31;
   Unit lead = {0, 0, 0, 0};  // thread 0's cursor: the K-step whose raw tile it issues next
   int lead_u = 0, lead_i = 0;
   bool lead_ok = false;
   const auto issue_raw = [&](u32 pos) {
-    const u32 slot = pos % RAW_SLOTS, bar = raw_full + 8 * slot;
-    mbar_expect_tx(bar, RAW_BYTES);
-    tma_load_2d(raw_ring + slot * RAW_BYTES, &w_map, (lead.tile / m_tiles) * (ROWS / 2), lead_i * BK, bar);
+    const u32 slot = pos % RAW_SLOTS, bar = raw_full + 8 * slot, dst = raw_ring + slot * RAW_SLOT_BYTES;
+    const int col_tile = lead.tile / m_tiles;
+    mbar_expect_tx(bar, RAW_SLOT_BYTES);
+    tma_load_2d(dst, &w_map, col_tile * (ROWS / 2), lead_i * BK, bar);
+    tma_load_2d(dst + RAW_BYTES, &s_map, (col_tile >> 1) * 16, lead_i * BK, bar);
     if (++lead_i == lead.ke && (lead_ok = unit_of(++lead_u, n_steps, tiles, dp_tiles, sk_per, sk_ctas, lead)))
       lead_i = lead.kb;
   };
@@ -198,15 +208,14 @@ __device__ __forceinline__ void backward_producer(const TensorMap& x_map, const 
   const int wa = p >> 4, gq = (p >> 2) & 3, t = p & 3;
   const u32 sel = gq | ((gq + 4) << 4), lane4 = 0x10001u * (32 * gq + 4 * t);  // 4 x lane (2 gq, t), twice
   const int ct_even = 32 * wa + 8 * gq + t;  // consumer lane index of (2 gq, t); (2 gq + 1, t) is 4 further
-  const int srow = p >> 1, sblock = 4 * (p & 1), odd = (p >> 1) & 1;
+  const int sn = 2 * (p >> 2), sq = p & 3;  // scale rows sn, sn + 1; blocks 2 sq, 2 sq + 1
+  const u32 sword = 4 * (8 * ((sn >> 1) & 3) + 2 * (sn >> 4) + ((sn >> 3) & 1));  // + 128 kb: block kb's pair
   Unit un;
   u32 g = 0;
   for (int u = 0; unit_of(u, n_steps, tiles, dp_tiles, sk_per, sk_ctas, un); ++u) {
-    const int k0 = (un.tile / m_tiles) * ROWS, tok0 = (un.tile % m_tiles) * TOK;
+    const int col_tile = un.tile / m_tiles, tok0 = (un.tile % m_tiles) * TOK;
     for (int i = un.kb; i < un.ke; ++i, ++g) {
       const u32 slot = g % STAGES, full = bars + 8 * slot, stage = base + slot * STAGE_BYTES;
-      const int sb = k0 / 16 + sblock;  // N % 64 == 0: a word of 4 blocks is wholly inside the row or past it
-      const u32 bytes4 = sb < N / 16 ? *reinterpret_cast<const u32*>(sc + (long)(i * BK + srow) * ldsc + sb) : 0u;
       if (p == 0) {
         mbar_wait(bars + 8 * (STAGES + slot), ((g / STAGES) & 1) ^ 1);
         mbar_expect_tx(full, X_BYTES);
@@ -215,45 +224,44 @@ __device__ __forceinline__ void backward_producer(const TensorMap& x_map, const 
       asm volatile("bar.sync 4, 128;" ::: "memory");  // the stage is free, and so is the raw slot read last step
       if (p == 0 && lead_ok) issue_raw(g + RAW_SLOTS - 1);
       mbar_wait(raw_full + 8 * (g % RAW_SLOTS), (g / RAW_SLOTS) & 1);
-      const u32 raw = raw_ring + (g % RAW_SLOTS) * RAW_BYTES;
+      const u32 raw = raw_ring + (g % RAW_SLOTS) * RAW_SLOT_BYTES;
+      if (PROBE != 4) {
 #pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        U4 ev, ov;
-        u32* e = &ev.x;
-        u32* o = &ov.x;
+        for (int half = 0; half < 2; ++half) {
+          U4 ev, ov;
+          u32* e = &ev.x;
+          u32* o = &ov.x;
 #pragma unroll
-        for (int ss = 0; ss < 2; ++ss) {
-          const int s = 2 * half + ss;
-          u32 w0[4], w1[4];
+          for (int ss = 0; ss < 2; ++ss) {
+            const int s = 2 * half + ss;
+            u32 w0[4], w1[4];
 #pragma unroll
-          for (int j = 0; j < 4; ++j) {  // j = khalf + 2 h: W rows n, n + 1 = 16 s + 8 h + 2 t, word 2 wa + khalf
-            const int n = 16 * s + 8 * (j >> 1) + 2 * t, col = 4 * (2 * wa + (j & 1));
-            w0[j] = lds32(raw + raw_offset(n, col));
-            w1[j] = lds32(raw + raw_offset(n + 1, col));
+            for (int j = 0; j < 4; ++j) {  // j = khalf + 2 h: W rows n, n + 1 = 16 s + 8 h + 2 t, word 2 wa + khalf
+              const int n = 16 * s + 8 * (j >> 1) + 2 * t, col = 4 * (2 * wa + (j & 1));
+              w0[j] = lds32_fresh(raw + raw_offset(n, col));
+              w1[j] = lds32_fresh(raw + raw_offset(n + 1, col));
+            }
+            const u32 A = prmt(prmt(w0[0], w0[1], sel), prmt(w0[2], w0[3], sel), 0x5410u);
+            const u32 B = prmt(prmt(w1[0], w1[1], sel), prmt(w1[2], w1[3], sel), 0x5410u);
+            const u32 E = (A & 0x0F0F0F0Fu) | ((B << 4) & 0xF0F0F0F0u);  // even k: lane (2 gq, t), value j in byte j
+            const u32 O = ((A >> 4) & 0x0F0F0F0Fu) | (B & 0xF0F0F0F0u);  // odd k: lane (2 gq + 1, t)
+            e[2 * ss] = (prmt(E, 0, 0x4140u) << 7) | lane4;
+            e[2 * ss + 1] = (prmt(E, 0, 0x4342u) << 7) | lane4;
+            o[2 * ss] = (prmt(O, 0, 0x4140u) << 7) | (lane4 + 0x100010u);
+            o[2 * ss + 1] = (prmt(O, 0, 0x4342u) << 7) | (lane4 + 0x100010u);
           }
-          const u32 A = prmt(prmt(w0[0], w0[1], sel), prmt(w0[2], w0[3], sel), 0x5410u);
-          const u32 B = prmt(prmt(w1[0], w1[1], sel), prmt(w1[2], w1[3], sel), 0x5410u);
-          const u32 E = (A & 0x0F0F0F0Fu) | ((B << 4) & 0xF0F0F0F0u);  // even k: lane (2 gq, t), value j in byte j
-          const u32 O = ((A >> 4) & 0x0F0F0F0Fu) | (B & 0xF0F0F0F0u);  // odd k: lane (2 gq + 1, t)
-          e[2 * ss] = (prmt(E, 0, 0x4140u) << 7) | lane4;
-          e[2 * ss + 1] = (prmt(E, 0, 0x4342u) << 7) | lane4;
-          o[2 * ss] = (prmt(O, 0, 0x4140u) << 7) | (lane4 + 0x100010u);
-          o[2 * ss + 1] = (prmt(O, 0, 0x4342u) << 7) | (lane4 + 0x100010u);
+          const u32 dst = stage + X_BYTES + half * (W_BYTES / 2);
+          sts128(dst + 16 * ct_even, ev);
+          sts128(dst + 16 * (ct_even + 4), ov);
         }
-        const u32 dst = stage + X_BYTES + half * (W_BYTES / 2);
-        sts128(dst + 16 * ct_even, ev);
-        sts128(dst + 16 * (ct_even + 4), ov);
-      }
-      {  // scale pairs: rows srow & ~1 and srow | 1, block kb -> word 2 s + h of lane column t of block kb's warp
-        const u32 partner = __shfl_xor_sync(0xffffffffu, bytes4, 2);
-        const u32 lo = odd ? partner : bytes4, hi = odd ? bytes4 : partner;
-        const int n = srow & ~1, word = 8 * ((n >> 1) & 3) + 2 * (n >> 4) + ((n >> 3) & 1);
+        // scale pairs: the tile's 8 block bytes of a row start at byte 8 (col_tile % 2) of its 16-byte box row
+        const u32 srow = raw + RAW_BYTES + 16 * sn + 8 * (col_tile & 1) + 4 * (sq >> 1);
+        const u32 lo = lds32_fresh(srow), hi = lds32_fresh(srow + 16);
 #pragma unroll
         for (int q = 0; q < 2; ++q) {
-          const int kb = sblock + 2 * odd + q;
-          const u32 shift = 8 * (2 * odd + q);
+          const u32 shift = 8 * (2 * (sq & 1) + q);
           const u32 v = scale_bits((lo >> shift) & 0xFFu) | (scale_bits((hi >> shift) & 0xFFu) << 16);
-          asm volatile("st.shared.u32 [%0], %1;" :: "r"(stage + X_BYTES + W_BYTES + 4 * (kb * 32 + word)), "r"(v)
+          asm volatile("st.shared.u32 [%0], %1;" :: "r"(stage + X_BYTES + W_BYTES + 128 * (2 * sq + q) + sword), "r"(v)
                        : "memory");
         }
       }
@@ -266,7 +274,8 @@ __device__ __forceinline__ void backward_producer(const TensorMap& x_map, const 
 
 extern "C" __global__ void __launch_bounds__(384, 1)
 KERNEL_NAME(const __grid_constant__ TensorMap x_map, const __grid_constant__ TensorMap w_map,
-            const u8* __restrict__ sc, const float* __restrict__ gs, const u16* __restrict__ bias,
+            const __grid_constant__ TensorMap s_map, const u8* __restrict__ sc, const float* __restrict__ gs,
+            const u16* __restrict__ bias,
             u16* __restrict__ out, float* __restrict__ partial, int* __restrict__ arrived, int M, int N, int K,
             int ldo, int ldsc, int m_tiles, int dp_tiles, int sk_per, int sk_ctas) {
   extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -276,7 +285,7 @@ KERNEL_NAME(const __grid_constant__ TensorMap x_map, const __grid_constant__ Ten
   const u32 staging = table + TABLE_BYTES;        // STAGING_BYTES: the epilogue's, per consumer warpgroup
 #if BACKWARD
   const u32 raw_ring = staging + 2 * STAGING_BYTES;  // RAW_SLOTS x RAW_BYTES (1024-byte aligned: the swizzle)
-  const u32 bars = raw_ring + RAW_SLOTS * RAW_BYTES;
+  const u32 bars = raw_ring + RAW_SLOTS * RAW_SLOT_BYTES;
   const u32 raw_full = bars + 16 * STAGES + 8;        // after full, empty and the flags
 #else
   const u32 bars = staging + 2 * STAGING_BYTES;   // full[STAGES], empty[STAGES], then one flag per consumer
@@ -300,8 +309,8 @@ KERNEL_NAME(const __grid_constant__ TensorMap x_map, const __grid_constant__ Ten
 #if BACKWARD
   if (wg == 0) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
-    backward_producer(x_map, w_map, sc, N, ldsc, n_steps, tiles, m_tiles, dp_tiles, sk_per, sk_ctas, base, raw_ring,
-                      bars, raw_full);
+    backward_producer(x_map, w_map, s_map, n_steps, tiles, m_tiles, dp_tiles, sk_per, sk_ctas, base, raw_ring, bars,
+                      raw_full);
     return;
   }
 #else

@@ -84,8 +84,8 @@ EPI_TOK = 32  # rows of x per epilogue chunk
 STAGED_STRIDE = 64 + 8  # bf16 per staged output row of a consumer warpgroup (the padding spreads the banks)
 TABLE_BYTES = 256 * 256  # the decode table: 256 byte values x 256-byte entries (32 lanes' code words)
 TABLE_BYTES_BACKWARD = 256 * 128  # packed to 128-byte entries (the producer writes whole addresses)
-RAW_SLOTS = 3  # backward: raw W tiles in flight, loaded RAW_SLOTS - 1 K-steps ahead of the repack
-RAW_BYTES = BLOCK_K * ROWS_PER_CTA // 2  # backward: one raw W tile, 64 rows x 64 bytes
+RAW_SLOTS = 4  # backward: raw W tiles in flight, loaded RAW_SLOTS - 1 K-steps ahead of the repack
+RAW_SLOT_BYTES = BLOCK_K * ROWS_PER_CTA // 2 + BLOCK_K * 16  # a raw W tile (64 rows x 64 bytes) and its scale box
 STAGING_BYTES = EPI_TOK * STAGED_STRIDE * 2  # one consumer warpgroup's epilogue staging
 THREADS = 384
 SHARED_MEMORY_LIMIT = 227 * 1024  # dynamic shared memory one CTA of an sm_90 SM may use
@@ -150,7 +150,7 @@ class RaConfig:
     def shared_bytes(self) -> int:
         """Dynamic shared memory: 1024-byte alignment slack, the ring, the decode table, the two consumer warpgroups'
         epilogue staging, (backward) the raw weight ring, the mbarriers and two flags."""
-        raw = RAW_SLOTS * (RAW_BYTES + 8) if self.backward else 0
+        raw = RAW_SLOTS * (RAW_SLOT_BYTES + 8) if self.backward else 0
         return 1023 + self.stages * self.stage_bytes + self.table_bytes + 2 * STAGING_BYTES + raw + 16 * self.stages + 8
 
     @property
@@ -262,7 +262,7 @@ def available(device_index: int = 0) -> bool:
 
 # ============================================================================ TMA descriptors
 _BF16, _UINT8 = 9, 0  # CUtensorMapDataType
-_SWIZZLE = {32: 1, 64: 2, 128: 3}  # CUtensorMapSwizzle
+_SWIZZLE = {0: 0, 32: 1, 64: 2, 128: 3}  # CUtensorMapSwizzle
 _L2_PROMOTION_128B = 2
 
 
@@ -303,9 +303,10 @@ def _check_operands(who: str, a: torch.Tensor, words: torch.Tensor, scales: torc
         raise ValueError(f"{who} needs 16-byte aligned rows of activations, out and words, and 4-byte aligned scale rows")
 
 
-def _launch(cfg: RaConfig, a: torch.Tensor, w_map, scales: torch.Tensor, global_scale: torch.Tensor,
+def _launch(cfg: RaConfig, a: torch.Tensor, w_map, s_map, scales: torch.Tensor, global_scale: torch.Tensor,
             bias: torch.Tensor | None, out: torch.Tensor, n_out: int, k_red: int) -> torch.Tensor:
-    """One launch of ``cfg``'s kernel: ``a [m, k_red]`` (read by TMA) against the weight's ``w_map``, ``out [m, n_out]``."""
+    """One launch of ``cfg``'s kernel: ``a [m, k_red]`` (read by TMA) against the weight's tensor maps (``s_map``: the
+    backward's scale boxes; the forward reads ``scales`` directly), ``out [m, n_out]``."""
     m = a.shape[0]
     x_map = encode_tensor_map(a.data_ptr(), _BF16, k_red, m, 2 * a.stride(0), BLOCK_K, cfg.tok, 128)
     index = a.device.index if a.device.index is not None else torch.cuda.current_device()
@@ -315,8 +316,8 @@ def _launch(cfg: RaConfig, a: torch.Tensor, w_map, scales: torch.Tensor, global_
     if sched.sk_ctas:
         partial = torch.empty(sched.sk_ctas * 4 * cfg.tok * 64, dtype=torch.float32, device=a.device)
         arrived = mma._counters(a.device, 4 * sched.split_tiles)
-    kern((sched.grid, 1), THREADS, [x_map, w_map, scales, global_scale, bias, out, partial, arrived, m, n_out, k_red,
-                                    out.stride(0), scales.stride(0), sched.m_tiles, sched.dp_tiles, sched.sk_per,
+    kern((sched.grid, 1), THREADS, [x_map, w_map, s_map, scales, global_scale, bias, out, partial, arrived, m, n_out,
+                                    k_red, out.stride(0), scales.stride(0), sched.m_tiles, sched.dp_tiles, sched.sk_per,
                                     sched.sk_ctas])
     return out
 
@@ -339,7 +340,7 @@ def linear(x2: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, global_s
     if m == 0:
         return out
     w_map = encode_tensor_map(words.data_ptr(), _UINT8, k // 2, n, 4 * words.stride(0), BLOCK_K // 2, ROWS_PER_CTA, 32)
-    return _launch(cfg, x2, w_map, scales, global_scale, bias, out, n, k)
+    return _launch(cfg, x2, w_map, w_map, scales, global_scale, bias, out, n, k)
 
 
 def supported_backward_problem(n: int, k: int) -> bool:
@@ -361,7 +362,11 @@ def grad_input(dy2: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, glo
         raise ValueError(f"fp4_ra.grad_input takes dy [m, N] with N % {BLOCK_K} == 0 and K % {BLOCK_K} == 0 "
                          f"for a weight [N, K], got dy {tuple(dy2.shape)} and a weight [{words.shape[0]}, {k}]")
     _check_operands("fp4_ra.grad_input", dy2, words, scales, out)
+    if scales.data_ptr() % 16 or scales.stride(0) % 16:
+        raise ValueError("fp4_ra.grad_input reads the block scales by TMA: it needs 16-byte aligned scale rows "
+                         "(K % 256 == 0 for contiguous scales; PreparedFP4Weight.tma_aligned says whether they are)")
     if m == 0:
         return out
     w_map = encode_tensor_map(words.data_ptr(), _UINT8, k // 2, n, 4 * words.stride(0), BLOCK_K, BLOCK_K, 64)
-    return _launch(cfg, dy2, w_map, scales, global_scale, None, out, k, n)
+    s_map = encode_tensor_map(scales.data_ptr(), _UINT8, k // 16, n, scales.stride(0), 16, BLOCK_K, 0)
+    return _launch(cfg, dy2, w_map, s_map, scales, global_scale, None, out, k, n)
