@@ -409,8 +409,10 @@ KERNEL_NAME(const __grid_constant__ TensorMap x_map, const __grid_constant__ Ten
     _Pragma("unroll") for (int s = 0; s < 4; ++s) {                                                     \
       _Pragma("unroll") for (int h = 0; h < 2; ++h) {                                                   \
         const u32 w = hw[2 * s + h], sc2 = ps[2 * s + h];                                               \
-        a[Q][s][2 * h] = PROBE == 1 ? w ^ sc2 : mul_bf16x2(lds32(table + (w & 0xFFFFu)), sc2);         \
-        a[Q][s][2 * h + 1] = PROBE == 1 ? sc2 : mul_bf16x2(lds32(table + (w >> 16)), sc2);              \
+        /* probe 4 leaves the addresses unwritten: keep them inside the table and 4-byte aligned */       \
+        const u32 lo = PROBE == 4 ? w & 0x7FFCu : w & 0xFFFFu, hi = PROBE == 4 ? (w >> 16) & 0x7FFCu : w >> 16; \
+        a[Q][s][2 * h] = PROBE == 1 ? w ^ sc2 : mul_bf16x2(lds32(table + lo), sc2);                     \
+        a[Q][s][2 * h + 1] = PROBE == 1 ? sc2 : mul_bf16x2(lds32(table + hi), sc2);                     \
       }                                                                                                 \
     }                                                                                                   \
   }
