@@ -168,6 +168,9 @@ __device__ __forceinline__ bool unit_of(int u, int n_steps, int tiles, int dp_ti
 // Byte offset of (row, byte column) in a raw W tile: 64-byte rows with TMA's 64-byte swizzle (16-byte chunk c of row
 // r lands at chunk c ^ ((r >> 1) & 3)).
 __device__ __forceinline__ u32 raw_offset(int row, int col) { return 64 * row + (col ^ (((row >> 1) & 3) << 4)); }
+__device__ __forceinline__ void sts64(u32 addr, u32 a, u32 b) {
+  asm volatile("st.shared.v2.u32 [%0], {%1, %2};" :: "r"(addr), "r"(a), "r"(b) : "memory");
+}
 __device__ __forceinline__ u32 lds32_fresh(u32 addr) {  // a ring's bytes: volatile, so it stays after the wait
   u32 r;
   asm volatile("ld.shared.u32 %0, [%1];" : "=r"(r) : "r"(addr) : "memory");
@@ -178,15 +181,16 @@ __device__ __forceinline__ u32 lds32_fresh(u32 addr) {  // a ring's bytes: volat
 // W tile with its rows' block scales (a [64 rows, 16 bytes] box from the 16-byte boundary at or below the tile's first
 // block: TMA's narrowest) into the raw ring, RAW_SLOTS - 1 K-steps ahead (its own cursor over the units). Every thread
 // then, per K-step:
-// - repacks the raw tile for two consumer lanes, (g = 2 gq, t) and (2 gq + 1, t) of consumer warp wa = p / 16: the
-//   value of (k row r, pair column n) is nibble r of W row n (low) and of row n + 1 (high); it gathers byte gq of its 4
-//   words of rows n and n + 1 with prmt, splits even k (lane 2 gq) from odd (2 gq + 1) with two masks, and writes each
-//   value as the table address value << 7 | 4 lane;
+// - repacks the raw tile for lanes (g = 2 gq, t) and (2 gq + 1, t) of consumer warps 2 m and 2 m + 1, k16 steps 2 sh
+//   and 2 sh + 1: the value of (k row r, pair column n) is nibble r of W row n (low) and of row n + 1 (high). Per k16
+//   step it reads one 16-byte chunk (both warps' words) of each of its 4 rows, gathers byte gq of a warp's 4 words of
+//   rows n and n + 1 with prmt, splits even k (lane 2 gq) from odd (2 gq + 1) with two masks, and writes each value as
+//   the table address value << 7 | 4 lane;
 // - pairs the block scales of rows n = 2 (p / 4) and n + 1 for blocks 2 (p % 4) and 2 (p % 4) + 1 as bf16x2 words.
 __device__ __forceinline__ void backward_producer(const TensorMap& x_map, const TensorMap& w_map,
                                                   const TensorMap& s_map, int n_steps, int tiles, int m_tiles,
                                                   int dp_tiles, int sk_per, int sk_ctas, u32 base, u32 raw_ring,
-                                                  u32 bars, u32 raw_full) {
+                                                  u32 bars, u32 raw_full, const unsigned char* smem, u32 smem_base) {
   const int p = threadIdx.x, lane = p & 31;
   Unit lead = {0, 0, 0, 0};  // thread 0's cursor: the K-step whose raw tile it issues next
   int lead_u = 0, lead_i = 0;
@@ -205,9 +209,9 @@ __device__ __forceinline__ void backward_producer(const TensorMap& x_map, const 
     lead_i = lead.kb;
     for (u32 pos = 0; pos + 1 < RAW_SLOTS && lead_ok; ++pos) issue_raw(pos);
   }
-  const int wa = p >> 4, gq = (p >> 2) & 3, t = p & 3;
+  // repack: consumer lanes (2 gq, t) and (2 gq + 1, t) of consumer warps 2 m and 2 m + 1, k16 steps 2 sh and 2 sh + 1
+  const int t = p & 3, gq = (p >> 2) & 3, m = (p >> 4) & 3, sh = p >> 6;
   const u32 sel = gq | ((gq + 4) << 4), lane4 = 0x10001u * (32 * gq + 4 * t);  // 4 x lane (2 gq, t), twice
-  const int ct_even = 32 * wa + 8 * gq + t;  // consumer lane index of (2 gq, t); (2 gq + 1, t) is 4 further
   const int sn = 2 * (p >> 2), sq = p & 3;  // scale rows sn, sn + 1; blocks 2 sq, 2 sq + 1
   const u32 sword = 4 * (8 * ((sn >> 1) & 3) + 2 * (sn >> 4) + ((sn >> 3) & 1));  // + 128 kb: block kb's pair
   Unit un;
@@ -227,32 +231,30 @@ __device__ __forceinline__ void backward_producer(const TensorMap& x_map, const 
       const u32 raw = raw_ring + (g % RAW_SLOTS) * RAW_SLOT_BYTES;
       if (PROBE != 4) {
 #pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          U4 ev, ov;
-          u32* e = &ev.x;
-          u32* o = &ov.x;
+        for (int ss = 0; ss < 2; ++ss) {
+          const int s = 2 * sh + ss;
+          U4 c[2][2];  // [h][row n or n + 1]: the 16-byte chunk m of W rows n = 16 s + 8 h + 2 t and n + 1
 #pragma unroll
-          for (int ss = 0; ss < 2; ++ss) {
-            const int s = 2 * half + ss;
-            u32 w0[4], w1[4];
+          for (int h = 0; h < 2; ++h)
 #pragma unroll
-            for (int j = 0; j < 4; ++j) {  // j = khalf + 2 h: W rows n, n + 1 = 16 s + 8 h + 2 t, word 2 wa + khalf
-              const int n = 16 * s + 8 * (j >> 1) + 2 * t, col = 4 * (2 * wa + (j & 1));
-              w0[j] = lds32_fresh(raw + raw_offset(n, col));
-              w1[j] = lds32_fresh(raw + raw_offset(n + 1, col));
+            for (int r = 0; r < 2; ++r) {
+              const int n = 16 * s + 8 * h + 2 * t + r;
+              c[h][r] = *reinterpret_cast<const U4*>(smem + (raw - smem_base) + raw_offset(n, 16 * m));
             }
-            const u32 A = prmt(prmt(w0[0], w0[1], sel), prmt(w0[2], w0[3], sel), 0x5410u);
-            const u32 B = prmt(prmt(w1[0], w1[1], sel), prmt(w1[2], w1[3], sel), 0x5410u);
+#pragma unroll
+          for (int b = 0; b < 2; ++b) {  // consumer warp wa = 2 m + b: words 2 b (khalf 0) and 2 b + 1 (khalf 1)
+            const u32* r0h0 = &c[0][0].x + 2 * b, *r1h0 = &c[0][1].x + 2 * b;
+            const u32* r0h1 = &c[1][0].x + 2 * b, *r1h1 = &c[1][1].x + 2 * b;
+            // value j = khalf + 2 h: byte gq of (row n, khalf) gathered into byte j, rows n (A) and n + 1 (B)
+            const u32 A = prmt(prmt(r0h0[0], r0h0[1], sel), prmt(r0h1[0], r0h1[1], sel), 0x5410u);
+            const u32 B = prmt(prmt(r1h0[0], r1h0[1], sel), prmt(r1h1[0], r1h1[1], sel), 0x5410u);
             const u32 E = (A & 0x0F0F0F0Fu) | ((B << 4) & 0xF0F0F0F0u);  // even k: lane (2 gq, t), value j in byte j
             const u32 O = ((A >> 4) & 0x0F0F0F0Fu) | (B & 0xF0F0F0F0u);  // odd k: lane (2 gq + 1, t)
-            e[2 * ss] = (prmt(E, 0, 0x4140u) << 7) | lane4;
-            e[2 * ss + 1] = (prmt(E, 0, 0x4342u) << 7) | lane4;
-            o[2 * ss] = (prmt(O, 0, 0x4140u) << 7) | (lane4 + 0x100010u);
-            o[2 * ss + 1] = (prmt(O, 0, 0x4342u) << 7) | (lane4 + 0x100010u);
+            const int ct = 32 * (2 * m + b) + 8 * gq + t;  // consumer lane (2 gq, t) of warp wa; (2 gq + 1, t) is 4 on
+            const u32 dst = stage + X_BYTES + (s >> 1) * (W_BYTES / 2) + 16 * ct + 8 * (s & 1);
+            sts64(dst, prmt(E, 0, 0x4140u) * 128u + lane4, prmt(E, 0, 0x4342u) * 128u + lane4);
+            sts64(dst + 64, prmt(O, 0, 0x4140u) * 128u + lane4 + 0x100010u, prmt(O, 0, 0x4342u) * 128u + lane4 + 0x100010u);
           }
-          const u32 dst = stage + X_BYTES + half * (W_BYTES / 2);
-          sts128(dst + 16 * ct_even, ev);
-          sts128(dst + 16 * (ct_even + 4), ov);
         }
         // scale pairs: the tile's 8 block bytes of a row start at byte 8 (col_tile % 2) of its 16-byte box row
         const u32 srow = raw + RAW_BYTES + 16 * sn + 8 * (col_tile & 1) + 4 * (sq >> 1);
@@ -310,7 +312,7 @@ KERNEL_NAME(const __grid_constant__ TensorMap x_map, const __grid_constant__ Ten
   if (wg == 0) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
     backward_producer(x_map, w_map, s_map, n_steps, tiles, m_tiles, dp_tiles, sk_per, sk_ctas, base, raw_ring, bars,
-                      raw_full);
+                      raw_full, smem_raw, raw);
     return;
   }
 #else
