@@ -190,7 +190,8 @@ __device__ __forceinline__ u32 lds32_fresh(u32 addr) {  // a ring's bytes: volat
 __device__ __forceinline__ void backward_producer(const TensorMap& x_map, const TensorMap& w_map,
                                                   const TensorMap& s_map, int n_steps, int tiles, int m_tiles,
                                                   int dp_tiles, int sk_per, int sk_ctas, u32 base, u32 raw_ring,
-                                                  u32 bars, u32 raw_full, const unsigned char* smem, u32 smem_base) {
+                                                  u32 bars, u32 raw_full, u32 raw_empty, const unsigned char* smem,
+                                                  u32 smem_base) {
   const int p = threadIdx.x, lane = p & 31;
   Unit lead = {0, 0, 0, 0};  // thread 0's cursor: the K-step whose raw tile it issues next
   int lead_u = 0, lead_i = 0;
@@ -207,7 +208,7 @@ __device__ __forceinline__ void backward_producer(const TensorMap& x_map, const 
   if (p == 0) {
     lead_ok = unit_of(0, n_steps, tiles, dp_tiles, sk_per, sk_ctas, lead);
     lead_i = lead.kb;
-    for (u32 pos = 0; pos + 1 < RAW_SLOTS && lead_ok; ++pos) issue_raw(pos);
+    for (u32 pos = 0; pos + 2 < RAW_SLOTS && lead_ok; ++pos) issue_raw(pos);
   }
   // repack: consumer lanes (2 gq, t) and (2 gq + 1, t) of consumer warps 2 m and 2 m + 1, k16 steps 2 sh and 2 sh + 1
   const int t = p & 3, gq = (p >> 2) & 3, m = (p >> 4) & 3, sh = p >> 6;
@@ -220,13 +221,15 @@ __device__ __forceinline__ void backward_producer(const TensorMap& x_map, const 
     const int col_tile = un.tile / m_tiles, tok0 = (un.tile % m_tiles) * TOK;
     for (int i = un.kb; i < un.ke; ++i, ++g) {
       const u32 slot = g % STAGES, full = bars + 8 * slot, stage = base + slot * STAGE_BYTES;
+      mbar_wait(bars + 8 * (STAGES + slot), ((g / STAGES) & 1) ^ 1);  // every thread: the stage is free
       if (p == 0) {
-        mbar_wait(bars + 8 * (STAGES + slot), ((g / STAGES) & 1) ^ 1);
         mbar_expect_tx(full, X_BYTES);
         tma_load_2d(stage, &x_map, i * BK, tok0, full);
+        if (lead_ok) {  // K-step g + RAW_SLOTS - 2 into the slot of step g - 2, once every warp has read it
+          if (g >= 2) mbar_wait(raw_empty + 8 * ((g - 2) % RAW_SLOTS), ((g - 2) / RAW_SLOTS) & 1);
+          issue_raw(g + RAW_SLOTS - 2);
+        }
       }
-      asm volatile("bar.sync 4, 128;" ::: "memory");  // the stage is free, and so is the raw slot read last step
-      if (p == 0 && lead_ok) issue_raw(g + RAW_SLOTS - 1);
       mbar_wait(raw_full + 8 * (g % RAW_SLOTS), (g / RAW_SLOTS) & 1);
       const u32 raw = raw_ring + (g % RAW_SLOTS) * RAW_SLOT_BYTES;
       if (PROBE != 4) {
@@ -268,7 +271,10 @@ __device__ __forceinline__ void backward_producer(const TensorMap& x_map, const 
         }
       }
       __syncwarp();
-      if (lane == 0) mbar_arrive(full);
+      if (lane == 0) {
+        mbar_arrive(raw_empty + 8 * (g % RAW_SLOTS));
+        mbar_arrive(full);
+      }
     }
   }
 }
@@ -288,7 +294,7 @@ KERNEL_NAME(const __grid_constant__ TensorMap x_map, const __grid_constant__ Ten
 #if BACKWARD
   const u32 raw_ring = staging + 2 * STAGING_BYTES;  // RAW_SLOTS x RAW_BYTES (1024-byte aligned: the swizzle)
   const u32 bars = raw_ring + RAW_SLOTS * RAW_SLOT_BYTES;
-  const u32 raw_full = bars + 16 * STAGES + 8;        // after full, empty and the flags
+  const u32 raw_full = bars + 16 * STAGES + 8;  // after full, empty and the flags; then raw_empty[RAW_SLOTS]
 #else
   const u32 bars = staging + 2 * STAGING_BYTES;   // full[STAGES], empty[STAGES], then one flag per consumer
 #endif
@@ -302,7 +308,10 @@ KERNEL_NAME(const __grid_constant__ TensorMap x_map, const __grid_constant__ Ten
       mbar_init(bars + 8 * (STAGES + s), 8);
     }
 #if BACKWARD
-    for (int s = 0; s < RAW_SLOTS; ++s) mbar_init(raw_full + 8 * s, 1);
+    for (int s = 0; s < RAW_SLOTS; ++s) {
+      mbar_init(raw_full + 8 * s, 1);
+      mbar_init(raw_full + 8 * (RAW_SLOTS + s), 4);  // raw_empty: one arrive per producer warp
+    }
 #endif
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
@@ -312,7 +321,7 @@ KERNEL_NAME(const __grid_constant__ TensorMap x_map, const __grid_constant__ Ten
   if (wg == 0) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
     backward_producer(x_map, w_map, s_map, n_steps, tiles, m_tiles, dp_tiles, sk_per, sk_ctas, base, raw_ring, bars,
-                      raw_full, smem_raw, raw);
+                      raw_full, raw_full + 8 * RAW_SLOTS, smem_raw, raw);
     return;
   }
 #else

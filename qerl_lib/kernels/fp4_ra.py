@@ -84,7 +84,7 @@ EPI_TOK = 32  # rows of x per epilogue chunk
 STAGED_STRIDE = 64 + 8  # bf16 per staged output row of a consumer warpgroup (the padding spreads the banks)
 TABLE_BYTES = 256 * 256  # the decode table: 256 byte values x 256-byte entries (32 lanes' code words)
 TABLE_BYTES_BACKWARD = 256 * 128  # packed to 128-byte entries (the producer writes whole addresses)
-RAW_SLOTS = 4  # backward: raw W tiles in flight, loaded RAW_SLOTS - 1 K-steps ahead of the repack
+RAW_SLOTS = 4  # backward: raw W tiles in flight, loaded RAW_SLOTS - 2 K-steps ahead of the repack
 RAW_SLOT_BYTES = BLOCK_K * ROWS_PER_CTA // 2 + BLOCK_K * 16  # a raw W tile (64 rows x 64 bytes) and its scale box
 STAGING_BYTES = EPI_TOK * STAGED_STRIDE * 2  # one consumer warpgroup's epilogue staging
 THREADS = 384
@@ -150,7 +150,7 @@ class RaConfig:
     def shared_bytes(self) -> int:
         """Dynamic shared memory: 1024-byte alignment slack, the ring, the decode table, the two consumer warpgroups'
         epilogue staging, (backward) the raw weight ring, the mbarriers and two flags."""
-        raw = RAW_SLOTS * (RAW_SLOT_BYTES + 8) if self.backward else 0
+        raw = RAW_SLOTS * (RAW_SLOT_BYTES + 16) if self.backward else 0
         return 1023 + self.stages * self.stage_bytes + self.table_bytes + 2 * STAGING_BYTES + raw + 16 * self.stages + 8
 
     @property
