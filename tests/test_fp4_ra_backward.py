@@ -30,11 +30,12 @@ def _repack(raw: bytes) -> dict[int, list[int]]:
         off = _raw_offset(row, 16 * m)
         return [int.from_bytes(raw[off + 4 * i:off + 4 * i + 4], "little") for i in range(4)]
 
-    packed = {ct: [None] * 8 for ct in range(256)}
+    stage = [None] * 2048  # the repacked half of a stage as words: [s // 2][slot][4]
     for p in range(128):
         t, gq, m, sh = p & 3, (p >> 2) & 3, (p >> 4) & 3, p >> 6
         sel, lane4 = gq | ((gq + 4) << 4), 0x10001 * (32 * gq + 4 * t)
-        for s in (2 * sh, 2 * sh + 1):
+        for ss in range(2):
+            s = 2 * sh + (ss ^ (gq & 1))
             c = [[chunk(16 * s + 8 * h + 2 * t + r, m) for r in range(2)] for h in range(2)]
             for b in range(2):
                 r0h0, r1h0, r0h1, r1h1 = (c[0][0][2 * b:], c[0][1][2 * b:], c[1][0][2 * b:], c[1][1][2 * b:])
@@ -44,10 +45,38 @@ def _repack(raw: bytes) -> dict[int, list[int]]:
                 o = ((a >> 4) & 0x0F0F0F0F) | (bb & 0xF0F0F0F0)
                 ct = 32 * (2 * m + b) + 8 * gq + t
                 for lane_ct, v, l4 in ((ct, e, lane4), (ct + 4, o, lane4 + 0x100010)):
-                    assert packed[lane_ct][2 * s] is None
-                    packed[lane_ct][2 * s] = (_prmt(v, 0, 0x4140) * 128 + l4) & 0xFFFFFFFF
-                    packed[lane_ct][2 * s + 1] = (_prmt(v, 0, 0x4342) * 128 + l4) & 0xFFFFFFFF
-    return packed
+                    word = 1024 * (s >> 1) + 4 * _packed_slot(lane_ct) + 2 * (s & 1)
+                    assert stage[word] is None and stage[word + 1] is None
+                    stage[word] = (_prmt(v, 0, 0x4140) * 128 + l4) & 0xFFFFFFFF
+                    stage[word + 1] = (_prmt(v, 0, 0x4342) * 128 + l4) & 0xFFFFFFFF
+    # what consumer lane cb's two 16-byte loads read
+    return {cb: [stage[1024 * half + 4 * _packed_slot(cb) + i] for half in range(2) for i in range(4)]
+            for cb in range(256)}
+
+
+def _packed_slot(ct: int) -> int:  # fp4_ra.cu's packed_slot
+    return ct ^ (((ct >> 3) & 3) << 1)
+
+
+def test_repacked_stores_and_loads_are_free_of_bank_conflicts():
+    """Each producer half-warp's 8-byte stores (one instruction: t and gq vary) hit 16 distinct bank pairs, and each
+    consumer quarter-warp's 16-byte loads 8 distinct 16-byte columns: shared memory serves both in one pass."""
+    for warp in range(4):
+        for half in range(2):
+            for ss in range(2):
+                for b in range(2):
+                    for odd in range(2):
+                        pairs = set()
+                        for lane in range(16 * half, 16 * half + 16):
+                            p = 32 * warp + lane
+                            t, gq, m, sh = p & 3, (p >> 2) & 3, (p >> 4) & 3, p >> 6
+                            s = 2 * sh + (ss ^ (gq & 1))
+                            ct = 32 * (2 * m + b) + 8 * gq + t + 4 * odd
+                            pairs.add((16 * _packed_slot(ct) + 8 * (s & 1)) // 8 % 16)
+                        assert len(pairs) == 16
+    for cb0 in range(0, 256, 8):
+        assert len({_packed_slot(cb) % 8 for cb in range(cb0, cb0 + 8)}) == 8
+    assert sorted(_packed_slot(ct) for ct in range(256)) == list(range(256))
 
 
 def test_repack_gives_every_lane_its_fragment_codes_as_table_addresses():

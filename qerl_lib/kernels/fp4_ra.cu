@@ -168,6 +168,10 @@ __device__ __forceinline__ bool unit_of(int u, int n_steps, int tiles, int dp_ti
 // Byte offset of (row, byte column) in a raw W tile: 64-byte rows with TMA's 64-byte swizzle (16-byte chunk c of row
 // r lands at chunk c ^ ((r >> 1) & 3)).
 __device__ __forceinline__ u32 raw_offset(int row, int col) { return 64 * row + (col ^ (((row >> 1) & 3) << 4)); }
+// Where consumer lane ct's 16 bytes of a half stage go: ct with bits 1-2 XORed by bits 3-4. A consumer quarter-warp
+// (8 lanes, bits 3-4 fixed) still reads 8 distinct 16-byte columns; a producer half-warp's 8-byte stores (t and gq
+// varying, the k16 steps' order flipped for odd gq) land on 16 distinct bank pairs instead of 4.
+__device__ __forceinline__ int packed_slot(int ct) { return ct ^ (((ct >> 3) & 3) << 1); }
 __device__ __forceinline__ void sts64(u32 addr, u32 a, u32 b) {
   asm volatile("st.shared.v2.u32 [%0], {%1, %2};" :: "r"(addr), "r"(a), "r"(b) : "memory");
 }
@@ -235,7 +239,7 @@ __device__ __forceinline__ void backward_producer(const TensorMap& x_map, const 
       if (PROBE != 4) {
 #pragma unroll
         for (int ss = 0; ss < 2; ++ss) {
-          const int s = 2 * sh + ss;
+          const int s = 2 * sh + (ss ^ (gq & 1));  // odd gq take the two k16 steps in the other order (bank spread)
           U4 c[2][2];  // [h][row n or n + 1]: the 16-byte chunk m of W rows n = 16 s + 8 h + 2 t and n + 1
 #pragma unroll
           for (int h = 0; h < 2; ++h)
@@ -254,9 +258,10 @@ __device__ __forceinline__ void backward_producer(const TensorMap& x_map, const 
             const u32 E = (A & 0x0F0F0F0Fu) | ((B << 4) & 0xF0F0F0F0u);  // even k: lane (2 gq, t), value j in byte j
             const u32 O = ((A >> 4) & 0x0F0F0F0Fu) | (B & 0xF0F0F0F0u);  // odd k: lane (2 gq + 1, t)
             const int ct = 32 * (2 * m + b) + 8 * gq + t;  // consumer lane (2 gq, t) of warp wa; (2 gq + 1, t) is 4 on
-            const u32 dst = stage + X_BYTES + (s >> 1) * (W_BYTES / 2) + 16 * ct + 8 * (s & 1);
-            sts64(dst, prmt(E, 0, 0x4140u) * 128u + lane4, prmt(E, 0, 0x4342u) * 128u + lane4);
-            sts64(dst + 64, prmt(O, 0, 0x4140u) * 128u + lane4 + 0x100010u, prmt(O, 0, 0x4342u) * 128u + lane4 + 0x100010u);
+            const u32 dst = stage + X_BYTES + (s >> 1) * (W_BYTES / 2) + 8 * (s & 1);
+            sts64(dst + 16 * packed_slot(ct), prmt(E, 0, 0x4140u) * 128u + lane4, prmt(E, 0, 0x4342u) * 128u + lane4);
+            sts64(dst + 16 * packed_slot(ct + 4), prmt(O, 0, 0x4140u) * 128u + lane4 + 0x100010u,
+                  prmt(O, 0, 0x4342u) * 128u + lane4 + 0x100010u);
           }
         }
         // scale pairs: the tile's 8 block bytes of a row start at byte 8 (col_tile % 2) of its 16-byte box row
@@ -412,7 +417,8 @@ KERNEL_NAME(const __grid_constant__ TensorMap x_map, const __grid_constant__ Ten
     const u32 ring = g0 + (J), slot = ring % STAGES;                                                    \
     mbar_wait(bars + 8 * slot, (ring / STAGES) & 1);                                                    \
     const u32 stage = base + slot * STAGE_BYTES;                                                        \
-    const U4 q0 = lds128(stage + X_BYTES + 16 * cb), q1 = lds128(stage + X_BYTES + W_BYTES / 2 + 16 * cb); \
+    const u32 mine = stage + X_BYTES + 16 * packed_slot(cb);                                          \
+    const U4 q0 = lds128(mine), q1 = lds128(mine + W_BYTES / 2);                                      \
     const u32 sp = stage + X_BYTES + W_BYTES + 32 * (4 * (cb >> 5) + t);                                \
     const U4 p0 = lds128(sp), p1 = lds128(sp + 16);                                                     \
     const u32 hw[8] = {q0.x, q0.y, q0.z, q0.w, q1.x, q1.y, q1.z, q1.w};                                 \
