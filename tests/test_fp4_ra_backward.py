@@ -20,7 +20,7 @@ def _prmt(a: int, b: int, sel: int) -> int:
     return int.from_bytes(bytes(src[(sel >> (4 * i)) & 7] for i in range(4)), "little")
 
 
-def _raw_offset(row: int, col: int) -> int:  # fp4_ra.cu's raw_offset
+def _raw_offset(row: int, col: int) -> int:  # TMA's 64-byte swizzle of 64-byte rows
     return 64 * row + (col ^ (((row >> 1) & 3) << 4))
 
 
@@ -28,6 +28,8 @@ def _repack(raw: bytes) -> dict[int, list[int]]:
     """fp4_ra.cu's backward_producer, transcribed: consumer lane (0..255) -> its 8 words of halfword addresses."""
     def chunk(row: int, m: int) -> list[int]:
         off = _raw_offset(row, 16 * m)
+        t = (row >> 1) & 3  # the kernel's base register and constant offsets give the same byte
+        assert off == 128 * t + 16 * (m ^ t) + 1024 * (row >> 4) + 512 * ((row >> 3) & 1) + 64 * (row & 1)
         return [int.from_bytes(raw[off + 4 * i:off + 4 * i + 4], "little") for i in range(4)]
 
     stage = [None] * 2048  # the repacked half of a stage as words: [s // 2][slot][4]

@@ -52,6 +52,15 @@ struct __align__(64) TensorMap { u64 v[16]; };  // CUtensorMap, filled on the ho
 #ifndef BACKWARD
 #define BACKWARD 0
 #endif
+// Registers per thread after setmaxnreg (the CTA's pool is 384 x 168): the consumers need 128 for the accumulators of
+// a 256-row tile of x; the backward's producer needs more than the forward's for its repack (its loads in flight).
+#if BACKWARD
+#define PRODUCER_REGS "56"
+#define CONSUMER_REGS "224"
+#else
+#define PRODUCER_REGS "40"
+#define CONSUMER_REGS "232"
+#endif
 #define X_BYTES (TOK * BK * 2)         // x tile of a stage
 #if BACKWARD
 #define W_BYTES (ROWS * BK)            // the repacked weights: 256 consumer lanes x 16 halfword table addresses
@@ -165,9 +174,7 @@ __device__ __forceinline__ bool unit_of(int u, int n_steps, int tiles, int dp_ti
 }
 
 #if BACKWARD
-// Byte offset of (row, byte column) in a raw W tile: 64-byte rows with TMA's 64-byte swizzle (16-byte chunk c of row
-// r lands at chunk c ^ ((r >> 1) & 3)).
-__device__ __forceinline__ u32 raw_offset(int row, int col) { return 64 * row + (col ^ (((row >> 1) & 3) << 4)); }
+// A raw W tile: 64-byte rows with TMA's 64-byte swizzle (16-byte chunk c of row r lands at chunk c ^ ((r >> 1) & 3)).
 // Where consumer lane ct's 16 bytes of a half stage go: ct with bits 1-2 XORed by bits 3-4. A consumer quarter-warp
 // (8 lanes, bits 3-4 fixed) still reads 8 distinct 16-byte columns; a producer half-warp's 8-byte stores (t and gq
 // varying, the k16 steps' order flipped for odd gq) land on 16 distinct bank pairs instead of 4.
@@ -217,6 +224,7 @@ __device__ __forceinline__ void backward_producer(const TensorMap& x_map, const 
   // repack: consumer lanes (2 gq, t) and (2 gq + 1, t) of consumer warps 2 m and 2 m + 1, k16 steps 2 sh and 2 sh + 1
   const int t = p & 3, gq = (p >> 2) & 3, m = (p >> 4) & 3, sh = p >> 6;
   const u32 sel = gq | ((gq + 4) << 4), lane4 = 0x10001u * (32 * gq + 4 * t);  // 4 x lane (2 gq, t), twice
+  const u32 chunk_base = 128 * t + 16 * (m ^ t);  // chunk m of raw row 2 t, swizzled
   const int sn = 2 * (p >> 2), sq = p & 3;  // scale rows sn, sn + 1; blocks 2 sq, 2 sq + 1
   const u32 sword = 4 * (8 * ((sn >> 1) & 3) + 2 * (sn >> 4) + ((sn >> 3) & 1));  // + 128 kb: block kb's pair
   Unit un;
@@ -240,14 +248,14 @@ __device__ __forceinline__ void backward_producer(const TensorMap& x_map, const 
 #pragma unroll
         for (int ss = 0; ss < 2; ++ss) {
           const int s = 2 * sh + (ss ^ (gq & 1));  // odd gq take the two k16 steps in the other order (bank spread)
-          U4 c[2][2];  // [h][row n or n + 1]: the 16-byte chunk m of W rows n = 16 s + 8 h + 2 t and n + 1
+          // the 16-byte chunk m of W rows n = 16 s + 8 h + 2 t and n + 1: the swizzle makes it chunk m ^ t in all four
+          // ((n >> 1) & 3 = t), so they are one base register and constant offsets
+          const unsigned char* rows = smem + (raw - smem_base) + 1024 * s + chunk_base;
+          U4 c[2][2];  // [h][row n or n + 1]
 #pragma unroll
           for (int h = 0; h < 2; ++h)
 #pragma unroll
-            for (int r = 0; r < 2; ++r) {
-              const int n = 16 * s + 8 * h + 2 * t + r;
-              c[h][r] = *reinterpret_cast<const U4*>(smem + (raw - smem_base) + raw_offset(n, 16 * m));
-            }
+            for (int r = 0; r < 2; ++r) c[h][r] = *reinterpret_cast<const U4*>(rows + 64 * (8 * h + r));
 #pragma unroll
           for (int b = 0; b < 2; ++b) {  // consumer warp wa = 2 m + b: words 2 b (khalf 0) and 2 b + 1 (khalf 1)
             const u32* r0h0 = &c[0][0].x + 2 * b, *r1h0 = &c[0][1].x + 2 * b;
@@ -324,7 +332,7 @@ KERNEL_NAME(const __grid_constant__ TensorMap x_map, const __grid_constant__ Ten
 
 #if BACKWARD
   if (wg == 0) {
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 " PRODUCER_REGS ";");
     backward_producer(x_map, w_map, s_map, n_steps, tiles, m_tiles, dp_tiles, sk_per, sk_ctas, base, raw_ring, bars,
                       raw_full, raw_full + 8 * RAW_SLOTS, smem_raw, raw);
     return;
@@ -363,7 +371,7 @@ KERNEL_NAME(const __grid_constant__ TensorMap x_map, const __grid_constant__ Ten
     return;
   }
 #endif
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 " CONSUMER_REGS ";");
 
   // The decode table, built once while the producer's first copies fly: entry b (256 bytes) holds, for each lane
   // l, the codes of byte b as bf16x2 (natural_pair) at 4l (the entry's second half is not used). Each lane reads
