@@ -11,7 +11,7 @@ from qerl_lib.kernels import fp4_ra
 from qerl_lib.quant.nvfp4 import reference_grad_input
 from tests.conftest import cuda_nvfp4_weights, nvrtc_or_none
 
-SHAPES = [fp4_ra.RaConfig(256, 3, backward=True), fp4_ra.RaConfig(128, 6, backward=True),
+SHAPES = [fp4_ra.RaConfig(256, 4, backward=True), fp4_ra.RaConfig(128, 6, backward=True),
           fp4_ra.RaConfig(64, 8, backward=True)]
 
 
@@ -25,17 +25,17 @@ def _raw_offset(row: int, col: int) -> int:  # TMA's 64-byte swizzle of 64-byte 
 
 
 def _repack(raw: bytes) -> dict[int, list[int]]:
-    """fp4_ra.cu's backward_producer, transcribed: consumer lane (0..255) -> the 4 words its 16-byte load reads."""
+    """fp4_ra.cu's backward_producer, transcribed: consumer lane (0..255) -> its 8 words of halfword addresses."""
     def chunk(row: int, m: int) -> list[int]:
         off = _raw_offset(row, 16 * m)
         t = (row >> 1) & 3  # the kernel's base register and constant offsets give the same byte
         assert off == 128 * t + 16 * (m ^ t) + 1024 * (row >> 4) + 512 * ((row >> 3) & 1) + 64 * (row & 1)
         return [int.from_bytes(raw[off + 4 * i:off + 4 * i + 4], "little") for i in range(4)]
 
-    stage = [None] * 1024  # the repacked part of a stage as words: [slot][4]
+    stage = [None] * 2048  # the repacked half of a stage as words: [s // 2][slot][4]
     for p in range(128):
         t, gq, m, sh = p & 3, (p >> 2) & 3, (p >> 4) & 3, p >> 6
-        sel = gq | ((gq + 4) << 4)
+        sel, lane4 = gq | ((gq + 4) << 4), 0x10001 * (32 * gq + 4 * t)
         for ss in range(2):
             s = 2 * sh + (ss ^ (gq & 1))
             c = [[chunk(16 * s + 8 * h + 2 * t + r, m) for r in range(2)] for h in range(2)]
@@ -46,42 +46,45 @@ def _repack(raw: bytes) -> dict[int, list[int]]:
                 e = (a & 0x0F0F0F0F) | ((bb << 4) & 0xF0F0F0F0)
                 o = ((a >> 4) & 0x0F0F0F0F) | (bb & 0xF0F0F0F0)
                 ct = 32 * (2 * m + b) + 8 * gq + t
-                for lane_ct, v in ((ct, e), (ct + 4, o)):
-                    word = 4 * _packed_slot(lane_ct) + s
-                    assert stage[word] is None
-                    stage[word] = v
-    return {cb: stage[4 * _packed_slot(cb):4 * _packed_slot(cb) + 4] for cb in range(256)}
+                for lane_ct, v, l4 in ((ct, e, lane4), (ct + 4, o, lane4 + 0x100010)):
+                    word = 1024 * (s >> 1) + 4 * _packed_slot(lane_ct) + 2 * (s & 1)
+                    assert stage[word] is None and stage[word + 1] is None
+                    stage[word] = (_prmt(v, 0, 0x4140) * 128 + l4) & 0xFFFFFFFF
+                    stage[word + 1] = (_prmt(v, 0, 0x4342) * 128 + l4) & 0xFFFFFFFF
+    # what consumer lane cb's two 16-byte loads read
+    return {cb: [stage[1024 * half + 4 * _packed_slot(cb) + i] for half in range(2) for i in range(4)]
+            for cb in range(256)}
 
 
 def _packed_slot(ct: int) -> int:  # fp4_ra.cu's packed_slot
     return ct ^ (((ct >> 3) & 3) << 1)
 
 
-def test_repacked_stores_and_loads_spread_over_the_banks():
-    """Each producer warp's 4-byte stores (one instruction: t, gq and m's low bit vary) hit 16 distinct banks, two
-    threads each (a 2-way conflict: 16 is the most that 4 slot bits and the k16 step's parity can give), and each
-    consumer quarter-warp's 16-byte loads 8 distinct 16-byte columns (one pass)."""
+def test_repacked_stores_and_loads_are_free_of_bank_conflicts():
+    """Each producer half-warp's 8-byte stores (one instruction: t and gq vary) hit 16 distinct bank pairs, and each
+    consumer quarter-warp's 16-byte loads 8 distinct 16-byte columns: shared memory serves both in one pass."""
     for warp in range(4):
-        for ss in range(2):
-            for b in range(2):
-                for odd in range(2):
-                    banks = []
-                    for lane in range(32):
-                        p = 32 * warp + lane
-                        t, gq, m, sh = p & 3, (p >> 2) & 3, (p >> 4) & 3, p >> 6
-                        s = 2 * sh + (ss ^ (gq & 1))
-                        ct = 32 * (2 * m + b) + 8 * gq + t + 4 * odd
-                        banks.append((4 * _packed_slot(ct) + s) % 32)
-                    assert max(banks.count(x) for x in banks) == 2 and len(set(banks)) == 16
+        for half in range(2):
+            for ss in range(2):
+                for b in range(2):
+                    for odd in range(2):
+                        pairs = set()
+                        for lane in range(16 * half, 16 * half + 16):
+                            p = 32 * warp + lane
+                            t, gq, m, sh = p & 3, (p >> 2) & 3, (p >> 4) & 3, p >> 6
+                            s = 2 * sh + (ss ^ (gq & 1))
+                            ct = 32 * (2 * m + b) + 8 * gq + t + 4 * odd
+                            pairs.add((16 * _packed_slot(ct) + 8 * (s & 1)) // 8 % 16)
+                        assert len(pairs) == 16
     for cb0 in range(0, 256, 8):
         assert len({_packed_slot(cb) % 8 for cb in range(cb0, cb0 + 8)}) == 8
     assert sorted(_packed_slot(ct) for ct in range(256)) == list(range(256))
 
 
-def test_repack_gives_every_lane_its_fragment_codes():
-    """For random raw tiles: consumer lane (warp wa, g, t) holds, in byte hk + 2 hn of word s, the value whose low nibble
-    is W[n, r] and high nibble W[n + 1, r], with k row r = 16 wa + g + 8 hk and W row n = 16 s + 2 t + 8 hn: wgmma's A
-    fragment (rows g, g + 8; columns 2t, 2t + 8) of W^T, decoded by the forward's table."""
+def test_repack_gives_every_lane_its_fragment_codes_as_table_addresses():
+    """For random raw tiles: consumer lane (warp wa, g, t) holds, in halfword h of word 2 s + h' (h' = 0, 1), the table
+    address 128 * value + 4 * lane of the value whose low nibble is W[n, r] and high nibble W[n + 1, r], with k row
+    r = 16 wa + g + 8 h and W row n = 16 s + 2 t + 8 h': wgmma's A fragment (rows g, g + 8; columns 2t, 2t + 8) of W^T."""
     rng = random.Random(5)
     for _ in range(3):
         logical = [[rng.randrange(256) for _ in range(64)] for _ in range(64)]  # 64 W rows x 64 bytes (128 k)
@@ -90,18 +93,21 @@ def test_repack_gives_every_lane_its_fragment_codes():
             for col in range(64):
                 raw[_raw_offset(row, col)] = logical[row][col]
         packed = _repack(bytes(raw))
+        assert all(None not in words for words in packed.values())
 
         def nib(n: int, k: int) -> int:
             return (logical[n][k // 2] >> (4 * (k % 2))) & 0xF
 
-        for cb, words in packed.items():
-            wa, lane = cb >> 5, cb & 31
+        for ct, words in packed.items():
+            wa, lane = ct >> 5, ct & 31
             g, t = lane >> 2, lane & 3
             for s in range(4):
-                for j in range(4):
-                    hk, hn = j & 1, j >> 1
-                    r, n = 16 * wa + g + 8 * hk, 16 * s + 2 * t + 8 * hn
-                    assert (words[s] >> (8 * j)) & 0xFF == nib(n, r) | (nib(n + 1, r) << 4)
+                for hn in range(2):
+                    w = words[2 * s + hn]
+                    for hk, addr in enumerate((w & 0xFFFF, w >> 16)):
+                        r, n = 16 * wa + g + 8 * hk, 16 * s + 2 * t + 8 * hn
+                        assert addr & 0x7F == 4 * lane
+                        assert addr >> 7 == nib(n, r) | (nib(n + 1, r) << 4)
 
 
 def test_scale_pairs_land_where_each_consumer_lane_reads_them():
@@ -126,12 +132,12 @@ def test_scale_pairs_land_where_each_consumer_lane_reads_them():
 
 
 def test_backward_configs_fit_and_are_named_apart():
-    assert fp4_ra.RaConfig(256, 3, backward=True).shared_bytes <= fp4_ra.SHARED_MEMORY_LIMIT
-    assert fp4_ra.RaConfig(256, 3, backward=True).name != fp4_ra.RaConfig(256, 3).name
+    assert fp4_ra.RaConfig(256, 4, backward=True).shared_bytes <= fp4_ra.SHARED_MEMORY_LIMIT
+    assert fp4_ra.RaConfig(256, 4, backward=True).name != fp4_ra.RaConfig(256, 4).name
     with pytest.raises(ValueError, match="shared memory"):
-        fp4_ra.RaConfig(256, 4, backward=True)
+        fp4_ra.RaConfig(256, 5, backward=True)
     with pytest.raises(ValueError, match="backward must be a bool"):
-        fp4_ra.RaConfig(128, 4, backward=1)
+        fp4_ra.RaConfig(backward=1)
 
 
 @pytest.mark.skipif(nvrtc_or_none() is None, reason="no libnvrtc here (CUDA builds of PyTorch ship it; or set QERL_NVRTC)")
@@ -163,8 +169,8 @@ def test_grad_input_rejects_what_it_cannot_run():
 
 CHECKS = [(128, 256, 1), (64, 768, 300), (192, 1280, 257), (512, 3584, 1024), (3584, 512, 777), (1024, 2048, 4096)]
 LAUNCHES = SHAPES + [fp4_ra.RaConfig(128, 4, schedule="split", min_split_steps=1, backward=True),
-                     fp4_ra.RaConfig(256, 3, schedule="persistent", backward=True),
-                     fp4_ra.RaConfig(256, 3, schedule="one_tile", backward=True)]
+                     fp4_ra.RaConfig(256, 4, schedule="persistent", backward=True),
+                     fp4_ra.RaConfig(256, 4, schedule="one_tile", backward=True)]
 
 
 @pytest.mark.cuda

@@ -22,12 +22,12 @@ from qerl_lib.kernels import fp4_ra
 from qerl_lib.kernels.fp4_gemm import fp4_grad_input, prepare_fp4_weights
 from qerl_lib.quant.nvfp4 import quantize, reference_grad_input
 
-LAUNCHES = {"t256s3": fp4_ra.RaConfig(256, 3, backward=True), "t128s6": fp4_ra.RaConfig(128, 6, backward=True),
-            "t256s3_persistent": fp4_ra.RaConfig(256, 3, "persistent", backward=True),
-            "t256s3_nodecode": fp4_ra_probe.ProbeConfig(256, 3, backward=True, probe=1),
-            "t256s3_norepack": fp4_ra_probe.ProbeConfig(256, 3, backward=True, probe=4),
+LAUNCHES = {"t256s4": fp4_ra.RaConfig(256, 4, backward=True), "t128s6": fp4_ra.RaConfig(128, 6, backward=True),
+            "t256s4_persistent": fp4_ra.RaConfig(256, 4, "persistent", backward=True),
+            "t256s4_nodecode": fp4_ra_probe.ProbeConfig(256, 4, backward=True, probe=1),
+            "t256s4_norepack": fp4_ra_probe.ProbeConfig(256, 4, backward=True, probe=4),
             "t128s6_norepack": fp4_ra_probe.ProbeConfig(128, 6, backward=True, probe=4)}
-PROBES = ("t256s3_nodecode", "t256s3_norepack", "t128s6_norepack")
+PROBES = ("t256s4_nodecode", "t256s4_norepack", "t128s6_norepack")
 CHECKS = [(128, 256, 1), (64, 768, 300), (192, 1280, 257), (3584, 512, 777), (18944, 3584, 1024), (3584, 18944, 1000)]
 
 

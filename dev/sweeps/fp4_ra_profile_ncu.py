@@ -20,8 +20,8 @@ from qerl_lib.quant.nvfp4 import quantize  # noqa: E402
 env = os.environ.get
 n, k, m = int(env("N", "18944")), int(env("K", "3584")), int(env("M", "4096"))
 backward = env("BACKWARD") == "1"
-cfg = ProbeConfig(int(env("TOK", "256")), int(env("STAGES", "3" if backward else "4")), env("SCHEDULE", "split"),
-                  backward=backward, probe=int(env("PROBE", "0")))
+cfg = ProbeConfig(int(env("TOK", "256")), int(env("STAGES", "4")), env("SCHEDULE", "split"), backward=backward,
+                  probe=int(env("PROBE", "0")))
 q = quantize((torch.randn(n, k, device="cuda") * 0.02).to(torch.bfloat16))
 w = prepare_fp4_weights(q.weight_packed, q.weight_scale, q.weight_global_scale)
 x = torch.randn(m, n if backward else k, device="cuda").to(torch.bfloat16)

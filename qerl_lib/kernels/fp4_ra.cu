@@ -63,7 +63,7 @@ struct __align__(64) TensorMap { u64 v[16]; };  // CUtensorMap, filled on the ho
 #endif
 #define X_BYTES (TOK * BK * 2)         // x tile of a stage
 #if BACKWARD
-#define W_BYTES (ROWS * BK / 2)        // the repacked weights: 256 consumer lanes x 16 byte values
+#define W_BYTES (ROWS * BK)            // the repacked weights: 256 consumer lanes x 16 halfword table addresses
 #define S_BYTES (ROWS * 8)             // 8 blocks x 4 lane columns x 8 bf16x2 scale pairs
 #define RAW_BYTES (BK * ROWS / 2)      // a raw W tile: 64 rows x 64 bytes
 #define RAW_SLOT_BYTES (RAW_BYTES + BK * 16)  // and its rows' block scales: 64 rows x 16 bytes
@@ -179,8 +179,8 @@ __device__ __forceinline__ bool unit_of(int u, int n_steps, int tiles, int dp_ti
 // (8 lanes, bits 3-4 fixed) still reads 8 distinct 16-byte columns; a producer half-warp's 8-byte stores (t and gq
 // varying, the k16 steps' order flipped for odd gq) land on 16 distinct bank pairs instead of 4.
 __device__ __forceinline__ int packed_slot(int ct) { return ct ^ (((ct >> 3) & 3) << 1); }
-__device__ __forceinline__ void sts32(u32 addr, u32 v) {
-  asm volatile("st.shared.u32 [%0], %1;" :: "r"(addr), "r"(v) : "memory");
+__device__ __forceinline__ void sts64(u32 addr, u32 a, u32 b) {
+  asm volatile("st.shared.v2.u32 [%0], {%1, %2};" :: "r"(addr), "r"(a), "r"(b) : "memory");
 }
 __device__ __forceinline__ u32 lds32_fresh(u32 addr) {  // a ring's bytes: volatile, so it stays after the wait
   u32 r;
@@ -223,7 +223,7 @@ __device__ __forceinline__ void backward_producer(const TensorMap& x_map, const 
   }
   // repack: consumer lanes (2 gq, t) and (2 gq + 1, t) of consumer warps 2 m and 2 m + 1, k16 steps 2 sh and 2 sh + 1
   const int t = p & 3, gq = (p >> 2) & 3, m = (p >> 4) & 3, sh = p >> 6;
-  const u32 sel = gq | ((gq + 4) << 4);
+  const u32 sel = gq | ((gq + 4) << 4), lane4 = 0x10001u * (32 * gq + 4 * t);  // 4 x lane (2 gq, t), twice
   const u32 chunk_base = 128 * t + 16 * (m ^ t);  // chunk m of raw row 2 t, swizzled
   const int sn = 2 * (p >> 2), sq = p & 3;  // scale rows sn, sn + 1; blocks 2 sq, 2 sq + 1
   const u32 sword = 4 * (8 * ((sn >> 1) & 3) + 2 * (sn >> 4) + ((sn >> 3) & 1));  // + 128 kb: block kb's pair
@@ -266,9 +266,10 @@ __device__ __forceinline__ void backward_producer(const TensorMap& x_map, const 
             const u32 E = (A & 0x0F0F0F0Fu) | ((B << 4) & 0xF0F0F0F0u);  // even k: lane (2 gq, t), value j in byte j
             const u32 O = ((A >> 4) & 0x0F0F0F0Fu) | (B & 0xF0F0F0F0u);  // odd k: lane (2 gq + 1, t)
             const int ct = 32 * (2 * m + b) + 8 * gq + t;  // consumer lane (2 gq, t) of warp wa; (2 gq + 1, t) is 4 on
-            const u32 dst = stage + X_BYTES + 4 * s;  // word s of the lane's 16 bytes
-            sts32(dst + 16 * packed_slot(ct), E);
-            sts32(dst + 16 * packed_slot(ct + 4), O);
+            const u32 dst = stage + X_BYTES + (s >> 1) * (W_BYTES / 2) + 8 * (s & 1);
+            sts64(dst + 16 * packed_slot(ct), prmt(E, 0, 0x4140u) * 128u + lane4, prmt(E, 0, 0x4342u) * 128u + lane4);
+            sts64(dst + 16 * packed_slot(ct + 4), prmt(O, 0, 0x4140u) * 128u + lane4 + 0x100010u,
+                  prmt(O, 0, 0x4342u) * 128u + lane4 + 0x100010u);
           }
         }
         // scale pairs: the tile's 8 block bytes of a row start at byte 8 (col_tile % 2) of its 16-byte box row
@@ -377,10 +378,14 @@ KERNEL_NAME(const __grid_constant__ TensorMap x_map, const __grid_constant__ Ten
   // only its own bank, and one prmt gives a lane's address: byte b above lane * 4.
   {
     u32* tab = reinterpret_cast<u32*>(smem_raw + (table - raw));
+#if BACKWARD  // packed: word (b, lane) at 32 b + lane (the producer writes the addresses)
+    for (int idx = threadIdx.x - 128; idx < TABLE_BYTES / 4; idx += 256) tab[idx] = natural_pair((u32)idx >> 5, 0);
+#else
     for (int idx = threadIdx.x - 128; idx < TABLE_BYTES / 8; idx += 256) {
       const u32 b = (u32)idx >> 5;
       tab[2 * idx - (idx & 31)] = natural_pair(b, 0);  // word (b, lane) at 64 b + lane
     }
+#endif
     asm volatile("bar.sync 1, 256;" ::: "memory");
   }
 
@@ -388,11 +393,11 @@ KERNEL_NAME(const __grid_constant__ TensorMap x_map, const __grid_constant__ Ten
   const int c = wg - 1, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31, ct = threadIdx.x & 127;
   const int g = lane >> 2, t = lane & 3;
   const int rl0 = 64 * c + 16 * warp + g;  // rows rl0 and rl0 + 8 (same 32-byte swizzle phase)
-  const u32 code_lane = 4u * lane;  // the low byte of a table address
 #if BACKWARD
   const int cb = threadIdx.x - 128;  // the consumer lane among both warpgroups' 256 (the producer's numbering)
 #else
   const u32 swz = (u32)((rl0 >> 2) & 1);
+  const u32 code_lane = 4u * lane;  // the low byte of a table address
   const u32 code_sel = 0x5504u | (t << 4);  // prmt: byte t of a word above code_lane
 #endif
 
@@ -413,23 +418,26 @@ KERNEL_NAME(const __grid_constant__ TensorMap x_map, const __grid_constant__ Ten
     for (int i = 0; i < TOK / 2; ++i) acc[i] = 0.f;
 
 #if BACKWARD
-// Lane cb's 16 byte values (word s: byte khalf + 2 h is rows r + 8 khalf of pair column 2t + 8h of k16 step s) and its
-// warp's block's 8 scale pairs (word 2s + h, both rows) -> the 4 k16 fragments of the step.
+// Lane ct's 16 halfword table addresses (2 per word: word 2s + h holds rows r and r + 8 of pair column 2t + 8h of
+// k16 step s) and its warp's block's 8 scale pairs (word 2s + h, both rows) -> the 4 k16 fragments of the step.
 #define DECODE(Q, J)                                                                                    \
   {                                                                                                     \
     const u32 ring = g0 + (J), slot = ring % STAGES;                                                    \
     mbar_wait(bars + 8 * slot, (ring / STAGES) & 1);                                                    \
     const u32 stage = base + slot * STAGE_BYTES;                                                        \
-    const U4 q = lds128(stage + X_BYTES + 16 * packed_slot(cb));                                        \
+    const u32 mine = stage + X_BYTES + 16 * packed_slot(cb);                                          \
+    const U4 q0 = lds128(mine), q1 = lds128(mine + W_BYTES / 2);                                      \
     const u32 sp = stage + X_BYTES + W_BYTES + 32 * (4 * (cb >> 5) + t);                                \
     const U4 p0 = lds128(sp), p1 = lds128(sp + 16);                                                     \
-    const u32 vals[4] = {q.x, q.y, q.z, q.w};                                                           \
+    const u32 hw[8] = {q0.x, q0.y, q0.z, q0.w, q1.x, q1.y, q1.z, q1.w};                                 \
     const u32 ps[8] = {p0.x, p0.y, p0.z, p0.w, p1.x, p1.y, p1.z, p1.w};                                 \
     _Pragma("unroll") for (int s = 0; s < 4; ++s) {                                                     \
-      _Pragma("unroll") for (int j = 0; j < 4; ++j) {                                                   \
-        const u32 sc2 = ps[2 * s + (j >> 1)];                                                           \
-        a[Q][s][j] = PROBE == 1 ? vals[s] ^ sc2                                                         \
-                                : mul_bf16x2(lds32(table + prmt(vals[s], code_lane, 0x5504u | (j << 4))), sc2); \
+      _Pragma("unroll") for (int h = 0; h < 2; ++h) {                                                   \
+        const u32 w = hw[2 * s + h], sc2 = ps[2 * s + h];                                               \
+        /* probe 4 leaves the addresses unwritten: keep them inside the table and 4-byte aligned */       \
+        const u32 lo = PROBE == 4 ? w & 0x7FFCu : w & 0xFFFFu, hi = PROBE == 4 ? (w >> 16) & 0x7FFCu : w >> 16; \
+        a[Q][s][2 * h] = PROBE == 1 ? w ^ sc2 : mul_bf16x2(lds32(table + lo), sc2);                     \
+        a[Q][s][2 * h + 1] = PROBE == 1 ? sc2 : mul_bf16x2(lds32(table + hi), sc2);                     \
       }                                                                                                 \
     }                                                                                                   \
   }

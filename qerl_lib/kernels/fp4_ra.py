@@ -83,6 +83,7 @@ ROWS_PER_CTA = 128  # weight rows: two consumer warpgroups of 64
 EPI_TOK = 32  # rows of x per epilogue chunk
 STAGED_STRIDE = 64 + 8  # bf16 per staged output row of a consumer warpgroup (the padding spreads the banks)
 TABLE_BYTES = 256 * 256  # the decode table: 256 byte values x 256-byte entries (32 lanes' code words)
+TABLE_BYTES_BACKWARD = 256 * 128  # packed to 128-byte entries (the producer writes whole addresses)
 RAW_SLOTS = 4  # backward: raw W tiles in flight, loaded RAW_SLOTS - 2 K-steps ahead of the repack
 RAW_SLOT_BYTES = BLOCK_K * ROWS_PER_CTA // 2 + BLOCK_K * 16  # a raw W tile (64 rows x 64 bytes) and its scale box
 STAGING_BYTES = EPI_TOK * STAGED_STRIDE * 2  # one consumer warpgroup's epilogue staging
@@ -138,15 +139,19 @@ class RaConfig:
         repacked weights (a halfword table address per fragment half-register) and the scale pairs (8 per lane column
         of each 16-column block)."""
         if self.backward:
-            return self.tok * BLOCK_K * 2 + ROWS_PER_CTA * BLOCK_K // 2 + ROWS_PER_CTA * 8
+            return self.tok * BLOCK_K * 2 + ROWS_PER_CTA * BLOCK_K + ROWS_PER_CTA * 8
         return self.tok * BLOCK_K * 2 + ROWS_PER_CTA * BLOCK_K // 2 + ROWS_PER_CTA * 16
+
+    @property
+    def table_bytes(self) -> int:
+        return TABLE_BYTES_BACKWARD if self.backward else TABLE_BYTES
 
     @property
     def shared_bytes(self) -> int:
         """Dynamic shared memory: 1024-byte alignment slack, the ring, the decode table, the two consumer warpgroups'
         epilogue staging, (backward) the raw weight ring, the mbarriers and two flags."""
         raw = RAW_SLOTS * (RAW_SLOT_BYTES + 16) if self.backward else 0
-        return 1023 + self.stages * self.stage_bytes + TABLE_BYTES + 2 * STAGING_BYTES + raw + 16 * self.stages + 8
+        return 1023 + self.stages * self.stage_bytes + self.table_bytes + 2 * STAGING_BYTES + raw + 16 * self.stages + 8
 
     @property
     def name(self) -> str:
@@ -223,7 +228,7 @@ def _wgmma_macro(tok: int) -> str:
 
 def kernel_source(cfg: RaConfig) -> str:
     layout = {"BK": BLOCK_K, "ROWS": ROWS_PER_CTA, "EPI_TOK": EPI_TOK, "STAGED_STRIDE": STAGED_STRIDE,
-              "TABLE_BYTES": TABLE_BYTES, "TOK": cfg.tok, "STAGES": cfg.stages, "KERNEL_NAME": cfg.name,
+              "TABLE_BYTES": cfg.table_bytes, "TOK": cfg.tok, "STAGES": cfg.stages, "KERNEL_NAME": cfg.name,
               "BACKWARD": int(cfg.backward), "RAW_SLOTS": RAW_SLOTS}
     return "".join(f"#define {k} {v}\n" for k, v in layout.items()) + _wgmma_macro(cfg.tok) + SOURCE_PATH.read_text()
 
@@ -350,7 +355,7 @@ def grad_input(dy2: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, glo
     ``config`` must have ``backward=True`` (the default one does). Same workspace and counters as ``linear``."""
     m, n = dy2.shape
     k = 8 * words.shape[1]
-    cfg = config or RaConfig(256, 3, backward=True)
+    cfg = config or RaConfig(backward=True)
     if not cfg.backward:
         raise ValueError("fp4_ra.grad_input runs the backward layout: pass a RaConfig with backward=True")
     if words.shape[0] != n or not supported_backward_problem(n, k):
