@@ -437,6 +437,7 @@ CODE_FILES = ("engine/rollout.py", "engine/continuous.py", "engine/forward.py", 
               "kernels/pdl.py", "kernels/fp4_gemm.py", "kernels/launch_rule.py", "kernels/splitk.py", "kernels/fp4_wgmma.py",
               "kernels/fp4_wgmma_producer.py", "kernels/fp4_wgmma_ws.py", "kernels/fp4_decode.py", "kernels/mma.py",
               "kernels/mma.cu", "kernels/mma_lora.cuh", "kernels/fp4_device.cuh", "kernels/fp4_ra.py", "kernels/fp4_ra.cu",
+              "kernels/fp4_ra_backward.cuh",
               "kernels/lora.py", "models/nvfp4_linear.py", "models/fused.py",
               "models/loader.py", "bench/rollout.py")
 

@@ -58,6 +58,16 @@ weights into the fragment order (they read one 16-byte load per fragment; here t
 read in place and each lane looks its byte up in the table), and no 2-CTA cluster multicasting the ``x`` tile.
 E4M3-subnormal block scales are kept, as compressed-tensors does.
 
+The backward layout
+-------------------
+``grad_input`` runs ``dx = dy @ W`` from the same bytes (``RaConfig(backward=True)``, ``BACKWARD`` in the source): a tile
+is 128 columns of W x ``tok`` rows of ``dy``, a K-step 64 rows of W. W^T's fragment pair (2t, 2t + 1) is one column of
+two W rows with two block scales, so the producer warpgroup repacks every K-step: the raw W tile and its scale bytes
+come by TMA into a ring of their own, and the producer writes each consumer lane's 16 values as table addresses and
+its scale pairs as bf16x2 words, after which the consumer's decode is the forward's three instructions a register.
+Measured on an H200 (dev/LOG.md section 76) the repack bounds it at 0.5-0.85x of bf16, below dequantize + cuBLAS, so
+``fp4_grad_input`` does not call it; it stays for the next attempt (the section's queue) and its tests.
+
 Requirements: an sm_90 GPU (``wgmma`` and ``setmaxnreg`` need ``sm_90a``), K % 64 == 0, N % 8 == 0, 16-byte aligned
 rows of ``x``, ``out`` and the weight bytes, 4-byte aligned scale rows. ``available()`` says whether it can run;
 ``fp4_gemm.fp4_linear`` runs it where ``launch_rule.pick_ra_config`` picks it (dev/LOG.md sections 72 and 74 measure

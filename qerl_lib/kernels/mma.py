@@ -66,7 +66,8 @@ import torch
 from qerl_lib.kernels import pdl as pdl_switch
 
 SOURCE_PATH = Path(__file__).with_name("mma.cu")
-HEADERS = ("mma_lora.cuh", "fp4_device.cuh")  # files the .cu sources include, handed to NVRTC by name (compile_cubin)
+# files the .cu sources include, handed to NVRTC by name (compile_cubin)
+HEADERS = ("mma_lora.cuh", "fp4_device.cuh", "fp4_ra_backward.cuh")
 MIN_CAPABILITY = (9, 0)
 CHUNK = 128  # codes per row per load step; K must be a multiple
 MAX_M = 16
