@@ -163,6 +163,8 @@ def test_grad_input_rejects_what_it_cannot_run():
         fp4_ra.grad_input(dy[:, :96], words[:96], scales[:96], gs, out)
     with pytest.raises(ValueError, match="must be bf16"):
         fp4_ra.grad_input(dy.float(), words, scales, gs, out)
+    with pytest.raises(ValueError, match=r"out must be \[4, 128\]"):
+        fp4_ra.grad_input(dy, words, scales, gs, out[:, :64])
     with pytest.raises(ValueError, match="16-byte aligned scale rows"):
         fp4_ra.grad_input(dy, words, scales, gs, out)
 

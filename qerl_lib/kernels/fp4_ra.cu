@@ -224,7 +224,7 @@ KERNEL_NAME(const __grid_constant__ TensorMap x_map, const __grid_constant__ Ten
   }
 #else
   if (wg == 0) {  // producer: the ring position g runs on across units, so a unit's first stages load early
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 " PRODUCER_REGS ";");
     // Thread 0 issues the TMA copies; every thread also converts the 4 block scales of one weight row (its index)
     // for the stage into bf16x2 words (s * 2^118, twice), which the consumers read with one 16-byte load a row.
     Unit un;

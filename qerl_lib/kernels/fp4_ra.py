@@ -298,10 +298,13 @@ def encode_tensor_map(ptr: int, dtype_code: int, inner: int, outer: int, row_byt
 # ============================================================================ launch
 def _get_kernel(cfg: RaConfig, index: int) -> mma._Kernel:
     return mma.load_kernel(("fp4_ra", index, cfg.name), index, lambda: compile_cubin(cfg), cfg.name,
-                           cfg.shared_bytes, caller="fp4_ra.linear")
+                           cfg.shared_bytes, caller="fp4_ra.grad_input" if cfg.backward else "fp4_ra.linear")
 
 
-def _check_operands(who: str, a: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, out: torch.Tensor):
+def _check_operands(who: str, a: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, out: torch.Tensor,
+                    out_cols: int):
+    if out.dim() != 2 or tuple(out.shape) != (a.shape[0], out_cols):
+        raise ValueError(f"{who}: out must be [{a.shape[0]}, {out_cols}], got {tuple(out.shape)}")
     if a.dtype != torch.bfloat16 or out.dtype != torch.bfloat16 or words.dtype != torch.int32 or scales.dtype != torch.uint8:
         raise ValueError(f"{who}: activations and out must be bf16, words int32 and scales uint8 (a PreparedFP4Weight's)")
     if a.stride(1) != 1 or out.stride(1) != 1 or words.stride(1) != 1 or scales.stride(1) != 1:
@@ -346,7 +349,7 @@ def linear(x2: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, global_s
         raise ValueError("fp4_ra.linear runs the forward layout: pass a RaConfig with backward=False")
     if not supported_problem(n, k):
         raise ValueError(f"fp4_ra.linear takes K % {BLOCK_K} == 0 and N % 8 == 0, got N={n}, K={k}")
-    _check_operands("fp4_ra.linear", x2, words, scales, out)
+    _check_operands("fp4_ra.linear", x2, words, scales, out, n)
     if m == 0:
         return out
     w_map = encode_tensor_map(words.data_ptr(), _UINT8, k // 2, n, 4 * words.stride(0), BLOCK_K // 2, ROWS_PER_CTA, 32)
@@ -371,7 +374,7 @@ def grad_input(dy2: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, glo
     if words.shape[0] != n or not supported_backward_problem(n, k):
         raise ValueError(f"fp4_ra.grad_input takes dy [m, N] with N % {BLOCK_K} == 0 and K % {BLOCK_K} == 0 "
                          f"for a weight [N, K], got dy {tuple(dy2.shape)} and a weight [{words.shape[0]}, {k}]")
-    _check_operands("fp4_ra.grad_input", dy2, words, scales, out)
+    _check_operands("fp4_ra.grad_input", dy2, words, scales, out, k)
     if scales.data_ptr() % 16 or scales.stride(0) % 16:
         raise ValueError("fp4_ra.grad_input reads the block scales by TMA: it needs 16-byte aligned scale rows "
                          "(K % 256 == 0 for contiguous scales; PreparedFP4Weight.tma_aligned says whether they are)")
