@@ -15,8 +15,8 @@ import sys
 import torch
 
 import fp4_ra_probe
-from qerl_lib.bench.gemm import (MAX_REL_ERR, l2_cache_bytes, mean_relative_error, projection_shapes,
-                                 rotation_copies, time_graph)
+from fp4_ra_sweep import check_output, rotated_weights
+from qerl_lib.bench.gemm import MAX_REL_ERR, l2_cache_bytes, mean_relative_error, projection_shapes, time_graph
 from qerl_lib.io import provenance, write_json_atomic
 from qerl_lib.kernels import fp4_ra
 from qerl_lib.kernels.fp4_gemm import fp4_grad_input, prepare_fp4_weights
@@ -36,19 +36,9 @@ def check(cfg: fp4_ra.RaConfig, n: int, k: int, m: int, gen: torch.Generator) ->
     q = quantize(dense)
     w = prepare_fp4_weights(q.weight_packed, q.weight_scale, q.weight_global_scale)
     dy = torch.randn(m, n, device="cuda", generator=gen).to(torch.bfloat16)
-    ref = reference_grad_input(dy, q).float()
-    buf = torch.full((m + 2, k + 8), float("nan"), device="cuda", dtype=torch.bfloat16)
-    out = buf[1:m + 1, :k]
-    fp4_ra.grad_input(dy, w.words, w.scales, w.global_scale, out, cfg)
-    torch.cuda.synchronize()
-    guard_ok = bool(buf[0].isnan().all() and buf[-1].isnan().all() and buf[1:m + 1, k:].isnan().all())
-    err = mean_relative_error(out.float(), ref)
-    again = torch.empty_like(out)
-    fp4_ra.grad_input(dy, w.words, w.scales, w.global_scale, again, cfg)
-    finite, det = bool(out.isfinite().all()), bool(torch.equal(out, again))
-    return {"tok": cfg.tok, "stages": cfg.stages, "schedule": cfg.schedule, "n": n, "k": k, "m": m, "rel_err": err,
-            "finite": finite, "guard_ok": guard_ok, "deterministic": det,
-            "ok": err <= MAX_REL_ERR and finite and guard_ok and det}
+    result = check_output(lambda out: fp4_ra.grad_input(dy, w.words, w.scales, w.global_scale, out, cfg), m, k,
+                          reference_grad_input(dy, q).float())
+    return {"tok": cfg.tok, "stages": cfg.stages, "schedule": cfg.schedule, "n": n, "k": k, "m": m, **result}
 
 
 def main() -> int:
@@ -74,11 +64,7 @@ def main() -> int:
             n, k = shape.n, shape.k
             if not fp4_ra.supported_backward_problem(n, k):
                 continue
-            dense = (torch.randn(n, k, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)
-            q = quantize(dense)
-            kit = [prepare_fp4_weights(q.weight_packed.clone(), q.weight_scale.clone(), q.weight_global_scale.clone())
-                   for _ in range(rotation_copies(n * k * 0.5625, l2))]
-            bf16 = [dense.clone() for _ in range(rotation_copies(n * k * 2, l2))]
+            q, kit, bf16 = rotated_weights(n, k, gen, l2)
             for m in ms:
                 dy = torch.randn(m, n, device="cuda", generator=gen).to(torch.bfloat16)
                 out = torch.empty(m, k, device="cuda", dtype=torch.bfloat16)
@@ -97,7 +83,7 @@ def main() -> int:
                     line += f" {name} {row['bf16_us'] / row[name + '_us']:.2f}x"
                 rows.append(row)
                 print(line, flush=True)
-            del kit, bf16, dense, q
+            del kit, bf16, q
             torch.cuda.empty_cache()
     doc = {"provenance": provenance(" ".join(["dev/sweeps/fp4_ra_backward_sweep.py", *sys.argv[1:]])),
            "checks": checks, "rows": rows}

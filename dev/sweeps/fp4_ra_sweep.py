@@ -22,25 +22,42 @@ from qerl_lib.quant.nvfp4 import quantize, reference_matmul
 CHECKS = [(128, 64, 100), (136, 192, 300), (264, 640, 257), (512, 3584, 1024), (3584, 3584, 1000), (4608, 3584, 33)]
 
 
+def check_output(launch, m: int, cols: int, ref: torch.Tensor) -> dict:
+    """``launch(out)`` into rows 1..m of a NaN-filled [m + 2, cols + 8] buffer, twice: its error against ``ref`` (fp32),
+    whether it is finite, whether it left the rest of the buffer alone, and whether the two launches are bit-equal."""
+    buf = torch.full((m + 2, cols + 8), float("nan"), device="cuda", dtype=torch.bfloat16)
+    out = buf[1:m + 1, :cols]
+    launch(out)
+    torch.cuda.synchronize()
+    guard_ok = bool(buf[0].isnan().all() and buf[-1].isnan().all() and buf[1:m + 1, cols:].isnan().all())
+    err = mean_relative_error(out.float(), ref)
+    again = torch.empty_like(out)
+    launch(again)
+    finite, det = bool(out.isfinite().all()), bool(torch.equal(out, again))
+    return {"rel_err": err, "finite": finite, "guard_ok": guard_ok, "deterministic": det,
+            "max_abs_diff": float((out.float() - ref).abs().max()),
+            "ok": err <= MAX_REL_ERR and finite and guard_ok and det}
+
+
 def check(cfg: fp4_ra.RaConfig, n: int, k: int, m: int, bias: bool, gen: torch.Generator) -> dict:
     dense = (torch.randn(n, k, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)
     q = quantize(dense)
     w = prepare_fp4_weights(q.weight_packed, q.weight_scale, q.weight_global_scale)
     x = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
     b = (torch.randn(n, device="cuda", generator=gen) * 0.1).to(torch.bfloat16) if bias else None
-    ref = reference_matmul(x, q, b).float()
-    buf = torch.full((m + 2, n + 8), float("nan"), device="cuda", dtype=torch.bfloat16)
-    out = buf[1:m + 1, :n]
-    fp4_ra.linear(x, w.words, w.scales, w.global_scale, b, out, cfg)
-    torch.cuda.synchronize()
-    guard_ok = bool(buf[0].isnan().all() and buf[-1].isnan().all() and buf[1:m + 1, n:].isnan().all())
-    err = mean_relative_error(out.float(), ref)
-    again = torch.empty_like(out)
-    fp4_ra.linear(x, w.words, w.scales, w.global_scale, b, again, cfg)
-    return {"tok": cfg.tok, "stages": cfg.stages, "n": n, "k": k, "m": m, "bias": bias, "rel_err": err,
-            "finite": bool(out.isfinite().all()), "guard_ok": guard_ok, "deterministic": bool(torch.equal(out, again)),
-            "max_abs_diff": float((out.float() - ref).abs().max()),
-            "ok": err <= MAX_REL_ERR and bool(out.isfinite().all()) and guard_ok and bool(torch.equal(out, again))}
+    result = check_output(lambda out: fp4_ra.linear(x, w.words, w.scales, w.global_scale, b, out, cfg), m, n,
+                          reference_matmul(x, q, b).float())
+    return {"tok": cfg.tok, "stages": cfg.stages, "n": n, "k": k, "m": m, "bias": bias, **result}
+
+
+def rotated_weights(n: int, k: int, gen: torch.Generator, l2: int):
+    """A random [n, k] weight: bf16, its NVFP4 quantization, and the L2-rotated copies of both that the timings cycle
+    through (NVFP4 as ``prepare_fp4_weights`` results)."""
+    dense = (torch.randn(n, k, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)
+    q = quantize(dense)
+    kit = [prepare_fp4_weights(q.weight_packed.clone(), q.weight_scale.clone(), q.weight_global_scale.clone())
+           for _ in range(rotation_copies(n * k * 0.5625, l2))]
+    return q, kit, [dense.clone() for _ in range(rotation_copies(n * k * 2, l2))]
 
 
 def timed_shapes(models, ms, gen: torch.Generator):
@@ -51,11 +68,7 @@ def timed_shapes(models, ms, gen: torch.Generator):
     for model in models:
         for shape in projection_shapes(model):
             n, k = shape.n, shape.k
-            dense = (torch.randn(n, k, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)
-            q = quantize(dense)
-            kit = [prepare_fp4_weights(q.weight_packed.clone(), q.weight_scale.clone(), q.weight_global_scale.clone())
-                   for _ in range(rotation_copies(n * k * 0.5625, l2))]
-            bf16 = [dense.clone() for _ in range(rotation_copies(n * k * 2, l2))]
+            q, kit, bf16 = rotated_weights(n, k, gen, l2)
             for m in ms:
                 x = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
                 out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
@@ -63,7 +76,7 @@ def timed_shapes(models, ms, gen: torch.Generator):
                 row["bf16_us"] = time_graph([lambda w=w: torch.nn.functional.linear(x, w) for w in bf16]).median_ms * 1e3
                 row["kit_us"] = time_graph([lambda w=w: fp4_linear(x, w, out=out) for w in kit]).median_ms * 1e3
                 yield row, x, reference_matmul(x, q).float(), out, kit
-            del kit, bf16, dense, q
+            del kit, bf16, q
             torch.cuda.empty_cache()
 
 

@@ -49,7 +49,8 @@ struct __align__(64) TensorMap { u64 v[16]; };  // CUtensorMap, filled on the ho
 
 // BK (K per stage), ROWS (weight rows per CTA), EPI_TOK (rows of x per epilogue chunk), STAGED_STRIDE (bf16 per
 // staged output row of a warpgroup) and TABLE_BYTES (the decode table: 256 entries x 32 lanes' code words, the upper
-// 128 B of each unused) come from fp4_ra.py, which sizes the shared memory from the same numbers.
+// 128 B of each unused; the backward's is packed to 128-byte entries) come from fp4_ra.py, which sizes the shared
+// memory from the same numbers.
 #ifndef BACKWARD
 #define BACKWARD 0
 #endif
