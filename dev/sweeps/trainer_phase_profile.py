@@ -78,11 +78,12 @@ def timed(step, count: int) -> list[float]:
     return times
 
 
-def kernel_totals(step, top: int) -> tuple[dict[str, float], list[dict]]:
-    """Kernel seconds of one step by category, and the ``top`` operators by their own device seconds."""
+def kernel_totals(step, top: int) -> tuple[dict[str, float], list[dict], list[dict]]:
+    """Kernel seconds of one step by category, the ``top`` operators by their own device seconds, and the ``top``
+    (operator, input shapes) pairs: a shape names the tensor, so a `mul` on [8, 2304, 18944] is the MLP's."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
         step()
         torch.cuda.synchronize()
     path = tempfile.mktemp(suffix=".json")
@@ -97,8 +98,13 @@ def kernel_totals(step, top: int) -> tuple[dict[str, float], list[dict]]:
     def own_device_us(a) -> float:  # the attribute's name moved between torch releases
         return float(getattr(a, "self_device_time_total", None) or getattr(a, "self_cuda_time_total", 0.0))
 
-    ops = sorted(prof.key_averages(), key=own_device_us, reverse=True)[:top]
-    return dict(totals), [{"op": a.key, "calls": a.count, "device_s": own_device_us(a) / 1e6} for a in ops]
+    def rows(averages, shapes: bool) -> list[dict]:
+        ranked = sorted(averages, key=own_device_us, reverse=True)[:top]
+        return [{"op": a.key, "calls": a.count, "device_s": own_device_us(a) / 1e6,
+                 **({"shapes": str(a.input_shapes)} if shapes else {})} for a in ranked]
+
+    return (dict(totals), rows(prof.key_averages(), False),
+            rows(prof.key_averages(group_by_input_shape=True), True))
 
 
 def bootstrap_ratio(a: list[float], b: list[float], draws: int = 4000, seed: int = 0) -> tuple[float, float]:
@@ -133,14 +139,15 @@ def main() -> None:
         for w in (("bf16", "nvfp4") if block % 2 == 0 else ("nvfp4", "bf16")):
             times[w] += timed(steps[w], args.steps)
     profiled = {w: kernel_totals(steps[w], args.top) for w in steps}
-    kernels = {w: k for w, (k, _) in profiled.items()}
+    kernels = {w: k for w, (k, _, _) in profiled.items()}
     med = {w: statistics.median(t) for w, t in times.items()}
     low, high = bootstrap_ratio(times["bf16"], times["nvfp4"])
     record = {
         "provenance": provenance(), "device": torch.cuda.get_device_name(),
         "settings": vars(args), "step_s": times, "median_s": med,
         "nvfp4_over_bf16": med["nvfp4"] / med["bf16"], "ci95": [low, high],
-        "kernel_s": kernels, "top_ops": {w: ops for w, (_, ops) in profiled.items()},
+        "kernel_s": kernels, "top_ops": {w: ops for w, (_, ops, _) in profiled.items()},
+        "top_ops_by_shape": {w: ops for w, (_, _, ops) in profiled.items()},
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
     }
     write_json_atomic(args.json, record)
@@ -152,10 +159,13 @@ def main() -> None:
     for c in labels + ["total"]:
         vals = [sum(kernels[w].values()) if c == "total" else kernels[w].get(c, 0.0) for w in ("bf16", "nvfp4")]
         print(f"{c:<24}{vals[0]:>10.4f}{vals[1]:>10.4f}")
-    for w, (_, ops) in profiled.items():
+    for w, (_, ops, by_shape) in profiled.items():
         print(f"top operators by own device time, {w}:")
         for o in ops:
             print(f"  {o['op'][:60]:<60}{o['calls']:>8}{o['device_s']:>10.4f} s")
+        print(f"top (operator, input shapes) by own device time, {w}:")
+        for o in by_shape:
+            print(f"  {o['op'][:28]:<28}{o['shapes'][:70]:<72}{o['calls']:>6}{o['device_s']:>9.4f} s")
 
 
 if __name__ == "__main__":
