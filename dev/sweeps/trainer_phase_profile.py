@@ -1,18 +1,19 @@
-"""Where the trainer phase's time goes, NVFP4 base against bf16 base (#18: "trainer phase <= 1.0x").
+"""Where the trainer phase's time goes: NVFP4 base against bf16 base, and peft's LoRA forward against the kit's.
 
     python3 dev/sweeps/trainer_phase_profile.py --model qwen2.5-7b --rows 8 --seq 2304 --rank 32 \
         --blocks 3 --steps 4 --json dev/runs/NAME.json
 
 Both bases are random weights of the architecture (NVFP4: random codes and block scales), LoRA r``rank`` on the
-kit's default targets (`models.lora.attach_lora`, as the trainer), gradient checkpointing on as the Qwen presets.
-One step here is the trainer's forward + backward on ``rows`` x ``seq`` tokens through the decoder (the lm_head
-and the loss are left out: they are the same bf16 work in both modes); the optimizer is left out for the same
-reason. Timing alternates blocks of ``steps`` steps between the two models (both stay resident), so drift of the
-GPU's clocks falls on both; the ratio's 95% CI is a bootstrap over steps. One more step per model runs under
-torch.profiler and its kernel time is summed by category: the dequantization passes are the only work the NVFP4
-base adds at these sizes (every GEMM at M = rows x seq takes dequantize + cuBLAS). The profiled step also names
-where the time goes by operator: the ``--top`` aten ops by their own device time, with call counts (dev/LOG.md
-section 71: the elementwise half of the step, unattributed so far).
+kit's default targets (`models.lora.attach_lora`, as the trainer), gradient checkpointing on as the Qwen presets,
+the forward under bf16 autocast as TRL runs it (``--no-autocast`` leaves it out, as this script did before
+dev/LOG.md section 78). One step here is the trainer's forward + backward on ``rows`` x ``seq`` tokens through the
+decoder (the lm_head and the loss are left out: they are the same bf16 work in both modes); the optimizer is left
+out for the same reason. Each base runs with the kit's fused LoRA forward (`models.lora_forward`) and with peft's
+(``QERL_LORA_FUSED=0``), unless ``--forwards`` names one. Timing alternates blocks of ``steps`` steps between the
+arms (both models stay resident), so drift of the GPU's clocks falls on all; ratios carry a 95% bootstrap CI over
+steps. One more step per arm runs under torch.profiler and its kernel time is summed by category, and the ``--top``
+operators are listed by their own device time, also grouped by input shape (a shape names the tensor: a `mul` on
+[8, 2304, 18944] is the MLP's).
 """
 from __future__ import annotations
 
@@ -56,11 +57,17 @@ def build(model: str, weights: str, rank: int, device: torch.device):
     return policy
 
 
-def step_fn(policy, ids):
+def step_fn(policy, ids, fused: bool, autocast: bool):
+    import contextlib
+    import os
+
     decoder = policy.base_model.model.model
 
     def step():
-        hidden = decoder(input_ids=ids).last_hidden_state
+        os.environ["QERL_LORA_FUSED"] = "1" if fused else "0"
+        context = torch.autocast("cuda", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
+        with context:
+            hidden = decoder(input_ids=ids).last_hidden_state
         hidden.float().square().mean().backward()
         policy.zero_grad(set_to_none=True)
     return step
@@ -124,46 +131,57 @@ def main() -> None:
     p.add_argument("--blocks", type=int, default=3)
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--top", type=int, default=25, help="operators listed by their own device time")
+    p.add_argument("--forwards", default="fused,peft", help="LoRA forwards to run: fused (the kit's), peft")
+    p.add_argument("--no-autocast", dest="autocast", action="store_false", help="run the forward outside autocast")
     p.add_argument("--json", required=True)
     args = p.parse_args()
+    forwards = args.forwards.split(",")
+    if not set(forwards) <= {"fused", "peft"}:
+        raise SystemExit(f"--forwards takes fused and/or peft, got {args.forwards!r}")
     device = torch.device("cuda")
     models = {w: build(args.model, w, args.rank, device) for w in ("bf16", "nvfp4")}
     vocab = models["bf16"].base_model.model.config.vocab_size
     generator = torch.Generator(device).manual_seed(0)
     ids = torch.randint(0, vocab, (args.rows, args.seq), device=device, generator=generator)
-    steps = {w: step_fn(m, ids) for w, m in models.items()}
-    for w in steps:  # warm-up: autotuning, allocator
-        timed(steps[w], 2)
-    times: dict[str, list[float]] = {w: [] for w in steps}
+    arms = [f"{w}/{f}" for w in models for f in forwards]
+    steps = {arm: step_fn(models[arm.split("/")[0]], ids, arm.endswith("/fused"), args.autocast) for arm in arms}
+    for arm in arms:  # warm-up: autotuning, allocator
+        timed(steps[arm], 2)
+    times: dict[str, list[float]] = {arm: [] for arm in arms}
     for block in range(args.blocks):
-        for w in (("bf16", "nvfp4") if block % 2 == 0 else ("nvfp4", "bf16")):
-            times[w] += timed(steps[w], args.steps)
-    profiled = {w: kernel_totals(steps[w], args.top) for w in steps}
-    kernels = {w: k for w, (k, _, _) in profiled.items()}
-    med = {w: statistics.median(t) for w, t in times.items()}
-    low, high = bootstrap_ratio(times["bf16"], times["nvfp4"])
+        for arm in arms[block % len(arms):] + arms[:block % len(arms)]:  # rotate the order each block
+            times[arm] += timed(steps[arm], args.steps)
+    profiled = {arm: kernel_totals(steps[arm], args.top) for arm in arms}
+    kernels = {arm: k for arm, (k, _, _) in profiled.items()}
+    med = {arm: statistics.median(t) for arm, t in times.items()}
+    pairs = [(f"bf16/{f}", f"nvfp4/{f}") for f in forwards]
+    if len(forwards) == 2:
+        pairs += [(f"{w}/peft", f"{w}/fused") for w in models]
+    ratios = {f"{b} over {a}": {"ratio": med[b] / med[a], "ci95": list(bootstrap_ratio(times[a], times[b]))}
+              for a, b in pairs}
     record = {
         "provenance": provenance(), "device": torch.cuda.get_device_name(),
-        "settings": vars(args), "step_s": times, "median_s": med,
-        "nvfp4_over_bf16": med["nvfp4"] / med["bf16"], "ci95": [low, high],
-        "kernel_s": kernels, "top_ops": {w: ops for w, (_, ops, _) in profiled.items()},
-        "top_ops_by_shape": {w: ops for w, (_, _, ops) in profiled.items()},
+        "settings": vars(args), "step_s": times, "median_s": med, "ratios": ratios,
+        "kernel_s": kernels, "top_ops": {arm: ops for arm, (_, ops, _) in profiled.items()},
+        "top_ops_by_shape": {arm: ops for arm, (_, _, ops) in profiled.items()},
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
     }
     write_json_atomic(args.json, record)
-    print(f"{args.model}, {args.rows} x {args.seq} tokens, LoRA r{args.rank}, gradient checkpointing, fwd + bwd")
-    print(f"median step: bf16 {med['bf16']:.3f} s, nvfp4 {med['nvfp4']:.3f} s, ratio {med['nvfp4'] / med['bf16']:.3f}"
-          f" (95% CI {low:.3f}-{high:.3f}, {len(times['bf16'])} steps each)")
+    print(f"{args.model}, {args.rows} x {args.seq} tokens, LoRA r{args.rank}, gradient checkpointing, fwd + bwd, "
+          f"autocast {'on' if args.autocast else 'off'}")
+    print("median step: " + ", ".join(f"{arm} {med[arm]:.3f} s" for arm in arms) + f" ({args.blocks * args.steps} steps each)")
+    for name, r in ratios.items():
+        print(f"  {name}: {r['ratio']:.3f} (95% CI {r['ci95'][0]:.3f}-{r['ci95'][1]:.3f})")
     labels = sorted({c for k in kernels.values() for c in k})
-    print(f"{'kernel time, s':<24}{'bf16':>10}{'nvfp4':>10}")
+    print(f"{'kernel time, s':<24}" + "".join(f"{arm:>14}" for arm in arms))
     for c in labels + ["total"]:
-        vals = [sum(kernels[w].values()) if c == "total" else kernels[w].get(c, 0.0) for w in ("bf16", "nvfp4")]
-        print(f"{c:<24}{vals[0]:>10.4f}{vals[1]:>10.4f}")
-    for w, (_, ops, by_shape) in profiled.items():
-        print(f"top operators by own device time, {w}:")
+        vals = [sum(kernels[arm].values()) if c == "total" else kernels[arm].get(c, 0.0) for arm in arms]
+        print(f"{c:<24}" + "".join(f"{v:>14.4f}" for v in vals))
+    for arm, (_, ops, by_shape) in profiled.items():
+        print(f"top operators by own device time, {arm}:")
         for o in ops:
             print(f"  {o['op'][:60]:<60}{o['calls']:>8}{o['device_s']:>10.4f} s")
-        print(f"top (operator, input shapes) by own device time, {w}:")
+        print(f"top (operator, input shapes) by own device time, {arm}:")
         for o in by_shape:
             print(f"  {o['op'][:28]:<28}{o['shapes'][:70]:<72}{o['calls']:>6}{o['device_s']:>9.4f} s")
 

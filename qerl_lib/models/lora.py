@@ -15,11 +15,13 @@ earlier layers need.
 We use peft (0.21.2) for the adapters, so checkpoints are ordinary peft folders
 (``adapter_config.json`` + ``adapter_model.safetensors``) and TRL accepts the model as is.
 peft does not know ``NVFP4Linear``; ``NVFP4LoraLinear`` teaches it through peft's custom-module
-hook (``LoraConfig._register_custom_module``). It is peft's own ``lora.Linear`` (same forward,
-same state-dict names, so the engine and TRL see a normal LoRA layer) with three changes:
-in/out features and the adapter dtype come from the NVFP4 layer without dequantizing it, and
+hook (``LoraConfig._register_custom_module``). It is peft's own ``lora.Linear`` (same
+state-dict names, so the engine and TRL see a normal LoRA layer) with these changes: in/out
+features and the adapter dtype come from the NVFP4 layer without dequantizing it;
 ``merge``/``unmerge`` raise instead of silently writing into a temporary dequantized copy
-(peft's merge does ``base.weight.data += delta``). Merging is ``merge_to_bf16``: it builds a
+(peft's merge does ``base.weight.data += delta``); and the forward is ``models/lora_forward.py``'s
+(one matmul and one ``addmm`` into the base output instead of peft's casts, scaling and add passes),
+which the same hook also gives plain ``nn.Linear`` (bf16) and bitsandbytes NF4 bases. Merging is ``merge_to_bf16``: it builds a
 new dense model ``W = dequantize(base) + (alpha/r) B A`` (summed in fp32, rounded once to
 bf16) and leaves the trained model untouched.
 
@@ -46,6 +48,7 @@ from torch import nn
 
 from qerl_lib.io import atomic_directory, prepare_output_folder
 from qerl_lib.models.fused import PROJECTIONS
+from qerl_lib.models.lora_forward import FusedLoraForward, lora_layer_for
 from qerl_lib.models.nvfp4_linear import NVFP4Linear
 
 DEFAULT_TARGETS = PROJECTIONS  # every projection of a decoder layer
@@ -55,8 +58,9 @@ __all__ = ["attach_lora", "save_adapters", "load_adapters", "merge_to_bf16", "me
            "lora_config", "NVFP4LoraLinear", "trainable_parameter_names", "DEFAULT_TARGETS"]
 
 
-class NVFP4LoraLinear(_PeftLoraLinear):
-    """peft ``lora.Linear`` around an ``NVFP4Linear`` base (forward, state dict and save format unchanged)."""
+class NVFP4LoraLinear(FusedLoraForward, _PeftLoraLinear):
+    """peft ``lora.Linear`` around an ``NVFP4Linear`` base (state dict and save format unchanged; the forward is
+    ``models.lora_forward``'s, one ``addmm`` into the base output, as on the other bases)."""
 
     def __init__(self, base_layer, adapter_name, config, r=0, lora_alpha=1, **kwargs):
         if config.use_dora:
@@ -81,7 +85,9 @@ class NVFP4LoraLinear(_PeftLoraLinear):
 
 
 def _register(config):
-    config._register_custom_module({NVFP4Linear: NVFP4LoraLinear})
+    # NVFP4 layers, and the fused forward for plain nn.Linear / bitsandbytes Linear4bit bases (lora_layer_for
+    # returns None for other nn.Linear subclasses, and peft's own dispatch then runs)
+    config._register_custom_module({NVFP4Linear: NVFP4LoraLinear, nn.Linear: lora_layer_for})
     return config
 
 

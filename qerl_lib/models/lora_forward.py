@@ -1,0 +1,135 @@
+"""LoRA's forward as the trainer runs it: one shrink matmul, and the expand added inside one ``addmm``.
+
+What peft does, and what it costs
+---------------------------------
+peft's ``lora.Linear.forward`` computes, for a frozen base layer and adapters A [r, K], B [N, r],
+
+    x32    = x.to(A.dtype)                       # A, B are fp32 (peft's default upcast): a copy of x
+    result = base(x) + B(A(dropout(x32))) * s    # an [tokens, N] product, a scaling pass, an add pass
+    result = result.to(base dtype)               # and, outside autocast, a cast back
+
+Each line is a pass over a [tokens, N] or [tokens, K] tensor, in the forward, again in gradient
+checkpointing's recomputed forward, and in the backward (the scaling and the casts have gradients). On
+the trainer's shapes they add up: a 7B forward + backward of 8 x 2304 tokens spent about as long in
+elementwise kernels as in its GEMMs, most of it on the MLP's 18,944-wide tensors (dev/LOG.md section 78).
+The bytes of A and B are < 1% of the base's; the cost is the passes.
+
+What this module does instead
+-----------------------------
+    h = dropout(x) @ A'^T                        # A' = A cast to x's dtype: an [r, K] copy
+    y = addmm(base(x), h, B'^T, alpha=s)         # cuBLAS: fp32 accumulation of base + s * h @ B'^T, rounded once
+
+No copy of x, no scaling pass, no add pass: the expand's epilogue adds into the base output. Autograd's
+``addmm`` backward hands the base output's gradient through unchanged and applies ``s`` on the small
+[tokens, r] side; the casts of A and B carry fp32 gradients back to the fp32 adapters, so the optimizer
+still updates fp32 weights.
+
+Numerics, and where this differs from peft
+------------------------------------------
+Under bf16 autocast (the trainer: TRL's ``bf16=True`` runs the model's forward in ``torch.autocast``) peft's
+matmuls already run in bf16, so the adapters' precision class is the same here; what changes is the
+rounding: peft rounds ``B(A(x))``, then ``* s``, then the sum (three bf16 roundings), this rounds once.
+Called *outside* autocast on a bf16 model, peft runs the adapters in fp32 and this in bf16 (with fp32
+accumulation), which is what the trainer does anyway. In fp32 (CPUs) both are fp32 and agree to rounding.
+The rollout engine adds its adapters the same way (``engine/adapters.py``: one ``addmm`` per B).
+
+peft's own forward still runs for what this path does not cover: adapters disabled or merged, more
+than one active adapter, mixed-adapter batches (``adapter_names``), LoRA variants (DoRA, aLoRA, ...) and
+``lora_bias``. ``QERL_LORA_FUSED=0`` turns the path off everywhere (read at each call), to compare.
+
+Which layers get it: ``NVFP4LoraLinear`` (an NVFP4 base), plain ``nn.Linear`` bases (bf16), and
+bitsandbytes ``Linear4bit`` bases (NF4, the QLoRA baseline), so every mode's trainer gains alike.
+``lora_layer_for`` is the factory peft's custom-module hook calls; for any other base layer it returns
+None and peft's own dispatch takes over.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from peft.tuners.lora.layer import VARIANT_KWARG_KEYS
+from peft.tuners.lora.layer import Linear as _PeftLoraLinear
+from peft.tuners.tuners_utils import BaseTunerLayer
+from torch import nn
+
+__all__ = ["FusedLoraForward", "FusedLoraLinear", "fused_enabled", "lora_layer_for", "fused_lora_add"]
+
+
+def fused_enabled() -> bool:
+    """The fused path is on unless ``QERL_LORA_FUSED=0``."""
+    return os.environ.get("QERL_LORA_FUSED", "1") != "0"
+
+
+def fused_lora_add(result: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+                   scale: float) -> torch.Tensor:
+    """``result + scale * (x @ lora_a^T) @ lora_b^T`` as one matmul and one ``addmm`` into ``result``.
+
+    ``result`` [..., N] (the base output), ``x`` [..., K], ``lora_a`` [r, K], ``lora_b`` [N, r]; the adapter
+    weights are cast to ``result``'s dtype (under autocast, to autocast's). Returns a new tensor shaped like
+    ``result``."""
+    dtype = torch.get_autocast_dtype(result.device.type) if torch.is_autocast_enabled(result.device.type) \
+        else result.dtype
+    a, b = lora_a.to(dtype), lora_b.to(dtype)
+    h = torch.nn.functional.linear(x.to(dtype), a)
+    out = torch.addmm(result.reshape(-1, result.shape[-1]), h.reshape(-1, h.shape[-1]), b.t(), alpha=scale)
+    return out.view(result.shape)
+
+
+class FusedLoraForward:
+    """Mixin for peft LoRA layer classes: the forward above where it applies, peft's otherwise."""
+
+    def _fused_adapter(self, kwargs) -> str | None:
+        """The one active adapter this path can run, or None for peft's forward."""
+        if not fused_enabled() or self.disable_adapters or self.merged or kwargs.get("adapter_names") is not None:
+            return None
+        active = [a for a in self.active_adapters if a in self.lora_A]
+        if len(active) != 1 or active[0] in self.lora_variant or self.lora_B[active[0]].bias is not None:
+            return None
+        return active[0]
+
+    def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        adapter = self._fused_adapter(kwargs)
+        if adapter is None:
+            return super().forward(x, *args, **kwargs)
+        for key in ("adapter_names", *VARIANT_KWARG_KEYS):  # peft's forward keeps these from the base layer too
+            kwargs.pop(key, None)
+        result = self.base_layer(x, *args, **kwargs)
+        return fused_lora_add(result, self.lora_dropout[adapter](x), self.lora_A[adapter].weight,
+                              self.lora_B[adapter].weight, float(self.scaling[adapter]))
+
+
+class FusedLoraLinear(FusedLoraForward, _PeftLoraLinear):
+    """peft ``lora.Linear`` (plain ``nn.Linear`` base) with the fused forward; state dict and save format peft's."""
+
+
+_FUSED_4BIT: list[type] = []  # built on first use: importing bitsandbytes is slow and it is optional
+
+
+def _fused_linear4bit() -> type:
+    if not _FUSED_4BIT:
+        from peft.tuners.lora.bnb import Linear4bit
+
+        _FUSED_4BIT.append(type("FusedLoraLinear4bit", (FusedLoraForward, Linear4bit),
+                                {"__doc__": "peft's bitsandbytes ``Linear4bit`` LoRA layer with the fused forward.",
+                                 "__module__": __name__}))
+    return _FUSED_4BIT[0]
+
+
+def _is_bnb_linear4bit(module: nn.Module) -> bool:
+    return type(module).__name__ == "Linear4bit" and type(module).__module__.startswith("bitsandbytes")
+
+
+def lora_layer_for(target: nn.Module, adapter_name: str, config, **kwargs) -> nn.Module | None:
+    """peft custom-module factory for ``nn.Linear`` keys: the layer peft's own dispatch would make, with the fused
+    forward, for a plain ``nn.Linear`` or a bitsandbytes ``Linear4bit`` base (peft's bnb class for a model
+    transformers loaded in 4 bits, its generic ``lora.Linear`` otherwise, e.g. ``models.nf4.to_nf4``'s);
+    None, so that peft's dispatch runs, for any other ``nn.Linear`` subclass."""
+    base = target.get_base_layer() if isinstance(target, BaseTunerLayer) else target
+    if _is_bnb_linear4bit(base) and kwargs.get("loaded_in_4bit", False):
+        return _fused_linear4bit()(target, adapter_name, config=config, compute_dtype=base.compute_dtype,
+                                   compress_statistics=base.weight.compress_statistics,
+                                   quant_type=base.weight.quant_type, **kwargs)
+    if type(base) is nn.Linear or _is_bnb_linear4bit(base):
+        return FusedLoraLinear(target, adapter_name, config=config, **kwargs)
+    return None

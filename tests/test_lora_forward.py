@@ -1,0 +1,184 @@
+"""The fused LoRA forward (`models.lora_forward`): which layers get it, that it computes peft's function (outputs and
+gradients against a float64 plain-torch reference on fresh random inputs), and where peft's own forward still runs.
+
+Tolerances: float32 on the CPU, 1e-5 relative (the two paths differ only in summation order); bf16, under autocast
+as the trainer runs, 2e-2 relative (a few bf16 ulps; peft's path rounds three times, this one once)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from peft.tuners.lora.layer import Linear as PeftLoraLinear
+from torch import nn
+
+from qerl_lib.models import lora, lora_forward
+from qerl_lib.models.loader import replace_linear_with_nvfp4
+
+CONFIG = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=True)
+UP = "base_model.model.model.layers.0.mlp.up_proj"
+
+
+def _tiny(dtype=torch.float32, base="bf16", seed=0):
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(LlamaConfig(**CONFIG), dtype=dtype)
+    if base == "nvfp4":
+        model = replace_linear_with_nvfp4(model, impl="reference")
+    if base == "nf4":
+        from qerl_lib.models.nf4 import to_nf4
+        model = to_nf4(model, torch.device("cpu"), dtype)
+    return model
+
+
+def _randomize_adapters(peft_model, seed):
+    """B starts at zero (peft's init); give every adapter weight random values so the LoRA term matters."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+
+
+def _reference(layer, x):
+    """float64 ``base(x) + s * (x @ A^T) @ B^T`` from the layer's own weights and base output."""
+    base = layer.base_layer(x).double()
+    a, b = layer.lora_A["default"].weight.double(), layer.lora_B["default"].weight.double()
+    return base + float(layer.scaling["default"]) * (x.double() @ a.t()) @ b.t()
+
+
+def _rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+@pytest.mark.parametrize("base, expected", [("bf16", lora_forward.FusedLoraLinear), ("nvfp4", lora.NVFP4LoraLinear),
+                                            ("nf4", lora_forward.FusedLoraLinear)])
+def test_every_base_gets_the_fused_layer(base, expected):
+    peft_model = lora.attach_lora(_tiny(torch.bfloat16, base), rank=4)
+    layers = [m for m in peft_model.modules() if hasattr(m, "lora_A")]
+    assert len(layers) == 7 * CONFIG["num_hidden_layers"]
+    assert all(type(m) is expected and isinstance(m, lora_forward.FusedLoraForward) for m in layers)
+
+
+def test_other_linear_subclasses_keep_peft_dispatch():
+    class Custom(nn.Linear):
+        pass
+
+    model = _tiny()
+    model.model.layers[0].mlp.up_proj = Custom(64, 128, bias=False)
+    peft_model = lora.attach_lora(model, rank=4)
+    assert type(peft_model.get_submodule(UP)) is PeftLoraLinear
+    assert type(peft_model.get_submodule(UP.replace("up_proj", "down_proj"))) is lora_forward.FusedLoraLinear
+
+
+@pytest.mark.parametrize("base", ["bf16", "nvfp4"])
+@pytest.mark.parametrize("seed", [1, 2])
+def test_fp32_output_and_gradients_match_reference(base, seed):
+    peft_model = lora.attach_lora(_tiny(torch.float32, base), rank=8, alpha=16)  # scale 2
+    _randomize_adapters(peft_model, seed)
+    layer = peft_model.get_submodule(UP)
+    x = torch.randn(3, 5, 64, generator=torch.Generator().manual_seed(seed), requires_grad=True)
+    y = layer(x)
+    assert y.dtype == torch.float32 and y.shape == (3, 5, 128)
+    assert _rel(y, _reference(layer, x)) < 1e-5
+    grad_out = torch.randn(y.shape, generator=torch.Generator().manual_seed(seed + 10))
+    grads = torch.autograd.grad(y, [x, layer.lora_A["default"].weight, layer.lora_B["default"].weight], grad_out)
+    x64 = x.detach().double().requires_grad_()
+    a64 = layer.lora_A["default"].weight.detach().double().requires_grad_()
+    b64 = layer.lora_B["default"].weight.detach().double().requires_grad_()
+    ref = layer.base_layer(x64.float()).double() + 2.0 * (x64 @ a64.t()) @ b64.t()
+    ref_grads = torch.autograd.grad(ref, [x64, a64, b64], grad_out.double())
+    for name, g, r in zip(("x (LoRA part and base)", "A", "B"), grads, ref_grads):
+        assert g.dtype == torch.float32
+        assert _rel(g, r) < 1e-4, name  # x's base part goes through the base layer's own backward in float32
+
+
+@pytest.mark.parametrize("base", ["bf16", "nvfp4", "nf4"])
+def test_bf16_autocast_matches_reference_and_peft(base, monkeypatch):
+    """As the trainer runs it: a bf16 model, fp32 adapters (peft's upcast), the forward under bf16 autocast."""
+    peft_model = lora.attach_lora(_tiny(torch.bfloat16, base), rank=8)
+    _randomize_adapters(peft_model, 3)
+    layer = peft_model.get_submodule(UP)
+    assert layer.lora_A["default"].weight.dtype == torch.float32
+    x = torch.randn(4, 6, 64, generator=torch.Generator().manual_seed(3)).bfloat16()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        fused = layer(x)
+        monkeypatch.setenv("QERL_LORA_FUSED", "0")
+        peft = layer(x)
+    assert fused.dtype == peft.dtype == torch.bfloat16
+    ref = _reference(layer, x)
+    assert _rel(fused, ref) < 2e-2 and _rel(peft, ref) < 2e-2
+    assert _rel(fused, ref) <= _rel(peft, ref) * 1.5  # one rounding instead of three: not worse than peft's
+
+
+def test_whole_model_loss_and_adapter_gradients_match_peft(monkeypatch):
+    """Gradient checkpointing on, a two-layer model's loss and every adapter gradient, fused against peft's path."""
+    peft_model = lora.attach_lora(_tiny(torch.float32, "nvfp4"), rank=4, dropout=0.0)
+    _randomize_adapters(peft_model, 4)
+    peft_model.base_model.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    peft_model.train()
+    ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(4))
+
+    def loss_and_grads():
+        peft_model.zero_grad(set_to_none=True)
+        loss = peft_model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in peft_model.named_parameters() if p.requires_grad}
+
+    fused_loss, fused_grads = loss_and_grads()
+    monkeypatch.setenv("QERL_LORA_FUSED", "0")
+    peft_loss, peft_grads = loss_and_grads()
+    assert abs(fused_loss.item() - peft_loss.item()) < 1e-5
+    assert fused_grads.keys() == peft_grads.keys() and len(fused_grads) == 2 * 7 * CONFIG["num_hidden_layers"]
+    for name in fused_grads:
+        assert _rel(fused_grads[name], peft_grads[name]) < 1e-4, name
+
+
+def test_dropout_runs_on_the_lora_input_as_peft():
+    peft_model = lora.attach_lora(_tiny(), rank=4, dropout=0.5)
+    _randomize_adapters(peft_model, 5)
+    layer = peft_model.get_submodule(UP)
+    layer.train()
+    x = torch.randn(2, 3, 64, generator=torch.Generator().manual_seed(5))
+    torch.manual_seed(7)
+    fused = layer(x)
+    torch.manual_seed(7)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("QERL_LORA_FUSED", "0")
+        peft = layer(x)
+    assert _rel(fused, peft) < 1e-5  # the same mask: one dropout call on x, the same RNG draws
+    assert _rel(fused, _reference(layer, x)) > 1e-2  # and the mask is really applied
+
+
+def _count_fused(monkeypatch) -> list[int]:
+    calls = [0]
+    original = lora_forward.fused_lora_add
+
+    def counting(*args, **kwargs):
+        calls[0] += 1
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(lora_forward, "fused_lora_add", counting)
+    return calls
+
+
+def test_peft_forward_runs_where_the_fused_path_does_not_apply(monkeypatch):
+    peft_model = lora.attach_lora(_tiny(), rank=4)
+    _randomize_adapters(peft_model, 6)
+    layer = peft_model.get_submodule(UP)
+    x = torch.randn(2, 3, 64, generator=torch.Generator().manual_seed(6))
+    calls = _count_fused(monkeypatch)
+    layer(x)
+    assert calls[0] == 1
+    with peft_model.disable_adapter():  # adapters off: the base alone
+        assert torch.equal(layer(x), layer.base_layer(x))
+    monkeypatch.setenv("QERL_LORA_FUSED", "0")
+    layer(x)
+    assert calls[0] == 1
+    monkeypatch.delenv("QERL_LORA_FUSED")
+    peft_model.add_adapter("second", lora.lora_config(rank=4))
+    layer.set_adapter(["default", "second"])  # two active adapters: peft's loop over them
+    before = calls[0]
+    y = layer(x)
+    assert calls[0] == before and y.shape == (2, 3, 128)
