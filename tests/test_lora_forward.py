@@ -27,6 +27,7 @@ def _tiny(dtype=torch.float32, base="bf16", seed=0):
     if base == "nvfp4":
         model = replace_linear_with_nvfp4(model, impl="reference")
     if base == "nf4":
+        pytest.importorskip("bitsandbytes", reason="bitsandbytes (the `quant` extra) not installed")
         from qerl_lib.models.nf4 import to_nf4
         model = to_nf4(model, torch.device("cpu"), dtype)
     return model
@@ -38,7 +39,7 @@ def _randomize_adapters(peft_model, seed):
     with torch.no_grad():
         for name, p in peft_model.named_parameters():
             if "lora_" in name:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+                p.copy_(torch.randn(p.shape, generator=g).to(p.device) * 0.2)
 
 
 def _reference(layer, x):
@@ -94,15 +95,25 @@ def test_fp32_output_and_gradients_match_reference(base, seed):
         assert _rel(g, r) < 1e-4, name  # x's base part goes through the base layer's own backward in float32
 
 
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU (CUDA not available)")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[CUDA, pytest.mark.cuda])])
 @pytest.mark.parametrize("base", ["bf16", "nvfp4", "nf4"])
-def test_bf16_autocast_matches_reference_and_peft(base, monkeypatch):
+def test_bf16_autocast_matches_reference_and_peft(base, device, monkeypatch):
     """As the trainer runs it: a bf16 model, fp32 adapters (peft's upcast), the forward under bf16 autocast."""
-    peft_model = lora.attach_lora(_tiny(torch.bfloat16, base), rank=8)
+    model = _tiny(torch.bfloat16, base) if base != "nf4" or device == "cpu" else None
+    if model is None:  # bitsandbytes quantizes as the model moves to the GPU
+        pytest.importorskip("bitsandbytes", reason="bitsandbytes (the `quant` extra) not installed")
+        from qerl_lib.models.nf4 import to_nf4
+        torch.manual_seed(0)
+        model = to_nf4(_tiny(torch.bfloat16), torch.device(device), torch.bfloat16)
+    peft_model = lora.attach_lora(model.to(device), rank=8)
     _randomize_adapters(peft_model, 3)
     layer = peft_model.get_submodule(UP)
     assert layer.lora_A["default"].weight.dtype == torch.float32
-    x = torch.randn(4, 6, 64, generator=torch.Generator().manual_seed(3)).bfloat16()
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    x = torch.randn(4, 6, 64, generator=torch.Generator().manual_seed(3)).bfloat16().to(device)
+    with torch.autocast(device, dtype=torch.bfloat16):
         fused = layer(x)
         monkeypatch.setenv("QERL_LORA_FUSED", "0")
         peft = layer(x)
