@@ -8,12 +8,12 @@ kit's default targets (`models.lora.attach_lora`, as the trainer), gradient chec
 the forward under bf16 autocast as TRL runs it (``--no-autocast`` leaves it out, as this script did before
 dev/LOG.md section 78). One step here is the trainer's forward + backward on ``rows`` x ``seq`` tokens through the
 decoder (the lm_head and the loss are left out: they are the same bf16 work in both modes); the optimizer is left
-out for the same reason. Each base runs with the kit's fused LoRA forward (`models.lora_forward`) and with peft's
-(``QERL_LORA_FUSED=0``), unless ``--forwards`` names one. Timing alternates blocks of ``steps`` steps between the
-arms (both models stay resident), so drift of the GPU's clocks falls on all; ratios carry a 95% bootstrap CI over
-steps. One more step per arm runs under torch.profiler and its kernel time is summed by category, and the ``--top``
-operators are listed by their own device time, also grouped by input shape (a shape names the tensor: a `mul` on
-[8, 2304, 18944] is the MLP's).
+out for the same reason. Each base runs as built (``kit``: `models.lora_forward` and `train.fused_layers`), with the
+fused LoRA forward alone (``fused``) and with neither (``peft``), or the ``--forwards`` named. Timing alternates
+blocks of ``steps`` steps between the arms (both models stay resident), so drift of the GPU's clocks falls on all;
+ratios carry a 95% bootstrap CI over steps. One more step per arm runs under torch.profiler and its kernel time is
+summed by category, and the ``--top`` operators are listed by their own device time, also grouped by input shape (a
+shape names the tensor: a `mul` on [8, 2304, 18944] is the MLP's).
 """
 from __future__ import annotations
 
@@ -49,22 +49,32 @@ def build(model: str, weights: str, rank: int, device: torch.device):
     from qerl_lib.models.loader import build_random_model
     from qerl_lib.models.lora import attach_lora
 
+    from qerl_lib.train.fused_layers import use_fused_layers
+
     base = build_random_model(model, dtype=torch.bfloat16, device=device, nvfp4=weights == "nvfp4",
                               init="random_codes", seed=0)
+    use_fused_layers(base)  # as the trainer (train/grpo.load_policy); QERL_FUSED_LAYERS=0 at call time turns it off
     policy = attach_lora(base, rank=rank)
     policy.base_model.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     policy.train()
     return policy
 
 
-def step_fn(policy, ids, fused: bool, autocast: bool):
+FORWARDS = {  # the environment switches each arm runs with
+    "kit": {"QERL_LORA_FUSED": "1", "QERL_FUSED_LAYERS": "1"},  # as built
+    "fused": {"QERL_LORA_FUSED": "1", "QERL_FUSED_LAYERS": "0"},  # the LoRA forward only (section 78, run 2)
+    "peft": {"QERL_LORA_FUSED": "0", "QERL_FUSED_LAYERS": "0"},  # peft's and transformers' own forwards
+}
+
+
+def step_fn(policy, ids, forward: str, autocast: bool):
     import contextlib
     import os
 
     decoder = policy.base_model.model.model
 
     def step():
-        os.environ["QERL_LORA_FUSED"] = "1" if fused else "0"
+        os.environ.update(FORWARDS[forward])
         context = torch.autocast("cuda", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
         with context:
             hidden = decoder(input_ids=ids).last_hidden_state
@@ -131,20 +141,21 @@ def main() -> None:
     p.add_argument("--blocks", type=int, default=3)
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--top", type=int, default=25, help="operators listed by their own device time")
-    p.add_argument("--forwards", default="fused,peft", help="LoRA forwards to run: fused (the kit's), peft")
+    p.add_argument("--forwards", default="kit,fused,peft",
+                   help="forwards to run: kit (as built), fused (the fused LoRA forward alone), peft (neither)")
     p.add_argument("--no-autocast", dest="autocast", action="store_false", help="run the forward outside autocast")
     p.add_argument("--json", required=True)
     args = p.parse_args()
     forwards = args.forwards.split(",")
-    if not set(forwards) <= {"fused", "peft"}:
-        raise SystemExit(f"--forwards takes fused and/or peft, got {args.forwards!r}")
+    if not set(forwards) <= set(FORWARDS):
+        raise SystemExit(f"--forwards takes {', '.join(FORWARDS)}, got {args.forwards!r}")
     device = torch.device("cuda")
     models = {w: build(args.model, w, args.rank, device) for w in ("bf16", "nvfp4")}
     vocab = models["bf16"].base_model.model.config.vocab_size
     generator = torch.Generator(device).manual_seed(0)
     ids = torch.randint(0, vocab, (args.rows, args.seq), device=device, generator=generator)
     arms = [f"{w}/{f}" for w in models for f in forwards]
-    steps = {arm: step_fn(models[arm.split("/")[0]], ids, arm.endswith("/fused"), args.autocast) for arm in arms}
+    steps = {arm: step_fn(models[arm.split("/")[0]], ids, arm.split("/")[1], args.autocast) for arm in arms}
     for arm in arms:  # warm-up: autotuning, allocator
         timed(steps[arm], 2)
     times: dict[str, list[float]] = {arm: [] for arm in arms}
@@ -155,8 +166,7 @@ def main() -> None:
     kernels = {arm: k for arm, (k, _, _) in profiled.items()}
     med = {arm: statistics.median(t) for arm, t in times.items()}
     pairs = [(f"bf16/{f}", f"nvfp4/{f}") for f in forwards]
-    if len(forwards) == 2:
-        pairs += [(f"{w}/peft", f"{w}/fused") for w in models]
+    pairs += [(f"{w}/{b}", f"{w}/{a}") for w in models for a, b in zip(forwards, forwards[1:])]
     ratios = {f"{b} over {a}": {"ratio": med[b] / med[a], "ci95": list(bootstrap_ratio(times[a], times[b]))}
               for a, b in pairs}
     record = {

@@ -194,11 +194,16 @@ def build_dataset(config: TrainConfig, tokenizer):
 
 
 def load_policy(config: TrainConfig, device: torch.device, dtype: torch.dtype):
-    """The frozen base of ``config`` with fresh LoRA adapters (a peft ``PeftModel``)."""
+    """The frozen base of ``config`` with fresh LoRA adapters (a peft ``PeftModel``); on a GPU its norms and SiLU
+    MLPs run `train.fused_layers`' kernels in the trainer's forward and backward (``QERL_FUSED_LAYERS=0``: not)."""
     from qerl_lib.models.lora import attach_lora
+    from qerl_lib.train.fused_layers import use_fused_layers
 
-    return attach_lora(load_base(config, device, dtype), rank=config.lora_rank, alpha=config.lora_alpha,
-                       dropout=config.lora_dropout, targets=config.lora_targets, train_norms=config.train_norms)
+    base = load_base(config, device, dtype)
+    if device.type == "cuda":
+        use_fused_layers(base)
+    return attach_lora(base, rank=config.lora_rank, alpha=config.lora_alpha, dropout=config.lora_dropout,
+                       targets=config.lora_targets, train_norms=config.train_norms)
 
 
 def _random_arch(config: TrainConfig) -> str | None:
