@@ -33,7 +33,8 @@ CATEGORIES = (  # first match wins
     ("fp4 gemm (fused)", ("qerl_fp4", "_fp4_gemm", "fp4_wgmma", "_producer", "permute")),
     ("gemm (cuBLAS)", ("nvjet", "gemm", "gemv", "cutlass", "sm90_xmma", "Kernel2")),
     ("attention", ("flash", "fmha", "attention", "sdpa", "cudnn")),
-    ("elementwise / reduce", ("elementwise", "reduce", "vectorized", "unrolled", "triton_", "copy", "fill")),
+    ("elementwise / reduce", ("elementwise", "reduce", "vectorized", "unrolled", "triton_", "copy", "fill",
+                              "_rms_norm", "_silu_mul")),  # the last two: train/fused_layers' kernels
 )
 
 
