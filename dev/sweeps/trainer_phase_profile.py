@@ -9,7 +9,7 @@ the forward under bf16 autocast as TRL runs it (``--no-autocast`` leaves it out,
 dev/LOG.md section 78). One step here is the trainer's forward + backward on ``rows`` x ``seq`` tokens through the
 decoder (the lm_head and the loss are left out: they are the same bf16 work in both modes); the optimizer is left
 out for the same reason. Each base runs as built (``kit``: `models.lora_forward` and `train.fused_layers`), with the
-fused LoRA forward alone (``fused``) and with neither (``peft``), or the ``--forwards`` named. Timing alternates
+fused LoRA forward alone (``fused``) and with neither (``peft``), or the ``--forwards`` named (``FORWARDS``). Timing alternates
 blocks of ``steps`` steps between the arms (both models stay resident), so drift of the GPU's clocks falls on all;
 ratios carry a 95% bootstrap CI over steps. One more step per arm runs under torch.profiler and its kernel time is
 summed by category, and the ``--top`` operators are listed by their own device time, also grouped by input shape (a
@@ -62,9 +62,10 @@ def build(model: str, weights: str, rank: int, device: torch.device):
 
 
 FORWARDS = {  # the environment switches each arm runs with
-    "kit": {"QERL_LORA_FUSED": "1", "QERL_FUSED_LAYERS": "1"},  # as built
-    "fused": {"QERL_LORA_FUSED": "1", "QERL_FUSED_LAYERS": "0"},  # the LoRA forward only (section 78, run 2)
-    "peft": {"QERL_LORA_FUSED": "0", "QERL_FUSED_LAYERS": "0"},  # peft's and transformers' own forwards
+    "kit": {"QERL_LORA_FUSED": "1", "QERL_LORA_EXPAND_KERNEL": "1", "QERL_FUSED_LAYERS": "1"},  # as built
+    "addmm": {"QERL_LORA_FUSED": "1", "QERL_LORA_EXPAND_KERNEL": "0", "QERL_FUSED_LAYERS": "1"},  # cuBLAS's expand
+    "fused": {"QERL_LORA_FUSED": "1", "QERL_LORA_EXPAND_KERNEL": "0", "QERL_FUSED_LAYERS": "0"},  # section 78 run 2
+    "peft": {"QERL_LORA_FUSED": "0", "QERL_LORA_EXPAND_KERNEL": "0", "QERL_FUSED_LAYERS": "0"},  # neither change
 }
 
 
@@ -143,7 +144,9 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--top", type=int, default=25, help="operators listed by their own device time")
     p.add_argument("--forwards", default="kit,fused,peft",
-                   help="forwards to run: kit (as built), fused (the fused LoRA forward alone), peft (neither)")
+                   help="forwards to run: kit (as built), addmm (kit with cuBLAS's expand), fused (the fused LoRA "
+                        "forward alone, cuBLAS's expand), peft (neither)")
+    p.add_argument("--bases", default="bf16,nvfp4", help="base weights to build: bf16, nvfp4")
     p.add_argument("--no-autocast", dest="autocast", action="store_false", help="run the forward outside autocast")
     p.add_argument("--json", required=True)
     args = p.parse_args()
@@ -151,8 +154,11 @@ def main() -> None:
     if not set(forwards) <= set(FORWARDS):
         raise SystemExit(f"--forwards takes {', '.join(FORWARDS)}, got {args.forwards!r}")
     device = torch.device("cuda")
-    models = {w: build(args.model, w, args.rank, device) for w in ("bf16", "nvfp4")}
-    vocab = models["bf16"].base_model.model.config.vocab_size
+    bases = args.bases.split(",")
+    if not bases or not set(bases) <= {"bf16", "nvfp4"}:
+        raise SystemExit(f"--bases takes bf16 and/or nvfp4, got {args.bases!r}")
+    models = {w: build(args.model, w, args.rank, device) for w in bases}
+    vocab = models[bases[0]].base_model.model.config.vocab_size
     generator = torch.Generator(device).manual_seed(0)
     ids = torch.randint(0, vocab, (args.rows, args.seq), device=device, generator=generator)
     arms = [f"{w}/{f}" for w in models for f in forwards]
@@ -166,7 +172,7 @@ def main() -> None:
     profiled = {arm: kernel_totals(steps[arm], args.top) for arm in arms}
     kernels = {arm: k for arm, (k, _, _) in profiled.items()}
     med = {arm: statistics.median(t) for arm, t in times.items()}
-    pairs = [(f"bf16/{f}", f"nvfp4/{f}") for f in forwards]
+    pairs = [(f"bf16/{f}", f"nvfp4/{f}") for f in forwards] if len(models) == 2 else []
     pairs += [(f"{w}/{b}", f"{w}/{a}") for w in models for a, b in zip(forwards, forwards[1:])]
     ratios = {f"{b} over {a}": {"ratio": med[b] / med[a], "ci95": list(bootstrap_ratio(times[a], times[b]))}
               for a, b in pairs}

@@ -17,12 +17,13 @@ The bytes of A and B are < 1% of the base's; the cost is the passes.
 What this module does instead
 -----------------------------
     h = dropout(x) @ A'^T                        # A' = A cast to x's dtype: an [r, K] copy
-    y = addmm(base(x), h, B'^T, alpha=s)         # cuBLAS: fp32 accumulation of base + s * h @ B'^T, rounded once
+    y = base(x) + s * h @ B'^T                   # one pass over the base output: fp32 sum, rounded once
 
-No copy of x, no scaling pass, no add pass: the expand's epilogue adds into the base output. Autograd's
-``addmm`` backward hands the base output's gradient through unchanged and applies ``s`` on the small
-[tokens, r] side; the casts of A and B carry fp32 gradients back to the fp32 adapters, so the optimizer
-still updates fp32 weights.
+No copy of x, no scaling pass, no add pass: the expand adds into the base output as it reads it (`expand_add`,
+the arithmetic of ``torch.addmm(base(x), h, B'^T, alpha=s)``: a Triton kernel on GPUs, cuBLAS's addmm elsewhere).
+The backward hands the base output's gradient through unchanged and applies ``s`` on the small [tokens, r] side, as
+addmm's does; the casts of A and B carry fp32 gradients back to the fp32 adapters, so the optimizer still updates
+fp32 weights.
 
 Numerics, and where this differs from peft
 ------------------------------------------
@@ -35,7 +36,8 @@ The rollout engine adds its adapters the same way (``engine/adapters.py``: one `
 
 peft's own forward still runs for what this path does not cover: adapters disabled or merged, more
 than one active adapter, mixed-adapter batches (``adapter_names``), LoRA variants (DoRA, aLoRA, ...) and
-``lora_bias``. ``QERL_LORA_FUSED=0`` turns the path off everywhere (read at each call), to compare.
+``lora_bias``. ``QERL_LORA_FUSED=0`` turns the path off everywhere, ``QERL_LORA_EXPAND_KERNEL=0`` only the Triton
+expand (``torch.addmm`` instead); both are read at each call, to compare.
 
 Which layers get it: ``NVFP4LoraLinear`` (an NVFP4 base), plain ``nn.Linear`` bases (bf16), and
 bitsandbytes ``Linear4bit`` bases (NF4, the QLoRA baseline), so every mode's trainer gains alike.
@@ -53,7 +55,15 @@ from peft.tuners.lora.layer import Linear as _PeftLoraLinear
 from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
 
-__all__ = ["FusedLoraForward", "FusedLoraLinear", "fused_enabled", "lora_layer_for", "fused_lora_add"]
+try:  # Triton is optional: the CPU paths do not need it
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover
+    triton = tl = None
+
+__all__ = ["FusedLoraForward", "FusedLoraLinear", "fused_enabled", "lora_layer_for", "fused_lora_add", "expand_add"]
+
+EXPAND_BLOCK_M, EXPAND_BLOCK_N = 64, 128
 
 
 def fused_enabled() -> bool:
@@ -63,7 +73,7 @@ def fused_enabled() -> bool:
 
 def fused_lora_add(result: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
                    scale: float) -> torch.Tensor:
-    """``result + scale * (x @ lora_a^T) @ lora_b^T`` as one matmul and one ``addmm`` into ``result``.
+    """``result + scale * (x @ lora_a^T) @ lora_b^T`` as one matmul and one pass over ``result`` (`expand_add`).
 
     ``result`` [..., N] (the base output), ``x`` [..., K], ``lora_a`` [r, K], ``lora_b`` [N, r]; the adapter
     weights are cast to ``result``'s dtype (under autocast, to autocast's). Returns a new tensor shaped like
@@ -72,8 +82,72 @@ def fused_lora_add(result: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, 
         else result.dtype
     a, b = lora_a.to(dtype), lora_b.to(dtype)
     h = torch.nn.functional.linear(x.to(dtype), a)
-    out = torch.addmm(result.reshape(-1, result.shape[-1]), h.reshape(-1, h.shape[-1]), b.t(), alpha=scale)
+    out = expand_add(result.reshape(-1, result.shape[-1]).to(dtype), h.reshape(-1, h.shape[-1]), b, scale)
     return out.view(result.shape)
+
+
+def _expand_kernel_runs(t: torch.Tensor) -> bool:
+    return triton is not None and os.environ.get("QERL_LORA_EXPAND_KERNEL", "1") != "0" and \
+        (t.is_cuda or os.environ.get("TRITON_INTERPRET", "0") == "1")
+
+
+def expand_add(base: torch.Tensor, h: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
+    """``base [M, N] + scale * h [M, r] @ b [N, r]^T``: float32 sum, rounded once, into a new tensor, with gradients.
+
+    On GPUs one Triton kernel (`_expand_add_kernel`, small tiles, many per SM): cuBLAS's ``addmm`` does the same
+    arithmetic, but at K = r it took ~1 ms a call on the 7B MLP's [18432, 18944] outputs, ~3x the time their bytes
+    need (dev/LOG.md section 78). Elsewhere, and with ``QERL_LORA_EXPAND_KERNEL=0``, ``torch.addmm``."""
+    shapes_fit = base.shape[0] == h.shape[0] and b.shape == (base.shape[1], h.shape[1])
+    if base.dtype != h.dtype or b.dtype != h.dtype or base.dim() != 2 or not shapes_fit:
+        raise ValueError(f"expand_add: base [M, N], h [M, r] and b [N, r] of one dtype, got {list(base.shape)} "
+                         f"{base.dtype}, {list(h.shape)} {h.dtype}, {list(b.shape)} {b.dtype}")
+    if not _expand_kernel_runs(base):
+        return torch.addmm(base, h, b.t(), alpha=scale)
+    return _ExpandAdd.apply(base, h, b, float(scale))
+
+
+class _ExpandAdd(torch.autograd.Function):
+    """Gradients as ``torch.addmm``'s: base's is the output's, h's and b's are scaled on the small side."""
+
+    @staticmethod
+    def forward(ctx, base, h, b, scale):
+        ctx.scale = scale
+        ctx.save_for_backward(h, b)
+        base, h, b = base.contiguous(), h.contiguous(), b.contiguous()
+        (m, n), r = base.shape, h.shape[1]
+        out = torch.empty_like(base)
+        grid = (triton.cdiv(n, EXPAND_BLOCK_N), triton.cdiv(m, EXPAND_BLOCK_M))
+        _expand_add_kernel[grid](base, h, b, out, m, n, r, scale, BLOCK_M=EXPAND_BLOCK_M, BLOCK_N=EXPAND_BLOCK_N,
+                                 RP=max(16, triton.next_power_of_2(r)),
+                                 PRECISION="ieee" if base.dtype == torch.float32 else "tf32", num_warps=4)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        h, b = ctx.saved_tensors
+        grad_h = torch.mm(grad, b).mul_(ctx.scale) if ctx.needs_input_grad[1] else None
+        grad_b = torch.mm(grad.t(), h).mul_(ctx.scale) if ctx.needs_input_grad[2] else None
+        return grad if ctx.needs_input_grad[0] else None, grad_h, grad_b, None
+
+
+if triton is not None:
+
+    @triton.jit
+    def _expand_add_kernel(base_ptr, h_ptr, b_ptr, out_ptr, M, N, R, scale, BLOCK_M: tl.constexpr,
+                           BLOCK_N: tl.constexpr, RP: tl.constexpr, PRECISION: tl.constexpr):
+        """Program (block of columns, block of rows) of contiguous tensors: its tile of ``base + scale * h @ b^T``."""
+        pid_n, pid_m = tl.program_id(0), tl.program_id(1)
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        ranks = tl.arange(0, RP)
+        ok_m, ok_n, ok_r = rows < M, cols < N, ranks < R
+        h = tl.load(h_ptr + rows[:, None] * R + ranks[None, :], mask=ok_m[:, None] & ok_r[None, :], other=0.0)
+        b = tl.load(b_ptr + cols[:, None] * R + ranks[None, :], mask=ok_n[:, None] & ok_r[None, :], other=0.0)
+        acc = tl.dot(h, tl.trans(b), input_precision=PRECISION)
+        ok = ok_m[:, None] & ok_n[None, :]
+        offsets = rows[:, None].to(tl.int64) * N + cols[None, :]
+        base = tl.load(base_ptr + offsets, mask=ok, other=0.0).to(tl.float32)
+        tl.store(out_ptr + offsets, (base + scale * acc).to(out_ptr.dtype.element_ty), mask=ok)
 
 
 class FusedLoraForward:
