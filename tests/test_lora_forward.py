@@ -252,7 +252,8 @@ def test_cuda_expand_add_matches_addmm_in_bf16(m, n, r):
     base, h, b = (torch.randn(*s, generator=g, device="cuda").bfloat16() for s in ((m, n), (m, r), (n, r)))
     y = lora_forward.expand_add(base, h, b, 2.0)
     exact = base.double() + 2.0 * h.double() @ b.double().t()
-    y0 = torch.addmm(base, h, b.t(), alpha=2.0)
+    y0 = torch.addmm(base, h, b.t(), alpha=2.0)  # cuBLAS rounds the product to bf16, then adds (section 80)
     err = lambda t: float((t.double() - exact).norm() / exact.norm())
-    assert err(y) <= max(1.5 * err(y0), 1e-4)
-    assert float((y != y0).float().mean()) < 0.05  # one rounding of the same fp32 sum, summed in another order
+    assert err(y) <= err(y0) * 1.01
+    # the float64 value rounded once: only float32's summation error can flip a rounding, rarely
+    assert float((y != exact.bfloat16()).float().mean()) < 0.01

@@ -17,7 +17,7 @@ The bytes of A and B are < 1% of the base's; the cost is the passes.
 What this module does instead
 -----------------------------
     h = dropout(x) @ A'^T                        # A' = A cast to x's dtype: an [r, K] copy
-    y = base(x) + s * h @ B'^T                   # one pass over the base output: fp32 sum, rounded once
+    y = base(x) + s * h @ B'^T                   # one pass over the base output
 
 No copy of x, no scaling pass, no add pass: the expand adds into the base output as it reads it (`expand_add`,
 the arithmetic of ``torch.addmm(base(x), h, B'^T, alpha=s)``: a Triton kernel on GPUs, cuBLAS's addmm elsewhere).
@@ -29,10 +29,12 @@ Numerics, and where this differs from peft
 ------------------------------------------
 Under bf16 autocast (the trainer: TRL's ``bf16=True`` runs the model's forward in ``torch.autocast``) peft's
 matmuls already run in bf16, so the adapters' precision class is the same here; what changes is the
-rounding: peft rounds ``B(A(x))``, then ``* s``, then the sum (three bf16 roundings), this rounds once.
+rounding: peft rounds ``B(A(x))``, then ``* s``, then the sum (three bf16 roundings); the GPU kernel here rounds
+the float32 sum once (cuBLAS's bf16 ``addmm``, the fallback, rounds the product before it adds ``base``: on an H200
+a quarter of its outputs sat one unit from the kernel's, the kernel's the closer to the exact value; section 80).
 Called *outside* autocast on a bf16 model, peft runs the adapters in fp32 and this in bf16 (with fp32
 accumulation), which is what the trainer does anyway. In fp32 (CPUs) both are fp32 and agree to rounding.
-The rollout engine adds its adapters the same way (``engine/adapters.py``: one ``addmm`` per B).
+The rollout engine adds its adapters with one ``addmm`` per B (``engine/adapters.py``) or its own kernels.
 
 peft's own forward still runs for what this path does not cover: adapters disabled or merged, more
 than one active adapter, mixed-adapter batches (``adapter_names``), LoRA variants (DoRA, aLoRA, ...) and
@@ -92,11 +94,12 @@ def _expand_kernel_runs(t: torch.Tensor) -> bool:
 
 
 def expand_add(base: torch.Tensor, h: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
-    """``base [M, N] + scale * h [M, r] @ b [N, r]^T``: float32 sum, rounded once, into a new tensor, with gradients.
+    """``base [M, N] + scale * h [M, r] @ b [N, r]^T`` into a new tensor, with gradients.
 
-    On GPUs one Triton kernel (`_expand_add_kernel`, small tiles, many per SM): cuBLAS's ``addmm`` does the same
-    arithmetic, but at K = r it took ~1 ms a call on the 7B MLP's [18432, 18944] outputs, ~3x the time their bytes
-    need (dev/LOG.md section 78). Elsewhere, and with ``QERL_LORA_EXPAND_KERNEL=0``, ``torch.addmm``."""
+    On GPUs one Triton kernel (`_expand_add_kernel`, small tiles, many per SM): the float32 sum rounded once.
+    cuBLAS's ``addmm`` took ~1 ms a call at K = r on the 7B MLP's [18432, 18944] outputs, ~3x the time their bytes
+    need, and the kernel cut a 7B trainer step's decoder time by ~3% (dev/LOG.md section 80). Elsewhere, and with
+    ``QERL_LORA_EXPAND_KERNEL=0``, ``torch.addmm`` (whose bf16 output rounds the product before the sum)."""
     shapes_fit = base.shape[0] == h.shape[0] and b.shape == (base.shape[1], h.shape[1])
     if base.dtype != h.dtype or b.dtype != h.dtype or base.dim() != 2 or not shapes_fit:
         raise ValueError(f"expand_add: base [M, N], h [M, r] and b [N, r] of one dtype, got {list(base.shape)} "
