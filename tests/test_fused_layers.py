@@ -9,6 +9,7 @@ elementwise: outputs and gradients within two units (exp's rounding, carried thr
 from __future__ import annotations
 
 import copy
+import pickle
 import textwrap
 
 import pytest
@@ -168,6 +169,8 @@ def test_swap_keeps_names_and_cpu_outputs_and_is_idempotent():
     assert fused_layers.use_fused_layers(model) == {"norms": 0, "mlps": 0}
     clone = copy.deepcopy(model)
     assert type(clone.model.layers[1].input_layernorm) is type(model.model.layers[1].input_layernorm)
+    restored = pickle.loads(pickle.dumps(model.model.layers[0]))  # the made classes are found by name
+    assert type(restored.mlp) is type(model.model.layers[0].mlp)
 
 
 def test_bad_inputs_name_the_rule():

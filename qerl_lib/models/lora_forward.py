@@ -1,4 +1,4 @@
-"""LoRA's forward as the trainer runs it: one shrink matmul, and the expand added inside one ``addmm``.
+"""LoRA's forward as the trainer runs it: one shrink matmul, and the expand added in one pass over the base output.
 
 What peft does, and what it costs
 ---------------------------------
@@ -104,7 +104,7 @@ def expand_add(base: torch.Tensor, h: torch.Tensor, b: torch.Tensor, scale: floa
     if base.dtype != h.dtype or b.dtype != h.dtype or base.dim() != 2 or not shapes_fit:
         raise ValueError(f"expand_add: base [M, N], h [M, r] and b [N, r] of one dtype, got {list(base.shape)} "
                          f"{base.dtype}, {list(h.shape)} {h.dtype}, {list(b.shape)} {b.dtype}")
-    if not _expand_kernel_runs(base):
+    if not _expand_kernel_runs(base) or base.numel() == 0:
         return torch.addmm(base, h, b.t(), alpha=scale)
     return _ExpandAdd.apply(base, h, b, float(scale))
 
@@ -187,9 +187,11 @@ def _fused_linear4bit() -> type:
     if not _FUSED_4BIT:
         from peft.tuners.lora.bnb import Linear4bit
 
-        _FUSED_4BIT.append(type("FusedLoraLinear4bit", (FusedLoraForward, Linear4bit),
-                                {"__doc__": "peft's bitsandbytes ``Linear4bit`` LoRA layer with the fused forward.",
-                                 "__module__": __name__}))
+        cls = type("FusedLoraLinear4bit", (FusedLoraForward, Linear4bit),
+                   {"__doc__": "peft's bitsandbytes ``Linear4bit`` LoRA layer with the fused forward.",
+                    "__module__": __name__})
+        globals()[cls.__name__] = cls  # findable by name, as pickle and copy look classes up
+        _FUSED_4BIT.append(cls)
     return _FUSED_4BIT[0]
 
 

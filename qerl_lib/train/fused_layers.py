@@ -153,7 +153,9 @@ _SUBCLASSES: dict[type, type] = {}
 
 def _fused_class(cls: type, mixin: type) -> type:
     if cls not in _SUBCLASSES:
-        _SUBCLASSES[cls] = type(f"Fused{cls.__name__}", (mixin, cls), {"__module__": __name__, "__doc__": mixin.__doc__})
+        fused = type(f"Fused{cls.__name__}", (mixin, cls), {"__module__": __name__, "__doc__": mixin.__doc__})
+        globals()[fused.__name__] = fused  # findable by name, as pickle looks classes up
+        _SUBCLASSES[cls] = fused
     return _SUBCLASSES[cls]
 
 
