@@ -20,10 +20,11 @@ state-dict names, so the engine and TRL see a normal LoRA layer) with these chan
 features and the adapter dtype come from the NVFP4 layer without dequantizing it;
 ``merge``/``unmerge`` raise instead of silently writing into a temporary dequantized copy
 (peft's merge does ``base.weight.data += delta``); and the forward is ``models/lora_forward.py``'s
-(one matmul and one ``addmm`` into the base output instead of peft's casts, scaling and add passes),
-which the same hook also gives plain ``nn.Linear`` (bf16) and bitsandbytes NF4 bases. Merging is ``merge_to_bf16``: it builds a
-new dense model ``W = dequantize(base) + (alpha/r) B A`` (summed in fp32, rounded once to
-bf16) and leaves the trained model untouched.
+(the shrink as one matmul, the expand added into the base output in one pass, instead of peft's
+casts, scaling and add passes), which the same hook also gives plain ``nn.Linear`` (bf16) and
+bitsandbytes NF4 bases. Merging is ``merge_to_bf16``: it builds a new dense model
+``W = dequantize(base) + (alpha/r) B A`` (summed in fp32, rounded once to bf16) and leaves the
+trained model untouched.
 
 Defaults and where they come from
 ---------------------------------
@@ -60,7 +61,7 @@ __all__ = ["attach_lora", "save_adapters", "load_adapters", "merge_to_bf16", "me
 
 class NVFP4LoraLinear(FusedLoraForward, _PeftLoraLinear):
     """peft ``lora.Linear`` around an ``NVFP4Linear`` base (state dict and save format unchanged; the forward is
-    ``models.lora_forward``'s, one ``addmm`` into the base output, as on the other bases)."""
+    ``models.lora_forward``'s, as on the other bases)."""
 
     def __init__(self, base_layer, adapter_name, config, r=0, lora_alpha=1, **kwargs):
         if config.use_dora:
