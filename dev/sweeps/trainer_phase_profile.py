@@ -105,6 +105,11 @@ def kernel_totals(step, top: int) -> tuple[dict[str, float], list[dict], list[di
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
         step()
         torch.cuda.synchronize()
+    return summarize(prof, top)
+
+
+def summarize(prof, top: int) -> tuple[dict[str, float], list[dict], list[dict]]:
+    """`kernel_totals`' three tables from a finished ``torch.profiler.profile``."""
     path = tempfile.mktemp(suffix=".json")
     prof.export_chrome_trace(path)
     with open(path) as f:
