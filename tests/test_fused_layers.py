@@ -9,6 +9,7 @@ elementwise: outputs and gradients within two units (exp's rounding, carried thr
 from __future__ import annotations
 
 import copy
+import inspect
 import pickle
 import textwrap
 
@@ -21,16 +22,18 @@ from tests.conftest import run_triton_interpreter
 CONFIG = dict(vocab_size=256, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=True)
 
-COMPARE = textwrap.dedent("""
-    def compare(fused, torch_, dtype):
-        import torch
-        a, b = fused.double(), torch_.double()
-        info = torch.finfo(dtype)  # one unit in the last place at the larger magnitude of the two (subnormals: tiny's)
-        exponent = torch.frexp(torch.maximum(a.abs(), b.abs()).clamp_min(info.tiny)).exponent
-        ulp = torch.ldexp(torch.ones_like(b), exponent - 1) * info.eps
-        return {"rel": float((a - b).norm() / b.norm().clamp_min(1e-30)), "units": float(((a - b).abs() / ulp).max()),
-                "differ": float((a != b).float().mean()), "eps": torch.finfo(dtype).eps}
-""")
+def compare(fused, torch_, dtype):
+    """Normwise relative error, the largest error in units of the last place, and the share of elements that differ."""
+    import torch  # the interpreter script carries this function's source (COMPARE)
+    a, b = fused.double(), torch_.double()
+    info = torch.finfo(dtype)  # one unit in the last place at the larger magnitude of the two (subnormals: tiny's)
+    exponent = torch.frexp(torch.maximum(a.abs(), b.abs()).clamp_min(info.tiny)).exponent
+    ulp = torch.ldexp(torch.ones_like(b), exponent - 1) * info.eps
+    return {"rel": float((a - b).norm() / b.norm().clamp_min(1e-30)), "units": float(((a - b).abs() / ulp).max()),
+            "differ": float((a != b).float().mean()), "eps": torch.finfo(dtype).eps}
+
+
+COMPARE = inspect.getsource(compare)
 
 INTERP_SCRIPT = COMPARE + textwrap.dedent("""
     import json, os, sys
@@ -190,9 +193,7 @@ CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA
 def test_cuda_bf16_against_transformers_autograd(rows, width):
     from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
 
-    namespace: dict = {}
-    exec(COMPARE, namespace)  # the same comparison as the interpreter tests (test code, not model output)
-    compare, dt = namespace["compare"], torch.bfloat16
+    dt = torch.bfloat16
     g = torch.Generator(device="cuda").manual_seed(rows)
     x, dy, gate, up = ((2 * torch.randn(rows, width, generator=g, device="cuda")).to(dt) for _ in range(4))
     norm = Qwen2RMSNorm(width).to("cuda", dt)

@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
+import os
 import random
 import statistics
 import tempfile
@@ -70,9 +72,6 @@ FORWARDS = {  # the environment switches each arm runs with
 
 
 def step_fn(policy, ids, forward: str, autocast: bool):
-    import contextlib
-    import os
-
     decoder = policy.base_model.model.model
 
     def step():

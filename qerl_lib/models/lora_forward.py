@@ -57,6 +57,8 @@ from peft.tuners.lora.layer import Linear as _PeftLoraLinear
 from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
 
+from qerl_lib.kernels.lora import interpreting
+
 try:  # Triton is optional: the CPU paths do not need it
     import triton
     import triton.language as tl
@@ -90,7 +92,7 @@ def fused_lora_add(result: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, 
 
 def _expand_kernel_runs(t: torch.Tensor) -> bool:
     return triton is not None and os.environ.get("QERL_LORA_EXPAND_KERNEL", "1") != "0" and \
-        (t.is_cuda or os.environ.get("TRITON_INTERPRET", "0") == "1")
+        (t.is_cuda or interpreting())
 
 
 def expand_add(base: torch.Tensor, h: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:

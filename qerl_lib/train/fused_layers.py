@@ -46,6 +46,7 @@ import torch
 from torch import nn
 
 from qerl_lib.engine import glue
+from qerl_lib.kernels.lora import interpreting
 
 try:  # Triton is optional: the CPU paths do not need it
     import triton
@@ -57,7 +58,6 @@ __all__ = ["use_fused_layers", "fused_layers_enabled", "rms_norm", "silu_mul", "
 
 NORM_CLASSES = ("Qwen2RMSNorm", "LlamaRMSNorm")  # transformers' forward: float32 statistics, then times the weight
 MLP_CLASSES = ("Qwen2MLP", "LlamaMLP")  # down_proj(act_fn(gate_proj(x)) * up_proj(x))
-SILU_BLOCK = glue.SILU_BLOCK
 
 
 def fused_layers_enabled() -> bool:
@@ -67,7 +67,7 @@ def fused_layers_enabled() -> bool:
 
 def _runs_kernels(t: torch.Tensor) -> bool:
     return triton is not None and fused_layers_enabled() and \
-        (t.is_cuda or os.environ.get("TRITON_INTERPRET", "0") == "1")
+        (t.is_cuda or interpreting())
 
 
 class _RMSNorm(torch.autograd.Function):
@@ -109,9 +109,9 @@ class _SiluMul(torch.autograd.Function):
         width = gate.shape[-1]
         g2, u2, do2 = gate.reshape(-1, width), up.reshape(-1, width), do.contiguous().reshape(-1, width)
         dg, du = torch.empty_like(g2), torch.empty_like(u2)
-        _silu_mul_backward_kernel[(g2.shape[0], triton.cdiv(width, SILU_BLOCK))](
+        _silu_mul_backward_kernel[(g2.shape[0], triton.cdiv(width, glue.SILU_BLOCK))](
             g2, u2, do2, dg, du, width, g2.stride(0), u2.stride(0), do2.stride(0), dg.stride(0), du.stride(0),
-            BLOCK=SILU_BLOCK, num_warps=4)
+            BLOCK=glue.SILU_BLOCK, num_warps=4)
         return dg.view(gate.shape), du.view(up.shape)
 
 
