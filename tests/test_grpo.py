@@ -539,3 +539,18 @@ def test_rollout_lora_merge_rolls_out_merged_and_frees_the_copies_before_the_bac
     assert "rollout_lora_merge" not in tiny_config(tiny_model_dir, "lora", steps=1).to_dict()
     with pytest.raises(UserError, match="rollout_lora_merge"):
         prepare_output(tmp_path, tiny_config(tiny_model_dir, "lora", steps=1), resume=True, report=None)
+
+
+def test_random_prompts_refuse_a_budget_smaller_than_the_chat_template(embedded_model_dir):
+    """A prompt budget the template alone overflows is a clear error, not an endless shortening loop."""
+    from transformers import AutoTokenizer
+
+    from qerl_lib.train.grpo import random_prompts
+
+    tokenizer = AutoTokenizer.from_pretrained(embedded_model_dir)
+    config = make_config("smollm2-arith-cpu", max_prompt_tokens=64, n_train=2)
+    rows = random_prompts(config, tokenizer)
+    assert len(rows) == 2 and all(r["prompt"][0]["content"] for r in rows)
+    config = make_config("smollm2-arith-cpu", max_prompt_tokens=8, n_train=2)
+    with pytest.raises(UserError, match="max_prompt_tokens=8 cannot hold"):
+        random_prompts(config, tokenizer)

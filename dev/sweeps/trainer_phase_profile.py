@@ -107,12 +107,14 @@ def kernel_totals(step, top: int) -> tuple[dict[str, float], list[dict], list[di
     return summarize(prof, top)
 
 
-def summarize(prof, top: int) -> tuple[dict[str, float], list[dict], list[dict]]:
-    """`kernel_totals`' three tables from a finished ``torch.profiler.profile``."""
-    path = tempfile.mktemp(suffix=".json")
-    prof.export_chrome_trace(path)
-    with open(path) as f:
-        events = json.load(f)["traceEvents"]
+def summarize(prof, top: int, trace_path: str | None = None) -> tuple[dict[str, float], list[dict], list[dict]]:
+    """`kernel_totals`' three tables from a finished ``torch.profiler.profile`` (its Chrome trace, which a profile
+    exports once, is kept at ``trace_path`` if given)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = trace_path or os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f)["traceEvents"]
     totals: dict[str, float] = collections.defaultdict(float)
     for e in events:
         if e.get("cat") == "kernel":

@@ -13,7 +13,9 @@ loss, the optimizer) is what this adds. ``--model`` also takes a config.json pat
 from __future__ import annotations
 
 import argparse
+import gzip
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -39,6 +41,7 @@ def main() -> None:
     p.add_argument("--top", type=int, default=30)
     p.add_argument("--device", default="cuda")
     p.add_argument("--json", required=True)
+    p.add_argument("--trace", help="also write the profiled step's Chrome trace here (gzip; for idle_gaps.py)")
     args = p.parse_args()
     if not 1 <= args.profile_step <= args.steps:
         raise SystemExit(f"--profile-step {args.profile_step} is not one of the {args.steps} steps")
@@ -54,25 +57,31 @@ def main() -> None:
                      gen_len=args.gen_len, steps=args.steps, lora_rank=args.rank, device=args.device)
     cuda = args.device == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    state = {"prof": None, "start": None, "wall_s": None}
+    state = {"prof": None, "wall_s": None, "step_start": None, "phase_s": []}
     cls = trainer_module.trainer_class()
     original = cls.compute_loss
 
-    def compute_loss(self, *a, **kw):  # the first call of the profiled step starts the profiler
-        if self.state.global_step == args.profile_step - 1 and state["prof"] is None:
+    def compute_loss(self, *a, **kw):  # each step's first call starts its clock; the profiled step's, the profiler
+        if state["step_start"] is None:
             if cuda:
                 torch.cuda.synchronize()
-            state["prof"] = profile(activities=activities, record_shapes=True)
-            state["prof"].start()
-            state["start"] = time.perf_counter()
+            if self.state.global_step == args.profile_step - 1 and state["prof"] is None:
+                state["prof"] = profile(activities=activities, record_shapes=True)
+                state["prof"].start()
+            state["step_start"] = time.perf_counter()
         return original(self, *a, **kw)
 
     class StopAtStepEnd(TrainerCallback):
         def on_step_end(self, targs, tstate, control, **kwargs):
+            if state["step_start"] is None:
+                return
+            if cuda:
+                torch.cuda.synchronize()
+            phase_s = time.perf_counter() - state["step_start"]
+            state["phase_s"].append(phase_s)
+            state["step_start"] = None
             if state["prof"] is not None and state["wall_s"] is None:
-                if cuda:
-                    torch.cuda.synchronize()
-                state["wall_s"] = time.perf_counter() - state["start"]
+                state["wall_s"] = phase_s
                 state["prof"].stop()
 
     cls.compute_loss = compute_loss
@@ -84,14 +93,22 @@ def main() -> None:
         cls.compute_loss = original
     if state["wall_s"] is None:
         raise SystemExit("the profiled step did not finish")
-    totals, ops, by_shape = summarize(state["prof"], args.top)
+    with tempfile.TemporaryDirectory() as tmp:
+        raw = os.path.join(tmp, "trace.json")
+        totals, ops, by_shape = summarize(state["prof"], args.top, trace_path=raw)
+        if args.trace:
+            with open(raw, "rb") as f, gzip.open(args.trace + ".tmp", "wb") as g:
+                shutil.copyfileobj(f, g)
+            os.replace(args.trace + ".tmp", args.trace)
     record = {"provenance": provenance(), "device": torch.cuda.get_device_name() if cuda else "cpu",
-              "settings": vars(args), "trainer_phase_wall_s": state["wall_s"], "kernel_s": totals, "top_ops": ops,
+              "settings": vars(args), "trainer_phase_wall_s": state["wall_s"],
+              "phase_s_by_step": state["phase_s"], "kernel_s": totals, "top_ops": ops,
               "top_ops_by_shape": by_shape,
               "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None}
     write_json_atomic(args.json, record)
     print(f"{args.model} {args.mode}, batch {args.batch}, {args.prompt_len} + {args.gen_len} tokens, r{args.rank}: "
           f"step {args.profile_step}'s trainer phase {state['wall_s']:.3f} s (profiled)")
+    print("  trainer phase by step (s): " + ", ".join(f"{t:.3f}" for t in state["phase_s"]))
     for c, v in sorted(totals.items()):
         print(f"  {c:<24}{v:>10.4f} s")
     print("top operators by own device time:" if cuda else "top operators (CPU run: no device time)")

@@ -229,7 +229,10 @@ def random_prompts(config: TrainConfig, tokenizer) -> list[dict]:
             length = len(tokenizer(render_messages(tokenizer, messages), add_special_tokens=False)["input_ids"])
             if length <= budget:
                 break
-            ids = ids[: len(ids) - (length - budget) - 1]
+            if not ids:
+                raise UserError(f"max_prompt_tokens={budget} cannot hold the chat template's own {length} tokens: "
+                                 f"raise it (the prompt length)")
+            ids = ids[: max(0, len(ids) - (length - budget) - 1)]
         rows.append({"prompt": messages, "answer": "0"})
     return rows
 
