@@ -554,3 +554,37 @@ def test_random_prompts_refuse_a_budget_smaller_than_the_chat_template(embedded_
     config = make_config("smollm2-arith-cpu", max_prompt_tokens=8, n_train=2)
     with pytest.raises(UserError, match="max_prompt_tokens=8 cannot hold"):
         random_prompts(config, tokenizer)
+
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU (CUDA not available)")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[CUDA, pytest.mark.cuda])])
+def test_trainable_weights_finite_finds_one_bad_value_anywhere(device):
+    """The divergence check sees a single NaN or infinity in any trainable tensor (fp32 or bf16), ignores frozen
+    ones, and passes large finite values."""
+    from qerl_lib.train.metrics import trainable_weights_finite
+
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    model = torch.nn.Sequential(*(torch.nn.Linear(64, 48) for _ in range(6))).to(device)
+    model[3].bfloat16()
+    model[0].requires_grad_(False)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 1e4)
+    assert trainable_weights_finite(model)
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        for layer in (1, 3, 5):
+            weight = model[layer].weight
+            i, j = (int(torch.randint(0, n, (), generator=g)) for n in weight.shape)
+            keep = weight[i, j].item()
+            with torch.no_grad():
+                weight[i, j] = bad
+            assert not trainable_weights_finite(model), (bad, layer)
+            with torch.no_grad():
+                weight[i, j] = keep
+    with torch.no_grad():
+        model[0].weight[0, 0] = float("nan")  # frozen: not the trainer's business
+    assert trainable_weights_finite(model)
+    model.requires_grad_(False)
+    assert trainable_weights_finite(model)

@@ -57,7 +57,7 @@ def main() -> None:
                      gen_len=args.gen_len, steps=args.steps, lora_rank=args.rank, device=args.device)
     cuda = args.device == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    state = {"prof": None, "wall_s": None, "step_start": None, "phase_s": []}
+    state = {"prof": None, "wall_s": None, "step_start": None, "phase_s": [], "lengths": []}
     cls = trainer_module.trainer_class()
     original = cls.compute_loss
 
@@ -69,6 +69,9 @@ def main() -> None:
                 state["prof"] = profile(activities=activities, record_shapes=True)
                 state["prof"].start()
             state["step_start"] = time.perf_counter()
+            inputs = kw.get("inputs", a[1] if len(a) > 1 else {})
+            if "prompt_ids" in inputs and "completion_ids" in inputs:  # the padded length: new ones cost plans
+                state["lengths"].append(inputs["prompt_ids"].shape[1] + inputs["completion_ids"].shape[1])
         return original(self, *a, **kw)
 
     class StopAtStepEnd(TrainerCallback):
@@ -102,13 +105,14 @@ def main() -> None:
             os.replace(args.trace + ".tmp", args.trace)
     record = {"provenance": provenance(), "device": torch.cuda.get_device_name() if cuda else "cpu",
               "settings": vars(args), "trainer_phase_wall_s": state["wall_s"],
-              "phase_s_by_step": state["phase_s"], "kernel_s": totals, "top_ops": ops,
+              "phase_s_by_step": state["phase_s"], "padded_length_by_step": state["lengths"], "kernel_s": totals, "top_ops": ops,
               "top_ops_by_shape": by_shape,
               "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None}
     write_json_atomic(args.json, record)
     print(f"{args.model} {args.mode}, batch {args.batch}, {args.prompt_len} + {args.gen_len} tokens, r{args.rank}: "
           f"step {args.profile_step}'s trainer phase {state['wall_s']:.3f} s (profiled)")
-    print("  trainer phase by step (s): " + ", ".join(f"{t:.3f}" for t in state["phase_s"]))
+    print("  trainer phase by step (s): " + ", ".join(f"{t:.3f}" for t in state["phase_s"])
+          + "; padded lengths: " + ", ".join(map(str, state["lengths"])))
     for c, v in sorted(totals.items()):
         print(f"  {c:<24}{v:>10.4f} s")
     print("top operators by own device time:" if cuda else "top operators (CPU run: no device time)")

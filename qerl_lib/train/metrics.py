@@ -154,9 +154,13 @@ class RunMetrics(TrainerCallback):
 
 
 def trainable_weights_finite(model) -> bool:
-    """True when every trainable parameter is finite (one device sync for all of them)."""
-    flags = [torch.isfinite(p.detach()).all() for p in model.parameters() if p.requires_grad]
-    return bool(torch.stack(flags).all()) if flags else True
+    """True when every trainable parameter is finite: their largest absolute value, taken by multi-tensor kernels
+    (a NaN or an infinity anywhere makes it non-finite), and one device sync. A kernel pair per tensor instead
+    cost ~40 ms of launches a step at 14B (dev/LOG.md 82)."""
+    params = [p.detach() for p in model.parameters() if p.requires_grad]
+    if not params:
+        return True
+    return bool(torch.isfinite(torch.nn.utils.get_total_norm(params, norm_type=float("inf"))))
 
 
 def progress_line(row: dict, total: int) -> str:
