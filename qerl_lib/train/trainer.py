@@ -43,25 +43,7 @@ import torch
 
 from qerl_lib.train.presets import TrainConfig
 
-__all__ = ["trainer_class", "grpo_args", "QeRLGRPOTrainer", "run_folder", "tracker_environment", "training_attention"]
-
-
-def training_attention(device: torch.device):
-    """The attention backends the loss's forward and backward may use on a GPU (a context manager).
-
-    RL's padded sequence length changes from step to step, and PyTorch's cuDNN attention builds an execution plan
-    on the CPU for each new length (forward, the recomputed forward of gradient checkpointing, backward), with the
-    GPU idle meanwhile: 46 ms to over a second a plan on an H200 (dev/LOG.md 82). So the trainer asks for
-    FlashAttention, then the memory-efficient kernel, then the math one, which plan nothing. ``QERL_TRAINER_CUDNN_ATTENTION=1``
-    lets PyTorch choose as it would (cuDNN first on Hopper); off a GPU nothing changes.
-    """
-    import contextlib
-
-    if device.type != "cuda" or os.environ.get("QERL_TRAINER_CUDNN_ATTENTION", "0") == "1":
-        return contextlib.nullcontext()
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+__all__ = ["trainer_class", "grpo_args", "QeRLGRPOTrainer", "run_folder", "tracker_environment"]
 
 
 @functools.cache
@@ -104,18 +86,17 @@ def trainer_class():
             return inputs
 
         def training_step(self, model, inputs, num_items_in_batch):
-            with training_attention(self.accelerator.device):
-                aqn = self.qerl_rollout.aqn
-                if aqn is None or aqn.config.target != "both":
-                    return super().training_step(model, inputs, num_items_in_batch)
-                # target "both": the trainer's forward/backward see the same noise Z as the rollout of this step.
-                base = self.accelerator.unwrap_model(self.model)
-                step = self.state.global_step
-                self.qerl_rollout.noise_for(base, step)  # draw outside the override context
-                from qerl_lib.train.aqn import apply_norm_overrides
+            aqn = self.qerl_rollout.aqn
+            if aqn is None or aqn.config.target != "both":
+                return super().training_step(model, inputs, num_items_in_batch)
+            # target "both": the trainer's forward/backward see the same noise Z as the rollout of this step.
+            base = self.accelerator.unwrap_model(self.model)
+            step = self.state.global_step
+            self.qerl_rollout.noise_for(base, step)  # draw outside the override context
+            from qerl_lib.train.aqn import apply_norm_overrides
 
-                with apply_norm_overrides(base, aqn.trainer_overrides(base, step)):
-                    return super().training_step(model, inputs, num_items_in_batch)
+            with apply_norm_overrides(base, aqn.trainer_overrides(base, step)):
+                return super().training_step(model, inputs, num_items_in_batch)
 
         def _generate_and_score_completions(self, inputs):
             out = super()._generate_and_score_completions(inputs)
