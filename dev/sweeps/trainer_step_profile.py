@@ -57,7 +57,7 @@ def main() -> None:
                      gen_len=args.gen_len, steps=args.steps, lora_rank=args.rank, device=args.device)
     cuda = args.device == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    state = {"prof": None, "wall_s": None, "step_start": None, "phase_s": [], "lengths": []}
+    state = {"prof": None, "wall_s": None, "step_start": None, "phase_s": [], "lengths": [], "alloc_retries": []}
     cls = trainer_module.trainer_class()
     original = cls.compute_loss
 
@@ -82,6 +82,8 @@ def main() -> None:
                 torch.cuda.synchronize()
             phase_s = time.perf_counter() - state["step_start"]
             state["phase_s"].append(phase_s)
+            if cuda:  # the caching allocator's retries (a cudaFree of its cache, then cudaMalloc again) so far
+                state["alloc_retries"].append(torch.cuda.memory_stats().get("num_alloc_retries", 0))
             state["step_start"] = None
             if state["prof"] is not None and state["wall_s"] is None:
                 state["wall_s"] = phase_s
@@ -105,14 +107,16 @@ def main() -> None:
             os.replace(args.trace + ".tmp", args.trace)
     record = {"provenance": provenance(), "device": torch.cuda.get_device_name() if cuda else "cpu",
               "settings": vars(args), "trainer_phase_wall_s": state["wall_s"],
-              "phase_s_by_step": state["phase_s"], "padded_length_by_step": state["lengths"], "kernel_s": totals, "top_ops": ops,
+              "phase_s_by_step": state["phase_s"], "padded_length_by_step": state["lengths"],
+              "alloc_retries_by_step": state["alloc_retries"], "kernel_s": totals, "top_ops": ops,
               "top_ops_by_shape": by_shape,
               "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None}
     write_json_atomic(args.json, record)
     print(f"{args.model} {args.mode}, batch {args.batch}, {args.prompt_len} + {args.gen_len} tokens, r{args.rank}: "
           f"step {args.profile_step}'s trainer phase {state['wall_s']:.3f} s (profiled)")
     print("  trainer phase by step (s): " + ", ".join(f"{t:.3f}" for t in state["phase_s"])
-          + "; padded lengths: " + ", ".join(map(str, state["lengths"])))
+          + "; padded lengths: " + ", ".join(map(str, state["lengths"]))
+          + ("; allocator retries so far: " + ", ".join(map(str, state["alloc_retries"])) if cuda else ""))
     for c, v in sorted(totals.items()):
         print(f"  {c:<24}{v:>10.4f} s")
     print("top operators by own device time:" if cuda else "top operators (CPU run: no device time)")
