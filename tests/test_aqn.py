@@ -7,6 +7,7 @@ with QERL_TEST_SEED=<int>.
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -449,8 +450,6 @@ def test_embedded_whole_model_noised_norms_equal_merged_projections(embedded_fp3
     # noised forward is itself 4.0e-5 of the scale away from the same forward in float64 (seeds 0-2: 2-3e-6).
     # So the gap is measured against that fp32 error on the same input (observed ratios 0.5-2.5; allowed 10).
     # A wrong merge moves the logits like the noise does (~0.1-0.7 of the scale), thousands of times more.
-    import copy
-
     model64 = copy.deepcopy(model).double()
     with torch.no_grad(), apply_norm_overrides(model64, noise_to_overrides(model64, noise)):
         noised64 = model64(ids).logits

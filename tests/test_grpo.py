@@ -556,16 +556,15 @@ def test_random_prompts_refuse_a_budget_smaller_than_the_chat_template(embedded_
         random_prompts(config, tokenizer)
 
 
-CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU (CUDA not available)")
-
-
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[CUDA, pytest.mark.cuda])])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs an NVIDIA GPU (CUDA not available)")])])
 def test_trainable_weights_finite_finds_one_bad_value_anywhere(device):
     """The divergence check sees a single NaN or infinity in any trainable tensor (fp32 or bf16), ignores frozen
     ones, and passes large finite values."""
     from qerl_lib.train.metrics import trainable_weights_finite
 
-    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    seed = int(torch.randint(0, 2**31, ()))
+    g = torch.Generator().manual_seed(seed)
     model = torch.nn.Sequential(*(torch.nn.Linear(64, 48) for _ in range(6))).to(device)
     model[3].bfloat16()
     model[0].requires_grad_(False)
@@ -580,7 +579,7 @@ def test_trainable_weights_finite_finds_one_bad_value_anywhere(device):
             keep = weight[i, j].item()
             with torch.no_grad():
                 weight[i, j] = bad
-            assert not trainable_weights_finite(model), (bad, layer)
+            assert not trainable_weights_finite(model), (bad, layer, i, j, seed)
             with torch.no_grad():
                 weight[i, j] = keep
     with torch.no_grad():
