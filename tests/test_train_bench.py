@@ -4,6 +4,7 @@ case becomes a row with its error (speed targets live in the benchmark, not here
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 
 import pytest
 
@@ -132,3 +133,46 @@ def test_merge_is_refused_for_quantized_modes_and_bad_flag_values(capsys):
     assert "--rollout-lora-merge takes off, on or off,on" in capsys.readouterr().err
     case = TrainCase.from_preset("qwen2.5-14b", "lora", rollout_lora_merge=True, device="cpu")
     assert case.rollout_lora_merge and case.rollout_batch < 32  # the rows that fit beside the copy
+
+
+def test_gsm8k_like_workload_stops_each_row_at_its_drawn_length(tiny_arch, tmp_path):
+    """With workload gsm8k-like every rollout's rows stop at lengths drawn afresh for that step (bench.workloads),
+    so the trainer sees uneven lengths that change from step to step; "fixed" keeps one budget, gen_len."""
+    from qerl_lib.bench.workloads import sample_lengths
+    from qerl_lib.io import read_jsonl
+    from qerl_lib.studies.train_bench import completion_budgets, run_case_here
+
+    assert completion_budgets(TrainCase(device="cpu")) is None
+    case = TrainCase(model=tiny_arch, mode="lora", batch=4, prompt_len=48, gen_len=64, steps=3, lora_rank=4,
+                     gradient_checkpointing=False, device="cpu", workload="gsm8k-like")
+    draws = [sample_lengths("gsm8k-like", 4, 64, seed=1000 * step) for step in range(3)]
+    assert completion_budgets(case)(4, 1, 0) == draws[1]
+    assert len({tuple(d) for d in draws}) == 3 and all(min(d) < max(d) for d in draws), draws  # uneven, changing
+    row = run_case_here(case, tmp_path)
+    assert row["steps_measured"] == 2
+    assert format_bench({"rows": [{**asdict(case), **row, "error": None}]}).startswith("completion lengths: gsm8k-like")
+    logged = [r["completion_length"] for r in read_jsonl(tmp_path / "metrics.jsonl") if "completion_length" in r]
+    # every row ran to its budget: this seeded run samples no stop token (p ~ 1/50000 a token) before it
+    assert logged == [pytest.approx(sum(d) / 4) for d in draws]
+    with pytest.raises(UserError, match="workload"):
+        TrainCase(workload="uneven")
+
+
+def test_cli_workload_reaches_every_case(monkeypatch, capsys):
+    """`qerl bench train --workload gsm8k-like` sets each case's workload, with or without --preset-settings."""
+    from qerl_lib.cli import main
+    from qerl_lib.studies import train_bench
+
+    seen = []
+
+    def fake_run_bench(cases, progress=True):
+        seen.extend(cases)
+        return {"provenance": {}, "rows": []}
+
+    monkeypatch.setattr(train_bench, "run_bench", fake_run_bench)
+    monkeypatch.setattr(train_bench, "format_bench", lambda record: "")
+    assert main(["bench", "train", "--modes", "lora,qerl", "--workload", "gsm8k-like"]) == 0
+    assert main(["bench", "train", "--preset-settings", "--modes", "qerl", "--workload", "gsm8k-like"]) == 0
+    assert main(["bench", "train", "--modes", "qerl"]) == 0
+    assert [c.workload for c in seen] == ["gsm8k-like"] * 3 + ["fixed"]
+    assert seen[2].preset == "qwen2.5-7b-gsm8k"

@@ -40,6 +40,7 @@ def main() -> None:
     p.add_argument("--profile-step", type=int, default=2, help="1-based; the first step warms up")
     p.add_argument("--top", type=int, default=30)
     p.add_argument("--device", default="cuda")
+    p.add_argument("--workload", default="fixed", help="fixed or gsm8k-like (rows stop at drawn lengths)")
     p.add_argument("--json", required=True)
     p.add_argument("--trace", help="also write the profiled step's Chrome trace here (gzip; for idle_gaps.py)")
     args = p.parse_args()
@@ -49,12 +50,13 @@ def main() -> None:
     from torch.profiler import ProfilerActivity, profile
     from transformers import TrainerCallback
 
-    from qerl_lib.studies.train_bench import TrainCase, case_config, synthetic_reward
+    from qerl_lib.studies.train_bench import TrainCase, case_config, completion_budgets, synthetic_reward
     from qerl_lib.train import trainer as trainer_module
     from qerl_lib.train.grpo import train
 
     case = TrainCase(model=args.model, mode=args.mode, batch=args.batch, prompt_len=args.prompt_len,
-                     gen_len=args.gen_len, steps=args.steps, lora_rank=args.rank, device=args.device)
+                     gen_len=args.gen_len, steps=args.steps, lora_rank=args.rank, device=args.device,
+                     workload=args.workload)
     cuda = args.device == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     state = {"prof": None, "wall_s": None, "step_start": None, "phase_s": [], "lengths": [], "alloc_retries": []}
@@ -93,7 +95,7 @@ def main() -> None:
     try:
         with tempfile.TemporaryDirectory(prefix="trainer-step-profile-") as out:
             train(case_config(case), out, extra_rewards=[("synthetic", synthetic_reward, 1.0)],
-                  callbacks=[StopAtStepEnd()], quiet=True)
+                  callbacks=[StopAtStepEnd()], quiet=True, completion_budgets=completion_budgets(case))
     finally:
         cls.compute_loss = original
     if state["wall_s"] is None:

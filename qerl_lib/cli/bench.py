@@ -74,6 +74,10 @@ def register(sub) -> None:
     p.add_argument("--rollout-lora-merge", type=_str_list, default=["off"],
                    help="off, on or off,on: mode lora's rollout with the adapters merged into a copy of the bf16 "
                         "base (qerl train --rollout-lora-merge); the quantized modes always run once, unmerged")
+    p.add_argument("--workload", choices=("fixed", "gsm8k-like"), default="fixed",
+                   help="completion lengths: fixed (every row --gen-len; random weights rarely stop) or gsm8k-like "
+                        "(each row stops at its own length drawn from GSM8K's solutions, scaled to --gen-len, new "
+                        "draws every step: RL's uneven, changing lengths)")
     p.add_argument("--json", default=None, help="write the rows JSON here (atomic)")
     p.set_defaults(func=_train)
 
@@ -86,6 +90,8 @@ def register(sub) -> None:
 def _train(args) -> int:
     from qerl_lib.io import write_json_atomic
     from qerl_lib.errors import UserError
+    from dataclasses import replace
+
     from qerl_lib.studies.train_bench import TrainCase, format_bench, run_bench
 
     merges = args.rollout_lora_merge
@@ -102,14 +108,16 @@ def _train(args) -> int:
                    if getattr(args, k) != default]
         if changed:
             raise UserError(f"--preset-settings runs the preset's own settings: drop {', '.join(changed)}")
-        cases = [TrainCase.from_preset(m, mode, steps=args.steps, num_iterations=args.num_iterations, rollout_lora_merge=g)
+        cases = [replace(TrainCase.from_preset(m, mode, steps=args.steps, num_iterations=args.num_iterations,
+                                               rollout_lora_merge=g), workload=args.workload)
                  for m in args.models for mode in args.modes for g in merge_values(mode)]
     else:
         cases = [TrainCase(model=m, mode=mode, batch=b, prompt_len=args.prompt_len, gen_len=args.gen_len,
                            steps=args.steps, lora_rank=args.lora_rank, micro_batch=args.micro_batch,
                            gradient_checkpointing=not args.no_gradient_checkpointing,
                            mismatch_forward=args.mismatch_forward, groups=args.groups, num_gpus=n,
-                           num_iterations=args.num_iterations or 1, checkpoint_layers=c, rollout_lora_merge=g)
+                           num_iterations=args.num_iterations or 1, checkpoint_layers=c, rollout_lora_merge=g,
+                           workload=args.workload)
                  for m in args.models for b in args.batches for mode in args.modes for g in merge_values(mode)
                  for n in args.num_gpus for c in (args.checkpoint_layers or [None])]
     record = run_bench(cases)

@@ -7,7 +7,10 @@ synthetic: random weights of the real architecture (``model = "random:qwen2.5-7b
 get random codes and block scales, NF4 bases are quantized by bitsandbytes from random bf16), random
 -token prompts (``data = "random"``) and a synthetic reward with spread inside each group. Random
 weights rarely emit end-of-sequence, so every completion runs to ``gen_len``: the step is the
-paper's setting at its maximum length.
+paper's setting at its maximum length. ``workload="gsm8k-like"`` (``--workload``) stops each row at its
+own length instead, drawn afresh every step from GSM8K's solution lengths scaled to ``gen_len``
+(`bench.workloads`): the uneven, step-to-step changing lengths an RL trainer sees, which a fixed-length
+step hides (each new padded length costs the attention's per-shape set-up again).
 
 Each case runs in its own process (a case that runs out of memory becomes a row with its ``error``,
 and leaves nothing behind for the next). The row reports the median over the steps after the first
@@ -38,6 +41,7 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from qerl_lib.bench.workloads import WORKLOADS, sample_lengths
 from qerl_lib.errors import UserError
 from qerl_lib.train.checkpointing import check_layer_count
 
@@ -72,6 +76,9 @@ class TrainCase:
     num_iterations: int = 1  # μ: policy updates per rollout (the bench's cases: 1; the GSM8K presets: 4)
     rollout_batch: int | None = None  # rows the engine generates at once (None: the whole batch)
     rollout_lora_merge: bool = False  # mode lora: rollouts with the adapters merged into a copy (engine/merged.py)
+    # completion lengths: "fixed" (every row gen_len: random weights rarely sample a stop token) or "gsm8k-like"
+    # (each row stops at its own drawn length, bench/workloads.py: the uneven, step-to-step varying lengths of RL)
+    workload: str = "fixed"
     preset: str | None = None  # set by `from_preset`: the preset whose settings the case runs
 
     @classmethod
@@ -102,6 +109,8 @@ class TrainCase:
             raise UserError("batch, prompt_len, gen_len, lora_rank, groups, num_gpus, num_iterations and "
                             "rollout_batch must be >= 1")
         check_layer_count(self.checkpoint_layers, self.gradient_checkpointing)
+        if self.workload not in WORKLOADS:
+            raise UserError(f"workload {self.workload!r}: use one of {', '.join(WORKLOADS)}")
         if self.rollout_lora_merge and self.mode != "lora":
             raise UserError(f"rollout_lora_merge with mode {self.mode}: only mode lora's bf16 base can merge its "
                             "adapters for the rollout")
@@ -140,13 +149,26 @@ def case_config(case: TrainCase):
                        **cpu)
 
 
+def completion_budgets(case: TrainCase):
+    """The rollouts' per-row token budgets of ``case`` (`grpo.EngineRollout`): None for "fixed", else a function
+    drawing ``case.workload``'s lengths afresh for every rollout (seeded by step and rollout number)."""
+    if case.workload == "fixed":
+        return None
+
+    def budgets(rows: int, step: int, call: int) -> list[int]:
+        return sample_lengths(case.workload, rows, case.gen_len, seed=1000 * step + call)
+
+    return budgets
+
+
 def run_case_here(case: TrainCase, out_dir: str | Path) -> dict:
     """Run one case in this process and return its row (the trainer's metrics after the first step)."""
     from qerl_lib.io import read_jsonl
     from qerl_lib.train.grpo import train
 
     out_dir = Path(out_dir)
-    if not train(case_config(case), out_dir, extra_rewards=[("synthetic", synthetic_reward, 1.0)], quiet=True):
+    if not train(case_config(case), out_dir, extra_rewards=[("synthetic", synthetic_reward, 1.0)], quiet=True,
+                 completion_budgets=completion_budgets(case)):
         return {}  # not the first process of an `accelerate launch`: that one reports
     rows = [r for r in read_jsonl(out_dir / "metrics.jsonl") if r.get("step_seconds") is not None][1:]
     if not rows:
@@ -261,7 +283,9 @@ def format_bench(record: dict) -> str:
 
     rows = [{**r, "mode": r["mode"] + ("+m" if r.get("rollout_lora_merge") else ""),
              "error": (r.get("error") or "")[:60] or None} for r in record["rows"]]
-    return format_table(rows, COLUMNS)
+    uneven = sorted({r.get("workload", "fixed") for r in record["rows"]} - {"fixed"})
+    note = f"completion lengths: {', '.join(uneven)} (each row stops at a drawn length, new every step)\n"
+    return (note if uneven else "") + format_table(rows, COLUMNS)
 
 
 if __name__ == "__main__":  # one case: python -m qerl_lib.studies.train_bench CASE.json ROW.json RUN_DIR

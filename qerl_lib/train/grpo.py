@@ -361,10 +361,14 @@ class EngineRollout:
     processes, and a resumed run repeats them exactly.
     With ``config.release_engine_cache`` (the default) the engine's KV cache and decode graphs are
     freed after every rollout, before the loss forward and backward run.
+    ``completion_budgets`` (benchmarks only): a function (rows, step, rollout number) -> one token budget per row,
+    each in [1, max_completion_length], where a row stops as a stop token would stop it (random-weight models
+    rarely sample one, so their completions would all run to the limit); None: one budget, the limit, for all.
     """
 
-    def __init__(self, config: TrainConfig, tokenizer, aqn=None):
+    def __init__(self, config: TrainConfig, tokenizer, aqn=None, completion_budgets=None):
         self.config, self.tokenizer, self.aqn = config, tokenizer, aqn
+        self.completion_budgets = completion_budgets
         self.engine = None
         self._calls_step, self._calls = None, 0  # rollouts within the current step (part of the seed)
         self._noise_step, self._noise = None, {}
@@ -406,9 +410,15 @@ class EngineRollout:
         _sync(device)
         start = time.perf_counter()
         seeds = row_seeds(self.config.seed, step, self._calls, len(prompt_ids))
+        budgets = trainer.max_completion_length
+        if self.completion_budgets is not None:
+            budgets = list(self.completion_budgets(len(prompt_ids), step, self._calls))
+            if len(budgets) != len(prompt_ids) or not all(1 <= b <= trainer.max_completion_length for b in budgets):
+                raise ValueError(f"completion_budgets gave {budgets[:8]}... for {len(prompt_ids)} rows: need one "
+                                 f"budget per row, each in [1, {trainer.max_completion_length}]")
         # at most rollout_batch rows decode at once; further prompts take the rows of finished ones
         completions = self.engine.generate(
-            prompt_ids, max_new_tokens=trainer.max_completion_length, temperature=trainer.temperature,
+            prompt_ids, max_new_tokens=budgets, temperature=trainer.temperature,
             top_p=trainer.top_p, top_k=trainer.top_k or 0, row_seeds=seeds, stop_token_ids=trainer.eos_token_ids,
             lora=adapters, norm_overrides=overrides, max_batch=self.config.rollout_batch)
         _sync(device)
@@ -445,9 +455,9 @@ def _sync(device: torch.device) -> None:
 
 # ----------------------------------------------------------------------------- the entry point
 def build_trainer(config: TrainConfig, out_dir: str | os.PathLike, extra_rewards: list | None = None,
-                  callbacks: list | None = None, quiet: bool = False):
+                  callbacks: list | None = None, quiet: bool = False, completion_budgets=None):
     """The ready-to-train `QeRLGRPOTrainer` for ``config`` (metrics go to ``out_dir``). Data and rewards are
-    prepared, and their errors raised, before the model loads."""
+    prepared, and their errors raised, before the model loads. ``completion_budgets``: see `EngineRollout`."""
     from transformers import PrinterCallback, ProgressCallback
 
     from qerl_lib.train.aqn import AQNController
@@ -466,7 +476,8 @@ def build_trainer(config: TrainConfig, out_dir: str | os.PathLike, extra_rewards
     torch.manual_seed(config.seed)  # LoRA's A init is drawn from the global RNG: fix it per run
     policy = load_policy(config, device, compute_dtype(device))
     aqn_cfg = aqn_config(config)
-    rollout = EngineRollout(config, tokenizer, AQNController(aqn_cfg) if aqn_cfg is not None else None)
+    rollout = EngineRollout(config, tokenizer, AQNController(aqn_cfg) if aqn_cfg is not None else None,
+                            completion_budgets=completion_budgets)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*rollout_func.*experimental.*")
         trainer = trainer_class()(
@@ -481,14 +492,15 @@ def build_trainer(config: TrainConfig, out_dir: str | os.PathLike, extra_rewards
 
 
 def train(config: TrainConfig, out_dir: str | os.PathLike, resume: bool = False, extra_rewards: list | None = None,
-          callbacks: list | None = None, quiet: bool = False) -> dict:
+          callbacks: list | None = None, quiet: bool = False, completion_budgets=None) -> dict:
     """Run (or resume) one training run; return the summary dict (also written to OUT/summary.json).
 
     OUT holds ``run.json`` (config + provenance), ``metrics.jsonl`` (one line per step),
     ``checkpoints/checkpoint-N`` (TRL), ``adapter/`` (final LoRA adapters) and ``summary.json``.
     Every input error (unknown preset or mode, impossible batch, empty dataset, a resume that does
     not match) raises `UserError` before any model is loaded. ``extra_rewards``: (name, function,
-    weight) triples added to accuracy and format; ``callbacks``: more TRL callbacks.
+    weight) triples added to accuracy and format; ``callbacks``: more TRL callbacks; ``completion_budgets``
+    (benchmarks): per-row token budgets of the rollouts (`EngineRollout`).
     """
     from qerl_lib.train import metrics as gm
     from qerl_lib.models.lora import save_adapters
@@ -500,7 +512,7 @@ def train(config: TrainConfig, out_dir: str | os.PathLike, resume: bool = False,
         checkpoint = gm.prepare_output(out, config, resume)  # validates a resume against run.json, before loading
     else:  # `accelerate launch`: the first process prepares OUT, the others only find the checkpoint to resume
         checkpoint = gm.last_complete_checkpoint(out / "checkpoints", None) if resume else None
-    trainer = build_trainer(config, out, extra_rewards, callbacks, quiet)
+    trainer = build_trainer(config, out, extra_rewards, callbacks, quiet, completion_budgets)
     if checkpoint is not None:
         gm.load_side_state(checkpoint, trainer.qerl_rollout)
     trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint is not None else None)
