@@ -7,6 +7,7 @@ import json
 from dataclasses import asdict
 
 import pytest
+import torch
 
 from qerl_lib.errors import UserError
 from qerl_lib.studies.train_bench import TrainCase, add_speedups, case_config, format_bench, run_bench
@@ -176,3 +177,50 @@ def test_cli_workload_reaches_every_case(monkeypatch, capsys):
     assert main(["bench", "train", "--modes", "qerl"]) == 0
     assert [c.workload for c in seen] == ["gsm8k-like"] * 3 + ["fixed"]
     assert seen[2].preset == "qwen2.5-7b-gsm8k"
+    assert all(c.pad_to_multiple_of is None for c in seen)
+    seen.clear()
+    assert main(["bench", "train", "--modes", "qerl", "--pad-to-multiple-of", "0,64"]) == 0
+    assert main(["bench", "train", "--preset-settings", "--modes", "qerl", "--pad-to-multiple-of", "64"]) == 0
+    assert [c.pad_to_multiple_of for c in seen] == [None, 64, 64]
+
+
+def test_train_cli_refuses_a_bad_padding_in_one_line(capsys):
+    from qerl_lib.cli import main
+
+    assert main(["train", "--preset", "smollm2-arith-cpu", "--pad-to-multiple-of", "0"]) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "pad_to_multiple_of=0" in err[0], err
+
+
+def test_padding_classes_reach_the_trainers_batches(tiny_arch, tmp_path, monkeypatch):
+    """pad_to_multiple_of puts every trainer batch's prompt and completion lengths on multiples of it (TRL's
+    padding), on uneven rollouts; unset, the completions are padded to the batch's longest only. It is recorded in
+    the run's settings only when set, and a bad value is a one-line error."""
+    from qerl_lib.studies.train_bench import run_case_here
+    from qerl_lib.train import trainer as trainer_module
+    from qerl_lib.train.presets import make_config
+    from qerl_lib.train.trainer import grpo_args
+
+    cls = trainer_module.trainer_class()
+    original, seen = cls.compute_loss, []
+
+    def spy(self, model, inputs, *a, **kw):
+        seen.append((inputs["prompt_ids"].shape[1], inputs["completion_ids"].shape[1]))
+        return original(self, model, inputs, *a, **kw)
+
+    monkeypatch.setattr(cls, "compute_loss", spy)
+    common = dict(model=tiny_arch, mode="lora", batch=4, prompt_len=48, gen_len=64, steps=2, lora_rank=4,
+                  gradient_checkpointing=False, device="cpu", workload="gsm8k-like")
+    run_case_here(TrainCase(**common, pad_to_multiple_of=32), tmp_path / "pad32")
+    padded, seen[:] = list(seen), []
+    run_case_here(TrainCase(**common), tmp_path / "longest")
+    assert padded and all(p % 32 == 0 and c % 32 == 0 for p, c in padded), padded
+    assert any(c % 32 for _, c in seen), seen  # the drawn lengths are not multiples of 32 by themselves
+    assert [c for _, c in padded] == [-(-c // 32) * 32 for _, c in seen]
+    config = make_config("smollm2-arith-cpu", pad_to_multiple_of=64)
+    assert config.to_dict()["pad_to_multiple_of"] == 64
+    assert "pad_to_multiple_of" not in make_config("smollm2-arith-cpu").to_dict()
+    assert grpo_args(config, tmp_path / "c", torch.device("cpu"), [1.0, 0.2]).pad_to_multiple_of == 64
+    for bad in (0, -8, 2.5, True):
+        with pytest.raises(UserError, match="pad_to_multiple_of"):
+            make_config("smollm2-arith-cpu", pad_to_multiple_of=bad)

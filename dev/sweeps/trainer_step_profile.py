@@ -41,6 +41,7 @@ def main() -> None:
     p.add_argument("--top", type=int, default=30)
     p.add_argument("--device", default="cuda")
     p.add_argument("--workload", default="fixed", help="fixed or gsm8k-like (rows stop at drawn lengths)")
+    p.add_argument("--pad-to-multiple-of", type=int, default=None, help="the trainer's padded lengths in classes")
     p.add_argument("--json", required=True)
     p.add_argument("--trace", help="also write the profiled step's Chrome trace here (gzip; for idle_gaps.py)")
     args = p.parse_args()
@@ -56,7 +57,7 @@ def main() -> None:
 
     case = TrainCase(model=args.model, mode=args.mode, batch=args.batch, prompt_len=args.prompt_len,
                      gen_len=args.gen_len, steps=args.steps, lora_rank=args.rank, device=args.device,
-                     workload=args.workload)
+                     workload=args.workload, pad_to_multiple_of=args.pad_to_multiple_of)
     cuda = args.device == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     state = {"prof": None, "wall_s": None, "step_start": None, "phase_s": [], "lengths": [], "alloc_retries": []}

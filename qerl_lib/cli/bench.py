@@ -78,6 +78,9 @@ def register(sub) -> None:
                    help="completion lengths: fixed (every row --gen-len; random weights rarely stop) or gsm8k-like "
                         "(each row stops at its own length drawn from GSM8K's solutions, scaled to --gen-len, new "
                         "draws every step: RL's uneven, changing lengths)")
+    p.add_argument("--pad-to-multiple-of", type=_count_list, default=None, metavar="N[,N...]",
+                   help="comma-separated paddings of the trainer's prompts and completions, one case each; 0: to the "
+                        "batch's longest (the default), e.g. 0,64")
     p.add_argument("--json", default=None, help="write the rows JSON here (atomic)")
     p.set_defaults(func=_train)
 
@@ -101,6 +104,7 @@ def _train(args) -> int:
     def merge_values(mode: str) -> list[bool]:
         return [m == "on" for m in merges] if mode == "lora" else [False]
 
+    paddings = [q or None for q in (args.pad_to_multiple_of or [0])]
     if args.preset_settings:
         changed = [f"--{k.replace('_', '-')}" for k, default in (("batches", [8]), ("prompt_len", 256),
                    ("gen_len", 2048), ("lora_rank", 32), ("micro_batch", None), ("groups", 1), ("num_gpus", [1]),
@@ -109,17 +113,17 @@ def _train(args) -> int:
         if changed:
             raise UserError(f"--preset-settings runs the preset's own settings: drop {', '.join(changed)}")
         cases = [replace(TrainCase.from_preset(m, mode, steps=args.steps, num_iterations=args.num_iterations,
-                                               rollout_lora_merge=g), workload=args.workload)
-                 for m in args.models for mode in args.modes for g in merge_values(mode)]
+                                               rollout_lora_merge=g), workload=args.workload, pad_to_multiple_of=q)
+                 for m in args.models for mode in args.modes for g in merge_values(mode) for q in paddings]
     else:
         cases = [TrainCase(model=m, mode=mode, batch=b, prompt_len=args.prompt_len, gen_len=args.gen_len,
                            steps=args.steps, lora_rank=args.lora_rank, micro_batch=args.micro_batch,
                            gradient_checkpointing=not args.no_gradient_checkpointing,
                            mismatch_forward=args.mismatch_forward, groups=args.groups, num_gpus=n,
                            num_iterations=args.num_iterations or 1, checkpoint_layers=c, rollout_lora_merge=g,
-                           workload=args.workload)
+                           workload=args.workload, pad_to_multiple_of=q)
                  for m in args.models for b in args.batches for mode in args.modes for g in merge_values(mode)
-                 for n in args.num_gpus for c in (args.checkpoint_layers or [None])]
+                 for n in args.num_gpus for c in (args.checkpoint_layers or [None]) for q in paddings]
     record = run_bench(cases)
     record["provenance"]["command"] = " ".join(["qerl", *sys.argv[1:]])
     print(format_bench(record))

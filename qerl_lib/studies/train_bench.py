@@ -79,6 +79,7 @@ class TrainCase:
     # completion lengths: "fixed" (every row gen_len: random weights rarely sample a stop token) or "gsm8k-like"
     # (each row stops at its own drawn length, bench/workloads.py: the uneven, step-to-step varying lengths of RL)
     workload: str = "fixed"
+    pad_to_multiple_of: int | None = None  # the trainer's padded lengths in classes (TrainConfig.pad_to_multiple_of)
     preset: str | None = None  # set by `from_preset`: the preset whose settings the case runs
 
     @classmethod
@@ -146,6 +147,7 @@ def case_config(case: TrainCase):
                        mask_truncated_completions=False, accuracy_weight=0.0, format_weight=0.0,
                        save_steps=10 * case.steps, device=case.device,
                        rollout_batch=case.rollout_batch or case.batch, rollout_lora_merge=case.rollout_lora_merge,
+                       pad_to_multiple_of=case.pad_to_multiple_of,
                        **cpu)
 
 
@@ -242,12 +244,12 @@ def run_bench(cases: list[TrainCase], progress: bool = True) -> dict:
 
 
 def add_speedups(rows: list[dict]) -> None:
-    """Each row's step-time speedup over the lora row of the same model, batch, lengths and GPUs (the paper's
+    """Each row's step-time speedup over the lora row of the same model, batch, lengths, padding and GPUs (the paper's
     baseline: adapters unmerged), over the merged-rollout lora row (``speedup_vs_lora_merged``, where one ran),
     and over the one-GPU row of the same case (in place)."""
     def key(r, *extra):
         return (r["model"], r["batch"], r.get("groups", 1), r["prompt_len"], r["gen_len"], r["gradient_checkpointing"],
-                r.get("checkpoint_layers"), *extra)
+                r.get("checkpoint_layers"), r.get("workload", "fixed"), r.get("pad_to_multiple_of"), *extra)
 
     def lora_steps(merged: bool) -> dict:
         return {key(r, r.get("num_gpus", 1)): r["step_s"] for r in rows
@@ -268,7 +270,7 @@ def add_speedups(rows: list[dict]) -> None:
 
 COLUMNS = (("model", "", 12), ("mode", "", 8), ("batch", "d", 5), ("num_gpus", "d", 8), ("gen_len", "d", 7),
            ("checkpoint_layers", "d", 17),
-           ("num_iterations", "d", 14),
+           ("num_iterations", "d", 14), ("pad_to_multiple_of", "d", 18),
            ("completion_len", ".0f", 14),
            ("rollout_s", ".2f", 9), ("train_s", ".2f", 8), ("step_s", ".2f", 7), ("peak_gib", ".1f", 8),
            ("tokens_per_s", ".0f", 12), ("speedup_vs_lora", ".2f", 15), ("speedup_vs_lora_merged", ".2f", 22),

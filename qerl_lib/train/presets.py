@@ -87,7 +87,7 @@ DECODE_BACKENDS = ("auto", "eager", "graphs", "graphs+fused")  # qerl_lib.engine
 REPORT_TO = ("none", "tensorboard", "trackio", "wandb")  # trackers TRL sends the step metrics to (trainer.py)
 NOT_RECORDED = ("report_to", "release_engine_cache", "mismatch_forward")  # do not change the run: not in to_dict()
 # recorded only when on (True), so that records written before these switches existed still match when they are off
-RECORDED_WHEN_ON = ("rollout_lora_merge",)
+RECORDED_WHEN_ON = ("rollout_lora_merge", "pad_to_multiple_of")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -165,6 +165,11 @@ class TrainConfig:
     # with gradient_checkpointing: how many decoder layers recompute in the backward (the first ones); the others keep
     # their activations (no recompute, more memory; train/checkpointing.py). None: all of them
     checkpoint_layers: int | None = None
+    # the trainer's batches: prompt and completion each padded to a multiple of this many tokens (TRL's
+    # pad_to_multiple_of), so a run's padded lengths fall into few classes; None: to the batch's longest (TRL's
+    # default). Padding is masked and RoPE is relative, so only rounding changes; fewer distinct lengths mean fewer
+    # per-shape set-ups (cuDNN attention plans, dev/LOG.md 82) at the price of the padded tokens' compute
+    pad_to_multiple_of: int | None = None
     save_steps: int = 25
     save_total_limit: int = 2
     release_engine_cache: bool = True  # free the engine's KV cache after each rollout, before the backward (grpo.py)
@@ -241,6 +246,10 @@ class TrainConfig:
             raise UserError("is_correction needs the engine-vs-trainer log-probs: with num_iterations=1 keep "
                             "mismatch_forward on (or turn is_correction off)")
         check_layer_count(self.checkpoint_layers, self.gradient_checkpointing)
+        if self.pad_to_multiple_of is not None and (isinstance(self.pad_to_multiple_of, bool) or not isinstance(
+                self.pad_to_multiple_of, numbers.Integral) or self.pad_to_multiple_of < 1):
+            raise UserError(f"pad_to_multiple_of={self.pad_to_multiple_of!r}: use a whole number of tokens >= 1 "
+                            "(e.g. 64), or leave it unset to pad to each batch's longest")
         if self.noise_target == "both" and self.num_iterations != 1:
             raise UserError("aqn_target='both' needs one rollout per optimizer step (num_iterations=1), so the trainer "
                             "can score the exact noisy policy that sampled")
