@@ -9,6 +9,10 @@ r32, gradient checkpointing), and profiles the trainer phase of step ``--profile
 time by category and the top operators, also grouped by input shape (`trainer_phase_profile.summarize`): the
 decoder's share is what `trainer_phase_profile.py` measures alone, the rest (lm_head, TRL's log-probabilities and
 loss, the optimizer) is what this adds. ``--model`` also takes a config.json path (a CPU smoke run: ``--device cpu``).
+Every step's trainer phase, padded length and allocator retry count are recorded; ``--trace`` keeps the profiled
+step's Chrome trace (for ``idle_gaps.py``), ``--workload gsm8k-like`` stops each rollout row at a drawn length,
+``--pad-to-multiple-of`` classes the trainer's lengths, and ``--time-attention`` times every attention forward of
+every step (the slowest flags a plan build, profiled step or not; dev/LOG.md 82-86).
 """
 from __future__ import annotations
 
@@ -42,6 +46,9 @@ def main() -> None:
     p.add_argument("--device", default="cuda")
     p.add_argument("--workload", default="fixed", help="fixed or gsm8k-like (rows stop at drawn lengths)")
     p.add_argument("--pad-to-multiple-of", type=int, default=None, help="the trainer's padded lengths in classes")
+    p.add_argument("--time-attention", action="store_true",
+                   help="time every attention forward of the trainer phase (a sync around each): the slowest call of "
+                        "each step flags a plan build at any step, profiled or not")
     p.add_argument("--json", required=True)
     p.add_argument("--trace", help="also write the profiled step's Chrome trace here (gzip; for idle_gaps.py)")
     args = p.parse_args()
@@ -60,7 +67,7 @@ def main() -> None:
                      workload=args.workload, pad_to_multiple_of=args.pad_to_multiple_of)
     cuda = args.device == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    state = {"prof": None, "wall_s": None, "step_start": None, "phase_s": [], "lengths": [], "alloc_retries": []}
+    state = {"prof": None, "wall_s": None, "step_start": None, "phase_s": [], "lengths": [], "alloc_retries": [], "attention_max_s": [], "attention_sum_s": []}
     cls = trainer_module.trainer_class()
     original = cls.compute_loss
 
@@ -85,6 +92,10 @@ def main() -> None:
                 torch.cuda.synchronize()
             phase_s = time.perf_counter() - state["step_start"]
             state["phase_s"].append(phase_s)
+            if args.time_attention:
+                state["attention_max_s"].append(max(attention_s, default=0.0))
+                state["attention_sum_s"].append(sum(attention_s))
+                attention_s.clear()
             if cuda:  # the caching allocator's retries (a cudaFree of its cache, then cudaMalloc again) so far
                 state["alloc_retries"].append(torch.cuda.memory_stats().get("num_alloc_retries", 0))
             state["step_start"] = None
@@ -93,12 +104,30 @@ def main() -> None:
                 state["prof"].stop()
 
     cls.compute_loss = compute_loss
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    attention_s: list[float] = []  # this step's attention forwards (trainer phase only)
+
+    def timed_sdpa(*a, **kw):  # transformers calls torch.nn.functional.scaled_dot_product_attention by name
+        if state["step_start"] is None:
+            return sdpa(*a, **kw)
+        if cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        out = sdpa(*a, **kw)
+        if cuda:
+            torch.cuda.synchronize()
+        attention_s.append(time.perf_counter() - start)
+        return out
+
+    if args.time_attention:
+        torch.nn.functional.scaled_dot_product_attention = timed_sdpa
     try:
         with tempfile.TemporaryDirectory(prefix="trainer-step-profile-") as out:
             train(case_config(case), out, extra_rewards=[("synthetic", synthetic_reward, 1.0)],
                   callbacks=[StopAtStepEnd()], quiet=True, completion_budgets=completion_budgets(case))
     finally:
         cls.compute_loss = original
+        torch.nn.functional.scaled_dot_product_attention = sdpa
     if state["wall_s"] is None:
         raise SystemExit("the profiled step did not finish")
     with tempfile.TemporaryDirectory() as tmp:
@@ -111,7 +140,8 @@ def main() -> None:
     record = {"provenance": provenance(), "device": torch.cuda.get_device_name() if cuda else "cpu",
               "settings": vars(args), "trainer_phase_wall_s": state["wall_s"],
               "phase_s_by_step": state["phase_s"], "padded_length_by_step": state["lengths"],
-              "alloc_retries_by_step": state["alloc_retries"], "kernel_s": totals, "top_ops": ops,
+              "alloc_retries_by_step": state["alloc_retries"], "attention_forward_max_s_by_step": state["attention_max_s"],
+              "attention_forward_sum_s_by_step": state["attention_sum_s"], "kernel_s": totals, "top_ops": ops,
               "top_ops_by_shape": by_shape,
               "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None}
     write_json_atomic(args.json, record)
@@ -120,6 +150,9 @@ def main() -> None:
     print("  trainer phase by step (s): " + ", ".join(f"{t:.3f}" for t in state["phase_s"])
           + "; padded lengths: " + ", ".join(map(str, state["lengths"]))
           + ("; allocator retries so far: " + ", ".join(map(str, state["alloc_retries"])) if cuda else ""))
+    if args.time_attention:
+        print("  slowest attention forward by step (ms): "
+              + ", ".join(f"{t * 1e3:.1f}" for t in state["attention_max_s"]))
     for c, v in sorted(totals.items()):
         print(f"  {c:<24}{v:>10.4f} s")
     print("top operators by own device time:" if cuda else "top operators (CPU run: no device time)")
