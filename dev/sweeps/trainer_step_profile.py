@@ -67,7 +67,8 @@ def main() -> None:
                      workload=args.workload, pad_to_multiple_of=args.pad_to_multiple_of)
     cuda = args.device == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    state = {"prof": None, "wall_s": None, "step_start": None, "phase_s": [], "lengths": [], "alloc_retries": [], "attention_max_s": [], "attention_sum_s": []}
+    state = {"prof": None, "wall_s": None, "step_start": None, "phase_s": [], "lengths": [], "alloc_retries": [],
+             "attention_max_s": [], "attention_sum_s": []}
     cls = trainer_module.trainer_class()
     original = cls.compute_loss
 
@@ -140,7 +141,8 @@ def main() -> None:
     record = {"provenance": provenance(), "device": torch.cuda.get_device_name() if cuda else "cpu",
               "settings": vars(args), "trainer_phase_wall_s": state["wall_s"],
               "phase_s_by_step": state["phase_s"], "padded_length_by_step": state["lengths"],
-              "alloc_retries_by_step": state["alloc_retries"], "attention_forward_max_s_by_step": state["attention_max_s"],
+              "alloc_retries_by_step": state["alloc_retries"],
+              "attention_forward_max_s_by_step": state["attention_max_s"],
               "attention_forward_sum_s_by_step": state["attention_sum_s"], "kernel_s": totals, "top_ops": ops,
               "top_ops_by_shape": by_shape,
               "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None}

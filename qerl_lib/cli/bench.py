@@ -33,6 +33,7 @@ def register(sub) -> None:
     bsub.required = True
 
     from qerl_lib.bench import gemm, rollout
+    from qerl_lib.bench.workloads import WORKLOADS
 
     p = bsub.add_parser("gemm", help="fused NVFP4 x BF16 GEMM vs torch BF16 on every projection shape of the models")
     p.add_argument("--models", type=_str_list, default=list(gemm.DEFAULT_MODELS),
@@ -74,7 +75,7 @@ def register(sub) -> None:
     p.add_argument("--rollout-lora-merge", type=_str_list, default=["off"],
                    help="off, on or off,on: mode lora's rollout with the adapters merged into a copy of the bf16 "
                         "base (qerl train --rollout-lora-merge); the quantized modes always run once, unmerged")
-    p.add_argument("--workload", choices=("fixed", "gsm8k-like"), default="fixed",
+    p.add_argument("--workload", choices=WORKLOADS, default="fixed",
                    help="completion lengths: fixed (every row --gen-len; random weights rarely stop) or gsm8k-like "
                         "(each row stops at its own length drawn from GSM8K's solutions, scaled to --gen-len, new "
                         "draws every step: RL's uneven, changing lengths)")
@@ -91,10 +92,10 @@ def register(sub) -> None:
 
 
 def _train(args) -> int:
-    from qerl_lib.io import write_json_atomic
-    from qerl_lib.errors import UserError
     from dataclasses import replace
 
+    from qerl_lib.errors import UserError
+    from qerl_lib.io import write_json_atomic
     from qerl_lib.studies.train_bench import TrainCase, format_bench, run_bench
 
     merges = args.rollout_lora_merge
