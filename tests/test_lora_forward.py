@@ -257,3 +257,20 @@ def test_cuda_expand_add_matches_addmm_in_bf16(m, n, r):
     assert err(y) <= err(y0) * 1.01
     # the float64 value rounded once: only float32's summation error can flip a rounding, rarely
     assert float((y != exact.bfloat16()).float().mean()) < 0.01
+
+
+@pytest.mark.cuda
+@CUDA
+def test_cuda_expand_add_compiles_once_for_any_row_count():
+    """The token count changes every trainer step: a count that is, or stops being, a multiple of 16 must reuse
+    the compiled kernel (`do_not_specialize`; a recompile cost ~0.2 s, dev/LOG.md 82) and still be exact."""
+    kernel_cache = lora_forward._expand_add_kernel.device_caches[torch.cuda.current_device()][0]
+    g = torch.Generator(device="cuda").manual_seed(5)
+    compiled = []
+    for m in (96, 97, 130, 4096):
+        base, h, b = (torch.randn(*s, generator=g, device="cuda").bfloat16() for s in ((m, 384), (m, 16), (384, 16)))
+        y = lora_forward.expand_add(base, h, b, 0.5)
+        compiled.append(len(kernel_cache))
+        exact = base.double() + 0.5 * h.double() @ b.double().t()
+        assert float((y.double() - exact).norm() / exact.norm()) < 4e-3, m
+    assert compiled[1:] == compiled[:1] * 3, compiled
