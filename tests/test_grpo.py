@@ -352,6 +352,20 @@ def test_output_folder_rules(tiny_model_dir, tmp_path, monkeypatch):
         train(config, tmp_path / "used", quiet=True)
 
 
+def test_resume_names_the_padding_a_preset_run_was_saved_without(tmp_path):
+    """A Qwen2.5 run saved before its preset padded to 64 (no pad_to_multiple_of in run.json) resumes only with the
+    padding off, and the error says how; with it off, the settings match again."""
+    from qerl_lib.train.metrics import prepare_output
+    from qerl_lib.train.presets import make_config
+
+    old = make_config("qwen2.5-3b-gsm8k", pad_to_multiple_of=0)
+    prepare_output(tmp_path, old, resume=False, report=None)
+    assert "pad_to_multiple_of" not in json.loads((tmp_path / "run.json").read_text())["config"]
+    with pytest.raises(UserError, match=r"--pad-to-multiple-of 0\)$"):
+        prepare_output(tmp_path, make_config("qwen2.5-3b-gsm8k"), resume=True, report=None)
+    prepare_output(tmp_path, make_config("qwen2.5-3b-gsm8k", pad_to_multiple_of=0), resume=True, report=None)
+
+
 def test_cli_reports_bad_input_in_one_line(capsys):
     from qerl_lib.cli import main
 

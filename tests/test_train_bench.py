@@ -177,19 +177,22 @@ def test_cli_workload_reaches_every_case(monkeypatch, capsys):
     assert main(["bench", "train", "--modes", "qerl"]) == 0
     assert [c.workload for c in seen] == ["gsm8k-like"] * 3 + ["fixed"]
     assert seen[2].preset == "qwen2.5-7b-gsm8k"
-    assert all(c.pad_to_multiple_of is None for c in seen)
+    assert all(c.pad_to_multiple_of is None for c in seen)  # the preset's
+    assert {train_bench.padding_of(c) for c in seen} == {64}
     seen.clear()
     assert main(["bench", "train", "--modes", "qerl", "--pad-to-multiple-of", "0,64"]) == 0
-    assert main(["bench", "train", "--preset-settings", "--modes", "qerl", "--pad-to-multiple-of", "64"]) == 0
-    assert [c.pad_to_multiple_of for c in seen] == [None, 64, 64]
+    assert main(["bench", "train", "--preset-settings", "--modes", "qerl", "--pad-to-multiple-of", "32"]) == 0
+    assert [c.pad_to_multiple_of for c in seen] == [0, 64, 32]
+    assert [train_bench.padding_of(c) for c in seen] == [None, 64, 32]
+    assert [train_bench.case_config(c).pad_to_multiple_of for c in seen] == [0, 64, 32]
 
 
 def test_train_cli_refuses_a_bad_padding_in_one_line(capsys):
     from qerl_lib.cli import main
 
-    assert main(["train", "--preset", "smollm2-arith-cpu", "--pad-to-multiple-of", "0"]) != 0
+    assert main(["train", "--preset", "smollm2-arith-cpu", "--pad-to-multiple-of", "-8"]) != 0
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "pad_to_multiple_of=0" in err[0], err
+    assert len(err) == 1 and "pad_to_multiple_of=-8" in err[0], err
 
 
 def test_padding_classes_reach_the_trainers_batches(tiny_arch, tmp_path, monkeypatch):
@@ -213,7 +216,7 @@ def test_padding_classes_reach_the_trainers_batches(tiny_arch, tmp_path, monkeyp
                   gradient_checkpointing=False, device="cpu", workload="gsm8k-like")
     run_case_here(TrainCase(**common, pad_to_multiple_of=32), tmp_path / "pad32")
     padded, seen[:] = list(seen), []
-    run_case_here(TrainCase(**common), tmp_path / "longest")
+    run_case_here(TrainCase(**common, pad_to_multiple_of=0), tmp_path / "longest")
     assert padded and all(p % 32 == 0 and c % 32 == 0 for p, c in padded), padded
     assert any(c % 32 for _, c in seen), seen  # the drawn lengths are not multiples of 32 by themselves
     assert [c for _, c in padded] == [-(-c // 32) * 32 for _, c in seen]
@@ -221,6 +224,12 @@ def test_padding_classes_reach_the_trainers_batches(tiny_arch, tmp_path, monkeyp
     assert config.to_dict()["pad_to_multiple_of"] == 64
     assert "pad_to_multiple_of" not in make_config("smollm2-arith-cpu").to_dict()
     assert grpo_args(config, tmp_path / "c", torch.device("cpu"), [1.0, 0.2]).pad_to_multiple_of == 64
-    for bad in (0, -8, 2.5, True):
+    for bad in (-8, 2.5, True):
         with pytest.raises(UserError, match="pad_to_multiple_of"):
             make_config("smollm2-arith-cpu", pad_to_multiple_of=bad)
+    # the Qwen2.5 presets pad to 64 (dev/LOG.md 89); 0 turns it off: TRL's padding, and not recorded
+    qwen = make_config("qwen2.5-7b-gsm8k")
+    assert qwen.pad_to_multiple_of == 64 and qwen.to_dict()["pad_to_multiple_of"] == 64
+    off = make_config("qwen2.5-7b-gsm8k", pad_to_multiple_of=0)
+    assert "pad_to_multiple_of" not in off.to_dict()
+    assert grpo_args(off, tmp_path / "d", torch.device("cpu"), [1.0, 0.2]).pad_to_multiple_of is None

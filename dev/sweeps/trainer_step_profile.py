@@ -45,7 +45,7 @@ def main() -> None:
     p.add_argument("--top", type=int, default=30)
     p.add_argument("--device", default="cuda")
     p.add_argument("--workload", default="fixed", help="fixed or gsm8k-like (rows stop at drawn lengths)")
-    p.add_argument("--pad-to-multiple-of", type=int, default=None, help="the trainer's padded lengths in classes")
+    p.add_argument("--pad-to-multiple-of", type=int, default=None, help="the trainer's padded lengths in classes; 0: to each batch's longest (default: the preset's, 64)")
     p.add_argument("--time-attention", action="store_true",
                    help="time every attention forward of the trainer phase (a sync around each): the slowest call of "
                         "each step flags a plan build at any step, profiled or not")

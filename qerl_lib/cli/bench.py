@@ -81,7 +81,7 @@ def register(sub) -> None:
                         "draws every step: RL's uneven, changing lengths)")
     p.add_argument("--pad-to-multiple-of", type=_count_list, default=None, metavar="N[,N...]",
                    help="comma-separated paddings of the trainer's prompts and completions, one case each; 0: to the "
-                        "batch's longest (the default), e.g. 0,64")
+                        "batch's longest, e.g. 0,64 (default: the preset's, 64)")
     p.add_argument("--json", default=None, help="write the rows JSON here (atomic)")
     p.set_defaults(func=_train)
 
@@ -105,7 +105,7 @@ def _train(args) -> int:
     def merge_values(mode: str) -> list[bool]:
         return [m == "on" for m in merges] if mode == "lora" else [False]
 
-    paddings = [q or None for q in (args.pad_to_multiple_of or [0])]
+    paddings = args.pad_to_multiple_of or [None]  # None: the preset's
     if args.preset_settings:
         changed = [f"--{k.replace('_', '-')}" for k, default in (("batches", [8]), ("prompt_len", 256),
                    ("gen_len", 2048), ("lora_rank", 32), ("micro_batch", None), ("groups", 1), ("num_gpus", [1]),

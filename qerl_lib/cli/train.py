@@ -46,9 +46,9 @@ def register(sub) -> None:
                    help="with gradient checkpointing: how many decoder layers recompute in the backward (the others "
                         "keep their activations: no recompute, more memory); default all")
     p.add_argument("--pad-to-multiple-of", type=int, default=None, metavar="N",
-                   help="pad the trainer's prompts and completions each to a multiple of N tokens (e.g. 64): fewer "
-                        "distinct lengths, fewer per-shape set-ups (cuDNN attention plans); default: the batch's "
-                        "longest")
+                   help="pad the trainer's prompts and completions each to a multiple of N tokens: fewer distinct "
+                        "lengths, fewer per-shape set-ups (cuDNN attention plans); 0: to each batch's longest "
+                        "(default: the preset's: 64 for Qwen2.5, 0 for SmolLM2)")
     p.add_argument("--report-to", choices=REPORT_TO, default=None,
                    help="also send the step metrics (kit names) to a tracker, offline, under --out: tensorboard "
                         "(OUT/tensorboard), trackio (OUT/trackio), wandb (WANDB_MODE=offline unless set); default none")

@@ -79,7 +79,8 @@ class TrainCase:
     # completion lengths: "fixed" (every row gen_len: random weights rarely sample a stop token) or "gsm8k-like"
     # (each row stops at its own drawn length, bench/workloads.py: the uneven, step-to-step varying lengths of RL)
     workload: str = "fixed"
-    pad_to_multiple_of: int | None = None  # the trainer's padded lengths in classes (TrainConfig.pad_to_multiple_of)
+    # the trainer's padded lengths in classes (TrainConfig.pad_to_multiple_of): None, the preset's (64); 0, the longest
+    pad_to_multiple_of: int | None = None
     preset: str | None = None  # set by `from_preset`: the preset whose settings the case runs
 
     @classmethod
@@ -128,6 +129,14 @@ def synthetic_reward(prompts, completions, completion_ids, **kwargs) -> list[flo
 def _preset_name(model: str) -> str:
     size = model.removeprefix("qwen2.5-") if model.startswith("qwen2.5-") else "7b"
     return f"qwen2.5-{size}-gsm8k"  # another architecture (a config path) takes the 7B preset's settings
+
+
+def padding_of(case: TrainCase) -> int | None:
+    """The multiple the case's trainer pads to (its own, else its preset's); None: to each batch's longest."""
+    from qerl_lib.train.presets import PRESETS
+
+    padding = case.pad_to_multiple_of
+    return (PRESETS[_preset_name(case.model)].pad_to_multiple_of if padding is None else padding) or None
 
 
 def case_config(case: TrainCase):
@@ -199,6 +208,7 @@ def run_case_here(case: TrainCase, out_dir: str | Path) -> dict:
 def run_case(case: TrainCase, timeout_s: float = 1800) -> dict:
     """One case in a fresh process; an out-of-memory or any other failure becomes the row's ``error``."""
     row = {**asdict(case), "paper": PAPER.get((case.model, case.mode, case.batch))}
+    row["pad_to_multiple_of"] = padding_of(case)
     with tempfile.TemporaryDirectory(prefix="qerl-bench-train-") as tmp:
         spec, result = Path(tmp) / "case.json", Path(tmp) / "row.json"
         spec.write_text(json.dumps(asdict(case)))

@@ -336,8 +336,11 @@ def prepare_output(out: Path, config, resume: bool, report: Callable[[str], None
     diff.update({k: (saved.get(k, False), mine.get(k, False)) for k in RECORDED_WHEN_ON
                  if saved.get(k, False) != mine.get(k, False)})  # a switch recorded only when on
     if diff:
+        hint = ""
+        if diff.get("pad_to_multiple_of") == (False, 64):  # the Qwen2.5 presets' padding is newer than the run
+            hint = " (a Qwen2.5 run saved before the presets padded to 64 tokens: add --pad-to-multiple-of 0)"
         raise UserError(f"--resume with different settings than the saved run (setting: (saved, now)) {diff}: "
-                        "resume with the same preset, mode, steps and seed")
+                        f"resume with the same preset, mode, steps and seed{hint}")
     folder = out / "checkpoints"
     checkpoint = last_complete_checkpoint(folder, report)
     step = int(checkpoint.name.rsplit("-", 1)[1]) if checkpoint is not None else 0

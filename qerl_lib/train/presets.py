@@ -38,6 +38,11 @@ scripts where the paper is silent:
   and ``rollout_batch``, the rows the engine generates at once, sized by ``train.memory`` so that
   the rollout's weights and full-length KV cache fit (the paper's vLLM pages its cache instead); a
   step's further completions take the rows of finished ones (continuous batching).
+* The kit's own, for speed: the trainer pads prompts and completions to multiples of 64 tokens
+  (``pad_to_multiple_of``), so a run meets at most a few dozen padded lengths and cuDNN builds its
+  attention plans for each once, instead of for nearly every step's new longest completion. Measured
+  over 30 steps of uneven lengths (7B, H200): the trainer phase 18 % shorter on average; only rounding
+  changes the scores (dev/LOG.md 89). ``pad_to_multiple_of=0`` pads to each batch's longest, as TRL does.
 
 ``smollm2-arith`` is the kit's own: the embedded SmolLM2-135M-Instruct on generated level-1
 arithmetic problems (one operation), sized for a 100-step GPU run in minutes. ``smollm2-arith-cpu``
@@ -166,10 +171,11 @@ class TrainConfig:
     # their activations (no recompute, more memory; train/checkpointing.py). None: all of them
     checkpoint_layers: int | None = None
     # the trainer's batches: prompt and completion each padded to a multiple of this many tokens (TRL's
-    # pad_to_multiple_of), so a run's padded lengths fall into few classes; None: to the batch's longest (TRL's
-    # default). Padding is masked and RoPE is relative, so only rounding changes; fewer distinct lengths mean fewer
-    # per-shape set-ups (cuDNN attention plans, dev/LOG.md 82) at the price of the padded tokens' compute
-    pad_to_multiple_of: int | None = None
+    # pad_to_multiple_of), so a run's padded lengths fall into few classes; 0: to the batch's longest (TRL's
+    # default; the CPU presets'). Padding is masked and RoPE is relative, so only rounding changes; fewer distinct
+    # lengths mean fewer per-shape set-ups (cuDNN attention plans, dev/LOG.md 82-89) at the price of the padded
+    # tokens' compute. The Qwen2.5 presets: 64 (_qwen)
+    pad_to_multiple_of: int = 0
     save_steps: int = 25
     save_total_limit: int = 2
     release_engine_cache: bool = True  # free the engine's KV cache after each rollout, before the backward (grpo.py)
@@ -246,10 +252,10 @@ class TrainConfig:
             raise UserError("is_correction needs the engine-vs-trainer log-probs: with num_iterations=1 keep "
                             "mismatch_forward on (or turn is_correction off)")
         check_layer_count(self.checkpoint_layers, self.gradient_checkpointing)
-        if self.pad_to_multiple_of is not None and (isinstance(self.pad_to_multiple_of, bool) or not isinstance(
-                self.pad_to_multiple_of, numbers.Integral) or self.pad_to_multiple_of < 1):
+        if isinstance(self.pad_to_multiple_of, bool) or not isinstance(self.pad_to_multiple_of, numbers.Integral) \
+                or self.pad_to_multiple_of < 0:
             raise UserError(f"pad_to_multiple_of={self.pad_to_multiple_of!r}: use a whole number of tokens >= 1 "
-                            "(e.g. 64), or leave it unset to pad to each batch's longest")
+                            "(e.g. 64), or 0 to pad to each batch's longest")
         if self.noise_target == "both" and self.num_iterations != 1:
             raise UserError("aqn_target='both' needs one rollout per optimizer step (num_iterations=1), so the trainer "
                             "can score the exact noisy policy that sampled")
@@ -377,7 +383,7 @@ def _qwen(size: str, data: str, **kw) -> TrainConfig:
         prompts_per_step=16 if gsm8k else 8, num_generations=8 if gsm8k else 16, micro_batch=8,
         num_iterations=4 if gsm8k else 1, max_completion_length=completion_tokens,
         rollout_batch=_rollout_rows(size, prompt_tokens, completion_tokens), loss_type="grpo" if gsm8k else "dapo",
-        gradient_checkpointing=True, steps=600 if gsm8k else 500, save_steps=50, **kw)
+        gradient_checkpointing=True, steps=600 if gsm8k else 500, save_steps=50, pad_to_multiple_of=64, **kw)
 
 
 _SMOLLM2 = TrainConfig(

@@ -205,5 +205,5 @@ def grpo_args(config: TrainConfig, output_dir: str | os.PathLike, device: torch.
         logging_strategy="steps", logging_steps=1, report_to=c.report_to, disable_tqdm=True, log_completions=False,
         run_name=run_folder(output_dir).name, project="qerl", trackio_space_id=None, trackio_static_space_id=False,
         save_strategy="steps", save_steps=c.save_steps, save_total_limit=c.save_total_limit, save_only_model=False,
-        remove_unused_columns=False, dataloader_num_workers=0, pad_to_multiple_of=c.pad_to_multiple_of, trust_remote_code=False,
+        remove_unused_columns=False, dataloader_num_workers=0, pad_to_multiple_of=c.pad_to_multiple_of or None, trust_remote_code=False,
     )
