@@ -168,7 +168,7 @@ def fp4_linear(x: torch.Tensor, weight: PreparedFP4Weight, bias: torch.Tensor | 
                | None = None,
                small_m_backend: str | None = None, mma_rule: Callable[[int, int, int], mma.MmaConfig] | None = None,
                lora: mma.LoraEpilogue | None = None, x_relabeled: torch.Tensor | None = None,
-               defer_reduce: list | None = None) -> torch.Tensor:
+               defer_reduce: list | None = None, dense: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ W.T (+ bias)`` for a ``prepare_fp4_weights`` result; the path ``NVFP4Linear`` uses.
     ``out``: optional bf16 ``[..., N]`` contiguous tensor to write into. ``config`` forces one launch of the
     Triton kernel (``KernelConfig``), a Gluon one (``fp4_wgmma.WgmmaConfig``, ``fp4_wgmma_producer.ProducerConfig``)
@@ -181,7 +181,9 @@ def fp4_linear(x: torch.Tensor, weight: PreparedFP4Weight, bias: torch.Tensor | 
     it), which a Gluon launch then reads instead of permuting ``x`` itself; other launches ignore it.
     ``defer_reduce``: a list that takes ``(ws, global_scale, bias, out)`` for each K-split reduction instead of
     running it (``out``, or its columns, then unwritten until the caller sums ``ws`` with ``reduce_splits`` or
-    ``kernels/lora.expand_(..., base=)``, which adds the adapters in the same pass)."""
+    ``kernels/lora.expand_(..., base=)``, which adds the adapters in the same pass). ``dense``: this weight's
+    ``dequantize_exact(weight, unscale=False)``, if the caller holds it; the dequantize + cuBLAS launch
+    (``takes_dense``) then reads it instead of dequantizing again; other launches ignore it."""
     impl = _resolve_impl(impl, x)
     if not isinstance(weight, PreparedFP4Weight):
         raise ValueError(f"fp4_linear: weight must be a PreparedFP4Weight (use prepare_fp4_weights), got {type(weight).__name__}")
@@ -198,8 +200,16 @@ def fp4_linear(x: torch.Tensor, weight: PreparedFP4Weight, bias: torch.Tensor | 
         res = reference_matmul(x, weight.to_compressed_tensors(), bias)
         return res if out is None else out.copy_(res)
     return _triton_linear(x, weight, bias, out, allow_cublas=True, config=config, small_m_backend=small_m_backend,
-                          mma_rule=mma_rule, lora=lora, x_relabeled=x_relabeled,
+                          mma_rule=mma_rule, lora=lora, x_relabeled=x_relabeled, dense=dense,
                           reduce=reduce_splits if defer_reduce is None else lambda *job: defer_reduce.append(job))
+
+
+def takes_dense(m: int, weight: PreparedFP4Weight, x: torch.Tensor, small_m_backend: str | None = None) -> bool:
+    """Whether ``fp4_linear`` of ``m`` rows of ``x`` dequantizes the weight for cuBLAS (and so can take ``dense``)."""
+    if m == 0 or _resolve_impl("auto", x) != "triton" or uses_mma(m, weight.shape[1], x.device, small_m_backend):
+        return False
+    config = planned_launch(m, weight, x.device)
+    return isinstance(config, KernelConfig) and config.cublas
 
 
 def takes_relabeled_x(m: int, weight: PreparedFP4Weight, device: torch.device,
@@ -212,10 +222,11 @@ def takes_relabeled_x(m: int, weight: PreparedFP4Weight, device: torch.device,
 
 
 def fp4_grad_input(grad_out: torch.Tensor, weight: PreparedFP4Weight, *, impl: str = "auto",
-                   out: torch.Tensor | None = None) -> torch.Tensor:
+                   out: torch.Tensor | None = None, dense: torch.Tensor | None = None) -> torch.Tensor:
     """``grad_out @ W``, the input gradient of ``y = x @ W.T``, for a ``prepare_fp4_weights`` result
     (module docstring, "Backward layout"): bf16 ``[..., N]`` -> bf16 ``[..., K]``. ``impl`` as in
-    ``fp4_matmul``. ``out``: optional bf16 ``[..., K]`` contiguous tensor to write into."""
+    ``fp4_matmul``. ``out``: optional bf16 ``[..., K]`` contiguous tensor to write into. ``dense``: as in
+    ``fp4_linear`` (read instead of dequantizing)."""
     impl = _resolve_impl(impl, grad_out)
     if not isinstance(weight, PreparedFP4Weight):
         raise ValueError(f"fp4_grad_input: weight must be a PreparedFP4Weight (use prepare_fp4_weights), got {type(weight).__name__}")
@@ -228,7 +239,7 @@ def fp4_grad_input(grad_out: torch.Tensor, weight: PreparedFP4Weight, *, impl: s
     g2 = grad_out.reshape(-1, n)
     res = torch.empty(g2.shape[0], k, dtype=torch.bfloat16, device=g2.device) if out is None else out.view(g2.shape[0], k)
     if g2.shape[0]:
-        w = dequantize_exact(weight, unscale=False)  # fp4 * s * 2^-8, exact; lives for this call only
+        w = dense if dense is not None else dequantize_exact(weight, unscale=False)  # fp4 * s * 2^-8, exact
         if math.isnan(weight.inv_global_scale):  # no host copy of 1/gs: fp32 product, * 2^8/gs on device
             res.copy_(torch.mm(g2.float(), w.float()) * (256.0 / weight.global_scale))
         else:  # alpha = 2^8/gs applied in fp32 before the single rounding; beta = 0: `res` is not read
@@ -336,7 +347,7 @@ def _interpreted(t: torch.Tensor) -> bool:
 def _triton_linear(x: torch.Tensor, weight: PreparedFP4Weight, bias: torch.Tensor | None,
                    out: torch.Tensor | None, allow_cublas: bool, config=None,
                    small_m_backend: str | None = None, mma_rule=None, lora=None,
-                   x_relabeled: torch.Tensor | None = None, reduce=None) -> torch.Tensor:
+                   x_relabeled: torch.Tensor | None = None, reduce=None, dense=None) -> torch.Tensor:
     n, k = weight.shape
     reduce = reduce or reduce_splits  # (or fp4_linear's defer_reduce)
     lead = x.shape[:-1]
@@ -370,7 +381,7 @@ def _triton_linear(x: torch.Tensor, weight: PreparedFP4Weight, bias: torch.Tenso
         return out.reshape(*lead, n)
     cfg = config
     if cfg.cublas:
-        w = dequantize_exact(weight, unscale=False)  # fp4 * s * 2^-8, exact
+        w = dense if dense is not None else dequantize_exact(weight, unscale=False)  # fp4 * s * 2^-8, exact
         # alpha = 2^8/gs is applied by cuBLAS in fp32 before the single bf16 rounding (beta = 0:
         # the uninitialised `out` is never read); the bias is added after the cast, as the oracle does
         out.addmm_(x2, w.t(), beta=0.0, alpha=256.0 * weight.inv_global_scale)

@@ -71,6 +71,15 @@ grad, so no gradient can reach them. Per path:
   forward used them). On CPU the backward reuses the cached dense weight of the forward instead,
   which is resident anyway.
 
+Under gradient checkpointing each weight is expanded three times a step at training sizes: in the
+forward, in its recompute inside the backward pass, and for ``dy @ W`` right after. The recompute
+therefore hands its temporary (the exact ``fp4 * s * 2^-8`` the backward would build) to the layer's
+backward through a per-layer stash, which the backward empties: two expansions instead of three, and at
+most the recomputed decoder layer's weights in bf16 at once (~0.5 GB at 7B, ~1 GB at 32B) on top of the
+backward's memory. Only a forward that runs inside a backward pass (a recompute) fills the stash, so
+without checkpointing nothing is kept from forward to backward, and the values are the same either
+way. ``QERL_FP4_RECOMPUTE_REUSE=0`` turns it off (dev/LOG.md 91).
+
 Playing well with transformers and peft
 ---------------------------------------
 * ``weight`` is a read-only property that returns the dequantized bf16 weight, computed on
@@ -88,6 +97,7 @@ Playing well with transformers and peft
 
 from __future__ import annotations
 
+import os
 import weakref
 
 import torch
@@ -114,19 +124,48 @@ def resolve_impl(impl: str, device: torch.device) -> str:
     return impl
 
 
+RECOMPUTE_REUSE_ENV = "QERL_FP4_RECOMPUTE_REUSE"
+
+
+class RecomputeStash:
+    """One layer's expanded weight from a checkpointed recompute, until that layer's backward takes it."""
+
+    __slots__ = ("held",)
+
+    def __init__(self):
+        self.held = None  # (the PreparedFP4Weight it expands, bf16 fp4 * s * 2^-8) or None
+
+    def take(self, prepared):
+        held, self.held = self.held, None
+        return held[1] if held is not None and held[0] is prepared else None
+
+
+def in_backward_pass() -> bool:
+    """Whether autograd's backward is running here: a forward now is a checkpointed layer's recompute."""
+    return torch._C._current_graph_task_id() != -1
+
+
 class _FrozenNVFP4Matmul(torch.autograd.Function):
     """``y = x @ W.T + b`` with W stored in NVFP4; gradient for ``x`` only (W and b are frozen)."""
 
     @staticmethod
-    def forward(ctx, x, packed, scale, global_scale, bias, prepared, small_m_backend, mma_rule, dense=None):
+    def forward(ctx, x, packed, scale, global_scale, bias, prepared, small_m_backend, mma_rule, dense=None,
+                stash=None):
         # `dense`: the CPU cache's dequantized weight in x.dtype (NVFP4Linear._cached_dense), or None.
         # Resident either way (the buffers in the module, `dense` in the cache): saving them is free.
         ctx.save_for_backward(packed, scale, global_scale, dense)
         ctx.prepared = prepared  # the kernel path's zero-copy views of those buffers, or None
+        ctx.stash = stash  # the layer's RecomputeStash (module docstring), or None
         if prepared is not None:  # the kernel path (kernels.fp4_gemm)
-            from qerl_lib.kernels.fp4_gemm import fp4_linear
+            from qerl_lib.kernels import fp4_gemm
 
-            return fp4_linear(x, prepared, bias, small_m_backend=small_m_backend, mma_rule=mma_rule)
+            expanded = None
+            if stash is not None and in_backward_pass() and os.environ.get(RECOMPUTE_REUSE_ENV, "1") != "0" \
+                    and fp4_gemm.takes_dense(x.numel() // x.shape[-1], prepared, x, small_m_backend):
+                expanded = fp4_gemm.dequantize_exact(prepared, unscale=False)
+                stash.held = (prepared, expanded)  # for this layer's backward, which runs next
+            return fp4_gemm.fp4_linear(x, prepared, bias, small_m_backend=small_m_backend, mma_rule=mma_rule,
+                                       dense=expanded)
         weight = dense if dense is not None else \
             nvfp4.dequantize(nvfp4.NVFP4Weight(packed, scale, global_scale), dtype=x.dtype)  # temporary
         return F.linear(x, weight, None if bias is None else bias.to(x.dtype))
@@ -134,19 +173,20 @@ class _FrozenNVFP4Matmul(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         packed, scale, global_scale, dense = ctx.saved_tensors
+        expanded = ctx.stash.take(ctx.prepared) if ctx.stash is not None else None  # emptied, used or not
         grad_x = None
         if ctx.needs_input_grad[0]:
             if ctx.prepared is not None and grad_out.dtype == torch.bfloat16:
                 from qerl_lib.kernels.fp4_gemm import fp4_grad_input
 
-                grad_x = fp4_grad_input(grad_out, ctx.prepared)  # fp32 sum, 1/gs once, one rounding
+                grad_x = fp4_grad_input(grad_out, ctx.prepared, dense=expanded)  # fp32 sum, 1/gs once, one rounding
             else:
                 if dense is not None and dense.dtype == grad_out.dtype:
                     weight = dense  # the forward's weight, from the CPU cache: the same values as dequantizing again
                 else:  # dequantize again instead of keeping a bf16 copy from forward (QLoRA's trick)
                     weight = nvfp4.dequantize(nvfp4.NVFP4Weight(packed, scale, global_scale), dtype=grad_out.dtype)
                 grad_x = grad_out @ weight
-        return grad_x, None, None, None, None, None, None, None, None
+        return grad_x, None, None, None, None, None, None, None, None, None
 
 
 class NVFP4Linear(nn.Module):
@@ -196,6 +236,7 @@ class NVFP4Linear(nn.Module):
         # the decode-step kernel on the kernel path (None: QERL_FP4_SMALL_M, and pick_mma_config)
         self.small_m_backend: str | None = None
         self.mma_rule = None  # (m, n, k) -> kernels.mma.MmaConfig
+        self._recompute_stash = RecomputeStash()  # a checkpointed recompute's expanded weight (module docstring)
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -228,6 +269,7 @@ class NVFP4Linear(nn.Module):
         self._weight_ref = self._weight_key = None
         self._prepared = self._prepared_key = None
         self._dense = self._dense_sources = self._dense_key = None
+        self._recompute_stash = RecomputeStash()
 
     def clear_cache(self) -> None:
         """Drop everything derived from the format buffers (the CPU weight cache, the kernel view, the
@@ -312,7 +354,8 @@ class NVFP4Linear(nn.Module):
             elif self._dense is not None:
                 self._dense = self._dense_sources = self._dense_key = None  # turned off: free it
         return _FrozenNVFP4Matmul.apply(x, self.weight_packed, self.weight_scale, self.weight_global_scale,
-                                        self.bias, prepared, self.small_m_backend, self.mma_rule, dense)
+                                        self.bias, prepared, self.small_m_backend, self.mma_rule, dense,
+                                        getattr(self, "_recompute_stash", None))
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
@@ -338,7 +381,7 @@ class NVFP4Linear(nn.Module):
         state = super().__getstate__()
         # weak references do not pickle; the kernel view and the CPU weight cache are rebuilt on first use
         state.update(_weight_ref=None, _weight_key=None, _prepared=None, _prepared_key=None,
-                     _dense=None, _dense_sources=None, _dense_key=None)
+                     _dense=None, _dense_sources=None, _dense_key=None, _recompute_stash=RecomputeStash())
         return state
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
