@@ -1,4 +1,5 @@
-"""RMSNorm and SiLU x up for training: one Triton kernel forward, one backward, transformers' roundings.
+"""RMSNorm, SiLU x up and the rotary embedding for training: one Triton kernel forward, one backward, transformers'
+roundings.
 
 Why
 ---
@@ -22,6 +23,15 @@ with the roundings autograd makes on transformers' graph reproduced:
               du = bf16(do * bf16(silu(gate)));  da = bf16(do * up)
               dg = bf16(da * s * (1 + gate * (1 - s))),  s = sigmoid(gate)   # torch's silu_backward
 
+    RoPE      y1 = bf16(x1 c1) - bf16(x2 s1),  y2 = bf16(x2 c2) + bf16(x1 s2)      (x1, x2: the halves of a head)
+              dx1 = bf16(dy1 c1) + bf16(dy2 s2),  dx2 = bf16(dy2 c2) - bf16(dy1 s1)   # through rotate_half's cat
+
+The rotary embedding is transformers' ``q * cos + rotate_half(q) * sin`` (and the same for k) with each product
+rounded, ~5 passes over q and k forward and as many backward; here one program per (sequence, position) covers
+all of its heads, for q and for k, each way (dev/LOG.md 83: the rotary and residual passes were ~0.06 s of a 7B
+trainer step). Elementwise with the same roundings, so outputs and gradients are transformers' bit for bit, except
+that a GPU may contract a float32 product and sum into one fused multiply-add (bf16 and fp16 round in between).
+
 SiLU x up is elementwise, so its gradients match autograd's bit for bit wherever ``exp`` rounds alike; the norm's
 row sums run in another order, so its outputs and gradients may differ from torch's by a rounding step now and
 then (tests against the modules' own autograd: fp32 within 1e-5; fp16 normwise within a quarter unit for the norm,
@@ -33,7 +43,13 @@ Where
 `use_fused_layers(model)` changes the class of every ``Qwen2RMSNorm`` / ``LlamaRMSNorm`` (the final norm too) and
 ``Qwen2MLP`` / ``LlamaMLP`` with SiLU to a subclass whose forward runs these kernels on CUDA tensors (and on CPU
 tensors under ``TRITON_INTERPRET=1``, for the tests) and transformers' own forward otherwise: CPU training,
-``QERL_FUSED_LAYERS=0`` (read at each call), a norm whose weight is not in the activations' dtype. The norm reads
+``QERL_FUSED_LAYERS=0`` (read at each call), a norm whose weight is not in the activations' dtype. transformers'
+attention forwards call the module-level ``apply_rotary_pos_emb`` of their modeling file, so for the rotary
+embedding ``Qwen2Attention`` / ``LlamaAttention`` get a subclass that marks its forward as running, and that
+module's ``apply_rotary_pos_emb`` is replaced, once, by a dispatcher that takes the kernels only while a marked
+forward runs (and the inputs fit: 4-d q and k with unit-stride heads of a power-of-two half, cos and sin as
+``[batch or 1, positions, head_dim]`` without gradients) and calls transformers' function otherwise, so other
+models in the process are unchanged. The norm reads
 its weight at call time, so AQN's overrides (`train/aqn.apply_norm_overrides`, a copy into the weight) apply. The
 rollout engine never calls these modules' forward (it reads their weights), so rollouts are unchanged.
 """
@@ -41,6 +57,7 @@ rollout engine never calls these modules' forward (it reads their weights), so r
 from __future__ import annotations
 
 import os
+import sys
 
 import torch
 from torch import nn
@@ -54,10 +71,13 @@ try:  # Triton is optional: the CPU paths do not need it
 except ImportError:  # pragma: no cover
     triton = tl = None
 
-__all__ = ["use_fused_layers", "fused_layers_enabled", "rms_norm", "silu_mul", "NORM_CLASSES", "MLP_CLASSES"]
+__all__ = ["use_fused_layers", "fused_layers_enabled", "rms_norm", "silu_mul", "rotary", "NORM_CLASSES", "MLP_CLASSES",
+           "ATTENTION_CLASSES"]
 
 NORM_CLASSES = ("Qwen2RMSNorm", "LlamaRMSNorm")  # transformers' forward: float32 statistics, then times the weight
 MLP_CLASSES = ("Qwen2MLP", "LlamaMLP")  # down_proj(act_fn(gate_proj(x)) * up_proj(x))
+ATTENTION_CLASSES = ("Qwen2Attention", "LlamaAttention")  # apply_rotary_pos_emb(q, k, cos, sin) of their module
+_marked_forwards = 0  # FusedRotaryAttention forwards running now (the dispatcher's kernels apply only inside one)
 
 
 def fused_layers_enabled() -> bool:
@@ -115,6 +135,68 @@ class _SiluMul(torch.autograd.Function):
         return dg.view(gate.shape), du.view(up.shape)
 
 
+class _Rotary(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, cos, sin):
+        ctx.save_for_backward(cos, sin)
+        return _rotate(q, cos, sin, backward=False), _rotate(k, cos, sin, backward=False)
+
+    @staticmethod
+    def backward(ctx, dq, dk):
+        cos, sin = ctx.saved_tensors
+        dq, dk = (g if g.stride(-1) == 1 else g.contiguous() for g in (dq, dk))
+        return _rotate(dq, cos, sin, backward=True), _rotate(dk, cos, sin, backward=True), None, None
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: bool) -> torch.Tensor:
+    """The kernel over ``x [B, H, L, D]`` (any strides, unit last) with ``cos``/``sin`` ``[B or 1, L, D]``."""
+    batch, heads, positions, width = x.shape
+    out = torch.empty_like(x)  # x's memory layout, as transformers' elementwise ops keep it
+    (cb, cl, _), (sb, sl, _) = cos.stride(), sin.stride()
+    _rotary_kernel[(batch * positions,)](
+        x, cos, sin, out, heads, positions, x.stride(0), x.stride(1), x.stride(2), out.stride(0), out.stride(1),
+        out.stride(2), cb if cos.shape[0] > 1 else 0, cl, sb if sin.shape[0] > 1 else 0, sl, HALF=width // 2,
+        BLOCK_H=triton.next_power_of_2(heads), BACKWARD=backward, num_warps=4)
+    return out
+
+
+def rotary_fits(q, k, cos, sin) -> bool:
+    """Whether `rotary` takes these inputs (module docstring); transformers' function takes the rest."""
+    tensors = (q, k, cos, sin)
+    if not all(isinstance(t, torch.Tensor) for t in tensors) or q.dim() != 4 or k.dim() != 4 or cos.dim() != 3:
+        return False
+    batch, _, positions, width = q.shape
+    half = width // 2
+    return (k.shape[0], k.shape[2:]) == (batch, q.shape[2:]) and cos.shape == sin.shape and \
+        cos.shape[0] in (1, batch) and tuple(cos.shape[1:]) == (positions, width) and width % 2 == 0 and \
+        half & (half - 1) == 0 and len({t.dtype for t in tensors}) == 1 and q.dtype.is_floating_point and \
+        all(t.stride(-1) == 1 and t.device == q.device for t in tensors) and \
+        not (cos.requires_grad or sin.requires_grad)
+
+
+def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """transformers' ``apply_rotary_pos_emb(q, k, cos, sin)`` (``unsqueeze_dim=1``) with its gradients, one kernel
+    each way for q and for k."""
+    if not rotary_fits(q, k, cos, sin):
+        raise ValueError("rotary: q [B, H, L, D] and k [B, Hkv, L, D] with unit-stride heads of a power-of-two "
+                         "half, cos and sin [B or 1, L, D] without gradients, one dtype and device, got "
+                         f"{[(list(t.shape), t.dtype) for t in (q, k, cos, sin)]}")
+    return _Rotary.apply(q, k, cos, sin)
+
+
+def _rotary_dispatcher(original):
+    def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
+        unsqueeze = args[0] if args else kwargs.get("unsqueeze_dim", 1)
+        if _marked_forwards and unsqueeze == 1 and len(args) + len(kwargs) <= 1 and _runs_kernels(q) and \
+                rotary_fits(q, k, cos, sin):
+            return rotary(q, k, cos, sin)
+        return original(q, k, cos, sin, *args, **kwargs)
+
+    apply_rotary_pos_emb.qerl_original = original
+    apply_rotary_pos_emb.__doc__ = original.__doc__
+    return apply_rotary_pos_emb
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """transformers' RMSNorm ``weight * bf16(x * rsqrt(mean(x^2) + eps))`` with its gradient, one kernel each way."""
     if weight.dtype != x.dtype or weight.shape != x.shape[-1:]:
@@ -149,6 +231,19 @@ class FusedSiluMLP:
         return super().forward(x)
 
 
+class FusedRotaryAttention:
+    """Mixin over a transformers attention class: its forward runs marked, so that the module's rotary dispatcher
+    takes the kernels (module docstring)."""
+
+    def forward(self, *args, **kwargs):
+        global _marked_forwards
+        _marked_forwards += 1
+        try:
+            return super().forward(*args, **kwargs)
+        finally:
+            _marked_forwards -= 1
+
+
 _SUBCLASSES: dict[type, type] = {}
 
 
@@ -164,10 +259,19 @@ def _is_silu(act: nn.Module) -> bool:
     return isinstance(act, nn.SiLU) or type(act).__name__ == "SiLUActivation"
 
 
+def _install_dispatcher(cls: type) -> None:
+    """Replace the ``apply_rotary_pos_emb`` of ``cls``'s modeling module by the dispatcher, once."""
+    module = sys.modules[cls.__module__]
+    current = getattr(module, "apply_rotary_pos_emb", None)
+    if current is not None and not hasattr(current, "qerl_original"):
+        module.apply_rotary_pos_emb = _rotary_dispatcher(current)
+
+
 def use_fused_layers(model: nn.Module) -> dict[str, int]:
-    """Give every RMSNorm and SiLU MLP of ``model`` (``NORM_CLASSES``, ``MLP_CLASSES``) the fused forward, in place
-    (a class change; weights, names and state dict untouched). Returns how many of each were changed."""
-    counts = {"norms": 0, "mlps": 0}
+    """Give every RMSNorm, SiLU MLP and attention of ``model`` (``NORM_CLASSES``, ``MLP_CLASSES``,
+    ``ATTENTION_CLASSES``) the fused forward, in place (a class change; weights, names and state dict untouched).
+    Returns how many of each were changed."""
+    counts = {"norms": 0, "mlps": 0, "attentions": 0}
     for module in model.modules():
         name = type(module).__name__
         if name in NORM_CLASSES:
@@ -176,6 +280,10 @@ def use_fused_layers(model: nn.Module) -> dict[str, int]:
         elif name in MLP_CLASSES and _is_silu(module.act_fn):
             module.__class__ = _fused_class(type(module), FusedSiluMLP)
             counts["mlps"] += 1
+        elif name in ATTENTION_CLASSES:
+            _install_dispatcher(type(module))
+            module.__class__ = _fused_class(type(module), FusedRotaryAttention)
+            counts["attentions"] += 1
     return counts
 
 
@@ -213,3 +321,31 @@ if triton is not None:
         da = (do * u).to(dtype).to(tl.float32)
         tl.store(du_ptr + row * sdu + cols, (do * a).to(dtype), mask=ok)
         tl.store(dg_ptr + row * sdg + cols, (da * s * (1.0 + g * (1.0 - s))).to(dtype), mask=ok)
+
+    @triton.jit
+    def _rotary_kernel(x_ptr, c_ptr, s_ptr, o_ptr, heads, positions, sxb, sxh, sxl, sob, soh, sol, scb, scl, ssb, ssl,
+                       HALF: tl.constexpr, BLOCK_H: tl.constexpr, BACKWARD: tl.constexpr):
+        """Program (sequence, position): every head's rotation (or its gradient), each product rounded as torch."""
+        pid = tl.program_id(0)
+        b, pos = pid // positions, pid % positions
+        h = tl.arange(0, BLOCK_H)[:, None]
+        d = tl.arange(0, HALF)[None, :]
+        ok = (h < heads) & (d < HALF)
+        dtype = o_ptr.dtype.element_ty
+        x = x_ptr + b * sxb + pos * sxl + h * sxh + d
+        x1 = tl.load(x, mask=ok, other=0.0).to(tl.float32)
+        x2 = tl.load(x + HALF, mask=ok, other=0.0).to(tl.float32)
+        c = c_ptr + b * scb + pos * scl + d
+        s = s_ptr + b * ssb + pos * ssl + d
+        c1, c2 = tl.load(c).to(tl.float32), tl.load(c + HALF).to(tl.float32)
+        s1, s2 = tl.load(s).to(tl.float32), tl.load(s + HALF).to(tl.float32)
+        a1, a2 = (x1 * c1).to(dtype).to(tl.float32), (x2 * c2).to(dtype).to(tl.float32)
+        if BACKWARD:  # the gradient reaches x through both products; rotate_half's cat sends it back swapped
+            o1 = a1 + (x2 * s2).to(dtype).to(tl.float32)
+            o2 = a2 - (x1 * s1).to(dtype).to(tl.float32)
+        else:
+            o1 = a1 - (x2 * s1).to(dtype).to(tl.float32)
+            o2 = a2 + (x1 * s2).to(dtype).to(tl.float32)
+        o = o_ptr + b * sob + pos * sol + h * soh + d
+        tl.store(o, o1.to(dtype), mask=ok)
+        tl.store(o + HALF, o2.to(dtype), mask=ok)

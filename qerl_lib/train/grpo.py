@@ -194,8 +194,9 @@ def build_dataset(config: TrainConfig, tokenizer):
 
 
 def load_policy(config: TrainConfig, device: torch.device, dtype: torch.dtype):
-    """The frozen base of ``config`` with fresh LoRA adapters (a peft ``PeftModel``); on a GPU its norms and SiLU
-    MLPs run `train.fused_layers`' kernels in the trainer's forward and backward (``QERL_FUSED_LAYERS=0``: not)."""
+    """The frozen base of ``config`` with fresh LoRA adapters (a peft ``PeftModel``); on a GPU its norms, SiLU
+    MLPs and rotary embeddings run `train.fused_layers`' kernels in the trainer's forward and backward
+    (``QERL_FUSED_LAYERS=0``: not)."""
     from qerl_lib.models.lora import attach_lora
     from qerl_lib.train.fused_layers import use_fused_layers
 
