@@ -2,7 +2,8 @@
 ``RecomputeStash``): two expansions per weight and step instead of three, the same values.
 
 * CPU, Triton interpreter (one subprocess): two kernel-path layers at 200 rows (the dequantize + cuBLAS
-  launch), under non-reentrant and reentrant checkpointing and without it. Counted: the expansions
+  launch), under non-reentrant and reentrant checkpointing and without it, and with a first layer whose input
+  needs no gradient (its recompute must keep nothing: no backward would take it). Counted: the expansions
   (``fp4_gemm.dequantize_exact`` calls). Compared: outputs and input gradients, bit for bit, against the
   same model with ``QERL_FP4_RECOMPUTE_REUSE=0``. Every stash is empty after the backward.
 * CUDA (skipped without a GPU): the same on one Qwen2.5-7B MLP shape at 2304 rows.
@@ -42,27 +43,34 @@ SCRIPT = textwrap.dedent("""
         os.environ[RECOMPUTE_REUSE_ENV] = "1" if reuse else "0"
         x = x0.clone().requires_grad_(True)
         calls.clear()
-        y = block(x) if mode == "plain" else checkpoint(block, x, use_reentrant=mode == "reentrant")
+        if mode == "frozen-input":  # the first layer's input needs no gradient, the second's does (through p)
+            p = torch.ones((), dtype=x0.dtype, device=device, requires_grad=True)
+            y = checkpoint(lambda x, p: layers[1](torch.relu(layers[0](x)) * p), x0, p, use_reentrant=False)
+        else:
+            y = block(x) if mode == "plain" else checkpoint(block, x, use_reentrant=mode == "reentrant")
         forward = len(calls)
         y.float().square().sum().backward()
         return {"forward": forward, "total": len(calls), "y": y.detach(), "grad": x.grad,
-                "stashes_empty": all(layer._recompute_stash.held is None for layer in layers)}
+                "stashes_empty": all(layer._recompute_stash.held is None for layer in layers),
+                "x_grad": x.grad is not None}
 
     out = {"takes_dense": fp4_gemm.takes_dense(rows, layers[0].prepare_kernel(), x0)}
     base = run("plain", False)
-    for mode in ("plain", "non-reentrant", "reentrant"):
+    for mode in ("plain", "non-reentrant", "reentrant", "frozen-input"):
         for reuse in (False, True):
             r = run(mode, reuse)
             out[f"{mode}-{reuse}"] = {"forward": r["forward"], "total": r["total"], "stashes_empty": r["stashes_empty"],
                                       "y_equal": bool(torch.equal(r["y"], base["y"])),
-                                      "grad_equal": bool(torch.equal(r["grad"], base["grad"]))}
+                                      "grad_equal": not r["x_grad"] or bool(torch.equal(r["grad"], base["grad"]))}
     print("RESULTS " + json.dumps(out))
 """)
 
 
 def check(results):
     assert results["takes_dense"], "the rows chosen must take the dequantize + cuBLAS launch"
-    want = {"plain": (2, 4, 4), "non-reentrant": (2, 6, 4), "reentrant": (2, 6, 4)}  # forward; total off / on
+    # forward; total off / on. frozen-input: the first layer has no backward (its input needs no gradient), so its
+    # recompute keeps nothing; the second hands its expansion over: 2 + 2 + 1 -> 2 + 2 + 0
+    want = {"plain": (2, 4, 4), "non-reentrant": (2, 6, 4), "reentrant": (2, 6, 4), "frozen-input": (2, 5, 4)}
     for mode, (forward, off, on) in want.items():
         for reuse, total in ((False, off), (True, on)):
             case = results[f"{mode}-{reuse}"]

@@ -76,9 +76,9 @@ forward, in its recompute inside the backward pass, and for ``dy @ W`` right aft
 therefore hands its temporary (the exact ``fp4 * s * 2^-8`` the backward would build) to the layer's
 backward through a per-layer stash, which the backward empties: two expansions instead of three, and at
 most the recomputed decoder layer's weights in bf16 at once (~0.5 GB at 7B, ~1 GB at 32B) on top of the
-backward's memory. Only a forward that runs inside a backward pass (a recompute) fills the stash, so
-without checkpointing nothing is kept from forward to backward, and the values are the same either
-way. ``QERL_FP4_RECOMPUTE_REUSE=0`` turns it off (dev/LOG.md 91).
+backward's memory. Only a forward that runs inside a backward pass (a recompute) and whose input needs a
+gradient (so that its backward follows) fills the stash, so without checkpointing nothing is kept from
+forward to backward, and the values are the same either way. ``QERL_FP4_RECOMPUTE_REUSE=0`` turns it off (dev/LOG.md 91).
 
 Playing well with transformers and peft
 ---------------------------------------
@@ -160,8 +160,9 @@ class _FrozenNVFP4Matmul(torch.autograd.Function):
             from qerl_lib.kernels import fp4_gemm
 
             expanded = None
-            if stash is not None and in_backward_pass() and os.environ.get(RECOMPUTE_REUSE_ENV, "1") != "0" \
-                    and fp4_gemm.takes_dense(x.numel() // x.shape[-1], prepared, x, small_m_backend):
+            # only where this node has a backward to take it (x needs a gradient): nothing is left behind
+            if stash is not None and ctx.needs_input_grad[0] and in_backward_pass() \
+                    and os.environ.get(RECOMPUTE_REUSE_ENV, "1") != "0" and fp4_gemm.takes_dense(x.numel() // x.shape[-1], prepared, x, small_m_backend):
                 expanded = fp4_gemm.dequantize_exact(prepared, unscale=False)
                 stash.held = (prepared, expanded)  # for this layer's backward, which runs next
             return fp4_gemm.fp4_linear(x, prepared, bias, small_m_backend=small_m_backend, mma_rule=mma_rule,
