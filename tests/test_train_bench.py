@@ -201,7 +201,7 @@ def test_padding_classes_reach_the_trainers_batches(tiny_arch, tmp_path, monkeyp
     the run's settings only when set, and a bad value is a one-line error."""
     from qerl_lib.studies.train_bench import run_case_here
     from qerl_lib.train import trainer as trainer_module
-    from qerl_lib.train.presets import make_config
+    from qerl_lib.train.presets import describe, make_config
     from qerl_lib.train.trainer import grpo_args
 
     cls = trainer_module.trainer_class()
@@ -232,4 +232,5 @@ def test_padding_classes_reach_the_trainers_batches(tiny_arch, tmp_path, monkeyp
     assert qwen.pad_to_multiple_of == 64 and qwen.to_dict()["pad_to_multiple_of"] == 64
     off = make_config("qwen2.5-7b-gsm8k", pad_to_multiple_of=0)
     assert "pad_to_multiple_of" not in off.to_dict()
+    assert "padded to multiples of 64" in describe(qwen) and "padded" not in describe(off)  # the run's start lines
     assert grpo_args(off, tmp_path / "d", torch.device("cpu"), [1.0, 0.2]).pad_to_multiple_of is None

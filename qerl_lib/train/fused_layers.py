@@ -152,6 +152,8 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: boo
     """The kernel over ``x [B, H, L, D]`` (any strides, unit last) with ``cos``/``sin`` ``[B or 1, L, D]``."""
     batch, heads, positions, width = x.shape
     out = torch.empty_like(x)  # x's memory layout, as transformers' elementwise ops keep it
+    if out.numel() == 0:
+        return out
     (cb, cl, _), (sb, sl, _) = cos.stride(), sin.stride()
     _rotary_kernel[(batch * positions,)](
         x, cos, sin, out, heads, positions, x.stride(0), x.stride(1), x.stride(2), out.stride(0), out.stride(1),
