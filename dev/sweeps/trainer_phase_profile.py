@@ -11,9 +11,9 @@ decoder (the lm_head and the loss are left out: they are the same bf16 work in b
 out for the same reason. Each base runs as built (``kit``: `models.lora_forward` and `train.fused_layers`), with the
 fused LoRA forward alone (``fused``) and with neither (``peft``), or the ``--forwards`` named (``FORWARDS``).
 Timing alternates blocks of ``steps`` steps between the arms (both models stay resident), so drift of the GPU's
-clocks falls on all; ratios carry a 95% bootstrap CI over steps. One more step per arm runs under torch.profiler and its kernel time is
-summed by category, and the ``--top`` operators are listed by their own device time, also grouped by input shape (a
-shape names the tensor: a `mul` on [8, 2304, 18944] is the MLP's).
+clocks falls on all; ratios carry a 95% bootstrap CI over steps. One more step per arm runs under torch.profiler and
+its kernel time is summed by category, and the ``--top`` operators are listed by their own device time, also grouped
+by input shape (a shape names the tensor: a `mul` on [8, 2304, 18944] is the MLP's).
 """
 from __future__ import annotations
 

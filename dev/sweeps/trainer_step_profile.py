@@ -29,6 +29,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from trainer_phase_profile import summarize  # noqa: E402
 
+from qerl_lib.bench.workloads import WORKLOADS  # noqa: E402
 from qerl_lib.io import provenance, write_json_atomic  # noqa: E402
 
 
@@ -44,8 +45,9 @@ def main() -> None:
     p.add_argument("--profile-step", type=int, default=2, help="1-based; the first step warms up")
     p.add_argument("--top", type=int, default=30)
     p.add_argument("--device", default="cuda")
-    p.add_argument("--workload", default="fixed", help="fixed or gsm8k-like (rows stop at drawn lengths)")
-    p.add_argument("--pad-to-multiple-of", type=int, default=None, help="the trainer's padded lengths in classes; 0: to each batch's longest (default: the preset's, 64)")
+    p.add_argument("--workload", choices=WORKLOADS, default="fixed", help="gsm8k-like: rows stop at drawn lengths")
+    p.add_argument("--pad-to-multiple-of", type=int, default=None,
+                   help="the trainer's padded lengths in classes; 0: to each batch's longest (default: the preset's)")
     p.add_argument("--time-attention", action="store_true",
                    help="time every attention forward of the trainer phase (a sync around each): the slowest call of "
                         "each step flags a plan build at any step, profiled or not")
@@ -58,7 +60,7 @@ def main() -> None:
     from torch.profiler import ProfilerActivity, profile
     from transformers import TrainerCallback
 
-    from qerl_lib.studies.train_bench import TrainCase, case_config, completion_budgets, synthetic_reward
+    from qerl_lib.studies.train_bench import TrainCase, case_config, completion_budgets, padding_of, synthetic_reward
     from qerl_lib.train import trainer as trainer_module
     from qerl_lib.train.grpo import train
 
@@ -139,7 +141,7 @@ def main() -> None:
                 shutil.copyfileobj(f, g)
             os.replace(args.trace + ".tmp", args.trace)
     record = {"provenance": provenance(), "device": torch.cuda.get_device_name() if cuda else "cpu",
-              "settings": vars(args), "trainer_phase_wall_s": state["wall_s"],
+              "settings": vars(args), "padding": padding_of(case), "trainer_phase_wall_s": state["wall_s"],
               "phase_s_by_step": state["phase_s"], "padded_length_by_step": state["lengths"],
               "alloc_retries_by_step": state["alloc_retries"],
               "attention_forward_max_s_by_step": state["attention_max_s"],

@@ -56,6 +56,7 @@ rollout engine never calls these modules' forward (it reads their weights), so r
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 
@@ -187,15 +188,15 @@ def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
 
 
 def _rotary_dispatcher(original):
+    @functools.wraps(original)
     def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
         unsqueeze = args[0] if args else kwargs.get("unsqueeze_dim", 1)
         if _marked_forwards and unsqueeze == 1 and len(args) + len(kwargs) <= 1 and _runs_kernels(q) and \
                 rotary_fits(q, k, cos, sin):
-            return rotary(q, k, cos, sin)
+            return _Rotary.apply(q, k, cos, sin)  # checked just now: `rotary` would check again
         return original(q, k, cos, sin, *args, **kwargs)
 
     apply_rotary_pos_emb.qerl_original = original
-    apply_rotary_pos_emb.__doc__ = original.__doc__
     return apply_rotary_pos_emb
 
 

@@ -336,9 +336,10 @@ def prepare_output(out: Path, config, resume: bool, report: Callable[[str], None
     diff.update({k: (saved.get(k, False), mine.get(k, False)) for k in RECORDED_WHEN_ON
                  if saved.get(k, False) != mine.get(k, False)})  # a switch recorded only when on
     if diff:
-        hint = ""
-        if diff.get("pad_to_multiple_of") == (False, 64):  # the Qwen2.5 presets' padding is newer than the run
-            hint = " (a Qwen2.5 run saved before the presets padded to 64 tokens: add --pad-to-multiple-of 0)"
+        saved_pad, pad = diff.get("pad_to_multiple_of", (None, None))
+        hint = ""  # a run saved unpadded, e.g. before the Qwen2.5 presets padded to 64
+        if saved_pad is False and pad:
+            hint = f" (saved without padding, now {pad}: add --pad-to-multiple-of 0)"
         raise UserError(f"--resume with different settings than the saved run (setting: (saved, now)) {diff}: "
                         f"resume with the same preset, mode, steps and seed{hint}")
     folder = out / "checkpoints"
