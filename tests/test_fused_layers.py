@@ -225,7 +225,13 @@ ROTARY_SCRIPT = textwrap.dedent("""
     after = plain(input_ids=ids).logits
     plain_calls = len(calls)
     fused = swapped(input_ids=ids).logits
-    out["dispatch"] = {"plain_calls": plain_calls, "swapped_calls": len(calls) - plain_calls,
+    swapped_calls = len(calls) - plain_calls
+    os.environ["QERL_FUSED_ROTARY"] = "0"  # the rotary kernel alone off: transformers' function, the norms fused
+    unrotated = swapped(input_ids=ids).logits
+    del os.environ["QERL_FUSED_ROTARY"]
+    out["dispatch"] = {"plain_calls": plain_calls, "swapped_calls": swapped_calls,
+                       "switched_off_calls": len(calls) - plain_calls - swapped_calls,
+                       "switched_off_rel": float((unrotated - before).norm() / before.norm()),
                        "plain_unchanged": bool(torch.equal(before, after)),
                        "swapped_rel": float((fused - before).norm() / before.norm()),
                        "original_kept": modeling_qwen2.apply_rotary_pos_emb.qerl_original is original}
@@ -242,13 +248,15 @@ def test_rotary_matches_transformers_bit_for_bit_in_the_interpreter():
     equal bit for bit (elementwise, the same roundings; the interpreter has no fused multiply-add), on the attention's
     transposed layout, which the outputs keep; heads that are not a power of two (3, 6, 28 padded); cos and sin per
     sequence or shared. The dispatcher takes the kernels in a swapped model's attention only, an unswapped model keeps
-    its exact logits, and the swapped model's are within float32 rounding of them."""
+    its exact logits, and the swapped model's are within float32 rounding of them; ``QERL_FUSED_ROTARY=0`` sends the
+swapped model's calls back to transformers' function."""
     r = run_triton_interpreter(ROTARY_SCRIPT, ROTARY_CASES)
     for case in ROTARY_CASES:
         result = r["-".join(str(v) for v in case)]
         assert result["fits"] and result["layout_kept"] and all(result["equal"]), (case, result)
     d = r["dispatch"]
     assert d["plain_calls"] == 0 and d["swapped_calls"] == 2 and d["original_kept"], d
+    assert d["switched_off_calls"] == 0 and d["switched_off_rel"] < 1e-5, d  # QERL_FUSED_ROTARY=0
     assert d["plain_unchanged"] and d["swapped_rel"] < 1e-5, d  # the fused norms' row sums: float32 order only
 
 

@@ -63,11 +63,15 @@ def build(model: str, weights: str, rank: int, device: torch.device):
     return policy
 
 
+KIT = {"QERL_LORA_FUSED": "1", "QERL_LORA_EXPAND_KERNEL": "1", "QERL_FUSED_LAYERS": "1", "QERL_FUSED_ROTARY": "1",
+       "QERL_FP4_RECOMPUTE_REUSE": "1"}
 FORWARDS = {  # the environment switches each arm runs with
-    "kit": {"QERL_LORA_FUSED": "1", "QERL_LORA_EXPAND_KERNEL": "1", "QERL_FUSED_LAYERS": "1"},  # as built
-    "addmm": {"QERL_LORA_FUSED": "1", "QERL_LORA_EXPAND_KERNEL": "0", "QERL_FUSED_LAYERS": "1"},  # cuBLAS's expand
-    "fused": {"QERL_LORA_FUSED": "1", "QERL_LORA_EXPAND_KERNEL": "0", "QERL_FUSED_LAYERS": "0"},  # section 78 run 2
-    "peft": {"QERL_LORA_FUSED": "0", "QERL_LORA_EXPAND_KERNEL": "0", "QERL_FUSED_LAYERS": "0"},  # neither change
+    "kit": KIT,  # as built
+    "addmm": {**KIT, "QERL_LORA_EXPAND_KERNEL": "0"},  # cuBLAS's expand
+    "norotary": {**KIT, "QERL_FUSED_ROTARY": "0"},  # transformers' rotary embedding (section 93)
+    "noreuse": {**KIT, "QERL_FP4_RECOMPUTE_REUSE": "0"},  # three expansions of each NVFP4 weight a step (section 91)
+    "fused": {**KIT, "QERL_LORA_EXPAND_KERNEL": "0", "QERL_FUSED_LAYERS": "0"},  # section 78 run 2
+    "peft": {**KIT, "QERL_LORA_FUSED": "0", "QERL_LORA_EXPAND_KERNEL": "0", "QERL_FUSED_LAYERS": "0"},  # neither
 }
 
 
@@ -150,8 +154,9 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--top", type=int, default=25, help="operators listed by their own device time")
     p.add_argument("--forwards", default="kit,fused,peft",
-                   help="forwards to run: kit (as built), addmm (kit with cuBLAS's expand), fused (the fused LoRA "
-                        "forward alone, cuBLAS's expand), peft (neither)")
+                   help="forwards to run: kit (as built), addmm (kit with cuBLAS's expand), norotary (kit with "
+                        "transformers' rotary embedding), noreuse (kit expanding each NVFP4 weight three times), "
+                        "fused (the fused LoRA forward alone, cuBLAS's expand), peft (neither)")
     p.add_argument("--bases", default="bf16,nvfp4", help="base weights to build: bf16, nvfp4")
     p.add_argument("--no-autocast", dest="autocast", action="store_false", help="run the forward outside autocast")
     p.add_argument("--json", required=True)
@@ -180,6 +185,7 @@ def main() -> None:
     med = {arm: statistics.median(t) for arm, t in times.items()}
     pairs = [(f"bf16/{f}", f"nvfp4/{f}") for f in forwards] if len(models) == 2 else []
     pairs += [(f"{w}/{b}", f"{w}/{a}") for w in models for a, b in zip(forwards, forwards[1:])]
+    pairs += [(f"{w}/{b}", f"{w}/{forwards[0]}") for w in models for b in forwards[2:]]  # each against the first
     ratios = {f"{b} over {a}": {"ratio": med[b] / med[a], "ci95": list(bootstrap_ratio(times[a], times[b]))}
               for a, b in pairs}
     record = {

@@ -162,7 +162,8 @@ class _FrozenNVFP4Matmul(torch.autograd.Function):
             expanded = None
             # only where this node has a backward to take it (x needs a gradient): nothing is left behind
             if stash is not None and ctx.needs_input_grad[0] and in_backward_pass() \
-                    and os.environ.get(RECOMPUTE_REUSE_ENV, "1") != "0" and fp4_gemm.takes_dense(x.numel() // x.shape[-1], prepared, x, small_m_backend):
+                    and os.environ.get(RECOMPUTE_REUSE_ENV, "1") != "0" \
+                    and fp4_gemm.takes_dense(x.numel() // x.shape[-1], prepared, x, small_m_backend):
                 expanded = fp4_gemm.dequantize_exact(prepared, unscale=False)
                 stash.held = (prepared, expanded)  # for this layer's backward, which runs next
             return fp4_gemm.fp4_linear(x, prepared, bias, small_m_backend=small_m_backend, mma_rule=mma_rule,

@@ -49,7 +49,7 @@ embedding ``Qwen2Attention`` / ``LlamaAttention`` get a subclass that marks its 
 module's ``apply_rotary_pos_emb`` is replaced, once, by a dispatcher that takes the kernels only while a marked
 forward runs (and the inputs fit: 4-d q and k with unit-stride heads of a power-of-two half, cos and sin as
 ``[batch or 1, positions, head_dim]`` without gradients) and calls transformers' function otherwise, so other
-models in the process are unchanged. The norm reads
+models in the process are unchanged; ``QERL_FUSED_ROTARY=0`` turns off the rotary kernel alone. The norm reads
 its weight at call time, so AQN's overrides (`train/aqn.apply_norm_overrides`, a copy into the weight) apply. The
 rollout engine never calls these modules' forward (it reads their weights), so rollouts are unchanged.
 """
@@ -84,6 +84,11 @@ _marked_forwards = 0  # FusedRotaryAttention forwards running now (the dispatche
 def fused_layers_enabled() -> bool:
     """On unless ``QERL_FUSED_LAYERS=0``."""
     return os.environ.get("QERL_FUSED_LAYERS", "1") != "0"
+
+
+def fused_rotary_enabled() -> bool:
+    """On unless ``QERL_FUSED_ROTARY=0`` (the rotary kernel alone off; the norms and SiLU x up keep theirs)."""
+    return os.environ.get("QERL_FUSED_ROTARY", "1") != "0"
 
 
 def _runs_kernels(t: torch.Tensor) -> bool:
@@ -192,7 +197,7 @@ def _rotary_dispatcher(original):
     def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
         unsqueeze = args[0] if args else kwargs.get("unsqueeze_dim", 1)
         if _marked_forwards and unsqueeze == 1 and len(args) + len(kwargs) <= 1 and _runs_kernels(q) and \
-                rotary_fits(q, k, cos, sin):
+                fused_rotary_enabled() and rotary_fits(q, k, cos, sin):
             return _Rotary.apply(q, k, cos, sin)  # checked just now: `rotary` would check again
         return original(q, k, cos, sin, *args, **kwargs)
 
