@@ -216,10 +216,20 @@ EXPAND_SCRIPT = textwrap.dedent("""
         y0.backward(grad)
         exact = (base.double() + scale * h.double() @ b.double().t())  # the float64 value both round
         rel = lambda u, v: float((u.double() - v.double()).norm() / v.double().norm())
+        # a frozen bias: round(base + bias) in base's place, bit for bit as the separate add makes it
+        bias = torch.randn(n, generator=g).to(dt)
+        with_bias = [t.clone().requires_grad_() for t in (base, h, b)]
+        added = [t.clone().requires_grad_() for t in (base, h, b)]
+        yb = lora_forward.expand_add(*with_bias, scale, bias=bias)
+        yb.backward(grad)
+        ya = lora_forward.expand_add(added[0] + bias, added[1], added[2], scale)
+        ya.backward(grad)
         out[f"{dtype_name}-{m}-{n}-{r}"] = {
             "out_vs_exact": rel(y.detach(), exact), "addmm_vs_exact": rel(y0.detach(), exact),
             "grads": [rel(a.grad, c.grad) for a, c in zip(leaves, refs)], "dtype": str(y.dtype),
-            "base_grad_is_output_grad": bool(torch.equal(leaves[0].grad, grad))}
+            "base_grad_is_output_grad": bool(torch.equal(leaves[0].grad, grad)),
+            "bias_bits_equal": [bool(torch.equal(yb, ya))] + [bool(torch.equal(u.grad, v.grad))
+                                                              for u, v in zip(with_bias, added)]}
     print("RESULTS " + json.dumps(out))
 """)
 
@@ -237,6 +247,36 @@ def test_expand_add_kernel_matches_addmm_in_the_interpreter():
         assert case["dtype"] == f"torch.{dtype}" and case["base_grad_is_output_grad"]
         assert case["out_vs_exact"] <= max(1.5 * case["addmm_vs_exact"], tolerance / 10), case
         assert max(case["grads"]) < tolerance, case
+        assert all(case["bias_bits_equal"]), case
+
+
+def _nvfp4_with_bias(impl: str):
+    from qerl_lib.models.nvfp4_linear import NVFP4Linear
+    torch.manual_seed(0)
+    return NVFP4Linear.from_linear(nn.Linear(128, 64, bias=True).bfloat16(), impl=impl, name="q_proj")
+
+
+def test_the_expand_takes_the_bias_only_from_nvfp4_kernel_layers(monkeypatch):
+    """`_foldable_bias`: an NVFP4 layer on the kernel path hands its frozen bias to the expand kernel; the
+    reference path (one rounding of product + bias), a bf16 base, a layer without bias, extra call arguments, a
+    trainable bias and a run without the expand kernel keep the bias in the base layer."""
+    x = torch.randn(3, 128).bfloat16()
+    monkeypatch.setattr(lora_forward, "_expand_kernel_runs", lambda t: True)
+    kernel_layer = _nvfp4_with_bias("kernel")
+    assert lora_forward._foldable_bias(kernel_layer, x, (), {}) is kernel_layer.bias
+    assert lora_forward._foldable_bias(_nvfp4_with_bias("reference"), x, (), {}) is None
+    assert lora_forward._foldable_bias(_nvfp4_with_bias("auto"), x, (), {}) is None  # auto on a CPU: reference
+    assert lora_forward._foldable_bias(nn.Linear(128, 64).bfloat16(), x, (), {}) is None
+    assert lora_forward._foldable_bias(kernel_layer, x, (1,), {}) is None
+    assert lora_forward._foldable_bias(kernel_layer, x, (), {"scale": 1}) is None
+    kernel_layer.bias = nn.Parameter(kernel_layer.bias.clone())
+    assert lora_forward._foldable_bias(kernel_layer, x, (), {}) is None
+    monkeypatch.undo()
+    monkeypatch.setenv("QERL_LORA_EXPAND_KERNEL", "1")
+    assert lora_forward._foldable_bias(_nvfp4_with_bias("kernel"), x, (), {}) is None  # a CPU, no interpreter
+    with pytest.raises(ValueError, match="the bias must be a frozen"):
+        lora_forward.expand_add(torch.randn(4, 6), torch.randn(4, 2), torch.randn(6, 2), 1.0,
+                                bias=torch.randn(6, requires_grad=True))
 
 
 def test_expand_add_names_the_shapes_it_needs():
@@ -274,3 +314,40 @@ def test_cuda_expand_add_compiles_once_for_any_row_count():
         exact = base.double() + 0.5 * h.double() @ b.double().t()
         assert float((y.double() - exact).norm() / exact.norm()) < 4e-3, m
     assert compiled[1:] == compiled[:1] * 3, compiled
+
+
+@pytest.mark.cuda
+@CUDA
+@pytest.mark.parametrize("rows", [4, 64, 2304])
+def test_cuda_nvfp4_bias_in_the_expand_is_bit_for_bit(rows, monkeypatch):
+    """A Qwen2 q_proj on NVFP4 kernels (bias on), LoRA r16, under autocast: with the bias added by the expand kernel
+    the output and the gradients of x, A and B equal those of the layer adding it itself, bit for bit, on the
+    mma.sync (4 rows), Gluon/Triton (64) and dequantize + cuBLAS (2304) paths."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=256, hidden_size=1024, intermediate_size=2048, num_hidden_layers=1,
+                         num_attention_heads=8, num_key_value_heads=2)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model = replace_linear_with_nvfp4(model, impl="kernel").cuda()
+    peft_model = lora.attach_lora(model, rank=16)
+    _randomize_adapters(peft_model, 4)
+    layer = peft_model.get_submodule("base_model.model.model.layers.0.self_attn.q_proj")
+    with torch.no_grad():
+        layer.base_layer.bias.copy_(torch.randn(1024, device="cuda").bfloat16())
+    g = torch.Generator(device="cuda").manual_seed(rows)
+    x0 = torch.randn(rows, 1024, generator=g, device="cuda").bfloat16()
+    dy = torch.randn(rows, 1024, generator=g, device="cuda").bfloat16()
+    runs, folded, real = [], [], lora_forward._foldable_bias
+    for fold in (True, False):
+        monkeypatch.setattr(lora_forward, "_foldable_bias",
+                            (lambda *a: folded.append(real(*a)) or folded[-1]) if fold else (lambda *a: None))
+        x = x0.clone().requires_grad_()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            y = layer(x)
+        y.backward(dy)
+        runs.append([y.detach(), x.grad] + [p.grad.clone() for n, p in layer.named_parameters() if "lora_" in n])
+        layer.zero_grad(set_to_none=True)
+    assert folded and folded[0] is layer.base_layer.bias  # the first run folded it, the second did not
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+

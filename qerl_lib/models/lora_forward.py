@@ -58,6 +58,7 @@ from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
 
 from qerl_lib.kernels.lora import interpreting
+from qerl_lib.models.nvfp4_linear import NVFP4Linear, resolve_impl
 
 try:  # Triton is optional: the CPU paths do not need it
     import triton
@@ -76,17 +77,19 @@ def fused_enabled() -> bool:
 
 
 def fused_lora_add(result: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
-                   scale: float) -> torch.Tensor:
-    """``result + scale * (x @ lora_a^T) @ lora_b^T`` as one matmul and one pass over ``result`` (`expand_add`).
+                   scale: float, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``result (+ bias) + scale * (x @ lora_a^T) @ lora_b^T`` as one matmul and one pass over ``result``
+    (`expand_add`).
 
-    ``result`` [..., N] (the base output), ``x`` [..., K], ``lora_a`` [r, K], ``lora_b`` [N, r]; the adapter
-    weights are cast to ``result``'s dtype (under autocast, to autocast's). Returns a new tensor shaped like
-    ``result``."""
+    ``result`` [..., N] (the base output), ``x`` [..., K], ``lora_a`` [r, K], ``lora_b`` [N, r], ``bias`` [N] (a
+    frozen base bias the base layer left out, added as the base layer adds it); the adapter weights and the bias are
+    cast to ``result``'s dtype (under autocast, to autocast's). Returns a new tensor shaped like ``result``."""
     dtype = torch.get_autocast_dtype(result.device.type) if torch.is_autocast_enabled(result.device.type) \
         else result.dtype
     a, b = lora_a.to(dtype), lora_b.to(dtype)
     h = torch.nn.functional.linear(x.to(dtype), a)
-    out = expand_add(result.reshape(-1, result.shape[-1]).to(dtype), h.reshape(-1, h.shape[-1]), b, scale)
+    out = expand_add(result.reshape(-1, result.shape[-1]).to(dtype), h.reshape(-1, h.shape[-1]), b, scale,
+                     bias=None if bias is None else bias.to(dtype))
     return out.view(result.shape)
 
 
@@ -95,8 +98,11 @@ def _expand_kernel_runs(t: torch.Tensor) -> bool:
         (t.is_cuda or interpreting())
 
 
-def expand_add(base: torch.Tensor, h: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
-    """``base [M, N] + scale * h [M, r] @ b [N, r]^T`` into a new tensor, with gradients.
+def expand_add(base: torch.Tensor, h: torch.Tensor, b: torch.Tensor, scale: float,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``base [M, N] + scale * h [M, r] @ b [N, r]^T`` into a new tensor, with gradients; with a frozen ``bias``
+    [N], ``round(base + bias)`` takes ``base``'s place (rounded to the dtype, as a base layer that adds its bias
+    to its rounded product rounds it: the same bits, without that layer's own pass over its output).
 
     On GPUs one Triton kernel (`_expand_add_kernel`, small tiles, many per SM): the float32 sum rounded once.
     cuBLAS's ``addmm`` took ~1 ms a call at K = r on the 7B MLP's [18432, 18944] outputs, ~3x the time their bytes
@@ -106,24 +112,28 @@ def expand_add(base: torch.Tensor, h: torch.Tensor, b: torch.Tensor, scale: floa
     if base.dtype != h.dtype or b.dtype != h.dtype or base.dim() != 2 or not shapes_fit:
         raise ValueError(f"expand_add: base [M, N], h [M, r] and b [N, r] of one dtype, got {list(base.shape)} "
                          f"{base.dtype}, {list(h.shape)} {h.dtype}, {list(b.shape)} {b.dtype}")
+    if bias is not None and (bias.shape != base.shape[1:] or bias.dtype != base.dtype or bias.requires_grad):
+        raise ValueError(f"expand_add: the bias must be a frozen [{base.shape[1]}] {base.dtype} tensor, got "
+                         f"{list(bias.shape)} {bias.dtype}{' with requires_grad' if bias.requires_grad else ''}")
     if not _expand_kernel_runs(base) or base.numel() == 0:
-        return torch.addmm(base, h, b.t(), alpha=scale)
-    return _ExpandAdd.apply(base, h, b, float(scale))
+        return torch.addmm(base if bias is None else base + bias, h, b.t(), alpha=scale)
+    return _ExpandAdd.apply(base, h, b, float(scale), bias)
 
 
 class _ExpandAdd(torch.autograd.Function):
     """Gradients as ``torch.addmm``'s: base's is the output's, h's and b's are scaled on the small side."""
 
     @staticmethod
-    def forward(ctx, base, h, b, scale):
+    def forward(ctx, base, h, b, scale, bias):
         ctx.scale = scale
         ctx.save_for_backward(h, b)
         base, h, b = base.contiguous(), h.contiguous(), b.contiguous()
         (m, n), r = base.shape, h.shape[1]
         out = torch.empty_like(base)
         grid = (triton.cdiv(n, EXPAND_BLOCK_N), triton.cdiv(m, EXPAND_BLOCK_M))
-        _expand_add_kernel[grid](base, h, b, out, m, n, r, scale, BLOCK_M=EXPAND_BLOCK_M, BLOCK_N=EXPAND_BLOCK_N,
-                                 RP=max(16, triton.next_power_of_2(r)),
+        _expand_add_kernel[grid](base, h, b, out if bias is None else bias.contiguous(), out, m, n, r, scale,
+                                 BLOCK_M=EXPAND_BLOCK_M, BLOCK_N=EXPAND_BLOCK_N,
+                                 RP=max(16, triton.next_power_of_2(r)), HAS_BIAS=bias is not None,
                                  PRECISION="ieee" if base.dtype == torch.float32 else "tf32", num_warps=4)
         return out
 
@@ -132,7 +142,7 @@ class _ExpandAdd(torch.autograd.Function):
         h, b = ctx.saved_tensors
         grad_h = torch.mm(grad, b).mul_(ctx.scale) if ctx.needs_input_grad[1] else None
         grad_b = torch.mm(grad.t(), h).mul_(ctx.scale) if ctx.needs_input_grad[2] else None
-        return grad if ctx.needs_input_grad[0] else None, grad_h, grad_b, None
+        return grad if ctx.needs_input_grad[0] else None, grad_h, grad_b, None, None
 
 
 if triton is not None:
@@ -140,9 +150,10 @@ if triton is not None:
     # M (the token count) changes every step: left unspecialized, a new count's divisibility by 16 does not
     # compile the kernel again (~0.2 s each time on an H200; dev/LOG.md 82, 88). N and R are fixed per layer.
     @triton.jit(do_not_specialize=["M"])
-    def _expand_add_kernel(base_ptr, h_ptr, b_ptr, out_ptr, M, N, R, scale, BLOCK_M: tl.constexpr,
-                           BLOCK_N: tl.constexpr, RP: tl.constexpr, PRECISION: tl.constexpr):
-        """Program (block of columns, block of rows) of contiguous tensors: its tile of ``base + scale * h @ b^T``."""
+    def _expand_add_kernel(base_ptr, h_ptr, b_ptr, bias_ptr, out_ptr, M, N, R, scale, BLOCK_M: tl.constexpr,
+                           BLOCK_N: tl.constexpr, RP: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr):
+        """Program (block of columns, block of rows) of contiguous tensors: its tile of ``base + scale * h @ b^T``
+        (``base``: ``round(base + bias)`` with HAS_BIAS)."""
         pid_n, pid_m = tl.program_id(0), tl.program_id(1)
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -154,6 +165,9 @@ if triton is not None:
         ok = ok_m[:, None] & ok_n[None, :]
         offsets = rows[:, None].to(tl.int64) * N + cols[None, :]
         base = tl.load(base_ptr + offsets, mask=ok, other=0.0).to(tl.float32)
+        if HAS_BIAS:  # the base layer's own addition, rounded as it rounds it
+            bias = tl.load(bias_ptr + cols, mask=ok_n, other=0.0).to(tl.float32)
+            base = (base + bias[None, :]).to(out_ptr.dtype.element_ty).to(tl.float32)
         tl.store(out_ptr + offsets, (base + scale * acc).to(out_ptr.dtype.element_ty), mask=ok)
 
 
@@ -175,9 +189,20 @@ class FusedLoraForward:
             return super().forward(x, *args, **kwargs)
         for key in ("adapter_names", *VARIANT_KWARG_KEYS):  # peft's forward keeps these from the base layer too
             kwargs.pop(key, None)
-        result = self.base_layer(x, *args, **kwargs)
+        bias = _foldable_bias(self.base_layer, x, args, kwargs)
+        result = self.base_layer(x, add_bias=False) if bias is not None else self.base_layer(x, *args, **kwargs)
         return fused_lora_add(result, self.lora_dropout[adapter](x), self.lora_A[adapter].weight,
-                              self.lora_B[adapter].weight, float(self.scaling[adapter]))
+                              self.lora_B[adapter].weight, float(self.scaling[adapter]), bias=bias)
+
+
+def _foldable_bias(base: nn.Module, x: torch.Tensor, args, kwargs) -> torch.Tensor | None:
+    """An NVFP4 base layer's frozen bias, when the expand kernel adds it instead of the layer (one pass less over
+    the output: q/k/v's biases took ~1% of a 7B trainer step as separate adds; dev/LOG.md 95), else None."""
+    bias = getattr(base, "bias", None)
+    if bias is None or not isinstance(base, NVFP4Linear) or args or kwargs or bias.requires_grad or \
+            resolve_impl(base.impl, x.device) != "kernel" or not _expand_kernel_runs(x):
+        return None  # (the reference path's F.linear rounds product + bias once: not the kernels' two roundings)
+    return bias
 
 
 class FusedLoraLinear(FusedLoraForward, _PeftLoraLinear):

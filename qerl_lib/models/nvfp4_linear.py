@@ -345,7 +345,9 @@ class NVFP4Linear(nn.Module):
         return sum(getattr(self, n).numel() * getattr(self, n).element_size() for n in FORMAT_BUFFERS)
 
     # ------------------------------------------------------------------ forward
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, add_bias: bool = True) -> torch.Tensor:
+        """``x @ W^T + bias``; ``add_bias=False`` leaves the bias out (a LoRA expand that adds it in its own pass
+        over the output: `lora_forward.expand_add`)."""
         if x.shape[-1] != self.in_features:
             raise ValueError(f"{self.layer_name}: input last dim {x.shape[-1]} != in_features {self.in_features}")
         prepared = self.prepare_kernel() if resolve_impl(self.impl, x.device) == "kernel" else None
@@ -356,7 +358,8 @@ class NVFP4Linear(nn.Module):
             elif self._dense is not None:
                 self._dense = self._dense_sources = self._dense_key = None  # turned off: free it
         return _FrozenNVFP4Matmul.apply(x, self.weight_packed, self.weight_scale, self.weight_global_scale,
-                                        self.bias, prepared, self.small_m_backend, self.mma_rule, dense,
+                                        self.bias if add_bias else None, prepared, self.small_m_backend,
+                                        self.mma_rule, dense,
                                         getattr(self, "_recompute_stash", None))
 
     def extra_repr(self) -> str:

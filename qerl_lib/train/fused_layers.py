@@ -28,9 +28,11 @@ with the roundings autograd makes on transformers' graph reproduced:
 
 The rotary embedding is transformers' ``q * cos + rotate_half(q) * sin`` (and the same for k) with each product
 rounded, ~5 passes over q and k forward and as many backward; here one program per (sequence, position) covers
-all of its heads, for q and for k, each way (dev/LOG.md 83: the rotary and residual passes were ~0.06 s of a 7B
-trainer step). Elementwise with the same roundings, so outputs and gradients are transformers' bit for bit, except
-that a GPU may contract a float32 product and sum into one fused multiply-add (bf16 and fp16 round in between).
+all of its heads, for q and for k, each way (on an H200 it took a 7B trainer phase's forward + backward from 1.52
+to 1.43 s; dev/LOG.md 94). Elementwise with the same roundings, so outputs and gradients are transformers' bit for
+bit. The kernel is compiled without floating-point fusion: with it, Triton's compiler fused a product and the sum
+after it into one multiply-add, skipping the product's own rounding, even where the source rounds it to bf16 in
+between (a quarter of the outputs then sat a unit off, in every dtype; dev/LOG.md 95).
 
 SiLU x up is elementwise, so its gradients match autograd's bit for bit wherever ``exp`` rounds alike; the norm's
 row sums run in another order, so its outputs and gradients may differ from torch's by a rounding step now and
@@ -164,7 +166,8 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: boo
     _rotary_kernel[(batch * positions,)](
         x, cos, sin, out, heads, positions, x.stride(0), x.stride(1), x.stride(2), out.stride(0), out.stride(1),
         out.stride(2), cb if cos.shape[0] > 1 else 0, cl, sb if sin.shape[0] > 1 else 0, sl, HALF=width // 2,
-        BLOCK_H=triton.next_power_of_2(heads), BACKWARD=backward, num_warps=4)
+        BLOCK_H=triton.next_power_of_2(heads), BACKWARD=backward, num_warps=4,
+        enable_fp_fusion=False)  # each product rounded before the sum, as torch: no fused multiply-add
     return out
 
 
