@@ -13,7 +13,8 @@ fused layers, non-reentrant checkpointing, bf16 autocast; the completion's log-p
 unpadded width and at the width rounded up to ``--multiple``, alternating which goes first. Per width: the first call
 (a width this process has not run: cuDNN builds its attention plans then, dev/LOG.md 88-90) and the median of
 ``--repeats`` more. A fixed-width table and JSON with provenance; the two sides of the trade (extra tokens on every
-call, builds at new widths) are put together in dev/LOG.md, not here.
+call, builds at new widths) are put together in dev/LOG.md, not here. ``--profile-widths`` then profiles one
+warmed call at each width named (with ``--steps 0``, only that).
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from trainer_phase_profile import build  # noqa: E402
+from trainer_phase_profile import build, summarize  # noqa: E402
 
 from qerl_lib.bench.workloads import sample_lengths  # noqa: E402
 from qerl_lib.io import provenance, write_json_atomic  # noqa: E402
@@ -50,6 +51,11 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--rank", type=int, default=32)
     p.add_argument("--device", default="cuda")
+    p.add_argument("--profile-widths", default="",
+                   help="comma-separated widths: after the steps, one warmed call at each under torch.profiler, its "
+                        "kernel time by category and the top operators by input shape (which kernel is off its fast "
+                        "path at an unpadded width)")
+    p.add_argument("--top", type=int, default=25)
     p.add_argument("--json", required=True)
     args = p.parse_args()
     device = torch.device(args.device)
@@ -102,10 +108,34 @@ def main() -> None:
         print(f"step {step:>3}  longest {longest:>5}  unpadded {u['width']:>5} first {u['first_s']:7.3f} s "
               f"repeat {u['repeat_median_s']:7.3f} s   padded {q['width']:>5} first {q['first_s']:7.3f} s "
               f"repeat {q['repeat_median_s']:7.3f} s{'' if q['new_width'] else ' (width seen)'}", flush=True)
+    profiles = {}
+    for width in [int(w) for w in args.profile_widths.split(",") if w]:
+        lengths = [min(n, width) for n in sample_lengths("gsm8k-like", args.micro, args.gen_len, seed=0)]
+        lengths[0] = width  # the longest row fills the width, as in a step
+        for _ in range(2):
+            call(width, lengths)
+        from torch.profiler import ProfilerActivity, profile
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
+            seconds = call(width, lengths)
+        kernels, _, by_shape = summarize(prof, args.top)
+        profiles[str(width)] = {"s": seconds, "kernel_s": kernels, "top_ops_by_shape": by_shape}
+    if profiles:
+        labels = sorted({c for p in profiles.values() for c in p["kernel_s"]})
+        print(f"{'kernel time, s':<24}" + "".join(f"{w:>12}" for w in profiles))
+        for c in labels + ["total", "wall"]:
+            vals = [sum(p["kernel_s"].values()) if c == "total" else p["s"] if c == "wall" else
+                    p["kernel_s"].get(c, 0.0) for p in profiles.values()]
+            print(f"{c:<24}" + "".join(f"{v:>12.4f}" for v in vals))
+        for w, p in profiles.items():
+            print(f"top (operator, input shapes) by own device time, width {w}:")
+            for o in p["top_ops_by_shape"]:
+                print(f"  {o['op'][:34]:<34}{o['shapes'][:70]:<72}{o['calls']:>6}{o['device_s']:>9.4f} s")
     record = {"provenance": provenance(), "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-              "settings": vars(args), "rows": rows, "peak_gib": torch.cuda.max_memory_allocated() / 2**30
-              if device.type == "cuda" else None}
+              "settings": vars(args), "rows": rows, "profiles": profiles,
+              "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None}
     write_json_atomic(args.json, record)
+    if not rows:
+        return
     tokens = [(args.prompt_len + r["padded"]["width"]) / (args.prompt_len + r["unpadded"]["width"]) - 1 for r in rows]
     extra = [r["padded"]["repeat_median_s"] / r["unpadded"]["repeat_median_s"] - 1 for r in rows]
     print(f"{'steps':<8}{'extra tokens':>14}{'extra time (repeats)':>22}")
