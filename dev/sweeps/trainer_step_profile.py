@@ -12,7 +12,9 @@ loss, the optimizer) is what this adds. ``--model`` also takes a config.json pat
 Every step's trainer phase, padded length and allocator retry count are recorded; ``--trace`` keeps the profiled
 step's Chrome trace (for ``idle_gaps.py``), ``--workload gsm8k-like`` stops each rollout row at a drawn length,
 ``--pad-to-multiple-of`` classes the trainer's lengths, and ``--time-attention`` times every attention forward of
-every step (the slowest flags a plan build, profiled step or not; dev/LOG.md 82-86).
+every step (the slowest flags a plan build, profiled step or not; dev/LOG.md 82-86). Each step's ``train_seconds``
+is also taken apart: the rest of TRL's generate-and-score call, the engine's release within it, the trainer phase and
+what is left (``split_by_step``; dev/LOG.md 97).
 """
 from __future__ import annotations
 
@@ -60,6 +62,8 @@ def main() -> None:
     from torch.profiler import ProfilerActivity, profile
     from transformers import TrainerCallback
 
+    from qerl_lib.engine.rollout import RolloutEngine
+    from qerl_lib.io import read_jsonl
     from qerl_lib.studies.train_bench import TrainCase, case_config, completion_budgets, padding_of, synthetic_reward
     from qerl_lib.train import trainer as trainer_module
     from qerl_lib.train.grpo import train
@@ -70,9 +74,23 @@ def main() -> None:
     cuda = args.device == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     state = {"prof": None, "wall_s": None, "step_start": None, "phase_s": [], "lengths": [], "alloc_retries": [],
-             "attention_max_s": [], "attention_sum_s": []}
+             "attention_max_s": [], "attention_sum_s": [], "generate_and_score_s": [], "release_s": []}
     cls = trainer_module.trainer_class()
     original = cls.compute_loss
+    original_generate = cls._generate_and_score_completions
+    original_release = RolloutEngine.release
+
+    def timed(fn, key):  # each call's wall time, synchronized at both ends
+        def wrapper(*a, **kw):
+            if cuda:
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            out = fn(*a, **kw)
+            if cuda:
+                torch.cuda.synchronize()
+            state[key].append(time.perf_counter() - start)
+            return out
+        return wrapper
 
     def compute_loss(self, *a, **kw):  # each step's first call starts its clock; the profiled step's, the profiler
         if state["step_start"] is None:
@@ -107,6 +125,8 @@ def main() -> None:
                 state["prof"].stop()
 
     cls.compute_loss = compute_loss
+    cls._generate_and_score_completions = timed(original_generate, "generate_and_score_s")
+    RolloutEngine.release = timed(original_release, "release_s")
     sdpa = torch.nn.functional.scaled_dot_product_attention
     attention_s: list[float] = []  # this step's attention forwards (trainer phase only)
 
@@ -128,8 +148,11 @@ def main() -> None:
         with tempfile.TemporaryDirectory(prefix="trainer-step-profile-") as out:
             train(case_config(case), out, extra_rewards=[("synthetic", synthetic_reward, 1.0)],
                   callbacks=[StopAtStepEnd()], quiet=True, completion_budgets=completion_budgets(case))
+            logged = [r for r in read_jsonl(os.path.join(out, "metrics.jsonl")) if r.get("step_seconds") is not None]
     finally:
         cls.compute_loss = original
+        cls._generate_and_score_completions = original_generate
+        RolloutEngine.release = original_release
         torch.nn.functional.scaled_dot_product_attention = sdpa
     if state["wall_s"] is None:
         raise SystemExit("the profiled step did not finish")
@@ -146,7 +169,7 @@ def main() -> None:
               "alloc_retries_by_step": state["alloc_retries"],
               "attention_forward_max_s_by_step": state["attention_max_s"],
               "attention_forward_sum_s_by_step": state["attention_sum_s"], "kernel_s": totals, "top_ops": ops,
-              "top_ops_by_shape": by_shape,
+              "top_ops_by_shape": by_shape, "split_by_step": split_by_step(state, logged),
               "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None}
     write_json_atomic(args.json, record)
     print(f"{args.model} {args.mode}, batch {args.batch}, {args.prompt_len} + {args.gen_len} tokens, r{args.rank}: "
@@ -154,6 +177,12 @@ def main() -> None:
     print("  trainer phase by step (s): " + ", ".join(f"{t:.3f}" for t in state["phase_s"])
           + "; padded lengths: " + ", ".join(map(str, state["lengths"]))
           + ("; allocator retries so far: " + ", ".join(map(str, state["alloc_retries"])) if cuda else ""))
+    print(f"  {'step':>4}{'step s':>9}{'rollout':>9}{'train':>9}{'score etc':>11}{'release':>9}{'phase':>9}"
+          f"{'rest':>9}   (score etc: TRL's generate-and-score call less the engine's generate and release)")
+    for i, row in enumerate(record["split_by_step"], 1):
+        print(f"  {i:>4}" + "".join(f"{row[k]:>{w}.3f}" if row[k] is not None else f"{'-':>{w}}" for k, w in
+                                     (("step_s", 9), ("rollout_s", 9), ("train_s", 9), ("score_etc_s", 11),
+                                      ("release_s", 9), ("phase_s", 9), ("rest_s", 9))))
     if args.time_attention:
         print("  slowest attention forward by step (ms): "
               + ", ".join(f"{t * 1e3:.1f}" for t in state["attention_max_s"]))
@@ -165,6 +194,23 @@ def main() -> None:
     print("top (operator, input shapes):")
     for o in by_shape:
         print(f"  {o['op'][:28]:<28}{o['shapes'][:70]:<72}{o['calls']:>6}{o['device_s']:>9.4f} s")
+
+
+def split_by_step(state: dict, logged: list[dict]) -> list[dict]:
+    """Each step's ``train_seconds`` (the step less the engine's generate) taken apart: the rest of TRL's
+    generate-and-score call (rewards, AQN's noise draw, the engine's release, TRL's tensors), the engine's release
+    within it, the trainer phase (first ``compute_loss`` to the step's end: forward, backward, optimizer) and what
+    is left (data loading, callbacks, logging)."""
+    rows = []
+    for i, logged_row in enumerate(logged):
+        pick = lambda key: state[key][i] if i < len(state[key]) else None  # noqa: E731
+        step_s, rollout_s, train_s = (logged_row.get(k) for k in ("step_seconds", "rollout_seconds", "train_seconds"))
+        generate, release, phase = pick("generate_and_score_s"), pick("release_s"), pick("phase_s")
+        score = generate - (rollout_s or 0.0) - (release or 0.0) if generate is not None else None
+        rest = step_s - generate - phase if None not in (step_s, generate, phase) else None
+        rows.append({"step_s": step_s, "rollout_s": rollout_s, "train_s": train_s, "score_etc_s": score,
+                     "release_s": release, "phase_s": phase, "rest_s": rest})
+    return rows
 
 
 if __name__ == "__main__":

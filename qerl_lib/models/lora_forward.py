@@ -21,6 +21,9 @@ What this module does instead
 
 No copy of x, no scaling pass, no add pass: the expand adds into the base output as it reads it (`expand_add`,
 the arithmetic of ``torch.addmm(base(x), h, B'^T, alpha=s)``: a Triton kernel on GPUs, cuBLAS's addmm elsewhere).
+An NVFP4 base on its kernels rounds its product and then adds its bias in a pass of its own (the oracle's order);
+there the base runs without its bias and the expand adds it first, rounded as the layer rounds it: the same bits,
+one pass over the output fewer (`_foldable_bias`; dev/LOG.md 95).
 The backward hands the base output's gradient through unchanged and applies ``s`` on the small [tokens, r] side, as
 addmm's does; the casts of A and B carry fp32 gradients back to the fp32 adapters, so the optimizer still updates
 fp32 weights.
