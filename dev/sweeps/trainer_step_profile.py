@@ -80,15 +80,17 @@ def main() -> None:
     original_generate = cls._generate_and_score_completions
     original_release = RolloutEngine.release
 
-    def timed(fn, key):  # each call's wall time, synchronized at both ends
+    def timed(fn, sink: list, when=lambda: True):  # each call's wall time (while ``when()``), synchronized at both ends
         def wrapper(*a, **kw):
+            if not when():
+                return fn(*a, **kw)
             if cuda:
                 torch.cuda.synchronize()
             start = time.perf_counter()
             out = fn(*a, **kw)
             if cuda:
                 torch.cuda.synchronize()
-            state[key].append(time.perf_counter() - start)
+            sink.append(time.perf_counter() - start)
             return out
         return wrapper
 
@@ -125,25 +127,13 @@ def main() -> None:
                 state["prof"].stop()
 
     cls.compute_loss = compute_loss
-    cls._generate_and_score_completions = timed(original_generate, "generate_and_score_s")
-    RolloutEngine.release = timed(original_release, "release_s")
+    cls._generate_and_score_completions = timed(original_generate, state["generate_and_score_s"])
+    RolloutEngine.release = timed(original_release, state["release_s"])
     sdpa = torch.nn.functional.scaled_dot_product_attention
     attention_s: list[float] = []  # this step's attention forwards (trainer phase only)
-
-    def timed_sdpa(*a, **kw):  # transformers calls torch.nn.functional.scaled_dot_product_attention by name
-        if state["step_start"] is None:
-            return sdpa(*a, **kw)
-        if cuda:
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        out = sdpa(*a, **kw)
-        if cuda:
-            torch.cuda.synchronize()
-        attention_s.append(time.perf_counter() - start)
-        return out
-
-    if args.time_attention:
-        torch.nn.functional.scaled_dot_product_attention = timed_sdpa
+    if args.time_attention:  # transformers calls torch.nn.functional.scaled_dot_product_attention by name
+        torch.nn.functional.scaled_dot_product_attention = timed(sdpa, attention_s,
+                                                                 when=lambda: state["step_start"] is not None)
     try:
         with tempfile.TemporaryDirectory(prefix="trainer-step-profile-") as out:
             train(case_config(case), out, extra_rewards=[("synthetic", synthetic_reward, 1.0)],
