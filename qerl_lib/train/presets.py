@@ -42,7 +42,10 @@ scripts where the paper is silent:
   (``pad_to_multiple_of``), so a run meets at most a few dozen padded lengths and cuDNN builds its
   attention plans for each once, instead of for nearly every step's new longest completion. Measured
   over 23-29 steps of uneven lengths (7B, H200): the trainer phase 18 % (qerl) and 20 % (lora) shorter
-  on average; only rounding changes the scores (dev/LOG.md 89-90). ``pad_to_multiple_of=0`` pads to each batch's longest, as TRL does.
+  on average; only rounding changes the scores (dev/LOG.md 89-90). At the presets' own lengths (128
+  completions under 4096) a padded micro-batch was also 2 % faster than unpadded despite its extra
+  tokens: cuDNN's attention runs its slower kernels at lengths that are not multiples of 64 (dev/LOG.md
+  94, 97). ``pad_to_multiple_of=0`` pads to each batch's longest, as TRL does.
 
 ``smollm2-arith`` is the kit's own: the embedded SmolLM2-135M-Instruct on generated level-1
 arithmetic problems (one operation), sized for a 100-step GPU run in minutes. ``smollm2-arith-cpu``
