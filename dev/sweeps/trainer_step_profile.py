@@ -78,7 +78,15 @@ def main() -> None:
     cls = trainer_module.trainer_class()
     original = cls.compute_loss
     original_generate = cls._generate_and_score_completions
-    original_release = RolloutEngine.release
+    original_release, original_engine_generate = RolloutEngine.release, RolloutEngine.generate
+    in_generate = [False]  # the engine's own release() inside generate (a rebuilt forward pass) is rollout time
+
+    def engine_generate(self, *a, **kw):
+        in_generate[0] = True
+        try:
+            return original_engine_generate(self, *a, **kw)
+        finally:
+            in_generate[0] = False
 
     def timed(fn, sink: list, when=lambda: True):  # each call's wall time (while ``when()``), synchronized at both ends
         def wrapper(*a, **kw):
@@ -128,7 +136,8 @@ def main() -> None:
 
     cls.compute_loss = compute_loss
     cls._generate_and_score_completions = timed(original_generate, state["generate_and_score_s"])
-    RolloutEngine.release = timed(original_release, state["release_s"])
+    RolloutEngine.generate = engine_generate
+    RolloutEngine.release = timed(original_release, state["release_s"], when=lambda: not in_generate[0])
     sdpa = torch.nn.functional.scaled_dot_product_attention
     attention_s: list[float] = []  # this step's attention forwards (trainer phase only)
     if args.time_attention:  # transformers calls torch.nn.functional.scaled_dot_product_attention by name
@@ -142,7 +151,7 @@ def main() -> None:
     finally:
         cls.compute_loss = original
         cls._generate_and_score_completions = original_generate
-        RolloutEngine.release = original_release
+        RolloutEngine.release, RolloutEngine.generate = original_release, original_engine_generate
         torch.nn.functional.scaled_dot_product_attention = sdpa
     if state["wall_s"] is None:
         raise SystemExit("the profiled step did not finish")
