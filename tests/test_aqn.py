@@ -325,6 +325,26 @@ def test_target_both_reuses_the_rollout_noise_on_a_wrapped_trainer_model():
     assert only_rollout.trainer_overrides(trainer_model, 50) == {}
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_overrides_and_stats_equal_the_per_norm_formulas(dtype):
+    # noise_to_overrides moves all of a device's noise in one copy and realized_noise_stats reads its sums back once:
+    # the same values as the plain per-norm computation (bit for bit; the RMS's double sum in another order)
+    model = _tiny_model("qwen2", dtype, layers=3)
+    noise = sample_norm_noise(model, 0.01, torch.Generator().manual_seed(SEED))
+    overrides = noise_to_overrides(model, noise)
+    norms = find_norms(model, DEFAULT_NORMS)
+    assert list(overrides) == list(norms)
+    sq = changed = count = 0
+    for name, module in norms.items():
+        plain = (module.weight.detach().float() + noise[name].float()).to(dtype)
+        assert overrides[name].dtype == dtype and torch.equal(overrides[name], plain), name
+        delta = plain.float() - module.weight.detach().float()
+        sq, changed, count = sq + float(delta.double().pow(2).sum()), changed + int((delta != 0).sum()), count + delta.numel()
+    stats = realized_noise_stats(model, overrides)
+    assert stats["fraction_changed"] == changed / count
+    assert stats["realized_rms"] == pytest.approx(math.sqrt(sq / count), rel=1e-12)
+
+
 def test_bf16_rounds_small_noise_away_and_float32_overrides_keep_it():
     model = _tiny_model("llama", torch.bfloat16)
     with torch.no_grad():
