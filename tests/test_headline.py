@@ -215,3 +215,19 @@ def test_preset_rollout_row_compares_nvfp4_with_both_bf16_rows(results_copy):
     assert "128 rows" in quantity and "LoRA r32" in quantity and device == "H200"
     fp = tok["nvfp4", False]
     assert f"{fp / tok['bf16', False]:.2f}× / {fp / tok['bf16', True]:.2f}× of bf16's" in value
+
+
+def test_train_merge_row_names_a_rollout_that_stopped_early(results_copy):
+    """A mode whose completions averaged fewer tokens than asked did less work: the row says so, and only then."""
+    def completions(length):
+        def edit(doc):
+            for r in doc["rows"]:
+                if r["batch"] == 8:
+                    r["completion_len"] = length if (r["mode"], r["rollout_lora_merge"]) == ("lora", True) else r["gen_len"]
+        return edit
+
+    _edit(results_copy / "train_step_merge_h200.json", completions(1500.0))
+    value = headline_training._train_merge_row(results_copy)[1]
+    assert value.count("lora merged's completions averaged 1500 tokens") == 2 and value.count("averaged") == 2, value
+    _edit(results_copy / "train_step_merge_h200.json", completions(2048.0))
+    assert "averaged" not in headline_training._train_merge_row(results_copy)[1]

@@ -1,7 +1,8 @@
-"""Write results/train_step_merge_h200.json from two `qerl bench train` records of 2026-11-28 on an H200.
+"""Write results/train_step_merge_h200.json from two `qerl bench train` records on an H200.
 
 Rows: 7B and 14B at batch 8, 256 + 2048, modes qerl / lora with the rollout's adapters merged and not
-(dev/runs/train_merge_h200_2026-11-28/, dev/LOG.md section 63), and the 7B GSM8K preset's own step, qerl and lora
+(dev/runs/train_merge_h200_2026-11-29/, dev/LOG.md section 100; it replaced section 63's run of 2026-11-28, whose
+record stays in dev/runs/train_merge_h200_2026-11-28/), and the 7B GSM8K preset's own step, qerl and lora
 merged, one measured step each (dev/runs/preset_step_h200_2026-11-28/, section 68). The speedup columns stay as each
 run computed them: within a run, against the lora rows of the same case.
 Run from the repository root: python dev/sweeps/merge_train_merge_h200.py
@@ -15,7 +16,7 @@ from pathlib import Path
 sys.path.insert(0, os.getcwd())
 from qerl_lib.io import write_json_atomic  # noqa: E402
 
-SOURCES = [Path("dev/runs/train_merge_h200_2026-11-28/train_merge.json"),
+SOURCES = [Path("dev/runs/train_merge_h200_2026-11-29/train_merge.json"),
            Path("dev/runs/preset_step_h200_2026-11-28/preset_step.json")]
 
 

@@ -75,10 +75,14 @@ def _train_merge_row(results_dir) -> tuple:
         return matching_row(rows, file, model=model, mode=mode, rollout_lora_merge=merged, batch=8)
 
     def part(m):
-        q, merged, plain = row(m, "qerl")["step_s"], row(m, "lora", True)["step_s"], row(m, "lora")["step_s"]
-        paper = (row(m, "qerl")["paper"] or "-").replace("x", "×", 1)
+        cases = {"qerl": row(m, "qerl"), "lora merged": row(m, "lora", True), "lora": row(m, "lora")}
+        q, merged, plain = (r["step_s"] for r in cases.values())
+        paper = (cases["qerl"]["paper"] or "-").replace("x", "×", 1)
+        # random weights can sample the end-of-text token: a rollout that stopped early did less work than asked
+        short = [f"{name}'s completions averaged {r['completion_len']:.0f} tokens" for name, r in cases.items()
+                 if r["completion_len"] < r["gen_len"]]
         return (f"{m.split('-')[1].upper()} {q:.1f} / {merged:.1f} / {plain:.1f} s ({times(merged / q)} / {times(plain / q)}; "
-                f"paper, Tab. 3: {paper})")
+                f"{''.join(s + '; ' for s in short)}paper, Tab. 3: {paper})")
 
     r = row("qwen2.5-7b", "qerl")
     models = sorted({r["model"] for r in rows if r["error"] is None and r["batch"] == 8}, key=model_size)
