@@ -17,6 +17,8 @@
 # Random-weight runs need only the embedded model's tokenizer, not its weights: `bash dev/sweeps/gpu_job.sh tokcache`
 # here writes .tokcache (3.4 MB, the converted folder without model.safetensors); carry it with .bnb0 or .bnb1 and
 # start the job's commands with `export QERL_CACHE=$PWD/.tokcache` instead of sending the four GGUF parts.
+# The whole CUDA suite (~9.5 min on an H200, dev/LOG.md 101): with the two .bnb parts and .tokcache as above,
+#   python3 -m pytest -m cuda tests/ --ignore=tests/test_hygiene.py   (that CPU-only file needs nbformat, absent there)
 set -euo pipefail
 OUT=${OUT:-/tmp/out}
 JOB=/tmp/job
