@@ -19,8 +19,7 @@ def plot_gemm_speedup(gemm_json: str | Path, out_png: str | Path, target: float 
     fig, axes = new_figure(ncols=len(models), width=5.2, height=3.8)
     for ax, model in zip(axes, models):
         mine = [r for r in rows if r["model"] == model]
-        shapes = sorted({(r["layout"], r["proj"], r["n"], r["k"]) for r in mine}, key=lambda s: (s[0], -s[2] * s[3]))
-        for layout, proj, n, k in shapes:
+        for layout, proj, n, k in shape_order(mine):
             pts = sorted((r["m"], r["speedup"]) for r in mine if (r["layout"], r["proj"]) == (layout, proj))
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3,
                     linestyle="-" if layout == "hf" else "--", label=f"{proj} {n}x{k}")
@@ -38,6 +37,12 @@ def plot_gemm_speedup(gemm_json: str | Path, out_png: str | Path, target: float 
         ax.legend(fontsize=6)
     fig.suptitle(f"NVFP4 x BF16 GEMM on {doc['provenance']['device'].get('name')}", fontsize=9)
     return save_figure(fig, out_png, source=gemm_json)
+
+
+def shape_order(rows: list[dict]) -> list[tuple[str, str, int, int]]:
+    """The (layout, proj, n, k) of ``rows`` in drawing order: by layout, the largest weight first, then by name, so
+    that shapes of equal size (7B's down and gate/up: 3584 x 18944 and 18944 x 3584) keep their colours run to run."""
+    return sorted({(r["layout"], r["proj"], r["n"], r["k"]) for r in rows}, key=lambda s: (s[0], -s[2] * s[3], s[1]))
 
 
 def plot_gemm_bandwidth(gemm_json: str | Path, out_png: str | Path, max_m: int = 16) -> Path:
