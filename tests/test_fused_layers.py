@@ -249,7 +249,7 @@ def test_rotary_matches_transformers_bit_for_bit_in_the_interpreter():
     transposed layout, which the outputs keep; heads that are not a power of two (3, 6, 28 padded); cos and sin per
     sequence or shared. The dispatcher takes the kernels in a swapped model's attention only, an unswapped model keeps
     its exact logits, and the swapped model's are within float32 rounding of them; ``QERL_FUSED_ROTARY=0`` sends the
-swapped model's calls back to transformers' function."""
+    swapped model's calls back to transformers' function."""
     r = run_triton_interpreter(ROTARY_SCRIPT, ROTARY_CASES)
     for case in ROTARY_CASES:
         result = r["-".join(str(v) for v in case)]

@@ -350,4 +350,3 @@ def test_cuda_nvfp4_bias_in_the_expand_is_bit_for_bit(rows, monkeypatch):
         layer.zero_grad(set_to_none=True)
     assert folded and folded[0] is layer.base_layer.bias  # the first run folded it, the second did not
     assert all(torch.equal(a, b) for a, b in zip(*runs))
-
