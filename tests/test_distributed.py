@@ -116,3 +116,35 @@ def test_the_global_batch_does_not_change_with_the_number_of_processes(monkeypat
     assert world() == (0, 1) and accumulation_steps(config) == 8
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert accumulation_steps(config) * config.micro_batch * 2 == config.completions_per_step == 16
+
+
+@pytest.mark.parametrize("local_rank, expected", [(None, "cuda"), ("0", "cuda:0"), ("1", "cuda:1")])
+def test_each_launched_process_takes_its_own_gpu_before_the_model_loads(monkeypatch, local_rank, expected):
+    """Under `accelerate launch` the model is built before TRL's accelerator exists: `resolve_device` must already
+    name (and make current) the process's GPU, or every process builds its model on GPU 0."""
+    from qerl_lib.train import grpo
+
+    made_current = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", made_current.append)
+    if local_rank is None:
+        monkeypatch.delenv("LOCAL_RANK", raising=False)
+    else:
+        monkeypatch.setenv("LOCAL_RANK", local_rank)
+    config = make_config("smollm2-arith", mode="lora", device="cuda", optim="adamw_torch")
+    device = grpo.resolve_device(config)
+    assert str(device) == expected
+    assert made_current == ([] if local_rank is None else [device])
+
+
+def test_a_launch_with_more_processes_than_gpus_is_one_line(monkeypatch):
+    from qerl_lib.train import grpo
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: pytest.fail("no device should be made current"))
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    config = make_config("smollm2-arith", mode="lora", device="cuda", optim="adamw_torch")
+    with pytest.raises(UserError, match="--num-gpus at most the GPU count"):
+        grpo.resolve_device(config)

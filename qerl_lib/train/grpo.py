@@ -131,6 +131,15 @@ def resolve_device(config: TrainConfig) -> torch.device:
     if config.device == "cuda" and not torch.cuda.is_available():
         raise UserError("--device cuda was requested but CUDA is not available: use --device cpu (or auto)")
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if config.device == "auto" else config.device)
+    if device.type == "cuda" and device.index is None and "LOCAL_RANK" in os.environ:
+        # under `accelerate launch` each process takes its own GPU before anything is allocated: the model is
+        # built (and the engine's kernels launch) on this device, not on GPU 0 with every other process
+        local = int(os.environ["LOCAL_RANK"])
+        if local >= torch.cuda.device_count():
+            raise UserError(f"process {local} of a launch on a machine with {torch.cuda.device_count()} visible "
+                            "GPU(s): pass --num-gpus at most the GPU count (or check CUDA_VISIBLE_DEVICES)")
+        device = torch.device("cuda", local)
+        torch.cuda.set_device(device)
     if device.type == "cpu" and "8bit" in config.optim:
         raise UserError(f"optim={config.optim!r} (bitsandbytes 8-bit AdamW, the paper's) needs a GPU: on a CPU pass "
                         "optim='adamw_torch' (Python API) or use the smollm2-arith preset")
