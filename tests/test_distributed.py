@@ -148,3 +148,17 @@ def test_a_launch_with_more_processes_than_gpus_is_one_line(monkeypatch):
     config = make_config("smollm2-arith", mode="lora", device="cuda", optim="adamw_torch")
     with pytest.raises(UserError, match="--num-gpus at most the GPU count"):
         grpo.resolve_device(config)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two visible GPUs (one process on a multi-GPU machine)")
+def test_one_process_on_a_machine_with_several_gpus_trains_on_one(tmp_path, monkeypatch):
+    """Without a launcher, transformers' `Trainer` counts every visible GPU and would wrap the model in
+    nn.DataParallel, which TRL's GRPO trainer refuses at construction: a one-GPU run on a 2-GPU machine failed so."""
+    from qerl_lib.train.trainer import grpo_args
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    config = make_config("smollm2-arith", mode="lora", device="cuda")
+    args = grpo_args(config, tmp_path / "checkpoints", torch.device("cuda"), [1.0])
+    assert args.n_gpu == 1 and args.device == torch.device("cuda", 0)

@@ -176,11 +176,11 @@ def grpo_args(config: TrainConfig, output_dir: str | os.PathLike, device: torch.
     """
     from trl import GRPOConfig
 
-    from qerl_lib.train.grpo import accumulation_steps
+    from qerl_lib.train.grpo import accumulation_steps, world
 
     c = config
     accumulation = accumulation_steps(c)  # per process: the processes share one step's completions
-    return GRPOConfig(
+    args = GRPOConfig(
         output_dir=str(output_dir),
         # batch shape: generation batch = one optimizer step's completions, over all processes
         per_device_train_batch_size=c.micro_batch, gradient_accumulation_steps=accumulation,
@@ -207,3 +207,9 @@ def grpo_args(config: TrainConfig, output_dir: str | os.PathLike, device: torch.
         save_strategy="steps", save_steps=c.save_steps, save_total_limit=c.save_total_limit, save_only_model=False,
         remove_unused_columns=False, dataloader_num_workers=0, pad_to_multiple_of=c.pad_to_multiple_of or None, trust_remote_code=False,
     )
+    if device.type == "cuda" and world()[1] == 1 and torch.cuda.device_count() > 1:
+        # one process on a machine with several visible GPUs trains on one of them: `Trainer` would count them all
+        # and wrap the model in nn.DataParallel, which TRL refuses (data parallel is `--num-gpus N`, one process each)
+        _ = args._setup_devices  # resolves the device (cuda:0) and counts the GPUs first; cached from here on
+        args._n_gpu = 1
+    return args
