@@ -47,6 +47,16 @@ def tiny_model(kind: str, dtype=torch.float32, seed: int = 0):
     return model
 
 
+def tiny_cuda_model(weights: str):
+    """``tiny_model("qwen2")`` in bf16 on the GPU, its Linears NVFP4 when ``weights`` is "nvfp4"."""
+    model = tiny_model("qwen2", dtype=torch.bfloat16)
+    if weights == "nvfp4":
+        from qerl_lib.models.loader import replace_linear_with_nvfp4
+
+        replace_linear_with_nvfp4(model)
+    return model.cuda()
+
+
 def hf_greedy(model, prompt, n):
     out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                          max_new_tokens=n, do_sample=False)
@@ -449,12 +459,7 @@ def test_graph_path_bookkeeping_on_cpu(model):
 @pytest.mark.parametrize("fuse", [False, True], ids=["unfused", "fused"])
 @pytest.mark.parametrize("weights", ["bf16", "nvfp4"])
 def test_cuda_greedy_batch_and_singles_are_greedy(weights, fuse):
-    model = tiny_model("qwen2", dtype=torch.bfloat16)
-    if weights == "nvfp4":
-        from qerl_lib.models.loader import replace_linear_with_nvfp4
-
-        replace_linear_with_nvfp4(model)
-    model = model.cuda()
+    model = tiny_cuda_model(weights)
     twin = exact_twin(model)
     engine = RolloutEngine(model, fuse_projections=fuse)  # graphs+fused on CUDA
     batch = engine.generate(PROMPTS, 24, temperature=0, stop_token_ids=[])

@@ -412,8 +412,8 @@ def test_a_run_whose_weights_turn_nan_stops_there_without_a_checkpoint(tiny_mode
 
 
 def test_engine_cache_is_released_before_the_backward_pass(tiny_model_dir, tmp_path):
-    """With release_engine_cache (default) the KV cache is gone when the loss's backward runs; with it off
-    the cache stays allocated through the backward (what the flag exists to avoid)."""
+    """With release_engine_cache (default) the KV cache's memory is gone when the loss's backward runs; with it
+    off the cache stays allocated through the backward (what the flag exists to avoid)."""
     from transformers import TrainerCallback
 
     from qerl_lib.train.grpo import build_trainer
@@ -427,7 +427,7 @@ def test_engine_cache_is_released_before_the_backward_pass(tiny_model_dir, tmp_p
         class WatchBackward(TrainerCallback):
             def on_train_begin(self, args, state, control, model=None, **kwargs):
                 lora = next(p for n, p in model.named_parameters() if "lora_B" in n and p.requires_grad)
-                lora.register_hook(lambda grad: seen.append(rollout.engine.cache is not None) or grad)
+                lora.register_hook(lambda grad: seen.append(rollout.engine.resident_cache_bytes > 0) or grad)
 
         trainer.add_callback(WatchBackward())
         trainer.train()

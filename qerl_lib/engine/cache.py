@@ -56,13 +56,29 @@ def length_bucket(columns: int, step: int, limit: int) -> int:
 
 
 class KVCache:
-    """Keys and values of every layer: ``k, v [layers, batch, kv_heads, length, head_dim]``."""
+    """Keys and values of every layer: ``k, v [layers, batch, kv_heads, length, head_dim]``.
+
+    ``remappable``: both live in one `engine.remap.RemappableBuffer`, whose memory `unmap` gives back to the
+    driver and `map` takes again at the same addresses (zero-filled), so graphs captured over the cache stay
+    valid across the trainer's step; otherwise they come from PyTorch's allocator and are freed by dropping
+    the cache."""
 
     def __init__(self, layers: int, batch: int, kv_heads: int, length: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device):
+                 dtype: torch.dtype, device: torch.device, remappable: bool = False):
         shape = (layers, batch, kv_heads, length, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self._buffer = None
+        if remappable:
+            from qerl_lib.engine.remap import RemappableBuffer
+
+            size = math.prod(shape) * dtype.itemsize
+            self._buffer = RemappableBuffer(2 * size, device)
+            raw = self._buffer.view()
+            self.k, self.v = (raw[i * size:(i + 1) * size].view(dtype).view(shape) for i in (0, 1))
+            self.k.zero_()
+            self.v.zero_()
+        else:
+            self.k = torch.zeros(shape, dtype=dtype, device=device)
+            self.v = torch.zeros(shape, dtype=dtype, device=device)
         if self.k.is_cuda:
             # for decode_backend="compile": a tensor the step mutates in place may stay in
             # torch.compile's CUDA graphs only if its address is declared fixed (gpt-fast keeps its
@@ -84,6 +100,31 @@ class KVCache:
 
     def fits(self, batch: int, length: int) -> bool:
         return self.batch >= batch and self.length >= length
+
+    @property
+    def remappable(self) -> bool:
+        return self._buffer is not None
+
+    @property
+    def resident(self) -> bool:
+        """True while the cache's memory is allocated (a remappable cache between `unmap` and `map`: False)."""
+        return self._buffer is None or self._buffer.mapped
+
+    def unmap(self) -> None:
+        """Give a remappable cache's memory back to the driver; its addresses stay reserved."""
+        self._buffer.unmap()
+
+    def map(self) -> None:
+        """Memory behind a remappable cache's addresses again, zero-filled as a new cache is."""
+        if not self._buffer.mapped:
+            self._buffer.map()
+            self.k.zero_()
+            self.v.zero_()
+
+    def close(self) -> None:
+        """Free a remappable cache's memory and addresses now (a plain cache is freed when dropped)."""
+        if self._buffer is not None:
+            self._buffer.close()
 
 
 StepFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]

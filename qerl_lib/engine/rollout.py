@@ -50,7 +50,8 @@ correctness.
 
 Caveats: graphs replay fixed addresses, so update adapters and weights *in place* (optimizers
 do); swapping modules or toggling peft adapters is detected and re-captures. The KV cache and
-graphs are kept between calls for speed; ``release(model)`` frees them before training.
+graphs are kept between calls for speed; ``RolloutEngine.release()`` gives the cache's memory back before
+training and, with CUDA's virtual memory (``engine/remap.py``), keeps the graphs for the next call.
 
 Measured (``qerl bench rollout``; the results files are indexed in results/README.md)
 -------------------------------------------------------------------------------------
@@ -135,6 +136,11 @@ class RolloutEngine:
     ``round(W + s B A)``, rewritten at every call (``engine/merged.py``): no adapter launches at all, for one
     copy of those weights in memory (7B: 12.2 GiB) and one pass over them per call. NVFP4 and NF4 groups keep
     their adapters unmerged. Off by default.
+    ``remap_cache``: the KV cache lives in CUDA virtual memory (``engine/remap.py``), so ``release()`` gives
+    its memory back and keeps the decode graphs, and the next call maps memory at the same addresses instead
+    of capturing every length bucket again (0.5-0.7 s a 7B rollout, dev/LOG.md section 104). Default (None):
+    on with CUDA graphs where the driver supports it. ``lora_merge``'s copies are freed by ``release()`` all
+    the same, and the graphs that read them with them.
     """
 
     def __init__(self, model, max_seq_len: int | None = None, decode_backend: str = "auto",
@@ -142,7 +148,8 @@ class RolloutEngine:
                  batch_buckets: tuple[int, ...] = BATCH_BUCKETS, check_every: int = 16, keep_alive: bool = True,
                  fuse_projections: bool | None = None, glue_kernels: bool = True,
                  attention_launch: AttentionLaunch | None = None, lora_kernels: bool | None = None,
-                 lora_in_gemm: bool = False, lora_fold: bool | None = None, lora_merge: bool = False):
+                 lora_in_gemm: bool = False, lora_fold: bool | None = None, lora_merge: bool = False,
+                 remap_cache: bool | None = None):
         if decode_backend not in DECODE_BACKENDS:
             raise ValueError(f"decode_backend must be one of {DECODE_BACKENDS}, got {decode_backend!r}")
         view = ModelView(model)  # validates the architecture now, not at the first call
@@ -166,6 +173,14 @@ class RolloutEngine:
         self.lora_in_gemm = bool(lora_in_gemm)
         self.lora_fold = None if lora_fold is None else bool(lora_fold)
         self.lora_merge = bool(lora_merge)
+        if remap_cache is None:
+            from qerl_lib.engine.remap import supported
+
+            remap_cache = decode_backend in ("graphs", "graphs+fused") and supported(view.device)
+        elif remap_cache and decode_backend not in ("graphs", "graphs+fused"):
+            raise ValueError(f"remap_cache keeps CUDA graphs valid across release(): it needs decode_backend "
+                             f"'graphs' or 'graphs+fused', not {decode_backend!r}")
+        self.remap_cache = bool(remap_cache) and on_cuda
         self.max_seq_len = int(max_seq_len or view.max_positions or 4096)
         self.length_step = int(length_step)
         self.batch_buckets = tuple(batch_buckets)
@@ -263,16 +278,31 @@ class RolloutEngine:
             torch.cuda.synchronize(device)
 
     def release(self) -> None:
-        """Free the KV cache, the graphs and any merged weight copies (GPU memory) until the next call."""
+        """Give the KV cache's memory and any merged weight copies back until the next call. A remappable
+        cache (``remap_cache``) keeps its addresses and the graphs that use them; otherwise the graphs go too."""
+        merged = self._forward is not None and self._forward.merged is not None
+        if self.cache is not None and self.cache.remappable and not merged:
+            self.cache.unmap()
+            return
+        self._free_all()
+
+    def _free_all(self) -> None:
         self._free_cache()
         if self._forward is not None:
             self._forward.drop_merged()
 
+    @property
+    def resident_cache_bytes(self) -> int:
+        """Bytes of KV cache memory allocated now (0 after ``release()``)."""
+        return self.cache.nbytes if self.cache is not None and self.cache.resident else 0
+
     def _free_cache(self) -> None:
-        self.cache, self._compiled = None, None
-        if self.graphs is not None:
+        if self.graphs is not None:  # the graphs go before the memory they point into
             self.graphs.clear()
             self.graphs = None
+        if self.cache is not None:
+            self.cache.close()
+        self.cache, self._compiled = None, None
 
     # ---- internals ------------------------------------------------------------------------------
     def _prepare(self, model, lora) -> ForwardPass:
@@ -281,7 +311,7 @@ class RolloutEngine:
         bypass = lora is not None and view.is_peft
         signature = (view.signature(), bypass)
         if signature != self._signature or (self._forward is not None and self._forward.is_stale()):
-            self.release()
+            self._free_all()  # the graphs belong to the old pass: a remappable cache goes with them
             self._forward = None  # drop the old pass (and its fused-buffer references) before fusing anew
             fuse = self.decode_backend == "graphs+fused"
             self._forward = ForwardPass(view, self.decode_attention, fuse_elementwise=fuse, bypass_peft=bypass,
@@ -299,10 +329,36 @@ class RolloutEngine:
         else:
             rows = batch_bucket(batch, self.batch_buckets)
             length = length_bucket(columns, self.length_step, max(self.max_seq_len, columns))
-        if self.cache is None or not self.cache.fits(rows, length):
-            self._free_cache()  # (not the merged copies: this call's adapters are in them already)
-            self.cache = KVCache(view.n_layers, rows, view.n_kv_heads, length, view.head_dim, view.dtype, view.device)
+        if self.cache is not None and self.cache.fits(rows, length):
+            if not self.cache.resident:
+                self._map_cache()
+            return self.cache
+        self._free_cache()  # (not the merged copies: this call's adapters are in them already)
+        self.cache = KVCache(view.n_layers, rows, view.n_kv_heads, length, view.head_dim, view.dtype, view.device,
+                             remappable=self.remap_cache and self.decode_backend != "eager")
         return self.cache
+
+    def _map_cache(self) -> None:
+        """Memory behind a released remappable cache again; PyTorch's cached blocks are returned to the driver
+        first if the device has no room (the trainer's activations, freed but kept by the allocator)."""
+        from qerl_lib.engine.remap import DriverError
+
+        try:
+            self.cache.map()
+        except DriverError as error:
+            if error.code != 2:  # CUDA_ERROR_OUT_OF_MEMORY
+                raise
+            torch.cuda.empty_cache()
+            try:
+                self.cache.map()
+            except DriverError as again:
+                if again.code != 2:
+                    raise
+                gib = self.cache.nbytes / 2**30
+                self._free_cache()
+                raise torch.cuda.OutOfMemoryError(
+                    f"no room for the rollout's {gib:.1f} GiB KV cache: lower rollout_batch (rows decoding at "
+                    "once) or the completion length") from again
 
     def _run(self, forward, prompts, caps, params, seed, stops, timing, row_seeds=None) -> list[Completion]:
         view = forward.view

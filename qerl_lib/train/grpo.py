@@ -369,8 +369,8 @@ class EngineRollout:
     row of the global batch) (``row_seeds``): the samples depend on no global RNG state, on neither the
     rows decoding at once (``rollout_batch``: the engine's continuous batching) nor the number of
     processes, and a resumed run repeats them exactly.
-    With ``config.release_engine_cache`` (the default) the engine's KV cache and decode graphs are
-    freed after every rollout, before the loss forward and backward run.
+    With ``config.release_engine_cache`` (the default) the engine's KV cache memory is given back after every
+    rollout, before the loss forward and backward run (``RolloutEngine.release``).
     ``completion_budgets`` (benchmarks only): a function (rows, step, rollout number) -> one token budget per row,
     each in [1, max_completion_length], where a row stops as a stop token would stop it (random-weight models
     rarely sample one, so their completions would all run to the limit); None: one budget, the limit, for all.
@@ -435,9 +435,9 @@ class EngineRollout:
         seconds = time.perf_counter() - start
         cache_bytes = self.engine.cache.nbytes if self.engine.cache is not None else 0
         if self.config.release_engine_cache:
-            # the KV cache (and the decode graphs that point into it) would otherwise sit through the
-            # backward pass: ~32 GB at the 7B preset. Freed tensors go back to torch's caching allocator,
-            # where the trainer's activations reuse them; the next rollout allocates and captures anew.
+            # the KV cache would otherwise sit through the backward pass: ~32 GB at the 7B preset. Its memory
+            # goes back (to the driver when the cache is remappable, engine/remap.py: the decode graphs stay and
+            # the next rollout maps memory at the same addresses; else to torch's allocator, with the graphs)
             self.engine.release()
         self._calls += 1
         tokens = sum(len(c.token_ids) for c in completions)

@@ -1,0 +1,127 @@
+"""The engine's remappable KV cache (`engine/remap.py`): memory given back between rollouts, graphs kept.
+
+CPU: the driver structures' layouts against cuda.h, and the engine's choice of path off CUDA. CUDA: a buffer's
+memory really returns to the driver and comes back at the same address, zero-filled in a cache; an engine with the
+remappable cache, released between calls, samples exactly what an engine without it samples, without capturing
+its graphs again; and a cache that must grow is rebuilt.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+import torch
+
+from qerl_lib.engine import cache as engine_cache
+from qerl_lib.engine import remap
+from qerl_lib.engine.rollout import RolloutEngine
+
+from test_engine import PROMPTS, tiny_cuda_model, tiny_model
+
+
+def test_driver_structures_have_cuda_h_layouts():
+    # CUmemLocation {int type; int id}, CUmemAccessDesc {CUmemLocation; int flags}, CUmemAllocationProp
+    # {int type; int handle types; CUmemLocation; void *win32 metadata; 8 bytes of allocFlags}
+    assert ctypes.sizeof(remap._Location) == 8
+    assert ctypes.sizeof(remap._AccessDesc) == 12
+    assert ctypes.sizeof(remap._AllocationProp) == 32
+    assert remap._AllocationProp.win32HandleMetaData.offset == 16
+    assert remap._AllocationProp.allocFlags.offset == 24
+
+
+def test_off_cuda_the_engine_keeps_its_plain_cache():
+    assert not remap.supported(torch.device("cpu"))
+    model = tiny_model("qwen2")
+    engine = RolloutEngine(model, decode_backend="graphs", length_step=8, remap_cache=True)
+    assert engine.remap_cache is False  # asked for, but there is no CUDA here
+    engine.generate(PROMPTS[:2], 6, temperature=0, stop_token_ids=[])
+    assert not engine.cache.remappable and engine.resident_cache_bytes == engine.cache.nbytes > 0
+    engine.release()
+    assert engine.cache is None and engine.resident_cache_bytes == 0
+
+
+def test_remap_needs_a_graph_backend():
+    with pytest.raises(ValueError, match="needs decode_backend 'graphs' or 'graphs\\+fused'"):
+        RolloutEngine(tiny_model("qwen2"), decode_backend="eager", remap_cache=True)
+
+
+@pytest.mark.cuda
+def test_a_buffer_returns_its_memory_and_comes_back_at_the_same_address():
+    device = torch.device("cuda")
+    assert remap.supported(device), "CUDA virtual memory management should be available on this GPU"
+    size = 1 << 30
+    free_before = torch.cuda.mem_get_info()[0]
+    buffer = remap.RemappableBuffer(size, device)
+    view = buffer.view()
+    address = view.data_ptr()
+    view.fill_(7)
+    torch.cuda.synchronize()
+    assert torch.cuda.mem_get_info()[0] <= free_before - size
+    buffer.unmap()
+    assert torch.cuda.mem_get_info()[0] >= free_before - (64 << 20), "unmap did not give the memory back"
+    buffer.map()
+    assert buffer.view().data_ptr() == address
+    view.fill_(3)  # the old view is valid again once mapped
+    assert int(buffer.view()[:: 1 << 20].sum()) == 3 * (size >> 20)
+    buffer.close()
+    assert torch.cuda.mem_get_info()[0] >= free_before - (64 << 20)
+
+
+@pytest.mark.cuda
+def test_a_remapped_cache_is_zero_filled():
+    cache = engine_cache.KVCache(2, 4, 2, 64, 16, torch.bfloat16, torch.device("cuda"), remappable=True)
+    cache.k.fill_(1.0)
+    cache.v.fill_(float("nan"))
+    address = cache.k.data_ptr()
+    cache.unmap()
+    assert not cache.resident
+    cache.map()
+    assert cache.resident and cache.k.data_ptr() == address
+    assert int(torch.count_nonzero(cache.k)) == 0 and int(torch.count_nonzero(cache.v)) == 0
+    cache.close()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("weights", ["bf16", "nvfp4"])
+def test_released_engine_samples_as_before_without_capturing_again(weights, monkeypatch):
+    model = tiny_cuda_model(weights)
+    captures = []
+    original = engine_cache.DecodeGraphs._capture
+    monkeypatch.setattr(engine_cache.DecodeGraphs, "_capture",
+                        lambda self, batch, kv_len: captures.append(kv_len) or original(self, batch, kv_len))
+    kw = dict(temperature=1.0, stop_token_ids=[], row_seeds=[11, 12, 13, 14])
+    results = {}
+    for remapped in (True, False):
+        engine = RolloutEngine(model, length_step=16, remap_cache=remapped)  # several length buckets a call
+        assert engine.remap_cache is remapped
+        first = engine.generate(PROMPTS, 40, **kw)
+        n_first = len(captures)
+        engine.release()
+        assert engine.resident_cache_bytes == 0
+        second = engine.generate(PROMPTS, 40, **kw)
+        results[remapped] = (first, second, len(captures) - n_first, n_first)
+        captures.clear()
+        engine.release()
+    for remapped, (first, second, again, n_first) in results.items():
+        assert n_first > 1
+        assert [c.token_ids for c in second] == [c.token_ids for c in first], remapped
+        assert [c.logprobs for c in second] == [c.logprobs for c in first], remapped
+        assert again == (0 if remapped else n_first), (remapped, again, n_first)
+    assert [c.token_ids for c in results[True][0]] == [c.token_ids for c in results[False][0]]
+
+
+@pytest.mark.cuda
+def test_a_remappable_cache_that_must_grow_is_rebuilt():
+    model = tiny_cuda_model("bf16")
+    engine = RolloutEngine(model, length_step=16, remap_cache=True)
+    short = engine.generate(PROMPTS[:2], 8, temperature=0, stop_token_ids=[])
+    engine.release()
+    small = engine.cache
+    longer = engine.generate(PROMPTS, 60, temperature=0, stop_token_ids=[])
+    assert engine.cache is not small and engine.cache.remappable and engine.cache.resident
+    again = RolloutEngine(model, length_step=16, remap_cache=False)
+    assert [c.token_ids for c in longer] == [c.token_ids for c in again.generate(PROMPTS, 60, temperature=0,
+                                                                                 stop_token_ids=[])]
+    assert [c.token_ids for c in short] == [c.token_ids for c in again.generate(PROMPTS[:2], 8, temperature=0,
+                                                                                stop_token_ids=[])]
