@@ -128,3 +128,37 @@ def test_a_remappable_cache_that_must_grow_is_rebuilt():
                                                                                  stop_token_ids=[])]
     assert [c.token_ids for c in short] == [c.token_ids for c in again.generate(PROMPTS[:2], 8, temperature=0,
                                                                                 stop_token_ids=[])]
+
+
+@pytest.mark.cuda
+def test_released_merged_copies_come_back_rewritten_without_capturing_again(monkeypatch):
+    """lora_merge's weight copies are given back with the cache and rewritten at the next call: the same samples
+    as an engine whose copies are freed and rebuilt, and no capture after the first call."""
+    from tests.test_lora_kernels import _tiny_cuda_with_adapters
+
+    model, ads = _tiny_cuda_with_adapters("bf16")
+    captures = []
+    original = engine_cache.DecodeGraphs._capture
+    monkeypatch.setattr(engine_cache.DecodeGraphs, "_capture",
+                        lambda self, batch, kv_len: captures.append(kv_len) or original(self, batch, kv_len))
+    kw = dict(temperature=1.0, stop_token_ids=[], row_seeds=[21, 22, 23, 24], lora=ads)
+    results = {}
+    for remapped in (True, False):
+        engine = RolloutEngine(model, length_step=16, lora_merge=True, remap_cache=remapped)
+        first = engine.generate(PROMPTS, 40, **kw)
+        n_first = len(captures)
+        free = torch.cuda.mem_get_info()[0]
+        engine.release()
+        merged = engine._forward.merged
+        if remapped:
+            assert merged.remappable and not merged.resident and merged.layout
+            assert torch.cuda.mem_get_info()[0] >= free + merged.nbytes  # the copies' memory went back
+        else:
+            assert merged is None
+        second = engine.generate(PROMPTS, 40, **kw)
+        results[remapped] = (first, second, len(captures) - n_first, n_first)
+        captures.clear()
+    for remapped, (first, second, again, n_first) in results.items():
+        assert [(c.token_ids, c.logprobs) for c in second] == [(c.token_ids, c.logprobs) for c in first], remapped
+        assert n_first > 1 and again == (0 if remapped else n_first), (remapped, again, n_first)
+    assert [c.token_ids for c in results[True][1]] == [c.token_ids for c in results[False][1]]

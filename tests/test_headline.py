@@ -231,3 +231,20 @@ def test_train_merge_row_names_a_rollout_that_stopped_early(results_copy):
     assert value.count("lora merged's completions averaged 1500 tokens") == 2 and value.count("averaged") == 2, value
     _edit(results_copy / "train_step_merge_h200.json", completions(2048.0))
     assert "averaged" not in headline_training._train_merge_row(results_copy)[1]
+
+
+def test_data_parallel_row_is_each_batchs_one_gpu_step_over_its_two_gpu_step(results_copy):
+    doc = json.loads((results_copy / "train_step_merge_h200.json").read_text())
+    step = {(r["batch"], r["num_gpus"]): r["step_s"] for r in doc["rows"] if r["batch"] in (16, 64)}
+    quantity, value, device, file = headline_training._data_parallel_row(results_copy)
+    assert "1 / 2 GPUs" in quantity and device == "H200 (2-GPU machine)" and file == "train_step_merge_h200.json"
+    for batch in (16, 64):
+        one, two = step[batch, 1], step[batch, 2]
+        assert f"batch {batch}: {one:.1f} / {two:.1f} s, {one / two:.2f}×" in value
+    _edit(results_copy / "train_step_merge_h200.json",
+          lambda d: [r.update(step_s=r["step_s"] / 2) for r in d["rows"] if r.get("num_gpus") == 2])
+    assert f"{2 * step[64, 1] / step[64, 2]:.2f}×" in headline_training._data_parallel_row(results_copy)[1]
+    _edit(results_copy / "train_step_merge_h200.json",
+          lambda d: d.update(rows=[r for r in d["rows"] if not (r.get("num_gpus") == 1 and r["batch"] == 64)]))
+    with pytest.raises(ResultsError, match="no measured row with model=qwen2.5-7b, mode=qerl, batch=64, num_gpus=1"):
+        headline_training._data_parallel_row(results_copy)

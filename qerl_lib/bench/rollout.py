@@ -433,7 +433,7 @@ def _document(cfg: RolloutBenchConfig, rows: list[Row], prov: dict) -> dict:
 
 # The modules whose code sets the rollout numbers, relative to qerl_lib/.
 CODE_FILES = ("engine/rollout.py", "engine/continuous.py", "engine/forward.py", "engine/reference_ops.py", "engine/cache.py",
-              "engine/adapters.py", "engine/attention.py", "engine/merged.py", "engine/glue.py", "engine/sampling.py",
+              "engine/remap.py", "engine/adapters.py", "engine/attention.py", "engine/merged.py", "engine/glue.py", "engine/sampling.py",
               "kernels/pdl.py", "kernels/fp4_gemm.py", "kernels/launch_rule.py", "kernels/splitk.py", "kernels/fp4_wgmma.py",
               "kernels/fp4_wgmma_producer.py", "kernels/fp4_wgmma_ws.py", "kernels/fp4_decode.py", "kernels/mma.py",
               "kernels/mma.cu", "kernels/mma_lora.cuh", "kernels/fp4_device.cuh", "kernels/fp4_ra.py", "kernels/fp4_ra.cu",

@@ -189,7 +189,8 @@ class ForwardPass:
     def __init__(self, view: ModelView, decode_attention: str = "sdpa", fuse_elementwise: bool = False,
                  bypass_peft: bool = False, fuse_projections: bool = False, glue_kernels: bool = False,
                  attention_launch: AttentionLaunch | None = None, lora_kernels: bool = False,
-                 lora_in_gemm: bool = False, lora_fold: bool | None = None, lora_merge: bool = False):
+                 lora_in_gemm: bool = False, lora_fold: bool | None = None, lora_merge: bool = False,
+                 remap_merged: bool = False):
         if decode_attention not in DECODE_ATTENTION:
             raise ValueError(f"decode_attention must be one of {DECODE_ATTENTION}, got {decode_attention!r}")
         self.view = view
@@ -200,6 +201,7 @@ class ForwardPass:
         self.lora: LoraBuffers | None = None
         # lora_merge: dense groups' adapters merged into engine-owned weight copies (engine/merged.py)
         self.lora_merge, self.merged, self._lora_signature = bool(lora_merge), None, None
+        self.remap_merged = bool(remap_merged)  # the copies in CUDA virtual memory (RolloutEngine's remap_cache)
         # lora_kernels: adapters through kernels/lora.py's two launches per group (CUDA, <= 256 rows)
         self.lora_kernels = bool(lora_kernels) and lora_kernels_mod.triton is not None and (
             view.device.type == "cuda" or lora_kernels_mod.interpreting())
@@ -278,7 +280,8 @@ class ForwardPass:
         changed = signature != self._lora_signature
         if changed:
             self.merged = self.lora = None  # the old copies go before the new ones are allocated
-            self.merged = MergedAdapters(self._groups, adapters) if adapters and self.lora_merge else None
+            self.merged = (MergedAdapters(self._groups, adapters, remappable=self.remap_merged)
+                           if adapters and self.lora_merge else None)
             rest = {n: a for n, a in (adapters or {}).items() if self.merged is None or n not in self.merged.targets}
             self.lora = LoraBuffers(self.view, rest, a_rows=self._a_rows if self.lora_rows else None) if rest else None
             self._lora_signature = signature

@@ -19,7 +19,9 @@ What it costs (``RolloutEngine(lora_merge=True)``, ``qerl train --rollout-lora-m
 -------------------------------------------------------------------------------------------------------
 * Memory: a second copy of every merged group's weights. Qwen2.5-7B with adapters on all seven projections:
   6.53 B parameters, 12.2 GiB in bf16. At 32B (61 GiB of base) the copy does not fit beside it on one 80 GB GPU.
-  ``RolloutEngine.release()`` frees the copies with the KV cache; the next call rebuilds them.
+  ``RolloutEngine.release()`` gives the copies' memory back with the KV cache: with ``remap_cache`` (CUDA's virtual
+  memory, ``engine/remap.py``) they keep their addresses and the next call maps and rewrites them, graphs kept;
+  otherwise they are freed, and the next call allocates them and captures its graphs again.
 * Time: each ``generate`` reads every merged weight and writes its copy: one Triton kernel per member on CUDA, ~10 ms
   at 7B on an H200 at rank 16 and 64 (torch's float32 temporaries took ~60 ms; dev/LOG.md sections 58-61), counted in
   every timed rollout of ``qerl bench rollout``.
@@ -34,6 +36,8 @@ projection group without an adapter, which keeps running on the base weights.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn as nn
@@ -59,7 +63,8 @@ class MergedAdapters:
     ``groups``: the engine's ``[{group: [base modules]}]`` per layer (``ForwardPass._groups``). ``targets``: the
     adapter names this object merged (the caller runs the rest unmerged)."""
 
-    def __init__(self, groups: list[dict[str, list[nn.Module]]], adapters: dict[str, LoraAdapter]):
+    def __init__(self, groups: list[dict[str, list[nn.Module]]], adapters: dict[str, LoraAdapter],
+                 remappable: bool = False):
         by_layer: dict[int, dict[str, str]] = {}
         for name in adapters:
             layer, proj = parse_target(name, len(groups))
@@ -67,6 +72,7 @@ class MergedAdapters:
         # (layer, group) -> (weight copy, bias copy or None, [(member module, row start, adapter name or None)])
         self.layout: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor | None, list]] = {}
         self.targets: set[str] = set()
+        specs = []  # ((layer, group), rows, k, biased, placed, a base weight): every copy's shape, checked first
         for layer, named in sorted(by_layer.items()):
             for group, names in PROJECTION_GROUPS.items():
                 members = groups[layer][group]
@@ -76,10 +82,7 @@ class MergedAdapters:
                 if any(m.in_features != k for m in members):
                     continue
                 rows = sum(m.out_features for m in members)
-                first = members[0].weight
-                weight = _allocate((rows, k), first)
                 biased = any(m.bias is not None for m in members)
-                bias = torch.zeros(rows, dtype=first.dtype, device=first.device) if biased else None
                 placed, start = [], 0
                 for m, p in zip(members, names):
                     adapter = named.get(p)
@@ -92,11 +95,39 @@ class MergedAdapters:
                         self.targets.add(adapter)
                     placed.append((m, start, adapter))
                     start += m.out_features
-                self.layout[(layer, group)] = (weight, bias, placed)
+                specs.append(((layer, group), rows, k, biased, placed, members[0].weight))
+        # remappable: every copy in one `engine.remap.RemappableBuffer`, whose memory `unmap` gives back between
+        # rollouts and `refresh` maps again at the same addresses (graphs that read the copies stay valid)
+        self._buffer = _remappable_buffer(specs) if remappable and specs else None
+        raw, offset = (self._buffer.view(), 0) if self._buffer is not None else (None, 0)
+        for key, rows, k, biased, placed, first in specs:
+            if raw is None:
+                weight = _allocate((rows, k), first)
+                bias = torch.zeros(rows, dtype=first.dtype, device=first.device) if biased else None
+            else:
+                weight, offset = _carve(raw, offset, (rows, k), first.dtype)
+                bias, offset = _carve(raw, offset, (rows,), first.dtype) if biased else (None, offset)
+            self.layout[key] = (weight, bias, placed)
+
+    @property
+    def remappable(self) -> bool:
+        return self._buffer is not None
+
+    @property
+    def resident(self) -> bool:
+        """True while the copies' memory is allocated (remappable copies after `unmap`: False until `refresh`)."""
+        return self._buffer is None or self._buffer.mapped
+
+    def unmap(self) -> None:
+        """Give remappable copies' memory back to the driver; the next `refresh` maps and rewrites them."""
+        self._buffer.unmap()
 
     def refresh(self, adapters: dict[str, LoraAdapter]) -> None:
         """Rewrite every copy in place: ``round(W + scale * B @ A)`` from the base's and the adapters' current
-        values (float32 sum, one rounding), the base's own rows where a member has no adapter."""
+        values (float32 sum, one rounding), the base's own rows where a member has no adapter (every byte of
+        every copy, so remapped memory needs no zero-fill)."""
+        if self._buffer is not None and not self._buffer.mapped:
+            _map_or_fail(self._buffer)
         with torch.no_grad():
             for weight, bias, placed in self.layout.values():
                 for module, start, name in placed:
@@ -156,10 +187,53 @@ def _allocate(shape: tuple[int, int], like: torch.Tensor) -> torch.Tensor:
     try:
         return torch.empty(shape, dtype=like.dtype, device=like.device)
     except torch.OutOfMemoryError as e:  # one line that names the fix, not a bare allocator message
-        gib = shape[0] * shape[1] * like.element_size() / 2**30
-        raise torch.OutOfMemoryError(
-            f"lora_merge: no room for a merged copy of {shape[0]} x {shape[1]} weights ({gib:.2f} GiB more per group): "
-            "roll out with lora_merge=False (the adapters then run unmerged)") from e
+        raise _no_room(shape[0] * shape[1] * like.element_size(), "per group") from e
+
+
+def _no_room(nbytes: int, what: str) -> torch.OutOfMemoryError:
+    return torch.OutOfMemoryError(f"lora_merge: no room for the merged weight copies ({nbytes / 2**30:.2f} GiB more "
+                                  f"{what}): roll out with lora_merge=False (the adapters then run unmerged)")
+
+
+_ALIGN = 512  # bytes: each copy starts on a boundary every kernel's vector loads accept
+
+
+def _remappable_buffer(specs):
+    from qerl_lib.engine.remap import DriverError, RemappableBuffer
+
+    def aligned(n: int) -> int:
+        return -(-n // _ALIGN) * _ALIGN
+
+    total = sum(aligned(rows * k * first.element_size()) + (aligned(rows * first.element_size()) if biased else 0)
+                for _, rows, k, biased, _, first in specs)
+    try:
+        return RemappableBuffer(total, specs[0][5].device)
+    except DriverError as e:
+        if e.code != 2:
+            raise
+        raise _no_room(total, "in all") from e
+
+
+def _map_or_fail(buffer) -> None:
+    """Map a released buffer again; PyTorch's cached blocks go back to the driver first if there is no room."""
+    from qerl_lib.engine.remap import DriverError
+
+    for attempt in (0, 1):
+        try:
+            return buffer.map()
+        except DriverError as e:
+            if e.code != 2:
+                raise
+            if attempt:
+                raise _no_room(buffer.nbytes, "in all") from e
+            torch.cuda.empty_cache()
+
+
+def _carve(raw: torch.Tensor, offset: int, shape: tuple, dtype: torch.dtype) -> tuple[torch.Tensor, int]:
+    """A ``shape`` tensor of ``dtype`` at byte ``offset`` of ``raw`` (uint8), and the next aligned offset."""
+    n = math.prod(shape) * dtype.itemsize
+    view = raw[offset:offset + n].view(dtype).view(shape)
+    return view, offset + -(-n // _ALIGN) * _ALIGN
 
 
 if triton is not None:

@@ -139,8 +139,8 @@ class RolloutEngine:
     ``remap_cache``: the KV cache lives in CUDA virtual memory (``engine/remap.py``), so ``release()`` gives
     its memory back and keeps the decode graphs, and the next call maps memory at the same addresses instead
     of capturing every length bucket again (0.5-0.7 s a 7B rollout, dev/LOG.md section 104). Default (None):
-    on with CUDA graphs where the driver supports it. ``lora_merge``'s copies are freed by ``release()`` all
-    the same, and the graphs that read them with them.
+    on with CUDA graphs where the driver supports it. ``lora_merge``'s copies live in the same kind of memory
+    and are given back with the cache.
     """
 
     def __init__(self, model, max_seq_len: int | None = None, decode_backend: str = "auto",
@@ -278,11 +278,13 @@ class RolloutEngine:
             torch.cuda.synchronize(device)
 
     def release(self) -> None:
-        """Give the KV cache's memory and any merged weight copies back until the next call. A remappable
-        cache (``remap_cache``) keeps its addresses and the graphs that use them; otherwise the graphs go too."""
-        merged = self._forward is not None and self._forward.merged is not None
-        if self.cache is not None and self.cache.remappable and not merged:
+        """Give the KV cache's memory and any merged weight copies back until the next call. Remappable ones
+        (``remap_cache``) keep their addresses and the graphs that use them; otherwise the graphs go too."""
+        merged = self._forward.merged if self._forward is not None else None
+        if self.cache is not None and self.cache.remappable and (merged is None or merged.remappable):
             self.cache.unmap()
+            if merged is not None:
+                merged.unmap()
             return
         self._free_all()
 
@@ -318,7 +320,7 @@ class RolloutEngine:
                                         glue_kernels=self.glue_kernels, fuse_projections=self.fuse_projections,
                                         attention_launch=self.attention_launch, lora_kernels=self.lora_kernels,
                                         lora_in_gemm=self.lora_in_gemm, lora_fold=self.lora_fold,
-                                        lora_merge=self.lora_merge)
+                                        lora_merge=self.lora_merge, remap_merged=self.remap_cache)
             self._signature, self._view = signature, view
         return self._forward
 

@@ -4,7 +4,7 @@ preset's step and rollout, and a short real run; each read from its results file
 from __future__ import annotations
 
 from qerl_lib.studies.result_reading import (ROLLOUT_KEYS, ResultsError, checked_rows, device_name, fastest, field,
-                                             load_result, matching_row, model_size, times, tok_text)
+                                             load_result, matching_row, model_size, provenances, times, tok_text)
 
 
 def _training_row(results_dir) -> tuple:
@@ -91,6 +91,25 @@ def _train_merge_row(results_dir) -> tuple:
             "; ".join(part(m) for m in models), device_name(doc, file), file)
 
 
+def _data_parallel_row(results_dir) -> tuple:
+    """The same global batch on one GPU and on two (`--num-gpus 2`: one process and one engine per GPU), mode qerl."""
+    file = "train_step_merge_h200.json"
+    doc = load_result(results_dir, file)
+    rows = checked_rows(doc, file, TRAIN_STEP_KEYS + ("num_gpus", "groups", "micro_batch", "lora_rank"))
+    batches = sorted({r["batch"] for r in rows if r["error"] is None and r["num_gpus"] == 2})
+    if not batches:
+        raise ResultsError(f"{file}: no measured two-GPU row")
+    cases = [(matching_row(rows, file, model="qwen2.5-7b", mode="qerl", batch=b, num_gpus=1),
+              matching_row(rows, file, model="qwen2.5-7b", mode="qerl", batch=b, num_gpus=2)) for b in batches]
+    one = cases[0][0]
+    gpus = max(int(p.get("device", {}).get("gpu_count", 1)) for p in provenances(doc, file))
+    parts = [f"batch {a['batch']}: {a['step_s']:.1f} / {b['step_s']:.1f} s, {times(a['step_s'] / b['step_s'])} "
+             f"(rollout {a['rollout_s']:.1f} / {b['rollout_s']:.1f} s)" for a, b in cases]
+    return (f"data parallel, the same global batch on 1 / 2 GPUs (`--num-gpus`): GRPO step, Qwen2.5-7B shapes, mode "
+            f"qerl, {one['groups']} groups, 256 + {one['gen_len']} tokens, LoRA r{one['lora_rank']}, micro-batch "
+            f"{one['micro_batch']}", "; ".join(parts), f"{device_name(doc, file)} ({gpus}-GPU machine)", file)
+
+
 def _preset_step_merged_row(results_dir) -> tuple:
     """The 7B GSM8K preset's whole step with the current kernels: qerl against lora with the rollout merged."""
     file = "train_step_merge_h200.json"
@@ -125,4 +144,4 @@ def _preset_rollout_row(results_dir) -> tuple:
 def training_rows(results_dir) -> list[tuple]:
     """(quantity, value, device, file) of the README table's training topic, in its order."""
     return [*_train_step_rows(results_dir), _preset_rollout_row(results_dir), _preset_step_merged_row(results_dir),
-            _train_merge_row(results_dir), _training_row(results_dir)]
+            _train_merge_row(results_dir), _data_parallel_row(results_dir), _training_row(results_dir)]
