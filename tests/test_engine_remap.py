@@ -46,6 +46,40 @@ def test_remap_needs_a_graph_backend():
         RolloutEngine(tiny_model("qwen2"), decode_backend="eager", remap_cache=True)
 
 
+class _FakeBuffer:
+    """A buffer whose ``map`` fails with the driver's out-of-memory code ``failures`` times, then maps."""
+
+    def __init__(self, failures: int, code: int = 2):
+        self.mapped, self.failures, self.code, self.calls = False, failures, code, 0
+
+    def map(self):
+        self.calls += 1
+        if self.failures:
+            self.failures -= 1
+            raise remap.DriverError("cuMemCreate", self.code, "CUDA_ERROR_X")
+        self.mapped = True
+
+
+@pytest.mark.parametrize("failures, outcome", [(0, "mapped"), (1, "mapped after emptying"), (2, "no room"),
+                                               (-1, "other error")])
+def test_mapping_returns_torchs_cached_blocks_once_then_fails_in_one_line(monkeypatch, failures, outcome):
+    emptied = []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(True))
+    buffer = _FakeBuffer(1, code=1) if failures < 0 else _FakeBuffer(failures)
+    if outcome == "no room":
+        with pytest.raises(torch.OutOfMemoryError, match="lower rollout_batch"):
+            remap.map_or_raise(buffer, "no room for the KV cache: lower rollout_batch")
+        assert buffer.calls == 2 and emptied == [True]
+    elif outcome == "other error":  # not out of memory: no retry, the driver's error itself
+        with pytest.raises(remap.DriverError, match="CUDA_ERROR_X"):
+            remap.map_or_raise(buffer, "unused")
+        assert buffer.calls == 1 and not emptied
+    else:
+        assert remap.map_or_raise(buffer, "unused") is True and buffer.mapped
+        assert emptied == ([True] if failures else []) and buffer.calls == failures + 1
+        assert remap.map_or_raise(buffer, "unused") is False  # mapped already: nothing to do
+
+
 @pytest.mark.cuda
 def test_a_buffer_returns_its_memory_and_comes_back_at_the_same_address():
     device = torch.device("cuda")

@@ -38,6 +38,8 @@ from typing import Callable
 
 import torch
 
+from qerl_lib.engine.remap import Remappable, RemappableBuffer, map_or_raise
+
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256)
 
 
@@ -55,7 +57,7 @@ def length_bucket(columns: int, step: int, limit: int) -> int:
     return min(step * math.ceil(columns / step), limit)
 
 
-class KVCache:
+class KVCache(Remappable):
     """Keys and values of every layer: ``k, v [layers, batch, kv_heads, length, head_dim]``.
 
     ``remappable``: both live in one `engine.remap.RemappableBuffer`, whose memory `unmap` gives back to the
@@ -68,8 +70,6 @@ class KVCache:
         shape = (layers, batch, kv_heads, length, head_dim)
         self._buffer = None
         if remappable:
-            from qerl_lib.engine.remap import RemappableBuffer
-
             size = math.prod(shape) * dtype.itemsize
             self._buffer = RemappableBuffer(2 * size, device)
             raw = self._buffer.view()
@@ -101,23 +101,14 @@ class KVCache:
     def fits(self, batch: int, length: int) -> bool:
         return self.batch >= batch and self.length >= length
 
-    @property
-    def remappable(self) -> bool:
-        return self._buffer is not None
-
-    @property
-    def resident(self) -> bool:
-        """True while the cache's memory is allocated (a remappable cache between `unmap` and `map`: False)."""
-        return self._buffer is None or self._buffer.mapped
-
-    def unmap(self) -> None:
-        """Give a remappable cache's memory back to the driver; its addresses stay reserved."""
-        self._buffer.unmap()
-
     def map(self) -> None:
-        """Memory behind a remappable cache's addresses again, zero-filled as a new cache is."""
-        if not self._buffer.mapped:
-            self._buffer.map()
+        """Memory behind a remappable cache's addresses again, zero-filled as a new cache is (a plain cache, or
+        one mapped already: nothing to do)."""
+        if self._buffer is None:
+            return
+        no_room = (f"no room for the rollout's {self.nbytes / 2**30:.1f} GiB KV cache: lower rollout_batch (rows "
+                   "decoding at once) or the completion length")
+        if map_or_raise(self._buffer, no_room):
             self.k.zero_()
             self.v.zero_()
 

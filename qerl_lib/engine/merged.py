@@ -50,6 +50,7 @@ except ImportError:  # pragma: no cover
     triton = tl = None
 
 from qerl_lib.engine.adapters import LoraAdapter, parse_target
+from qerl_lib.engine.remap import DriverError, Remappable, RemappableBuffer, map_or_raise
 from qerl_lib.kernels.lora import interpreting
 from qerl_lib.models.fused import PROJECTION_GROUPS
 
@@ -57,7 +58,7 @@ ROWS_PER_PASS = 4096  # weight rows merged per float32 temporary (bounds it to R
 MERGE_BLOCK_N, MERGE_BLOCK_K = 32, 128  # the merge kernel's tile: weight rows x input columns per program
 
 
-class MergedAdapters:
+class MergedAdapters(Remappable):
     """Per (layer, group) with an adapter on a dense base: the merged weight ``[sum of N, K]`` and bias.
 
     ``groups``: the engine's ``[{group: [base modules]}]`` per layer (``ForwardPass._groups``). ``targets``: the
@@ -109,25 +110,12 @@ class MergedAdapters:
                 bias, offset = _carve(raw, offset, (rows,), first.dtype) if biased else (None, offset)
             self.layout[key] = (weight, bias, placed)
 
-    @property
-    def remappable(self) -> bool:
-        return self._buffer is not None
-
-    @property
-    def resident(self) -> bool:
-        """True while the copies' memory is allocated (remappable copies after `unmap`: False until `refresh`)."""
-        return self._buffer is None or self._buffer.mapped
-
-    def unmap(self) -> None:
-        """Give remappable copies' memory back to the driver; the next `refresh` maps and rewrites them."""
-        self._buffer.unmap()
-
     def refresh(self, adapters: dict[str, LoraAdapter]) -> None:
         """Rewrite every copy in place: ``round(W + scale * B @ A)`` from the base's and the adapters' current
         values (float32 sum, one rounding), the base's own rows where a member has no adapter (every byte of
         every copy, so remapped memory needs no zero-fill)."""
-        if self._buffer is not None and not self._buffer.mapped:
-            _map_or_fail(self._buffer)
+        if self._buffer is not None:
+            map_or_raise(self._buffer, str(_no_room(self._buffer.nbytes, "in all")))
         with torch.no_grad():
             for weight, bias, placed in self.layout.values():
                 for module, start, name in placed:
@@ -199,8 +187,6 @@ _ALIGN = 512  # bytes: each copy starts on a boundary every kernel's vector load
 
 
 def _remappable_buffer(specs):
-    from qerl_lib.engine.remap import DriverError, RemappableBuffer
-
     def aligned(n: int) -> int:
         return -(-n // _ALIGN) * _ALIGN
 
@@ -212,21 +198,6 @@ def _remappable_buffer(specs):
         if e.code != 2:
             raise
         raise _no_room(total, "in all") from e
-
-
-def _map_or_fail(buffer) -> None:
-    """Map a released buffer again; PyTorch's cached blocks go back to the driver first if there is no room."""
-    from qerl_lib.engine.remap import DriverError
-
-    for attempt in (0, 1):
-        try:
-            return buffer.map()
-        except DriverError as e:
-            if e.code != 2:
-                raise
-            if attempt:
-                raise _no_room(buffer.nbytes, "in all") from e
-            torch.cuda.empty_cache()
 
 
 def _carve(raw: torch.Tensor, offset: int, shape: tuple, dtype: torch.dtype) -> tuple[torch.Tensor, int]:

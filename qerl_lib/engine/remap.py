@@ -206,3 +206,42 @@ class RemappableBuffer:
             self.close()
         except Exception:  # interpreter shutdown: the driver may already be gone
             pass
+
+
+def map_or_raise(buffer: RemappableBuffer, no_room: str) -> bool:
+    """Map ``buffer`` if it is not; where the device has no room, PyTorch's cached blocks (a trainer's freed
+    activations) go back to the driver and it tries once more, then raises ``torch.OutOfMemoryError(no_room)``.
+    True when it mapped (the contents are then undefined)."""
+    if buffer.mapped:
+        return False
+    for attempt in (0, 1):
+        try:
+            buffer.map()
+            return True
+        except DriverError as error:
+            if error.code != _OUT_OF_MEMORY:
+                raise
+            if attempt:
+                raise torch.OutOfMemoryError(no_room) from error
+            torch.cuda.empty_cache()
+    return True
+
+
+class Remappable:
+    """What the engine asks of an object whose tensors may live in a `RemappableBuffer` (``_buffer``; None: in
+    PyTorch's allocator, freed only by dropping the object)."""
+
+    _buffer: RemappableBuffer | None = None
+
+    @property
+    def remappable(self) -> bool:
+        return self._buffer is not None
+
+    @property
+    def resident(self) -> bool:
+        """True while the memory is allocated (False between `unmap` and the next map)."""
+        return self._buffer is None or self._buffer.mapped
+
+    def unmap(self) -> None:
+        """Give the memory back to the driver; the addresses stay reserved for the next map."""
+        self._buffer.unmap()

@@ -332,35 +332,12 @@ class RolloutEngine:
             rows = batch_bucket(batch, self.batch_buckets)
             length = length_bucket(columns, self.length_step, max(self.max_seq_len, columns))
         if self.cache is not None and self.cache.fits(rows, length):
-            if not self.cache.resident:
-                self._map_cache()
+            self.cache.map()  # (a released remappable cache: memory at its old addresses again)
             return self.cache
         self._free_cache()  # (not the merged copies: this call's adapters are in them already)
         self.cache = KVCache(view.n_layers, rows, view.n_kv_heads, length, view.head_dim, view.dtype, view.device,
                              remappable=self.remap_cache and self.decode_backend != "eager")
         return self.cache
-
-    def _map_cache(self) -> None:
-        """Memory behind a released remappable cache again; PyTorch's cached blocks are returned to the driver
-        first if the device has no room (the trainer's activations, freed but kept by the allocator)."""
-        from qerl_lib.engine.remap import DriverError
-
-        try:
-            self.cache.map()
-        except DriverError as error:
-            if error.code != 2:  # CUDA_ERROR_OUT_OF_MEMORY
-                raise
-            torch.cuda.empty_cache()
-            try:
-                self.cache.map()
-            except DriverError as again:
-                if again.code != 2:
-                    raise
-                gib = self.cache.nbytes / 2**30
-                self._free_cache()
-                raise torch.cuda.OutOfMemoryError(
-                    f"no room for the rollout's {gib:.1f} GiB KV cache: lower rollout_batch (rows decoding at "
-                    "once) or the completion length") from again
 
     def _run(self, forward, prompts, caps, params, seed, stops, timing, row_seeds=None) -> list[Completion]:
         view = forward.view
