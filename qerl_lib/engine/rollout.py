@@ -281,9 +281,10 @@ class RolloutEngine:
         """Give the KV cache's memory and any merged weight copies back until the next call. Remappable ones
         (``remap_cache``) keep their addresses and the graphs that use them; otherwise the graphs go too."""
         merged = self._forward.merged if self._forward is not None else None
-        if self.cache is not None and self.cache.remappable and (merged is None or merged.remappable):
+        copies = merged is not None and bool(merged.layout)  # (an NVFP4 base merges nothing: no copies)
+        if self.cache is not None and self.cache.remappable and (not copies or merged.remappable):
             self.cache.unmap()
-            if merged is not None:
+            if copies:
                 merged.unmap()
             return
         self._free_all()
@@ -336,7 +337,7 @@ class RolloutEngine:
             return self.cache
         self._free_cache()  # (not the merged copies: this call's adapters are in them already)
         self.cache = KVCache(view.n_layers, rows, view.n_kv_heads, length, view.head_dim, view.dtype, view.device,
-                             remappable=self.remap_cache and self.decode_backend != "eager")
+                             remappable=self.remap_cache)
         return self.cache
 
     def _run(self, forward, prompts, caps, params, seed, stops, timing, row_seeds=None) -> list[Completion]:
