@@ -41,6 +41,32 @@ def test_off_cuda_the_engine_keeps_its_plain_cache():
     assert engine.cache is None and engine.resident_cache_bytes == 0
 
 
+def test_a_driver_that_refuses_virtual_memory_leaves_the_plain_cache_and_copies(monkeypatch):
+    """Where the driver has the API but refuses it (some sandboxes), the engine warns once and runs as without
+    ``remap_cache``: a plain cache and plain merged copies, the same samples."""
+    from qerl_lib.engine import merged as engine_merged
+    from tests.test_engine_merged import adapters_for
+
+    def refuse(*args, **kwargs):
+        raise remap.DriverError("cuMemCreate", 801, "CUDA_ERROR_NOT_SUPPORTED")
+
+    model = tiny_model("qwen2")
+    ads = adapters_for(model)
+    expected = RolloutEngine(model, decode_backend="graphs", length_step=8, lora_merge=True).generate(
+        PROMPTS, 12, temperature=0, stop_token_ids=[], lora=ads)
+    monkeypatch.setattr(engine_cache, "RemappableBuffer", refuse)
+    monkeypatch.setattr(engine_merged, "RemappableBuffer", refuse)
+    engine = RolloutEngine(model, decode_backend="graphs", length_step=8, lora_merge=True)
+    engine.remap_cache = True  # as on a GPU whose driver claims the API (there is none on this CPU)
+    with pytest.warns(UserWarning, match="remap_cache off: cuMemCreate failed: CUDA_ERROR_NOT_SUPPORTED"):
+        out = engine.generate(PROMPTS, 12, temperature=0, stop_token_ids=[], lora=ads)
+    assert engine.remap_cache is False and not engine.cache.remappable and engine._forward.merged.layout
+    assert not engine._forward.merged.remappable
+    assert [(c.token_ids, c.logprobs) for c in out] == [(c.token_ids, c.logprobs) for c in expected]
+    engine.release()
+    assert engine.cache is None and engine._forward.merged is None
+
+
 def test_remap_needs_a_graph_backend():
     with pytest.raises(ValueError, match="needs decode_backend 'graphs' or 'graphs\\+fused'"):
         RolloutEngine(tiny_model("qwen2"), decode_backend="eager", remap_cache=True)

@@ -99,7 +99,12 @@ class MergedAdapters(Remappable):
                 specs.append(((layer, group), rows, k, biased, placed, members[0].weight))
         # remappable: every copy in one `engine.remap.RemappableBuffer`, whose memory `unmap` gives back between
         # rollouts and `refresh` maps again at the same addresses (graphs that read the copies stay valid)
-        self._buffer = _remappable_buffer(specs) if remappable and specs else None
+        self._buffer = None
+        if remappable and specs:
+            try:
+                self._buffer = _remappable_buffer(specs)
+            except DriverError:  # the driver refused its virtual memory API here: plain copies, freed on release
+                self._buffer = None
         raw, offset = (self._buffer.view(), 0) if self._buffer is not None else (None, 0)
         for key, rows, k, biased, placed, first in specs:
             if raw is None:
@@ -192,12 +197,7 @@ def _remappable_buffer(specs):
 
     total = sum(aligned(rows * k * first.element_size()) + (aligned(rows * first.element_size()) if biased else 0)
                 for _, rows, k, biased, _, first in specs)
-    try:
-        return RemappableBuffer(total, specs[0][5].device)
-    except DriverError as e:
-        if e.code != 2:
-            raise
-        raise _no_room(total, "in all") from e
+    return RemappableBuffer(total, specs[0][5].device, str(_no_room(total, "in all")))
 
 
 def _carve(raw: torch.Tensor, offset: int, shape: tuple, dtype: torch.dtype) -> tuple[torch.Tensor, int]:

@@ -132,9 +132,10 @@ class _Span:
 
 class RemappableBuffer:
     """``nbytes`` (rounded up to the driver's granularity) of device memory at an address that survives
-    `unmap` / `map`. ``view()`` is a uint8 tensor of the whole range, usable only while the buffer is mapped."""
+    `unmap` / `map`. ``view()`` is a uint8 tensor of the whole range, usable only while the buffer is mapped.
+    A driver that refuses the API raises `DriverError`; no room, ``torch.OutOfMemoryError(no_room)``."""
 
-    def __init__(self, nbytes: int, device: torch.device):
+    def __init__(self, nbytes: int, device: torch.device, no_room: str = "no room for a remappable buffer"):
         if not supported(device):
             raise RuntimeError(f"{device}: CUDA virtual memory management is not available here")
         self.device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
@@ -148,7 +149,7 @@ class RemappableBuffer:
         _check("cuMemAddressReserve", lib.cuMemAddressReserve(ctypes.byref(address), self.nbytes, step, 0, 0))
         self.address, self._handle = int(address.value), None
         try:
-            self.map()
+            map_or_raise(self, no_room)  # (torch.OutOfMemoryError(no_room) where even an emptied cache leaves no room)
         except BaseException:
             self.close()
             raise

@@ -64,6 +64,7 @@ SmolLM2-135M bf16, batch 64, 256 + 512 tokens: 48.1k tokens/s against 3.5k for t
 from __future__ import annotations
 
 import time
+import warnings
 import weakref
 from dataclasses import dataclass, field
 
@@ -73,6 +74,7 @@ from qerl_lib.engine.attention import AttentionLaunch
 from qerl_lib.engine.cache import BATCH_BUCKETS, DecodeGraphs, KVCache, batch_bucket, length_bucket
 from qerl_lib.engine.continuous import left_padded, run_continuous
 from qerl_lib.engine.forward import SUPPORTED_MODEL_TYPES, ForwardPass, ModelView
+from qerl_lib.engine.remap import DriverError, supported
 from qerl_lib.engine.adapters import LoraAdapter, lora_from_peft
 from qerl_lib.engine.sampling import RowStreams, SamplingParams, sample
 
@@ -174,8 +176,6 @@ class RolloutEngine:
         self.lora_fold = None if lora_fold is None else bool(lora_fold)
         self.lora_merge = bool(lora_merge)
         if remap_cache is None:
-            from qerl_lib.engine.remap import supported
-
             remap_cache = decode_backend in ("graphs", "graphs+fused") and supported(view.device)
         elif remap_cache and decode_backend not in ("graphs", "graphs+fused"):
             raise ValueError(f"remap_cache keeps CUDA graphs valid across release(): it needs decode_backend "
@@ -336,8 +336,14 @@ class RolloutEngine:
             self.cache.map()  # (a released remappable cache: memory at its old addresses again)
             return self.cache
         self._free_cache()  # (not the merged copies: this call's adapters are in them already)
-        self.cache = KVCache(view.n_layers, rows, view.n_kv_heads, length, view.head_dim, view.dtype, view.device,
-                             remappable=self.remap_cache)
+        shape = (view.n_layers, rows, view.n_kv_heads, length, view.head_dim, view.dtype, view.device)
+        try:
+            self.cache = KVCache(*shape, remappable=self.remap_cache)
+        except DriverError as error:  # the driver refused its virtual memory API (some sandboxes): the plain cache
+            warnings.warn(f"remap_cache off: {error}; the decode graphs will be captured again after each release()",
+                          stacklevel=2)
+            self.remap_cache = False
+            self.cache = KVCache(*shape)
         return self.cache
 
     def _run(self, forward, prompts, caps, params, seed, stops, timing, row_seeds=None) -> list[Completion]:
