@@ -9,6 +9,7 @@ its graphs again; and a cache that must grow is rebuilt.
 from __future__ import annotations
 
 import ctypes
+from pathlib import Path
 
 import pytest
 import torch
@@ -106,6 +107,44 @@ def test_mapping_returns_torchs_cached_blocks_once_then_fails_in_one_line(monkey
         assert remap.map_or_raise(buffer, "unused") is False  # mapped already: nothing to do
 
 
+def test_step_peak_counts_the_rollout_phase_with_the_remapped_memory(monkeypatch):
+    """PyTorch's peak misses the remappable cache: a step's peak is the higher of PyTorch's step peak and the
+    rollout phase's (PyTorch's then + the mapped bytes), and each step starts from zero."""
+    from types import SimpleNamespace
+
+    from qerl_lib.train import metrics
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: 5e9)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda *a: None)
+    assert metrics._peak_memory(7e9) == (7.0, "cuda_max_allocated_in_step")  # the rollout phase was higher
+    assert metrics._peak_memory(3e9)[0] == 5.0 and metrics._peak_memory()[0] == 5.0
+    rollout = SimpleNamespace(rollout_peak_bytes=7e9, aqn=None)
+    callback = metrics.RunMetrics(Path("unused"), None, [], rollout, quiet=True)
+    callback.on_step_begin(None, None, None)
+    assert rollout.rollout_peak_bytes == 0
+
+
+def test_rollout_bench_peak_adds_the_most_the_engine_had_mapped(monkeypatch):
+    from qerl_lib.bench import rollout as bench
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # _free: no empty_cache
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: 3 * 2**30)
+    monkeypatch.setitem(remap._MAPPED, "now", 0)
+    monkeypatch.setitem(remap._MAPPED, "peak", 5 * 2**30)  # from an earlier configuration: reset at the start
+
+    def configuration(row):
+        remap._MAPPED["now"] = 2 * 2**30  # the engine maps 2 GiB of cache, then releases it
+        remap._MAPPED["peak"] = max(remap._MAPPED["peak"], remap._MAPPED["now"])
+        remap._MAPPED["now"] = 0
+        return row
+
+    row = bench.Row(model="qwen2.5-7b", weights="nvfp4", batch=8, rank=0, backend="auto", engine="qerl", prompt_len=8,
+                    gen_len=8)
+    assert bench._measure(configuration, row, log=lambda *a: None).peak_gib == 5.0
+
+
 @pytest.mark.cuda
 def test_a_buffer_returns_its_memory_and_comes_back_at_the_same_address():
     device = torch.device("cuda")
@@ -117,7 +156,10 @@ def test_a_buffer_returns_its_memory_and_comes_back_at_the_same_address():
     view.fill_(7)
     torch.cuda.synchronize()
     free_mapped = torch.cuda.mem_get_info()[0]  # (after the fill: its first launch loads kernels, which take memory)
+    counted = remap.mapped_bytes()
+    assert counted >= buffer.nbytes >= size and remap.peak_mapped_bytes() >= counted
     buffer.unmap()
+    assert remap.mapped_bytes() == counted - buffer.nbytes
     free_unmapped = torch.cuda.mem_get_info()[0]
     assert free_unmapped >= free_mapped + size - slack, "unmap did not give the buffer's memory back"
     buffer.map()

@@ -12,8 +12,9 @@ batches of ``batch`` (``scheduling="static"``) or on ``batch`` rows refilled as 
 * ``tok/s``: the rows' tokens / (prefill + decode wall time), the paper's "rollout throughput"
   (vLLM's generation throughput, prompt processing included); ``decode tok/s`` and ``ms/step``;
 * ``TTFT``: prefill plus the first sampled token; ``slot_utilization``: tokens kept / row-steps run;
-* ``peak``: ``torch.cuda.max_memory_allocated`` over the configuration (weights + KV cache +
-  activations + graph pools), reset after the model is built; ``weights``: the built model's memory.
+* ``peak``: ``torch.cuda.max_memory_allocated`` over the configuration (weights + activations + graph
+  pools) plus the most the engine's remappable KV cache and copies had mapped (``engine/remap.py``; outside
+  PyTorch's allocator, and mapped for the whole configuration), reset after the model is built; ``weights``: the built model's memory.
 
 Method: ``engine.warmup`` first (one short generation for kernel selection and Triton autotuning,
 then a CUDA-graph capture of every cache-length bucket), then ``repeats`` timed generations;
@@ -455,11 +456,15 @@ def code_hashes() -> dict[str, str]:
 
 
 def _measure(fn, row: Row, log) -> Row:
+    from qerl_lib.engine import remap
+
     _free()
     torch.cuda.reset_peak_memory_stats()
+    remap.reset_peak_mapped()
     try:
         row = fn(row)
-        row.peak_gib = torch.cuda.max_memory_allocated() / 2**30
+        # the engine's remappable cache (engine/remap.py) is outside PyTorch's allocator, and mapped throughout
+        row.peak_gib = (torch.cuda.max_memory_allocated() + remap.peak_mapped_bytes()) / 2**30
     except torch.cuda.OutOfMemoryError as e:
         row.error = f"OOM: {str(e)[:160]}"
     except Exception as e:  # keep the sweep going; the row records what failed

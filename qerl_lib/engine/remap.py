@@ -104,6 +104,23 @@ def _device_prop(index: int) -> _AllocationProp:
     return prop
 
 
+# Memory of every RemappableBuffer in this process that is mapped now, and the most since `reset_peak_mapped`:
+# PyTorch's allocator never sees it, so its peak statistics need these added (bench/rollout.py, train/grpo.py).
+_MAPPED = {"now": 0, "peak": 0}
+
+
+def mapped_bytes() -> int:
+    return _MAPPED["now"]
+
+
+def peak_mapped_bytes() -> int:
+    return _MAPPED["peak"]
+
+
+def reset_peak_mapped() -> None:
+    _MAPPED["peak"] = _MAPPED["now"]
+
+
 def supported(device: torch.device) -> bool:
     """True where a `RemappableBuffer` can live on ``device`` (a CUDA device whose driver has the API)."""
     if device.type != "cuda" or not torch.cuda.is_available():
@@ -183,6 +200,8 @@ class RemappableBuffer:
             lib.cuMemRelease(handle.value)
             raise
         self._handle = handle.value
+        _MAPPED["now"] += self.nbytes
+        _MAPPED["peak"] = max(_MAPPED["peak"], _MAPPED["now"])
 
     def unmap(self) -> None:
         """Give the physical memory back to the driver, after the device's pending work; keep the range."""
@@ -193,6 +212,7 @@ class RemappableBuffer:
         _check("cuMemUnmap", lib.cuMemUnmap(self.address, self.nbytes))
         _check("cuMemRelease", lib.cuMemRelease(self._handle))
         self._handle = None
+        _MAPPED["now"] -= self.nbytes
 
     def close(self) -> None:
         """Unmap and free the range; the buffer and every view of it are unusable afterwards."""

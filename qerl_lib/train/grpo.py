@@ -380,6 +380,9 @@ class EngineRollout:
         self.config, self.tokenizer, self.aqn = config, tokenizer, aqn
         self.completion_budgets = completion_budgets
         self.engine = None
+        # this step's rollout-phase peak: PyTorch's allocated bytes + the engine's remappable memory (engine/remap.py),
+        # which `metrics.RunMetrics` resets at each step's start and sets beside PyTorch's own step peak
+        self.rollout_peak_bytes = 0
         self._calls_step, self._calls = None, 0  # rollouts within the current step (part of the seed)
         self._noise_step, self._noise = None, {}
         self._encoded: dict[str, list[int]] = {}
@@ -434,6 +437,11 @@ class EngineRollout:
         _sync(device)
         seconds = time.perf_counter() - start
         cache_bytes = self.engine.cache.nbytes if self.engine.cache is not None else 0
+        if device.type == "cuda":  # the rollout phase's peak, with the memory PyTorch's allocator does not see
+            from qerl_lib.engine.remap import mapped_bytes
+
+            self.rollout_peak_bytes = max(self.rollout_peak_bytes,
+                                          torch.cuda.max_memory_allocated(device) + mapped_bytes())
         if self.config.release_engine_cache:
             # the KV cache would otherwise sit through the backward pass: ~32 GB at the 7B preset. Its memory
             # goes back (to the driver when the cache is remappable, engine/remap.py: the decode graphs stay and

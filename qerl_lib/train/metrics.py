@@ -22,7 +22,9 @@ logprob_mismatch, logprob_mismatch_max, mismatch_kl  engine vs trainer log-probs
 is_ratio_mean, is_ratio_min, is_ratio_max, is_truncated_rate   the truncated-IS weights (logged even when off)
 rollout_tokens, rollout_tokens_per_s                 completion tokens sampled and engine throughput
 rollout_seconds, train_seconds, step_seconds         time split: engine / everything else / whole step
-peak_memory_gb, memory_kind                          CUDA: peak allocated in the step; CPU: process peak RSS
+peak_memory_gb, memory_kind                          CUDA: peak allocated in the step (the engine's remappable KV
+                                                     cache, outside PyTorch's allocator, counted during the rollout);
+                                                     CPU: process peak RSS
 
 Crash-proof checkpoints
 -----------------------
@@ -101,6 +103,8 @@ class RunMetrics(TrainerCallback):
     def on_step_begin(self, args, state, control, **kwargs):
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
+        if self.rollout is not None:
+            self.rollout.rollout_peak_bytes = 0
         self._step_start = time.perf_counter()
 
     def on_step_end(self, args, state, control, model=None, **kwargs):
@@ -126,7 +130,7 @@ class RunMetrics(TrainerCallback):
         row["rollout_seconds"] = rollout_s = row.get("rollout_seconds") or 0.0
         row["step_seconds"] = self._step_seconds
         row["train_seconds"] = self._step_seconds - rollout_s
-        row["peak_memory_gb"], row["memory_kind"] = _peak_memory()
+        row["peak_memory_gb"], row["memory_kind"] = _peak_memory(getattr(self.rollout, "rollout_peak_bytes", 0))
         if kwargs.get("model") is not None:
             row.update(memory_accounting(kwargs["model"], kwargs.get("optimizer")))
         row = {k: _plain(v) for k, v in row.items()}
@@ -203,9 +207,10 @@ def memory_accounting(model, optimizer=None) -> dict[str, float]:
             "optimizer_gb": storage_bytes(state, set()) / 1e9}
 
 
-def _peak_memory() -> tuple[float, str]:
+def _peak_memory(rollout_peak_bytes: int = 0) -> tuple[float, str]:
+    """The step's peak: PyTorch's, or the rollout phase's with the engine's remappable memory, whichever is higher."""
     if torch.cuda.is_available():
-        return torch.cuda.max_memory_allocated() / 1e9, "cuda_max_allocated_in_step"
+        return max(torch.cuda.max_memory_allocated(), rollout_peak_bytes) / 1e9, "cuda_max_allocated_in_step"
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6, "cpu_peak_rss_of_process"  # Linux: KiB
 
 
