@@ -162,3 +162,20 @@ def test_one_process_on_a_machine_with_several_gpus_trains_on_one(tmp_path, monk
     config = make_config("smollm2-arith", mode="lora", device="cuda")
     args = grpo_args(config, tmp_path / "checkpoints", torch.device("cuda"), [1.0])
     assert args.n_gpu == 1 and args.device == torch.device("cuda", 0)
+
+
+def test_the_rollout_phase_is_the_slowest_processs():
+    """With several processes `rollout_seconds` is the longest engine time (the others wait for it at the rewards'
+    gather), so `train_seconds` holds no wait; one process reports its own time and gathers nothing."""
+    from types import SimpleNamespace
+
+    from qerl_lib.train.grpo import slowest_process
+
+    sent = []
+    two = SimpleNamespace(num_processes=2, device=torch.device("cpu"),
+                          gather=lambda t: sent.append(t) or torch.tensor([t.item(), 3.5], dtype=t.dtype))
+    assert slowest_process(1.25, two) == 3.5 and sent[0].dtype == torch.float64 and sent[0].item() == 1.25
+    sent.clear()
+    assert slowest_process(4.0, two) == 4.0
+    one = SimpleNamespace(num_processes=1, gather=lambda t: pytest.fail("one process gathers nothing"))
+    assert slowest_process(1.25, one) == 1.25

@@ -450,9 +450,9 @@ class EngineRollout:
         self._calls += 1
         tokens = sum(len(c.token_ids) for c in completions)
         metrics = trainer._metrics["train" if model.training else "eval"]
-        metrics["rollout_seconds"].append(seconds)
+        metrics["rollout_seconds"].append(slowest_process(seconds, trainer.accelerator))
         metrics["rollout_tokens"].append(float(tokens))
-        metrics["rollout_tokens_per_s"].append(tokens / max(seconds, 1e-9))
+        metrics["rollout_tokens_per_s"].append(tokens / max(seconds, 1e-9))  # this process's engine
         metrics["kv_cache_gb"].append(cache_bytes / 1e9)  # the engine's KV cache during this rollout
         if self.aqn is not None:
             stats = self.aqn.last_stats
@@ -464,6 +464,16 @@ class EngineRollout:
             metrics["noise_rms"].append(0.0)
         return {"prompt_ids": prompt_ids, "completion_ids": [c.token_ids for c in completions],
                 "logprobs": [c.logprobs for c in completions]}
+
+
+def slowest_process(seconds: float, accelerator) -> float:
+    """The longest of the processes' ``seconds`` (one process: its own). With several, a step's rollout phase ends
+    with the slowest engine (the others wait for it when the rewards are gathered), so ``train_seconds``, the step
+    less this, is the trainer phase, not the trainer phase plus that wait."""
+    if accelerator.num_processes == 1:
+        return seconds
+    value = torch.tensor([float(seconds)], dtype=torch.float64, device=accelerator.device)
+    return float(accelerator.gather(value).max())
 
 
 def _sync(device: torch.device) -> None:

@@ -21,7 +21,8 @@ sigma, aqn_stage, noise_rms                          AQN σ of the step, its sta
 logprob_mismatch, logprob_mismatch_max, mismatch_kl  engine vs trainer log-probs (grpo.py)
 is_ratio_mean, is_ratio_min, is_ratio_max, is_truncated_rate   the truncated-IS weights (logged even when off)
 rollout_tokens, rollout_tokens_per_s                 completion tokens sampled and engine throughput
-rollout_seconds, train_seconds, step_seconds         time split: engine / everything else / whole step
+rollout_seconds, train_seconds, step_seconds         time split: engine (the slowest process's, when several) /
+                                                     everything else / whole step
 peak_memory_gb, memory_kind                          CUDA: peak allocated in the step (the engine's remappable KV
                                                      cache, outside PyTorch's allocator, counted during the rollout);
                                                      CPU: process peak RSS
