@@ -76,8 +76,8 @@ def test_remap_needs_a_graph_backend():
 class _FakeBuffer:
     """A buffer whose ``map`` fails with the driver's out-of-memory code ``failures`` times, then maps."""
 
-    def __init__(self, failures: int, code: int = 2):
-        self.mapped, self.failures, self.code, self.calls = False, failures, code, 0
+    def __init__(self, failures: int, code: int = 2, no_room: str = "unused"):
+        self.mapped, self.failures, self.code, self.calls, self.no_room = False, failures, code, 0, no_room
 
     def map(self):
         self.calls += 1
@@ -92,19 +92,20 @@ class _FakeBuffer:
 def test_mapping_returns_torchs_cached_blocks_once_then_fails_in_one_line(monkeypatch, failures, outcome):
     emptied = []
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(True))
-    buffer = _FakeBuffer(1, code=1) if failures < 0 else _FakeBuffer(failures)
+    buffer = _FakeBuffer(1, code=1) if failures < 0 else _FakeBuffer(
+        failures, no_room="no room for the KV cache: lower rollout_batch")
     if outcome == "no room":
         with pytest.raises(torch.OutOfMemoryError, match="lower rollout_batch"):
-            remap.map_or_raise(buffer, "no room for the KV cache: lower rollout_batch")
+            remap.map_or_raise(buffer)
         assert buffer.calls == 2 and emptied == [True]
     elif outcome == "other error":  # not out of memory: no retry, the driver's error itself
         with pytest.raises(remap.DriverError, match="CUDA_ERROR_X"):
-            remap.map_or_raise(buffer, "unused")
+            remap.map_or_raise(buffer)
         assert buffer.calls == 1 and not emptied
     else:
-        assert remap.map_or_raise(buffer, "unused") is True and buffer.mapped
+        assert remap.map_or_raise(buffer) is True and buffer.mapped
         assert emptied == ([True] if failures else []) and buffer.calls == failures + 1
-        assert remap.map_or_raise(buffer, "unused") is False  # mapped already: nothing to do
+        assert remap.map_or_raise(buffer) is False  # mapped already: nothing to do
 
 
 def test_step_peak_counts_the_rollout_phase_with_the_remapped_memory(monkeypatch):

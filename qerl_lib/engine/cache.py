@@ -71,9 +71,9 @@ class KVCache(Remappable):
         self._buffer = None
         if remappable:
             size = math.prod(shape) * dtype.itemsize
-            self._no_room = (f"no room for the rollout's {2 * size / 2**30:.1f} GiB KV cache: lower rollout_batch "
-                             "(rows decoding at once) or the completion length")
-            self._buffer = RemappableBuffer(2 * size, device, self._no_room)
+            no_room = (f"no room for the rollout's {2 * size / 2**30:.1f} GiB KV cache: lower rollout_batch "
+                       "(rows decoding at once) or the completion length")
+            self._buffer = RemappableBuffer(2 * size, device, no_room)
             raw = self._buffer.view()
             self.k, self.v = (raw[i * size:(i + 1) * size].view(dtype).view(shape) for i in (0, 1))
             self.k.zero_()
@@ -108,7 +108,7 @@ class KVCache(Remappable):
         one mapped already: nothing to do)."""
         if self._buffer is None:
             return
-        if map_or_raise(self._buffer, self._no_room):
+        if map_or_raise(self._buffer):
             self.k.zero_()
             self.v.zero_()
 

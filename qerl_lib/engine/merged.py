@@ -120,7 +120,7 @@ class MergedAdapters(Remappable):
         values (float32 sum, one rounding), the base's own rows where a member has no adapter (every byte of
         every copy, so remapped memory needs no zero-fill)."""
         if self._buffer is not None:
-            map_or_raise(self._buffer, str(_no_room(self._buffer.nbytes, "in all")))
+            map_or_raise(self._buffer)
         with torch.no_grad():
             for weight, bias, placed in self.layout.values():
                 for module, start, name in placed:
@@ -191,11 +191,12 @@ def _no_room(nbytes: int, what: str) -> torch.OutOfMemoryError:
 _ALIGN = 512  # bytes: each copy starts on a boundary every kernel's vector loads accept
 
 
-def _remappable_buffer(specs):
-    def aligned(n: int) -> int:
-        return -(-n // _ALIGN) * _ALIGN
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // _ALIGN) * _ALIGN
 
-    total = sum(aligned(rows * k * first.element_size()) + (aligned(rows * first.element_size()) if biased else 0)
+
+def _remappable_buffer(specs):
+    total = sum(_aligned(rows * k * first.element_size()) + (_aligned(rows * first.element_size()) if biased else 0)
                 for _, rows, k, biased, _, first in specs)
     return RemappableBuffer(total, specs[0][5].device, str(_no_room(total, "in all")))
 
@@ -203,8 +204,7 @@ def _remappable_buffer(specs):
 def _carve(raw: torch.Tensor, offset: int, shape: tuple, dtype: torch.dtype) -> tuple[torch.Tensor, int]:
     """A ``shape`` tensor of ``dtype`` at byte ``offset`` of ``raw`` (uint8), and the next aligned offset."""
     n = math.prod(shape) * dtype.itemsize
-    view = raw[offset:offset + n].view(dtype).view(shape)
-    return view, offset + -(-n // _ALIGN) * _ALIGN
+    return raw[offset:offset + n].view(dtype).view(shape), offset + _aligned(n)
 
 
 if triton is not None:

@@ -150,7 +150,8 @@ class _Span:
 class RemappableBuffer:
     """``nbytes`` (rounded up to the driver's granularity) of device memory at an address that survives
     `unmap` / `map`. ``view()`` is a uint8 tensor of the whole range, usable only while the buffer is mapped.
-    A driver that refuses the API raises `DriverError`; no room, ``torch.OutOfMemoryError(no_room)``."""
+    A driver that refuses the API raises `DriverError`; no room (now or at a later `map_or_raise`),
+    ``torch.OutOfMemoryError(no_room)``."""
 
     def __init__(self, nbytes: int, device: torch.device, no_room: str = "no room for a remappable buffer"):
         if not supported(device):
@@ -164,9 +165,9 @@ class RemappableBuffer:
         self.nbytes = -(-int(nbytes) // step) * step
         address = ctypes.c_uint64()
         _check("cuMemAddressReserve", lib.cuMemAddressReserve(ctypes.byref(address), self.nbytes, step, 0, 0))
-        self.address, self._handle = int(address.value), None
+        self.address, self._handle, self.no_room = int(address.value), None, no_room
         try:
-            map_or_raise(self, no_room)  # (torch.OutOfMemoryError(no_room) where even an emptied cache leaves no room)
+            map_or_raise(self)  # (torch.OutOfMemoryError(no_room) where even an emptied cache leaves no room)
         except BaseException:
             self.close()
             raise
@@ -229,10 +230,10 @@ class RemappableBuffer:
             pass
 
 
-def map_or_raise(buffer: RemappableBuffer, no_room: str) -> bool:
+def map_or_raise(buffer: RemappableBuffer) -> bool:
     """Map ``buffer`` if it is not; where the device has no room, PyTorch's cached blocks (a trainer's freed
-    activations) go back to the driver and it tries once more, then raises ``torch.OutOfMemoryError(no_room)``.
-    True when it mapped (the contents are then undefined)."""
+    activations) go back to the driver and it tries once more, then raises ``torch.OutOfMemoryError`` with the
+    buffer's ``no_room`` message. True when it mapped (the contents are then undefined)."""
     if buffer.mapped:
         return False
     for attempt in (0, 1):
@@ -243,9 +244,8 @@ def map_or_raise(buffer: RemappableBuffer, no_room: str) -> bool:
             if error.code != _OUT_OF_MEMORY:
                 raise
             if attempt:
-                raise torch.OutOfMemoryError(no_room) from error
+                raise torch.OutOfMemoryError(buffer.no_room) from error
             torch.cuda.empty_cache()
-    return True
 
 
 class Remappable:
