@@ -48,8 +48,8 @@ RESULT_FILES = {
                                     "`dev/runs/lora_merge_h200_2026-11-28/kernel_dot/`)",
     "train_step_merge_h200.json": "`qerl bench train` at 7B and 14B, batch 8, 256 + 2048 tokens, LoRA r32: modes qerl "
                                   "and lora, lora's rollout with the adapters merged (`--rollout-lora-merge`) and "
-                                  "unmerged, one run, three measured steps per case (dev/LOG.md section 100, "
-                                  "`dev/runs/train_merge_h200_2026-11-29/`); and the 7B GSM8K preset's own step, "
+                                  "unmerged, the KV cache remappable (`engine/remap.py`), one run, three measured steps "
+                                  "per case (dev/LOG.md section 107, `dev/runs/train_remap_h200_2026-11-29/`); and the 7B GSM8K preset's own step, "
                                   "qerl and lora merged, one measured step each (section 68, "
                                   "`dev/runs/preset_step_h200_2026-11-28/`); and data parallel: 7B qerl, batch 16 "
                                   "and 64 in 2 groups, on one and on two GPUs of a 2-GPU H200 machine, two measured "
