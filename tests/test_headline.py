@@ -233,6 +233,20 @@ def test_train_merge_row_names_a_rollout_that_stopped_early(results_copy):
     assert "averaged" not in headline_training._train_merge_row(results_copy)[1]
 
 
+def test_big_step_row_is_the_32b_lora_step_over_qerls(results_copy):
+    doc = json.loads((results_copy / "train_step_merge_h200.json").read_text())
+    rows = {r["mode"]: r for r in doc["rows"] if r["model"] == "qwen2.5-32b"}
+    quantity, value, device, file = headline_training._big_step_row(results_copy)
+    q, lora = rows["qerl"], rows["lora"]
+    assert "Qwen2.5-32B" in quantity and "batch 2" in quantity and device == "H200"
+    assert value.startswith(f"{q['step_s']:.1f} / {lora['step_s']:.1f} s: {lora['step_s'] / q['step_s']:.2f}× over lora")
+    assert f"peak {q['peak_gib']:.1f} / {lora['peak_gib']:.1f} GiB" in value
+    _edit(results_copy / "train_step_merge_h200.json",
+          lambda d: d.update(rows=[r for r in d["rows"] if not (r["model"] == "qwen2.5-32b" and r["mode"] == "lora")]))
+    with pytest.raises(ResultsError, match="no measured row with model=qwen2.5-32b, mode=lora, batch=2"):
+        headline_training._big_step_row(results_copy)
+
+
 def test_data_parallel_row_is_each_batchs_one_gpu_step_over_its_two_gpu_step(results_copy):
     doc = json.loads((results_copy / "train_step_merge_h200.json").read_text())
     step = {(r["batch"], r["num_gpus"]): r["step_s"] for r in doc["rows"] if r["batch"] in (16, 64)}

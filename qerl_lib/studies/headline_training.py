@@ -91,6 +91,21 @@ def _train_merge_row(results_dir) -> tuple:
             "; ".join(part(m) for m in models), device_name(doc, file), file)
 
 
+def _big_step_row(results_dir) -> tuple:
+    """The 32B step at batch 2 with the current code, qerl against a 16-bit lora base (which fits a GPU larger than
+    the paper's 80 GB one)."""
+    file = "train_step_merge_h200.json"
+    doc = load_result(results_dir, file)
+    rows = checked_rows(doc, file, TRAIN_STEP_KEYS + ("lora_rank", "train_s"))
+    q, lora = (matching_row(rows, file, model="qwen2.5-32b", mode=m, batch=2) for m in ("qerl", "lora"))
+    return (f"the GRPO step for Qwen2.5-32B shapes on one GPU, batch {q['batch']}, 256 + {q['gen_len']} tokens, "
+            f"LoRA r{q['lora_rank']}, gradient checkpointing, current code: qerl / lora (16-bit base)",
+            f"{q['step_s']:.1f} / {lora['step_s']:.1f} s: {times(lora['step_s'] / q['step_s'])} over lora (rollout "
+            f"{q['rollout_s']:.1f} / {lora['rollout_s']:.1f} s, trainer {q['train_s']:.1f} / {lora['train_s']:.1f} s); "
+            f"peak {q['peak_gib']:.1f} / {lora['peak_gib']:.1f} GiB (paper, Tab. 8: qerl {q['paper'] or '-'}, "
+            f"shorter completions)", device_name(doc, file), file)
+
+
 def _data_parallel_row(results_dir) -> tuple:
     """The same global batch on one GPU and on two (`--num-gpus 2`: one process and one engine per GPU), mode qerl."""
     file = "train_step_merge_h200.json"
@@ -144,4 +159,5 @@ def _preset_rollout_row(results_dir) -> tuple:
 def training_rows(results_dir) -> list[tuple]:
     """(quantity, value, device, file) of the README table's training topic, in its order."""
     return [*_train_step_rows(results_dir), _preset_rollout_row(results_dir), _preset_step_merged_row(results_dir),
-            _train_merge_row(results_dir), _data_parallel_row(results_dir), _training_row(results_dir)]
+            _train_merge_row(results_dir), _big_step_row(results_dir), _data_parallel_row(results_dir),
+            _training_row(results_dir)]

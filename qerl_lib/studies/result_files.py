@@ -53,8 +53,10 @@ RESULT_FILES = {
                                   "qerl and lora merged, one measured step each (section 68, "
                                   "`dev/runs/preset_step_h200_2026-11-28/`); and data parallel: 7B qerl, batch 16 "
                                   "and 64 in 2 groups, on one and on two GPUs of a 2-GPU H200 machine, two measured "
-                                  "steps per case (section 104, `dev/runs/two_gpu_h200x2_2026-11-29/run2/`); three "
-                                  "runs merged by `dev/sweeps/merge_train_merge_h200.py`",
+                                  "steps per case (section 104, `dev/runs/two_gpu_h200x2_2026-11-29/run2/`); and the "
+                                  "32B step at batch 2, qerl and lora, two measured steps each (section 108, "
+                                  "`dev/runs/train_32b_h200_2026-11-29/`); four runs merged by "
+                                  "`dev/sweeps/merge_train_merge_h200.py`",
     "rollout_h200.json": "bf16 vs NVFP4 on Qwen2.5-7B/32B shapes, batch 8, 256 + 2048 tokens; engine vs "
                          "`transformers.generate`, SmolLM2 bf16, batch 64, 256 + 512 tokens; the 7B GSM8K preset's "
                          "rollout phase (128 rows, 256 + 4096, LoRA r32: NVFP4, bf16 merged and unmerged; dev/LOG.md "
