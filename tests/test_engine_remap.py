@@ -265,3 +265,28 @@ def test_released_merged_copies_come_back_rewritten_without_capturing_again(monk
         assert [(c.token_ids, c.logprobs) for c in second] == [(c.token_ids, c.logprobs) for c in first], remapped
         assert n_first > 1 and again == (0 if remapped else n_first), (remapped, again, n_first)
     assert [c.token_ids for c in results[True][1]] == [c.token_ids for c in results[False][1]]
+
+
+@pytest.mark.cuda
+def test_lora_merge_over_nvfp4_holds_no_copies_and_keeps_its_graphs(monkeypatch):
+    """An NVFP4 base merges nothing (merging would re-quantize the frozen policy): with lora_merge on, release()
+    still unmaps only the cache and keeps the graphs, so the next call captures nothing and samples the same."""
+    from tests.test_lora_kernels import _tiny_cuda_with_adapters
+
+    model, ads = _tiny_cuda_with_adapters("nvfp4")
+    captures = []
+    original = engine_cache.DecodeGraphs._capture
+    monkeypatch.setattr(engine_cache.DecodeGraphs, "_capture",
+                        lambda self, batch, kv_len: captures.append(kv_len) or original(self, batch, kv_len))
+    engine = RolloutEngine(model, length_step=16, lora_merge=True, remap_cache=True)
+    kw = dict(temperature=1.0, stop_token_ids=[], row_seeds=[31, 32, 33, 34], lora=ads)
+    first = engine.generate(PROMPTS, 40, **kw)
+    n_first = len(captures)
+    merged = engine._forward.merged
+    assert merged is None or not merged.layout, "an NVFP4 base should hold no merged copies"
+    engine.release()
+    assert engine.resident_cache_bytes == 0 and engine.graphs is not None
+    second = engine.generate(PROMPTS, 40, **kw)
+    assert n_first > 1 and len(captures) == n_first, (n_first, len(captures))
+    assert [(c.token_ids, c.logprobs) for c in second] == [(c.token_ids, c.logprobs) for c in first]
+    engine.release()
