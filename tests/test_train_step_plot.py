@@ -59,3 +59,19 @@ def test_a_file_without_step_rows_is_a_clear_error(tmp_path):
     src.write_text(json.dumps({"rows": [], "provenance": {"device": {"name": "X"}}}))
     with pytest.raises(ValueError, match="no measured one-GPU step row"):
         plot_train_steps(src, tmp_path / "x.png")
+
+
+def test_plot_steps_command_draws_beside_the_json_and_refuses_other_files_in_one_line(tmp_path, capsys):
+    from qerl_lib.cli import main
+
+    src = tmp_path / "train.json"
+    src.write_text((ROOT / "results" / "train_step_merge_h200.json").read_text())
+    assert main(["plot-steps", str(src)]) == 0
+    assert (tmp_path / "train.png").is_file()
+    capsys.readouterr()
+    bad = tmp_path / "rollout.json"
+    bad.write_text(json.dumps({"rows": [{"model": "qwen2.5-7b", "batch": 8, "tok_s": 1.0}], "provenance": {}}))
+    for path, expected in ((tmp_path / "none.json", "does not exist"), (bad, "no measured one-GPU step row")):
+        assert main(["plot-steps", str(path)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and expected in err[0] and "qerl bench train --json" in err[0], err

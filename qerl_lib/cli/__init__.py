@@ -40,7 +40,7 @@ COMMAND_MODULES = (
     "quant",      # quantize, inspect, export
     "generation", # generate, eval
     "bench",      # bench gemm, bench rollout
-    "train",      # train, plot-run
+    "train",      # train, plot-run, plot-steps
     "sweep",      # calibrate, sweep, claims
     "reproduce",  # reproduce (papermill runner)
     "results",    # results (the README's GPU results table)

@@ -1,4 +1,5 @@
-"""`qerl train` (GRPO/DAPO with LoRA on a bf16 / NF4 / NVFP4 base, AQN in mode qerl) and `qerl plot-run`."""
+"""`qerl train` (GRPO/DAPO with LoRA on a bf16 / NF4 / NVFP4 base, AQN in mode qerl), `qerl plot-run` and
+`qerl plot-steps`."""
 
 from __future__ import annotations
 
@@ -71,6 +72,12 @@ def register(sub) -> None:
     p.add_argument("runs", nargs="+", help="run folders written by `qerl train` (each holds metrics.jsonl)")
     p.add_argument("--out", default=None, help="PNG path (default: RUN/training_curves.png for one run)")
     p.set_defaults(func=_plot_run)
+
+    p = sub.add_parser("plot-steps", help="the GRPO step by phase (rollout, trainer, rest) per mode and model, from "
+                                          "`qerl bench train --json`")
+    p.add_argument("json", help="a JSON written by `qerl bench train --json`")
+    p.add_argument("--out", default=None, help="PNG path (default: the JSON's path with .png)")
+    p.set_defaults(func=_plot_steps)
 
 
 def _train(args) -> int:
@@ -160,3 +167,29 @@ def _launch(num_gpus: int) -> int:
                *args]
     print("running: " + " ".join(command[2:]), flush=True)
     return subprocess.call(command)
+
+
+def _plot_steps(args) -> int:
+    from pathlib import Path
+
+    from qerl_lib.errors import UserError
+    from qerl_lib.plots.train_step import plot_train_steps
+
+    src = Path(args.json)
+    hint = "pass the file written by `qerl bench train --json`"
+    if not src.is_file():
+        raise UserError(f"{src} does not exist: {hint}")
+    try:
+        doc = json.loads(src.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise UserError(f"{src} is not JSON ({exc}): {hint}") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("rows"), list):
+        raise UserError(f"{src} has no 'rows' list: {hint}")
+    out = Path(args.out) if args.out else src.with_suffix(".png")
+    try:
+        print(plot_train_steps(src, out))
+    except ValueError as exc:  # names the file itself
+        raise UserError(f"{exc}: {hint}") from None
+    except KeyError as exc:
+        raise UserError(f"{src}: a step row lacks {exc}: {hint}") from None
+    return 0
