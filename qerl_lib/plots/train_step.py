@@ -2,8 +2,8 @@
 
 Each bar is one mode's step (median of the measured steps), stacked by phase: the rollout (the engine sampling the
 completions), the trainer (log-probs, forward, backward, optimizer) and the rest (rewards, bookkeeping). QeRL's
-speedup over 16-bit LoRA is a rollout effect: the trainer phases of the NVFP4 and bf16 bases are about equal, so the
-bars differ mostly in their solid part. The label above a bar is the step time and, beside lora's unmerged step, the
+speedup over 16-bit LoRA is a rollout effect: with the current trainer the NVFP4 and bf16 bases' trainer phases are
+about equal, so the bars differ mostly in their solid part. The label above a bar is the step time and, beside lora's unmerged step, the
 speedup over it; the paper's figure for the case (its Tables 3 and 8) is printed under the case's name.
 """
 

@@ -92,8 +92,8 @@ def _train_merge_row(results_dir) -> tuple:
 
 
 def _big_step_row(results_dir) -> tuple:
-    """The 32B step at batch 2 with the current code, qerl against a 16-bit lora base (which fits a GPU larger than
-    the paper's 80 GB one)."""
+    """The 32B step at batch 2 with the current code, qerl against a 16-bit lora base, with both peaks (the paper
+    reports 16-bit LoRA out of memory at this batch on its 80 GB GPU)."""
     file = "train_step_merge_h200.json"
     doc = load_result(results_dir, file)
     rows = checked_rows(doc, file, TRAIN_STEP_KEYS + ("lora_rank", "train_s"))
