@@ -3,7 +3,7 @@
 CPU: the driver structures' layouts against cuda.h, and the engine's choice of path off CUDA. CUDA: a buffer's
 memory really returns to the driver and comes back at the same address, zero-filled in a cache; an engine with the
 remappable cache, released between calls, samples exactly what an engine without it samples, without capturing
-its graphs again; and a cache that must grow is rebuilt.
+its graphs again; a cache that must grow is rebuilt; and on a second GPU (two visible), the same, on that GPU's memory.
 """
 
 from __future__ import annotations
@@ -290,3 +290,44 @@ def test_lora_merge_over_nvfp4_holds_no_copies_and_keeps_its_graphs(monkeypatch)
     assert n_first > 1 and len(captures) == n_first, (n_first, len(captures))
     assert [(c.token_ids, c.logprobs) for c in second] == [(c.token_ids, c.logprobs) for c in first]
     engine.release()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two visible GPUs (one process on a multi-GPU machine)")
+def test_a_second_gpu_gets_its_own_remappable_memory_and_keeps_its_graphs(monkeypatch):
+    """Under data parallel each process runs its engine on cuda:LOCAL_RANK: a buffer made for cuda:1 (even while
+    cuda:0 is current) takes and returns cuda:1's memory, and an engine there keeps its graphs across a release."""
+    second = torch.device("cuda", 1)
+    size, slack = 1 << 29, 8 << 20
+    torch.cuda.set_device(0)
+    buffer = remap.RemappableBuffer(size, second)
+    view = buffer.view()
+    assert view.device == second
+    view.fill_(5)
+    torch.cuda.synchronize(second)
+    free_mapped = torch.cuda.mem_get_info(second)[0]
+    buffer.unmap()
+    assert torch.cuda.mem_get_info(second)[0] >= free_mapped + size - slack, "cuda:1's memory did not come back"
+    buffer.map()
+    view.fill_(2)
+    assert int(buffer.view()[:: 1 << 20].sum()) == 2 * (size >> 20)
+    buffer.close()
+
+    captures = []
+    original = engine_cache.DecodeGraphs._capture
+    monkeypatch.setattr(engine_cache.DecodeGraphs, "_capture",
+                        lambda self, batch, kv_len: captures.append(kv_len) or original(self, batch, kv_len))
+    with torch.cuda.device(second):  # as `resolve_device` leaves a data-parallel process
+        model = tiny_cuda_model("nvfp4").to(second)
+        kw = dict(temperature=1.0, stop_token_ids=[], row_seeds=[41, 42, 43, 44])
+        engine = RolloutEngine(model, length_step=16, remap_cache=True)
+        first = engine.generate(PROMPTS, 40, **kw)
+        n_first = len(captures)
+        engine.release()
+        second_call = engine.generate(PROMPTS, 40, **kw)
+        plain = RolloutEngine(model, length_step=16, remap_cache=False).generate(PROMPTS, 40, **kw)
+        engine.release()
+    assert engine.cache.k.device == second and n_first > 1
+    assert len(captures) - n_first == n_first  # only the plain engine captured again
+    assert [(c.token_ids, c.logprobs) for c in second_call] == [(c.token_ids, c.logprobs) for c in first]
+    assert [c.token_ids for c in plain] == [c.token_ids for c in first]
