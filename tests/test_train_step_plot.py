@@ -71,7 +71,8 @@ def test_plot_steps_command_draws_beside_the_json_and_refuses_other_files_in_one
     capsys.readouterr()
     bad = tmp_path / "rollout.json"
     bad.write_text(json.dumps({"rows": [{"model": "qwen2.5-7b", "batch": 8, "tok_s": 1.0}], "provenance": {}}))
-    for path, expected in ((tmp_path / "none.json", "does not exist"), (bad, "no measured one-GPU step row")):
+    for path, expected in ((tmp_path / "none.json", "does not exist: pass the file written by `qerl bench train"),
+                           (bad, "rollout.json: no measured one-GPU step row")):
         assert main(["plot-steps", str(path)]) == 2
         err = capsys.readouterr().err.strip().splitlines()
-        assert len(err) == 1 and expected in err[0] and "qerl bench train --json" in err[0], err
+        assert len(err) == 1 and expected in err[0], err

@@ -130,7 +130,7 @@ def _train(args) -> int:
     print(format_bench(record))
     if args.json:
         write_json_atomic(args.json, record)
-        print(f"wrote {args.json}")
+        print(f"wrote {args.json} (draw it: qerl plot-steps {args.json})")
     return 0
 
 

@@ -188,8 +188,8 @@ def _plot_steps(args) -> int:
     out = Path(args.out) if args.out else src.with_suffix(".png")
     try:
         print(plot_train_steps(src, out))
-    except ValueError as exc:  # names the file itself
-        raise UserError(f"{exc}: {hint}") from None
+    except ValueError as exc:  # names the file and what is missing
+        raise UserError(str(exc)) from None
     except KeyError as exc:
         raise UserError(f"{src}: a step row lacks {exc}: {hint}") from None
     return 0
