@@ -1,7 +1,8 @@
 """`qerl results`: the README's GPU results table, computed from the JSONs in results/.
 
 Prints the table; ``--readme README.md`` also writes it between the README's
-``<!-- headline:start -->`` / ``<!-- headline:end -->`` markers, and ``--index results/README.md``
+``<!-- headline:start -->`` / ``<!-- headline:end -->`` markers (and the paper's speed and memory claims, with
+verdicts, between ``<!-- speed_claims:start -->`` / ``<!-- speed_claims:end -->``: `studies.speed_claims`), and ``--index results/README.md``
 writes results/README.md's file table (file | what | device | command) between its
 ``<!-- index:start -->`` / ``<!-- index:end -->`` markers. See `qerl_lib.studies.headline`.
 """
@@ -24,6 +25,7 @@ def _results(args) -> int:
     from qerl_lib.io import write_text_atomic
     from qerl_lib.paths import RESULTS_DIR
     from qerl_lib.studies.headline import ResultsError, render_headline, results_index, unlisted_entries, update_block
+    from qerl_lib.studies.speed_claims import render_speed_claims
 
     results_dir = Path(args.results_dir) if args.results_dir else RESULTS_DIR
     table = render_headline(results_dir)
@@ -35,7 +37,8 @@ def _results(args) -> int:
                                f"(qerl_lib/studies/headline.py) or move them to dev/runs/")
         if missing:
             raise ResultsError(f"{results_dir}: {missing} described in RESULT_FILES but absent")
-    for block, target, body in (("headline", args.readme, table),
+    speed = render_speed_claims(results_dir) if args.readme else None
+    for block, target, body in (("headline", args.readme, table), ("speed_claims", args.readme, speed),
                                 ("index", args.index, results_index(results_dir) if args.index else None)):
         if target is None:
             continue

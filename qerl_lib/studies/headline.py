@@ -33,7 +33,8 @@ from qerl_lib.studies.result_reading import (ROLLOUT_KEYS, ResultsError, checked
 
 MARKERS = {"headline": ("<!-- headline:start -->", "<!-- headline:end -->"),
            "index": ("<!-- index:start -->", "<!-- index:end -->"),
-           "claims": ("<!-- claims:start -->", "<!-- claims:end -->")}
+           "claims": ("<!-- claims:start -->", "<!-- claims:end -->"),
+           "speed_claims": ("<!-- speed_claims:start -->", "<!-- speed_claims:end -->")}
 
 
 # ---- the rows -----------------------------------------------------------------------------------

@@ -1,0 +1,75 @@
+"""The README's speed-and-memory claims table: rendered from results/, and each verdict follows its rule."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from qerl_lib.studies import headline
+from qerl_lib.studies.result_reading import ResultsError
+from qerl_lib.studies.speed_claims import render_speed_claims, speed_claim_rows
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture()
+def results_copy(tmp_path):
+    shutil.copytree(ROOT / "results", tmp_path / "results")
+    return tmp_path / "results"
+
+
+def _edit(path: Path, change) -> None:
+    doc = json.loads(path.read_text())
+    change(doc)
+    path.write_text(json.dumps(doc))
+
+
+def _verdicts(results_dir) -> dict[str, str]:
+    return {claim: verdict for claim, _, _, _, verdict in speed_claim_rows(results_dir)}
+
+
+def test_readme_block_is_the_rendered_one():
+    block = headline.read_block((ROOT / "README.md").read_text(encoding="utf-8"), "speed_claims")
+    assert block == render_speed_claims(ROOT / "results"), (
+        "README.md's speed claims differ from the JSONs: run `qerl results --readme README.md`")
+
+
+def test_a_step_speedup_below_the_papers_does_not_hold(results_copy):
+    claim = "GRPO step faster than 16-bit LoRA's (7B / 14B, batch 8)"
+    assert _verdicts(results_copy)[claim] == "**holds**"
+    # one case, 14B on the H200, falls to 1.1x lora's step: the claim (x1.2 at every case) no longer holds
+    _edit(results_copy / "train_step_merge_h200.json", lambda d: [
+        r.update(step_s=r["step_s"] * 1.46 / 1.1) for r in d["rows"]
+        if r["model"] == "qwen2.5-14b" and r["mode"] == "qerl" and r["batch"] == 8])
+    assert _verdicts(results_copy)[claim] == "**does not hold**"
+
+
+def test_the_16_bit_32b_claim_holds_only_when_its_peak_passes_the_h100s_memory(results_copy):
+    claim = "16-bit LoRA at 32B does not fit one 80 GB GPU (batch 2)"
+    assert _verdicts(results_copy)[claim] == "**does not hold**"
+    _edit(results_copy / "train_step_merge_h200.json", lambda d: [
+        r.update(peak_gib=85.0) for r in d["rows"] if r["model"] == "qwen2.5-32b" and r["mode"] == "lora"])
+    assert _verdicts(results_copy)[claim] == "**holds**"
+
+
+def test_a_memory_share_verdict_names_the_models_where_it_holds(results_copy):
+    claim = "QeRL takes 40-50% of 16-bit LoRA's GPU memory"
+    rows = json.loads((results_copy / "train_step_merge_h200.json").read_text())["rows"]
+    peak = {(r["model"], r["mode"], r["batch"]): r["peak_gib"] for r in rows
+            if not r.get("rollout_lora_merge") and r.get("num_gpus") == 1 and r.get("preset") is None}
+    share = peak["qwen2.5-32b", "qerl", 2] / peak["qwen2.5-32b", "lora", 2]
+    text = {c: k for c, _, k, _, _ in speed_claim_rows(results_copy)}[claim]
+    assert f"{share:.0%} of lora's" in text
+    assert _verdicts(results_copy)[claim] == "**holds at 32B only**"
+    _edit(results_copy / "train_step_merge_h200.json", lambda d: [
+        r.update(peak_gib=r["peak_gib"] / 2) for r in d["rows"] if r["model"] == "qwen2.5-7b" and r["mode"] == "qerl"])
+    assert _verdicts(results_copy)[claim] == "**holds at 7B, 32B only**"
+
+
+def test_a_missing_results_file_is_named(results_copy):
+    (results_copy / "rollout_nf4_h200.json").unlink()
+    with pytest.raises(ResultsError, match="rollout_nf4_h200.json: not found"):
+        speed_claim_rows(results_copy)
