@@ -73,3 +73,24 @@ def test_a_missing_results_file_is_named(results_copy):
     (results_copy / "rollout_nf4_h200.json").unlink()
     with pytest.raises(ResultsError, match="rollout_nf4_h200.json: not found"):
         speed_claim_rows(results_copy)
+
+
+def test_results_command_writes_both_readme_blocks_or_nothing(tmp_path, capsys):
+    from qerl_lib.cli import main
+
+    readme = tmp_path / "README.md"
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    start, end = headline.MARKERS["speed_claims"]
+    stale = text.split(start)[0] + f"{start}\nold\n{end}" + text.split(end)[1]
+    readme.write_text(stale, encoding="utf-8")
+    assert main(["results", "--readme", str(readme)]) == 0
+    assert readme.read_text(encoding="utf-8") == text
+    assert "wrote the speed_claims table" in capsys.readouterr().out
+    h_start, h_end = headline.MARKERS["headline"]
+    stale_headline = stale.split(h_start)[0] + f"{h_start}\nold\n{h_end}" + stale.split(h_end)[1]
+    no_markers = stale_headline.replace(start, "").replace(end, "")
+    readme.write_text(no_markers, encoding="utf-8")
+    assert main(["results", "--readme", str(readme)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "speed_claims:start" in err[0], err
+    assert readme.read_text(encoding="utf-8") == no_markers  # the headline block was not written either
