@@ -94,3 +94,25 @@ def test_results_command_writes_both_readme_blocks_or_nothing(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "speed_claims:start" in err[0], err
     assert readme.read_text(encoding="utf-8") == no_markers  # the headline block was not written either
+
+
+def test_batch_two_steps_are_not_measured_until_a_file_has_both_modes(results_copy):
+    claim = "GRPO step faster than 16-bit LoRA's at batch 2 (7B / 14B)"
+    assert _verdicts(results_copy)[claim] == "**not measured**"
+
+    def add_batch_two(speedup):
+        def change(doc):
+            extra = []
+            for r in doc["rows"]:
+                if r["batch"] == 8 and r["model"] in ("qwen2.5-7b", "qwen2.5-14b") and r["mode"] in ("lora", "qerl") \
+                        and not r["rollout_lora_merge"] and r["num_gpus"] == 1 and r.get("preset") is None:
+                    extra.append({**r, "batch": 2, "step_s": 10.0 * speedup if r["mode"] == "lora" else 10.0})
+            doc["rows"] += extra
+        return change
+
+    _edit(results_copy / "train_step_merge_h200.json", add_batch_two(1.55))  # >= x1.5 (7B) and x1.4 (14B)
+    row = {c: (k, v) for c, _, k, _, v in speed_claim_rows(results_copy)}[claim]
+    assert row == ("1.55× / 1.55×, LoRA r32, 256 + 2048", "**holds**")
+    shutil.copy(ROOT / "results" / "train_step_merge_h200.json", results_copy / "train_step_merge_h200.json")
+    _edit(results_copy / "train_step_merge_h200.json", add_batch_two(1.45))  # below 7B's x1.5
+    assert _verdicts(results_copy)[claim] == "**does not hold**"
