@@ -28,8 +28,9 @@ from qerl_lib.paths import REPO_ROOT, RESULTS_DIR
 from qerl_lib.studies.headline_training import training_rows
 from qerl_lib.studies.kernel import gemm_headline
 from qerl_lib.studies.result_files import RESULT_FILES  # noqa: F401 (re-exported: cli/results.py, tests)
-from qerl_lib.studies.result_reading import (ROLLOUT_KEYS, ResultsError, checked_rows, ci_text, device_name, fastest, field,
-                                             ktok_text, load_result, model_size, provenances, times, tok_text)
+from qerl_lib.studies.result_reading import (BATCH8, ROLLOUT_KEYS, ResultsError, checked_rows, ci_text, device_name,
+                                             fastest, field, ktok_text, load_result, markdown_table, model_size,
+                                             provenances, times, tok_text)
 
 MARKERS = {"headline": ("<!-- headline:start -->", "<!-- headline:end -->"),
            "index": ("<!-- index:start -->", "<!-- index:end -->"),
@@ -39,7 +40,6 @@ MARKERS = {"headline": ("<!-- headline:start -->", "<!-- headline:end -->"),
 
 # ---- the rows -----------------------------------------------------------------------------------
 
-BATCH8 = dict(batch=8, prompt_len=256, gen_len=2048, engine="qerl")
 
 
 def _gemm_rows(results_dir) -> list[tuple]:
@@ -320,15 +320,9 @@ def headline_rows(results_dir: str | Path = RESULTS_DIR,
     return rows
 
 
-def _table(header: tuple[str, ...], rows) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(str(c).replace("|", "\\|") for c in row) + " |" for row in rows]
-    return "\n".join(lines)
-
-
 def render_headline(results_dir: str | Path = RESULTS_DIR, topics: tuple[str, ...] = TOPICS) -> str:
     """The README's results table (markdown), every cell computed from the files in `results_dir`."""
-    return _table(("quantity", "value", "device", "file"),
+    return markdown_table(("quantity", "value", "device", "file"),
                   [(q, v, d, f"`results/{f}`") for q, v, d, f in headline_rows(results_dir, topics)])
 
 
@@ -371,7 +365,7 @@ def results_index(results_dir: str | Path = RESULTS_DIR, repo_root: str | Path =
         else:
             command = display_command(field(provenances(doc, label)[0], "command", file=label), repo_root)
         rows.append((f"`{name}`", what, device_name(doc, label), f"`{command}`"))
-    return _table(("file", "what", "device", "command"), rows)
+    return markdown_table(("file", "what", "device", "command"), rows)
 
 
 def unlisted_entries(results_dir: str | Path = RESULTS_DIR) -> tuple[list[str], list[str]]:

@@ -1,8 +1,8 @@
 """Reading the results files for the README's tables: a missing file or field is one line naming both.
 
-`headline` (the README's GPU table and results/README.md's index) and `headline_training` (its training rows) read
-the JSONs of ``results/`` through these helpers, and format numbers with the same few functions, so every table
-writes a ratio or a rate the same way.
+`headline` (the README's GPU table and results/README.md's index), `headline_training` (its training rows) and
+`speed_claims` (the paper's speed and memory claims) read the JSONs of ``results/`` through these helpers, and format
+numbers and tables with the same few functions, so every table writes a ratio or a rate the same way.
 """
 
 from __future__ import annotations
@@ -73,6 +73,7 @@ def device_name(doc: dict, file: str) -> str:
 
 
 ROLLOUT_KEYS = ("model", "weights", "batch", "rank", "engine", "prompt_len", "gen_len", "tok_s", "peak_gib", "error")
+BATCH8 = dict(batch=8, prompt_len=256, gen_len=2048, engine="qerl")  # the paper's rollout setting, the kit's engine
 
 
 def matching_row(rows: list[dict], file: str, **match) -> dict:
@@ -116,3 +117,10 @@ def model_size(model: str) -> float:
 def ci_text(d: dict, file: str) -> str:
     mean, low, high = (field(d, k, file=file) for k in ("mean_diff", "low", "high"))
     return f"{mean:+.3f} nats, 95% CI [{low:+.3f}, {high:+.3f}]"
+
+
+def markdown_table(header: tuple[str, ...], rows) -> str:
+    """A markdown table of ``rows`` under ``header`` (a ``|`` inside a cell escaped)."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c).replace("|", "\\|") for c in row) + " |" for row in rows]
+    return "\n".join(lines)

@@ -24,8 +24,9 @@ from __future__ import annotations
 
 import re
 
-from qerl_lib.studies.result_reading import (ROLLOUT_KEYS, ResultsError, checked_rows, device_name, fastest, field,
-                                             load_result, matching_row, times, tok_text)
+from qerl_lib.studies.result_reading import (BATCH8, ROLLOUT_KEYS, ResultsError, checked_rows, device_name, fastest,
+                                             field, load_result, markdown_table, matching_row, provenances, times,
+                                             tok_text)
 from qerl_lib.studies.train_bench import PAPER as PAPER_STEP
 
 # §4.2: "the model size falls to 25%-30% of 16-bit"; the model sizes of Tables 3 and 5-8 (bf16 GB, NVFP4 GB)
@@ -34,7 +35,6 @@ PAPER_WEIGHT_GB = {"qwen2.5-7b": (15.2, 5.9), "qwen2.5-14b": (29.6, 10.6), "qwen
 # §4.3: QeRL uses "40%-50% of the GPU memory of vanilla LoRA"
 PAPER_MEMORY_SHARE = 0.50
 STEP_H100, STEP_H200 = "train_step_h100.json", "train_step_merge_h200.json"
-BATCH8 = dict(batch=8, prompt_len=256, gen_len=2048, engine="qerl")
 HEADER = ("claim", "paper", "kit", "device", "verdict")
 
 
@@ -55,7 +55,8 @@ def _rollout_rows(results_dir) -> list[tuple]:
     file = "rollout_h100.json"
     doc = load_result(results_dir, file)
     rows, dev = checked_rows(doc, file, ROLLOUT_KEYS), device_name(doc, file)
-    paper = field(doc, "summary", "paper_vllm_h100", file=file)
+    ref = field(doc, "summary", "paper_vllm_h100", file=file)
+    paper = {k: field(ref, k, file=file) for k in ("7b_nvfp4_b8", "7b_bf16_b8", "32b_nvfp4_b8", "32b_bf16_b8")}
 
     def tok(size, weights, rank):
         return fastest(rows, file, model=f"qwen2.5-{size}", weights=weights, rank=rank, **BATCH8)["tok_s"]
@@ -74,7 +75,8 @@ def _rollout_rows(results_dir) -> list[tuple]:
     nf_file = "rollout_nf4_h200.json"
     nf_doc = load_result(results_dir, nf_file)
     nf_rows = checked_rows(nf_doc, nf_file, ROLLOUT_KEYS)
-    nf_paper = field(nf_doc, "summary", "paper_vllm_h100", file=nf_file)
+    nf_ref = field(nf_doc, "summary", "paper_vllm_h100", file=nf_file)
+    nf_paper = {k: field(nf_ref, k, file=nf_file) for k in ("7b_nvfp4_b8", "7b_nf4_b8")}
     pq = nf_paper["7b_nvfp4_b8"] / nf_paper["7b_nf4_b8"]
 
     def nf(engine, weights):
@@ -119,9 +121,7 @@ def _step_rows(results_dir) -> list[tuple]:
     def per_file(values):
         return "; ".join(f"{devs[f]} " + " / ".join(times(values[f, m]) for m in models) for f in docs)
 
-    capacity = field(docs[STEP_H100], "provenance", file=STEP_H100)
-    capacity = capacity[0] if isinstance(capacity, list) else capacity
-    capacity_gib = field(capacity, "device", "memory_gib", file=STEP_H100)
+    capacity_gib = field(provenances(docs[STEP_H100], STEP_H100)[0], "device", "memory_gib", file=STEP_H100)
     big_q = _step(rows[STEP_H100], STEP_H100, "qwen2.5-32b", "qerl", batch=2)
     big_q200 = _step(rows[STEP_H200], STEP_H200, "qwen2.5-32b", "qerl", batch=2)
     big_lora = _step(rows[STEP_H200], STEP_H200, "qwen2.5-32b", "lora", batch=2)
@@ -205,9 +205,4 @@ def speed_claim_rows(results_dir) -> list[tuple]:
 
 def render_speed_claims(results_dir) -> str:
     """The README's speed-and-memory claims table (markdown)."""
-    rows = speed_claim_rows(results_dir)
-    if not rows:
-        raise ResultsError(f"{results_dir}: no speed or memory claim could be read")
-    lines = ["| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
-    lines += ["| " + " | ".join(str(c).replace("|", "\\|") for c in row) + " |" for row in rows]
-    return "\n".join(lines)
+    return markdown_table(HEADER, speed_claim_rows(results_dir))
