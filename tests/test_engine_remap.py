@@ -296,10 +296,15 @@ def test_lora_merge_over_nvfp4_holds_no_copies_and_keeps_its_graphs(monkeypatch)
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two visible GPUs (one process on a multi-GPU machine)")
 def test_a_second_gpu_gets_its_own_remappable_memory_and_keeps_its_graphs(monkeypatch):
     """Under data parallel each process runs its engine on cuda:LOCAL_RANK: a buffer made for cuda:1 (even while
-    cuda:0 is current) takes and returns cuda:1's memory, and an engine there keeps its graphs across a release."""
+    cuda:0 is current) takes and returns cuda:1's memory, and an engine there keeps its graphs across a release.
+    The engine captures on a stream of its own device: on PyTorch's default capture stream, made on cuda:0 by the
+    first capture, its Triton launches failed with "Pointer argument cannot be accessed" (dev/LOG.md section 111)."""
     second = torch.device("cuda", 1)
     size, slack = 1 << 29, 8 << 20
     torch.cuda.set_device(0)
+    first_graph, counter = torch.cuda.CUDAGraph(), torch.zeros(1, device="cuda:0")
+    with torch.cuda.graph(first_graph):  # the process's first capture is on cuda:0, as with any earlier CUDA test:
+        counter.add_(1)                  # PyTorch keeps that default capture stream for the whole process
     buffer = remap.RemappableBuffer(size, second)
     view = buffer.view()
     assert view.device == second

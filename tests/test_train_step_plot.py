@@ -24,14 +24,14 @@ def test_bars_are_the_plain_one_gpu_rows_in_mode_order_with_speedups_over_unmerg
             _row("qwen2.5-7b", "qerl", 5.0, num_gpus=2),  # data parallel: another figure's
             _row("qwen2.5-7b", "qerl", 99.0, batch=128, preset="qwen2.5-7b-gsm8k"),
             _row("qwen2.5-7b", "lora", 3.0, error="OutOfMemoryError"),
-            _row("qwen2.5-32b", "qerl", 20.0, batch=2)]
+            _row("qwen2.5-32b", "qerl", 20.0, batch=2), _row("qwen2.5-14b", "qerl", 9.0, batch=2)]
     cases = step_cases(rows)
-    assert [(c["model"], c["batch"]) for c in cases] == [("qwen2.5-7b", 8), ("qwen2.5-32b", 2)]
+    assert [(c["model"], c["batch"]) for c in cases] == [("qwen2.5-7b", 8), ("qwen2.5-14b", 2), ("qwen2.5-32b", 2)]
     bars = cases[0]["bars"]
     assert [b["label"] for b in bars] == ["qerl", "lora, merged rollout", "lora", "qlora"]
     assert [b["speedup_vs_lora"] for b in bars] == [1.5, 12.0 / 11.0, 1.0, 0.5]
     assert all(b["other_s"] == pytest.approx(0.5) for b in bars)
-    assert cases[1]["bars"][0]["speedup_vs_lora"] is None  # no lora row at 32B
+    assert cases[2]["bars"][0]["speedup_vs_lora"] is None  # no lora row at 32B
 
 
 def test_two_rows_for_one_bar_are_refused_by_name():
@@ -47,7 +47,7 @@ def test_committed_h200_figure_data_gives_qerls_speedup_over_lora(tmp_path):
     doc = json.loads(src.read_text())
     step = {(r["model"], r["mode"]): r["step_s"] for r in doc["rows"]
             if r["batch"] == 8 and not r["rollout_lora_merge"] and r["num_gpus"] == 1 and r.get("preset") is None}
-    seven = step_cases(doc["rows"])[0]
+    seven = next(c for c in step_cases(doc["rows"]) if c["batch"] == 8)
     assert seven["model"] == "qwen2.5-7b"
     assert seven["bars"][0]["speedup_vs_lora"] == step["qwen2.5-7b", "lora"] / step["qwen2.5-7b", "qerl"]
     out = plot_train_steps(src, tmp_path / "steps.png")

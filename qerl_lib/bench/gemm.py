@@ -108,7 +108,7 @@ def time_graph(calls: Sequence[Callable[[], object]], *, warmup: int = 3, min_re
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, stream=side):  # a stream of the current device (see engine/cache.py)
         for call in calls:
             call()
     for _ in range(warmup):

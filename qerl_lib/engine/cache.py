@@ -163,7 +163,9 @@ class DecodeGraphs:
             self.step(tokens, column, pad, kv_len)
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        # Captured on `side`, a stream of this device: PyTorch's default capture stream is made once per process,
+        # on whichever device was current then, and a capture there would launch on the wrong GPU.
+        with torch.cuda.graph(graph, pool=self.pool, stream=side):
             logits = self.step(tokens, column, pad, kv_len)
         return graph, logits
 
