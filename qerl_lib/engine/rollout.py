@@ -63,6 +63,7 @@ SmolLM2-135M bf16, batch 64, 256 + 512 tokens: 48.1k tokens/s against 3.5k for t
 
 from __future__ import annotations
 
+import functools
 import time
 import warnings
 import weakref
@@ -103,6 +104,19 @@ class Timing:
     batch: int = 0
     extra: dict = field(default_factory=dict)
     load_s: float = 0.0  # before the prefill: the call's adapters and norm weights copied (merged) into the engine
+
+
+def _on_model_gpu(method):
+    """Run an engine method with the model's GPU as the current device: Triton, the NVRTC kernels and graph
+    capture launch on the current device's stream, so an engine on cuda:1 called while cuda:0 is current (one
+    process driving two GPUs) would launch its kernels on the wrong GPU (dev/LOG.md section 114)."""
+    @functools.wraps(method)
+    def on_gpu(self, *args, **kwargs):
+        if self._view.device.type != "cuda":
+            return method(self, *args, **kwargs)
+        with torch.cuda.device(self._view.device):
+            return method(self, *args, **kwargs)
+    return on_gpu
 
 
 class RolloutEngine:
@@ -194,6 +208,7 @@ class RolloutEngine:
         self.last_timing = Timing()
 
     # ---- public ---------------------------------------------------------------------------------
+    @_on_model_gpu
     def generate(self, prompt_ids, max_new_tokens, temperature: float = 1.0, top_p: float = 1.0,
                  top_k: int = 0, seed: int | None = None, stop_token_ids=None, lora=None, norm_overrides=None,
                  prompt_mask: torch.Tensor | None = None, timing: bool = False, row_seeds=None,
@@ -249,6 +264,7 @@ class RolloutEngine:
             for m, flag in training:
                 m.training = flag
 
+    @_on_model_gpu
     def warmup(self, batch: int, prompt_len: int, max_new_tokens: int, lora=None) -> None:
         """Do the one-time work of a (batch, prompt_len, max_new_tokens) call before timing one:
         a short generation (kernel selection, Triton autotuning at these shapes), then a capture
