@@ -252,3 +252,35 @@ def test_truncated_adapter_names_the_file(two_models, tmp_path, capsys):
                     "--data", "arith", "--n", "1", "--device", "cpu", "--quiet")
     line = one_line(err, "eval")
     assert code == 2 and f"{weights}: truncated file: tensor" in line
+
+
+# ---- --device of the commands that load a model themselves ---------------------------------------
+
+
+@pytest.mark.parametrize("device, match", [
+    ("bogus", "--device bogus: not a device torch knows: use auto, cpu, cuda or cuda:N"),
+    ("meta", "--device meta: the kit runs on cpu or cuda"),
+], ids=["unknown", "not-cpu-or-cuda"])
+@pytest.mark.parametrize("command", [["generate", "--prompt", "hi"], ["eval", "--data", "arith", "--n", "2"]],
+                         ids=["generate", "eval"])
+def test_a_device_the_kit_cannot_use_is_one_line_before_the_model_loads(capsys, command, device, match):
+    code, err = run(capsys, command[0], "--model", MISSING_MODEL, *command[1:], "--device", device)
+    assert code == 2 and match in one_line(err, command[0])
+
+
+def test_cuda_n_must_name_a_visible_gpu_which_becomes_current(monkeypatch):
+    from qerl_lib.cli.devices import resolve_cli_device
+
+    made_current = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(UserError, match="--device cuda:1 but CUDA is not available: use --device cpu"):
+        resolve_cli_device("cuda:1")
+    assert resolve_cli_device("auto") == resolve_cli_device(None) == torch.device("cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", made_current.append)
+    with pytest.raises(UserError, match=r"--device cuda:2: this machine has 2 visible GPU\(s\): use cuda:0 to cuda:1"):
+        resolve_cli_device("cuda:2")
+    assert resolve_cli_device("cuda") == resolve_cli_device("auto") == torch.device("cuda") and made_current == []
+    # the kit's kernels launch on the current device's stream: an explicit GPU becomes the current one
+    assert resolve_cli_device("cuda:1") == torch.device("cuda", 1) and made_current == [torch.device("cuda", 1)]

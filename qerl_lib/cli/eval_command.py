@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from qerl_lib.cli.devices import resolve_cli_device
 from qerl_lib.errors import UserError
 
 
@@ -57,14 +58,7 @@ def register_eval(sub) -> None:
 def _resolve_device_dtype(device: str, dtype: str):
     import torch
 
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    try:
-        torch.device(device)
-    except RuntimeError:  # torch's "Expected one of cpu, cuda, ... device type at start of device string"
-        raise UserError(f"--device {device}: not a device torch knows: use auto, cpu, cuda or cuda:N") from None
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise UserError(f"--device {device} but CUDA is not available: use --device cpu")
+    device = str(resolve_cli_device(device))
     if dtype == "auto":
         # The weights are bf16 values either way (float32 holds them exactly). CPUs without
         # AVX512-BF16 emulate bf16 matmuls, several times slower, so CPU computes in float32.

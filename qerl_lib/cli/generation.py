@@ -69,6 +69,7 @@ def _generate(args) -> int:
     import torch
     from transformers import AutoTokenizer
 
+    from qerl_lib.cli.devices import resolve_cli_device
     from qerl_lib.engine.rollout import generate
     from qerl_lib.errors import UserError
     from qerl_lib.models.loader import load_model, resolve_model_dir
@@ -78,12 +79,7 @@ def _generate(args) -> int:
     messages = [args.prompt] if args.prompt is not None else read_prompts(args.prompts)
     if not messages:
         raise UserError(f"{args.prompts} holds no prompts")
-    try:
-        device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    except RuntimeError:  # torch's "Expected one of cpu, cuda, ... device type at start of device string"
-        raise UserError(f"--device {args.device}: not a device torch knows: use cpu, cuda or cuda:N") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise UserError(f"--device {args.device} but CUDA is not available: use --device cpu")
+    device = resolve_cli_device(args.device)
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}.get(
         args.dtype, torch.bfloat16 if device.type == "cuda" else torch.float32)
 
