@@ -68,8 +68,8 @@ def plot_train_steps(step_json: str | Path, out_png: str | Path) -> Path:
     doc = load_json(step_json)
     cases = step_cases(doc["rows"], source=str(step_json))
     if not cases:
-        raise ValueError(f"{step_json}: no measured one-GPU step row of Qwen2.5-7B or 14B at batch 2 or 8 or 32B at batch 2 "
-                         f"to draw (a row that failed carries its error)")
+        raise ValueError(f"{step_json}: no measured one-GPU step row of Qwen2.5-7B or 14B at batch 2 or 8 or 32B at "
+                         f"batch 2 to draw (a row that failed carries its error)")
     fig, (ax,) = new_figure(width=max(6.0, 1.0 + 0.75 * sum(len(c["bars"]) + 1 for c in cases)), height=4.2)
     width, x, ticks, tick_labels, seen = 0.8, 0.0, [], [], set()
     for case in cases:
