@@ -1,6 +1,7 @@
 """The engine's remappable KV cache (`engine/remap.py`): memory given back between rollouts, graphs kept.
 
-CPU: the driver structures' layouts against cuda.h, and the engine's choice of path off CUDA. CUDA: a buffer's
+CPU: the driver structures' layouts against cuda.h, the engine's choice of path off CUDA, and the decode graphs'
+capture stream (on their own device). CUDA: a buffer's
 memory really returns to the driver and comes back at the same address, zero-filled in a cache; an engine with the
 remappable cache, released between calls, samples exactly what an engine without it samples, without capturing
 its graphs again; a cache that must grow is rebuilt; and on a second GPU (two visible), the same, on that GPU's memory.
@@ -8,6 +9,7 @@ its graphs again; a cache that must grow is rebuilt; and on a second GPU (two vi
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 from pathlib import Path
 
@@ -29,6 +31,43 @@ def test_driver_structures_have_cuda_h_layouts():
     assert ctypes.sizeof(remap._AllocationProp) == 32
     assert remap._AllocationProp.win32HandleMetaData.offset == 16
     assert remap._AllocationProp.allocFlags.offset == 24
+
+
+def test_decode_graphs_capture_on_a_stream_of_their_own_device(monkeypatch):
+    """PyTorch's default capture stream lives on whichever GPU was current at a process's first capture; a capture
+    there launches on that GPU (dev/LOG.md section 111). The capture must use the warm-up stream, made on the
+    graphs' device. Checked off CUDA with torch.cuda's stream and graph calls recorded."""
+    made, captured = [], []
+
+    class Stream:
+        def __init__(self, device=None):
+            self.device = device
+            made.append(self)
+
+        def wait_stream(self, other):
+            pass
+
+    class Graph:
+        def __init__(self, graph, pool=None, stream=None):
+            captured.append(stream)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream(device))
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: object())
+    monkeypatch.setattr(torch.cuda, "graph", Graph)
+    device = torch.device("cpu")  # stands in for cuda:1: the steps are plain tensor work
+    graphs = engine_cache.DecodeGraphs(lambda tokens, column, pad, kv_len: tokens.float(), device)
+    graphs.capture = True
+    graphs._capture(2, 16)
+    side = made[0]  # the first stream made: the warm-up's
+    assert side.device == device and captured == [side]
 
 
 def test_off_cuda_the_engine_keeps_its_plain_cache():
