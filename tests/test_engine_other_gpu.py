@@ -2,19 +2,48 @@
 
 Triton, the NVRTC kernels and CUDA graph capture launch on the current device's stream, so the engine makes its
 model's GPU current for each call (`engine/rollout._on_model_gpu`) and leaves the caller's device as it was.
-CUDA only, with two visible GPUs.
+CPU: the decorator's bookkeeping with torch.cuda's device context recorded. CUDA, with two visible GPUs: the samples.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from qerl_lib.engine.rollout import RolloutEngine
+from qerl_lib.engine.rollout import RolloutEngine, _on_model_gpu
 
 from test_engine import PROMPTS, tiny_cuda_model
+
+
+def test_engine_calls_run_inside_their_models_gpu_context(monkeypatch):
+    entered = []
+
+    @contextlib.contextmanager
+    def device_context(device):
+        entered.append(("enter", device))
+        yield
+        entered.append(("exit", device))
+
+    class Engine:
+        @_on_model_gpu
+        def generate(self, value, scale=1):
+            entered.append(("call", value * scale))
+            return value * scale
+
+    monkeypatch.setattr(torch.cuda, "device", device_context)
+    engine = Engine()
+    engine._view = SimpleNamespace(device=torch.device("cuda", 1))
+    assert engine.generate(3, scale=2) == 6
+    assert entered == [("enter", torch.device("cuda", 1)), ("call", 6), ("exit", torch.device("cuda", 1))]
+    entered.clear()
+    engine._view = SimpleNamespace(device=torch.device("cpu"))  # off CUDA: no device context at all
+    assert engine.generate(4) == 4 and entered == [("call", 4)]
+    # and the engine's two entry points that launch kernels carry it
+    assert [getattr(RolloutEngine, name).__wrapped__.__name__ for name in ("generate", "warmup")] == ["generate", "warmup"]
 
 
 @pytest.mark.cuda
