@@ -13,8 +13,9 @@ from pathlib import Path
 
 from qerl_lib.plots.style import COLORS, load_json, new_figure, save_figure
 
-# (model, completions per step): the paper's Table 3 settings at 7B and 14B (batch 2 and 8), Table 8's at 32B
-CASES = (("qwen2.5-7b", 2), ("qwen2.5-7b", 8), ("qwen2.5-14b", 2), ("qwen2.5-14b", 8), ("qwen2.5-32b", 2))
+# (model, completions per step): the paper's Table 3 settings at 7B and 14B (batch 2, 4, 8), Table 8's at 32B (2, 8)
+CASES = tuple((f"qwen2.5-{size}", batch) for size in ("7b", "14b") for batch in (2, 4, 8)) + \
+    (("qwen2.5-32b", 2), ("qwen2.5-32b", 8))
 # (mode, rollout adapters merged, label) in drawing order
 BARS = (("qerl", False, "qerl"), ("nvfp4", False, "nvfp4 (no AQN)"), ("lora", True, "lora, merged rollout"),
         ("lora", False, "lora"), ("qlora", False, "qlora"))
@@ -68,8 +69,8 @@ def plot_train_steps(step_json: str | Path, out_png: str | Path) -> Path:
     doc = load_json(step_json)
     cases = step_cases(doc["rows"], source=str(step_json))
     if not cases:
-        raise ValueError(f"{step_json}: no measured one-GPU step row of Qwen2.5-7B or 14B at batch 2 or 8 or 32B at "
-                         f"batch 2 to draw (a row that failed carries its error)")
+        raise ValueError(f"{step_json}: no measured one-GPU step row of the paper's Tables 3 and 8 settings (Qwen2.5-7B "
+                         f"or 14B at batch 2, 4 or 8, 32B at batch 2 or 8) to draw (a row that failed carries its error)")
     fig, (ax,) = new_figure(width=max(6.0, 1.0 + 0.75 * sum(len(c["bars"]) + 1 for c in cases)), height=4.2)
     width, x, ticks, tick_labels, seen = 0.8, 0.0, [], [], set()
     for case in cases:

@@ -147,25 +147,51 @@ def _step_rows(results_dir) -> list[tuple]:
     ]
 
 
-def _small_batch_row(results_dir) -> tuple:
-    """Tab. 3's batch-2 step speedups (x1.5 at 7B, x1.4 at 14B), from whichever step file measured both modes there;
-    "not measured" until one does."""
+def _small_batch_row(results_dir, batch: int) -> tuple:
+    """Tab. 3's step speedups at ``batch`` 2 or 4 (x1.5 / x1.4 at 7B, x1.4 / x1.2 at 14B), from whichever step file
+    measured both modes there; "not measured" until one does."""
     models = ("qwen2.5-7b", "qwen2.5-14b")
-    paper = " / ".join(f"×{_paper_factor(m, 'qerl', 2):g}" for m in models)
-    claim = "GRPO step faster than 16-bit LoRA's at batch 2 (7B / 14B)"
+    paper = " / ".join(f"×{_paper_factor(m, 'qerl', batch):g}" for m in models)
+    claim = f"GRPO step faster than 16-bit LoRA's at batch {batch} (7B / 14B)"
     for file in (STEP_H200, STEP_H100):
         doc = load_result(results_dir, file)
         rows = checked_rows(doc, file, ("model", "mode", "batch", "step_s", "error"))
         try:
-            ratios = [_step(rows, file, m, "lora", 2)["step_s"] / _step(rows, file, m, "qerl", 2)["step_s"]
+            ratios = [_step(rows, file, m, "lora", batch)["step_s"] / _step(rows, file, m, "qerl", batch)["step_s"]
                       for m in models]
         except ResultsError:
             continue
         return (claim, f"Tab. 3: {paper}", " / ".join(times(r) for r in ratios) + ", LoRA r32, 256 + 2048",
                 device_name(doc, file),
-                _verdict(all(r >= _paper_factor(m, "qerl", 2) for r, m in zip(ratios, models))))
-    return (claim, f"Tab. 3: {paper}", "no batch-2 step of both modes in results/ yet (`qerl bench train --batches 2`)",
-            "-", "**not measured**")
+                _verdict(all(r >= _paper_factor(m, "qerl", batch) for r, m in zip(ratios, models))))
+    return (claim, f"Tab. 3: {paper}", f"no batch-{batch} step of both modes in results/ yet "
+            f"(`qerl bench train --batches {batch}`)", "-", "**not measured**")
+
+
+def _big_batch_eight_rows(results_dir) -> list[tuple]:
+    """Tab. 8 at batch 8: QeRL's 32B step fits one 80 GB GPU (12.2 s a step) and 16-bit LoRA's does not, from the
+    H200 step file, judged by peak against the H100's capacity as the batch-2 rows are; "not measured" until it has
+    both modes' rows."""
+    capacity_gib = field(provenances(load_result(results_dir, STEP_H100), STEP_H100)[0], "device", "memory_gib",
+                         file=STEP_H100)
+    claims = ("a 32B model trains on one 80 GB GPU (batch 8, gradient checkpointing)",
+              "16-bit LoRA at 32B does not fit one 80 GB GPU (batch 8)")
+    papers = (f"Tab. 8: {PAPER_STEP['qwen2.5-32b', 'qerl', 8]}", "Tab. 8: out of memory, with and without gradient "
+              "checkpointing")
+    doc = load_result(results_dir, STEP_H200)
+    rows = checked_rows(doc, STEP_H200, ("model", "mode", "batch", "step_s", "peak_gib", "error"))
+    try:
+        qerl, lora = (_step(rows, STEP_H200, "qwen2.5-32b", mode, batch=8) for mode in ("qerl", "lora"))
+    except ResultsError:
+        return [(c, p, "no 32B batch-8 step of qerl and lora in results/ yet (`qerl bench train --models "
+                 "qwen2.5-32b --batches 8`)", "-", "**not measured**") for c, p in zip(claims, papers)]
+    dev = device_name(doc, STEP_H200)
+    return [(claims[0], papers[0], f"peak {qerl['peak_gib']:.1f} GiB, under the H100's {capacity_gib:.1f} "
+             f"({qerl['step_s']:.1f} s a step with 2048-token completions); measured on an H200", dev,
+             _verdict(qerl["peak_gib"] < capacity_gib)),
+            (claims[1], papers[1], f"peak {lora['peak_gib']:.1f} GiB with checkpointing against the H100's "
+             f"{capacity_gib:.1f}; measured on an H200, not run on an 80 GB GPU", dev,
+             _verdict(lora["peak_gib"] >= capacity_gib))]
 
 
 def _memory_rows(results_dir) -> list[tuple]:
@@ -199,8 +225,8 @@ def _memory_rows(results_dir) -> list[tuple]:
 def speed_claim_rows(results_dir) -> list[tuple]:
     """(claim, paper, kit, device, verdict) for each of the paper's speed and memory claims."""
     steps = _step_rows(results_dir)
-    return [*_rollout_rows(results_dir), steps[0], _small_batch_row(results_dir), *steps[1:],
-            *_memory_rows(results_dir)]
+    return [*_rollout_rows(results_dir), steps[0], _small_batch_row(results_dir, 2), _small_batch_row(results_dir, 4),
+            *steps[1:], *_big_batch_eight_rows(results_dir), *_memory_rows(results_dir)]
 
 
 def render_speed_claims(results_dir) -> str:

@@ -49,10 +49,14 @@ MODES = ("lora", "qlora", "nvfp4", "qerl")
 # The paper's end-to-end numbers (QeRL Tab. 3: step-time speedup over 16-bit LoRA, 256 + 2048 tokens, first 30
 # steps; Tab. 8: 32B QeRL seconds per step with gradient checkpointing). Keyed (model, mode, batch).
 PAPER = {
-    ("qwen2.5-7b", "qlora", 2): "x0.8 vs lora", ("qwen2.5-7b", "qlora", 8): "x0.7 vs lora",
-    ("qwen2.5-7b", "qerl", 2): "x1.5 vs lora", ("qwen2.5-7b", "qerl", 8): "x1.2 vs lora",
-    ("qwen2.5-14b", "qlora", 2): "x0.9 vs lora", ("qwen2.5-14b", "qlora", 8): "x0.7 vs lora",
-    ("qwen2.5-14b", "qerl", 2): "x1.4 vs lora", ("qwen2.5-14b", "qerl", 8): "x1.2 vs lora",
+    ("qwen2.5-7b", "qlora", 2): "x0.8 vs lora", ("qwen2.5-7b", "qlora", 4): "x0.8 vs lora",
+    ("qwen2.5-7b", "qlora", 8): "x0.7 vs lora",
+    ("qwen2.5-7b", "qerl", 2): "x1.5 vs lora", ("qwen2.5-7b", "qerl", 4): "x1.4 vs lora",
+    ("qwen2.5-7b", "qerl", 8): "x1.2 vs lora",
+    ("qwen2.5-14b", "qlora", 2): "x0.9 vs lora", ("qwen2.5-14b", "qlora", 4): "x0.7 vs lora",
+    ("qwen2.5-14b", "qlora", 8): "x0.7 vs lora",
+    ("qwen2.5-14b", "qerl", 2): "x1.4 vs lora", ("qwen2.5-14b", "qerl", 4): "x1.2 vs lora",
+    ("qwen2.5-14b", "qerl", 8): "x1.2 vs lora",
     ("qwen2.5-32b", "qerl", 2): "10.6 s/step", ("qwen2.5-32b", "qerl", 8): "12.2 s/step",
 }
 
