@@ -3,12 +3,7 @@
 #   bash dev/sweeps/gpu_job.sh start 'bash dev/sweeps/tab3_tab8_x2.sh'   then   bash dev/sweeps/gpu_job.sh poll 560
 # GPU 0, one case at a time: Tab. 8's 32B step at batch 8 (qerl, 16-bit lora), then Tab. 3's batch 4 at 7B and 14B.
 # GPU 1 at the same time: section 112's allocator A/B (dev/sweeps/alloc_ab_gpu.sh's two commands).
-set -uo pipefail
-OUT=${OUT:-/tmp/out}
-bash dev/sweeps/gpu_job.sh assemble > $OUT/assemble.log 2>&1
-export PYTHONPATH=$PYTHONPATH:/tmp/site_bnb QERL_CACHE=$PWD/.tokcache
-nvidia-smi --query-gpu=timestamp,index,memory.used,utilization.gpu --format=csv -l 2 > $OUT/gpu_memory.csv 2>&1 &
-SMI=$!
+source dev/sweeps/job_prelude.sh
 (for segments in True False; do
    CUDA_VISIBLE_DEVICES=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:$segments python3 -m qerl_lib bench train \
      --models qwen2.5-14b --modes lora,qerl --batches 2 --steps 4 --json $OUT/b2_segments_$segments.json \
@@ -20,4 +15,4 @@ CUDA_VISIBLE_DEVICES=0 python3 -m qerl_lib bench train --models qwen2.5-32b --mo
 CUDA_VISIBLE_DEVICES=0 python3 -m qerl_lib bench train --models qwen2.5-7b,qwen2.5-14b --modes lora,qerl --batches 4 \
   --steps 3 --json $OUT/train_b4.json > $OUT/train_b4.log 2>&1
 wait $AB
-kill $SMI
+stop_memory_samples
