@@ -150,3 +150,22 @@ def test_32b_batch_eight_claims_wait_for_both_rows_then_follow_the_peaks(results
     assert [_verdicts(results_copy)[c] for c in (fits, no_fit)] == ["**holds**", "**holds**"]
     _edit(step_file, add_big(85.0, 75.0))
     assert [_verdicts(results_copy)[c] for c in (fits, no_fit)] == ["**does not hold**", "**does not hold**"]
+
+
+def test_the_batch_two_rollout_follows_the_steps_rollout_phases(results_copy):
+    claim = "rollout faster than 16-bit LoRA's at batch 2 (7B / 14B / 32B)"
+    step_file = results_copy / "train_step_merge_h200.json"
+    rows = {(r["model"], r["mode"]): r for r in json.loads(step_file.read_text())["rows"]
+            if r["batch"] == 2 and r["num_gpus"] == 1 and not r["rollout_lora_merge"]}
+    ratio = (rows["qwen2.5-32b", "lora"]["rollout_s"] / rows["qwen2.5-32b", "qerl"]["rollout_s"]
+             * rows["qwen2.5-32b", "qerl"]["completion_len"] / rows["qwen2.5-32b", "lora"]["completion_len"])
+    kit = {c: k for c, _, k, _, _ in speed_claim_rows(results_copy)}[claim]
+    assert kit.split(" / ")[2].startswith(f"{ratio:.2f}×")  # tokens/s from each row's own completion length
+    # 32B's qerl rollout 1.7x lora's tokens/s: under Tab. 8's 60.0 / 34.0 = 1.76x
+    _edit(step_file, lambda d: [r.update(rollout_s=r["rollout_s"] * ratio / 1.7) for r in d["rows"]
+                                if r["model"] == "qwen2.5-32b" and r["mode"] == "qerl" and r["batch"] == 2])
+    assert _verdicts(results_copy)[claim] == "**does not hold**"
+    _edit(step_file, lambda d: d.update(rows=[r for r in d["rows"] if not (r["model"] == "qwen2.5-14b"
+                                                                            and r["batch"] == 2)]))
+    assert _verdicts(results_copy)[claim] == "**not measured**"
+

@@ -37,6 +37,7 @@ AT_MOST = ("nvfp4_peak_gib_32b_b8", "lora_overhead_7b_b8_r16", "lora_overhead_7b
 # bench/rollout.py's docstring).
 PAPER_TOK_S = {"7b_bf16_b8": 1641.1, "7b_nvfp4_b8": 2091.8, "14b_bf16_b8": 737.2, "14b_nvfp4_b8": 1091.1,
                "32b_bf16_b8": 344.3, "32b_nvfp4_b8": 688.2, "7b_bf16_b2": 115.4, "7b_nvfp4_b2": 151.6,
+               "14b_bf16_b2": 65.4, "14b_nvfp4_b2": 95.3, "32b_bf16_b2": 34.0, "32b_nvfp4_b2": 60.0,
                "7b_nf4_b8": 1362.0}
 
 
