@@ -126,30 +126,50 @@ def test_small_batch_steps_are_not_measured_until_a_file_has_both_modes(results_
     assert _verdicts(results_copy)[claim] == "**does not hold**"
 
 
-def test_32b_batch_eight_claims_wait_for_both_rows_then_follow_the_peaks(results_copy):
+def test_32b_batch_eight_claims_wait_for_their_rows_then_follow_the_peaks(results_copy):
     fits, no_fit = ("a 32B model trains on one 80 GB GPU (batch 8, gradient checkpointing)",
                     "16-bit LoRA at 32B does not fit one 80 GB GPU (batch 8)")
     step_file = results_copy / "train_step_merge_h200.json"
 
-    def drop_big(doc):
-        doc["rows"] = [r for r in doc["rows"] if not (r["model"] == "qwen2.5-32b" and r["batch"] == 8)]
-
-    def add_big(qerl_peak, lora_peak, modes=("qerl", "lora")):
+    def add_big(peaks):
         def change(doc):
-            drop_big(doc)
-            doc["rows"] += [{**r, "batch": 8, "peak_gib": qerl_peak if r["mode"] == "qerl" else lora_peak}
-                            for r in doc["rows"] if r["model"] == "qwen2.5-32b" and r["batch"] == 2
-                            and r["mode"] in modes]
+            doc["rows"] = [r for r in doc["rows"] if not (r["model"] == "qwen2.5-32b" and r["batch"] == 8)]
+            doc["rows"] += [{**r, "batch": 8, "peak_gib": peaks[r["mode"]]} for r in doc["rows"]
+                            if r["model"] == "qwen2.5-32b" and r["batch"] == 2 and r["mode"] in peaks]
         return change
 
-    _edit(step_file, drop_big)
-    assert [_verdicts(results_copy)[c] for c in (fits, no_fit)] == ["**not measured**"] * 2
-    _edit(step_file, add_big(40.0, 90.0, modes=("qerl",)))  # one mode alone is not enough
-    assert [_verdicts(results_copy)[c] for c in (fits, no_fit)] == ["**not measured**"] * 2
-    _edit(step_file, add_big(40.0, 90.0))  # the paper's picture: qerl under the H100's 79.2 GiB, lora above
-    assert [_verdicts(results_copy)[c] for c in (fits, no_fit)] == ["**holds**", "**holds**"]
-    _edit(step_file, add_big(85.0, 75.0))
-    assert [_verdicts(results_copy)[c] for c in (fits, no_fit)] == ["**does not hold**", "**does not hold**"]
+    def verdicts():
+        found = _verdicts(results_copy)
+        return [found[fits], found[no_fit]]
+
+    _edit(step_file, add_big({}))
+    assert verdicts() == ["**not measured**"] * 2
+    _edit(step_file, add_big({"qerl": 40.0}))  # each row waits for its own mode only
+    assert verdicts() == ["**holds**", "**not measured**"]
+    _edit(step_file, add_big({"qerl": 40.0, "lora": 90.0}))  # the paper's picture: qerl under the H100's 79.2 GiB
+    assert verdicts() == ["**holds**", "**holds**"]
+    _edit(step_file, add_big({"qerl": 85.0, "lora": 75.0}))
+    assert verdicts() == ["**does not hold**", "**does not hold**"]
+
+
+@pytest.mark.parametrize("batch", [2, 8])
+def test_a_16_bit_32b_step_on_the_h100_decides_whether_it_fits(results_copy, batch):
+    claim = f"16-bit LoRA at 32B does not fit one 80 GB GPU (batch {batch})"
+    h100_file = results_copy / "train_step_h100.json"
+    base = next(r for r in json.loads(h100_file.read_text())["rows"]
+                if r["model"] == "qwen2.5-32b" and r["mode"] == "qerl" and r["batch"] == 2)
+    _edit(results_copy / "train_step_merge_h200.json", lambda d: d["rows"].extend(
+        {**r, "batch": batch, "peak_gib": 70.0} for r in list(d["rows"])
+        if r["model"] == "qwen2.5-32b" and r["mode"] == "lora" and r["batch"] == 2 and batch != 2))
+    assert _verdicts(results_copy)[claim] == "**does not hold**"  # the H200's 67.8 / 70 GiB peak: under 79.2
+    oom = {**base, "mode": "lora", "batch": batch, "error": "torch.OutOfMemoryError: CUDA out of memory. Tried to "
+           "allocate 1.2 GiB", "step_s": None, "peak_gib": None}
+    _edit(h100_file, lambda d: d["rows"].append(oom))
+    row = {c: (k, v) for c, _, k, _, v in speed_claim_rows(results_copy)}[claim]
+    assert row == ("out of memory on the H100 (79.2 GiB)", "**holds**")
+    _edit(h100_file, lambda d: d["rows"].append({**oom, "error": None, "step_s": 50.0, "peak_gib": 78.5}))
+    row = {c: (k, v) for c, _, k, _, v in speed_claim_rows(results_copy)}[claim]
+    assert row == ("ran on the H100: peak 78.5 GiB of its 79.2", "**does not hold**")  # a step that ran decides
 
 
 def test_the_batch_two_rollout_follows_the_steps_rollout_phases(results_copy):

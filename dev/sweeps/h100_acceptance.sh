@@ -21,3 +21,9 @@ python3 -m qerl_lib bench rollout --models qwen2.5-7b --weights bf16,nvfp4 --bat
   --no-hf-baseline --json $OUT/rollout_7b.json > $OUT/rollout_7b.log 2>&1
 python3 -m qerl_lib bench rollout --models qwen2.5-14b --weights nvfp4 --batch 8 --gen-len 2048 --lora-rank 0,32 \
   --no-hf-baseline --json $OUT/rollout_14b.json > $OUT/rollout_14b.log 2>&1
+# (6) added before any run (dev/LOG.md section 116): Tab. 8's 16-bit 32B step on an 80 GB GPU itself, batch 2 and 8,
+# and QeRL's 32B step at batch 8; an out-of-memory case becomes a row with its error.
+python3 -m qerl_lib bench train --models qwen2.5-32b --modes lora --batches 2,8 --steps 3 \
+  --json $OUT/train_32b_lora.json > $OUT/train_32b_lora.log 2>&1
+python3 -m qerl_lib bench train --models qwen2.5-32b --modes qerl --batches 8 --steps 3 \
+  --json $OUT/train_32b_b8.json > $OUT/train_32b_b8.log 2>&1
