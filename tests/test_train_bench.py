@@ -234,3 +234,23 @@ def test_padding_classes_reach_the_trainers_batches(tiny_arch, tmp_path, monkeyp
     assert "pad_to_multiple_of" not in off.to_dict()
     assert "padded to multiples of 64" in describe(qwen) and "padded" not in describe(off)  # the run's start lines
     assert grpo_args(off, tmp_path / "d", torch.device("cpu"), [1.0, 0.2]).pad_to_multiple_of is None
+
+
+def test_dry_run_checks_every_case_and_its_config_and_runs_nothing(monkeypatch, capsys):
+    """`--dry-run` (a GPU job's commands checked on the CPU first): every case and its trainer config is built and
+    listed, the bench itself never starts; a case that cannot run is the usual one-line error."""
+    from qerl_lib.cli import main
+    from qerl_lib.studies import train_bench
+
+    built = []
+    original = train_bench.case_config
+    monkeypatch.setattr(train_bench, "run_bench", lambda *a, **k: pytest.fail("--dry-run started the bench"))
+    monkeypatch.setattr(train_bench, "case_config", lambda case: built.append(case) or original(case))
+    argv = ["bench", "train", "--models", "qwen2.5-7b,qwen2.5-32b", "--modes", "lora,qerl", "--batches", "2,8",
+            "--rollout-lora-merge", "off,on", "--dry-run"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(built) == 12 and out[-1] == "12 case(s) checked; nothing ran (--dry-run)"  # lora twice: merged or not
+    assert "qwen2.5-32b lora+m batch 8 (1 group(s), 1 GPU(s)), 256 + 2048 tokens, r32, 3 steps" in out
+    assert main(["bench", "train", "--batches", "64", "--groups", "2", "--num-gpus", "4", "--dry-run"]) == 2
+    assert "the groups must divide the batch, and the GPUs the groups" in capsys.readouterr().err

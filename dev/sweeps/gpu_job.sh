@@ -3,6 +3,7 @@
 # 30 s after a call ends, so long work runs detached and is polled):
 #   bash dev/sweeps/gpu_job.sh start 'python3 -m pytest -q -m cuda tests/x.py > $OUT/x.log 2>&1; python3 dev/sweeps/y.py > $OUT/y.log 2>&1'
 #   bash dev/sweeps/gpu_job.sh poll 560    # waits up to 560 s; what is done so far comes back as $OUT/job.tgz
+# Before a job, check its qerl commands here on the CPU: .venv/bin/python dev/sweeps/check_job.py SCRIPT.sh
 # The commands run in a copy of the tree with PYTHONPATH set and OUT pointing at the job's output folder;
 # device.txt (nvidia-smi) is written first. Poll again at once until it prints FINISHED.
 # `qerl bench train` also needs bitsandbytes (the presets' 8-bit AdamW) and the embedded model (its tokenizer); with

@@ -82,6 +82,8 @@ def register(sub) -> None:
     p.add_argument("--pad-to-multiple-of", type=_count_list, default=None, metavar="N[,N...]",
                    help="comma-separated paddings of the trainer's prompts and completions, one case each; 0: to the "
                         "batch's longest, e.g. 0,64 (default: the preset's, 64)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="build and check every case and its trainer config, list them, run nothing")
     p.add_argument("--json", default=None, help="write the rows JSON here (atomic)")
     p.set_defaults(func=_train)
 
@@ -125,6 +127,16 @@ def _train(args) -> int:
                            workload=args.workload, pad_to_multiple_of=q)
                  for m in args.models for b in args.batches for mode in args.modes for g in merge_values(mode)
                  for n in args.num_gpus for c in (args.checkpoint_layers or [None]) for q in paddings]
+    if args.dry_run:  # a GPU job's commands checked before device time is spent on them
+        from qerl_lib.studies.train_bench import case_config
+
+        for case in cases:
+            case_config(case)
+            print(f"{case.model} {case.mode}{'+m' if case.rollout_lora_merge else ''} batch {case.batch} "
+                  f"({case.groups} group(s), {case.num_gpus} GPU(s)), {case.prompt_len} + {case.gen_len} tokens, "
+                  f"r{case.lora_rank}, {case.steps} steps")
+        print(f"{len(cases)} case(s) checked; nothing ran (--dry-run)")
+        return 0
     record = run_bench(cases)
     record["provenance"]["command"] = " ".join(["qerl", *sys.argv[1:]])
     print(format_bench(record))
