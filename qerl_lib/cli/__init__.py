@@ -39,7 +39,7 @@ COMMAND_MODULES = (
     "data",       # data arith / data gsm8k
     "quant",      # quantize, inspect, export
     "generation", # generate, eval
-    "bench",      # bench gemm, bench rollout
+    "bench",      # bench gemm, bench rollout, bench train
     "train",      # train, plot-run, plot-steps
     "sweep",      # calibrate, sweep, claims
     "reproduce",  # reproduce (papermill runner)

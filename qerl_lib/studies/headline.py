@@ -40,8 +40,6 @@ MARKERS = {"headline": ("<!-- headline:start -->", "<!-- headline:end -->"),
 
 # ---- the rows -----------------------------------------------------------------------------------
 
-
-
 def _gemm_rows(results_dir) -> list[tuple]:
     file = "gemm_h100_v5.json"
     doc = load_result(results_dir, file)

@@ -24,11 +24,12 @@ each row is one run's measurement, and `results/` keeps the repeats.
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
+from qerl_lib.bench.rollout_report import PAPER_TOK_S
 from qerl_lib.studies.result_reading import (BATCH8, ROLLOUT_KEYS, ResultsError, checked_rows, device_name, fastest,
                                              field, load_result, markdown_table, matching_row, provenances, times,
                                              tok_text)
-from qerl_lib.bench.rollout_report import PAPER_TOK_S
 from qerl_lib.studies.train_bench import PAPER as PAPER_STEP
 
 # §4.2: "the model size falls to 25%-30% of 16-bit"; the model sizes of Tables 3 and 5-8 (bf16 GB, NVFP4 GB)
@@ -102,7 +103,30 @@ def _rollout_rows(results_dir) -> list[tuple]:
     ]
 
 
-def _small_batch_rollout_row(results_dir) -> tuple:
+@dataclass(frozen=True)
+class _StepFiles:
+    """The H100 and H200 step files, read once for every step row: documents, rows (their common fields checked),
+    device names, and the H100's memory in GiB (the "one 80 GB GPU" of the paper's claims)."""
+    docs: dict
+    rows: dict
+    devs: dict
+    capacity_gib: float
+
+
+def _step_files(results_dir) -> _StepFiles:
+    docs = {f: load_result(results_dir, f) for f in (STEP_H100, STEP_H200)}
+    keys = ("model", "mode", "batch", "step_s", "peak_gib", "error")
+    return _StepFiles(docs, {f: checked_rows(d, f, keys) for f, d in docs.items()},
+                      {f: device_name(d, f) for f, d in docs.items()},
+                      field(provenances(docs[STEP_H100], STEP_H100)[0], "device", "memory_gib", file=STEP_H100))
+
+
+def _step(rows, file, model, mode, batch=8) -> dict:
+    return matching_row(rows, file, model=model, mode=mode, batch=batch, **(
+        {"rollout_lora_merge": False, "num_gpus": 1} if file == STEP_H200 else {}))
+
+
+def _small_batch_rollout_row(steps: _StepFiles) -> tuple:
     """Tables 6-8's rollout at batch 2 (r16; 7B 1.31x, 14B 1.46x, 32B 1.76x over 16-bit LoRA, computed from their
     tokens/s), against the rollout phase of the kit's batch-2 GRPO steps (r32), tokens/s from each row's completion
     length; "not measured" until the H200 step file has both modes at every size."""
@@ -113,8 +137,7 @@ def _small_batch_rollout_row(results_dir) -> tuple:
                       for s in sizes)
     cited = (f"Tab. 6-8: {' / '.join(times(p) for p in paper)} ({tok_s} tok/s, vLLM, r16; Tab. 7 prints ×1.3, "
              "Tab. 8 ×1.8)")
-    doc = load_result(results_dir, STEP_H200)
-    rows = checked_rows(doc, STEP_H200, ("model", "mode", "batch", "rollout_s", "completion_len", "error"))
+    rows = checked_rows(steps.docs[STEP_H200], STEP_H200, ("rollout_s", "completion_len"))
     try:
         pairs = [[_step(rows, STEP_H200, f"qwen2.5-{s}", mode, 2) for mode in ("qerl", "lora")] for s in sizes]
     except ResultsError:
@@ -122,19 +145,11 @@ def _small_batch_rollout_row(results_dir) -> tuple:
                 "**not measured**")
     kit = [(q["completion_len"] / q["rollout_s"]) / (lo["completion_len"] / lo["rollout_s"]) for q, lo in pairs]
     return (claim, cited, f"{' / '.join(times(k) for k in kit)}, LoRA r32, 256 + 2048, the GRPO step's rollout phase",
-            device_name(doc, STEP_H200), _verdict(all(k >= p for k, p in zip(kit, paper))))
+            steps.devs[STEP_H200], _verdict(all(k >= p for k, p in zip(kit, paper))))
 
 
-def _step(rows, file, model, mode, batch=8) -> dict:
-    return matching_row(rows, file, model=model, mode=mode, batch=batch, **(
-        {"rollout_lora_merge": False, "num_gpus": 1} if file == STEP_H200 else {}))
-
-
-def _step_rows(results_dir) -> list[tuple]:
-    docs = {f: load_result(results_dir, f) for f in (STEP_H100, STEP_H200)}
-    keys = ("model", "mode", "batch", "step_s", "peak_gib", "error")
-    rows = {f: checked_rows(d, f, keys) for f, d in docs.items()}
-    devs = {f: device_name(d, f) for f, d in docs.items()}
+def _step_rows(steps: _StepFiles) -> list[tuple]:
+    docs, rows, devs, capacity_gib = steps.docs, steps.rows, steps.devs, steps.capacity_gib
     models = ("qwen2.5-7b", "qwen2.5-14b")
 
     lora = {(f, m): _step(rows[f], f, m, "lora")["step_s"] / _step(rows[f], f, m, "qerl")["step_s"]
@@ -147,7 +162,6 @@ def _step_rows(results_dir) -> list[tuple]:
     def per_file(values):
         return "; ".join(f"{devs[f]} " + " / ".join(times(values[f, m]) for m in models) for f in docs)
 
-    capacity_gib = field(provenances(docs[STEP_H100], STEP_H100)[0], "device", "memory_gib", file=STEP_H100)
     big_q = _step(rows[STEP_H100], STEP_H100, "qwen2.5-32b", "qerl", batch=2)
     big_q200 = _step(rows[STEP_H200], STEP_H200, "qwen2.5-32b", "qerl", batch=2)
     big_lora = _lora_32b_fit(rows[STEP_H100], rows[STEP_H200], 2, capacity_gib, devs)
@@ -191,34 +205,30 @@ def _lora_32b_fit(h100_rows, h200_rows, batch: int, capacity_gib: float, devices
             devices[STEP_H200], _verdict(lora["peak_gib"] >= capacity_gib))
 
 
-def _small_batch_row(results_dir, batch: int) -> tuple:
+def _small_batch_row(steps: _StepFiles, batch: int) -> tuple:
     """Tab. 3's step speedups at ``batch`` 2 or 4 (x1.5 / x1.4 at 7B, x1.4 / x1.2 at 14B), from whichever step file
     measured both modes there; "not measured" until one does."""
     models = ("qwen2.5-7b", "qwen2.5-14b")
     paper = " / ".join(f"×{_paper_factor(m, 'qerl', batch):g}" for m in models)
     claim = f"GRPO step faster than 16-bit LoRA's at batch {batch} (7B / 14B)"
     for file in (STEP_H200, STEP_H100):
-        doc = load_result(results_dir, file)
-        rows = checked_rows(doc, file, ("model", "mode", "batch", "step_s", "error"))
+        rows = steps.rows[file]
         try:
             ratios = [_step(rows, file, m, "lora", batch)["step_s"] / _step(rows, file, m, "qerl", batch)["step_s"]
                       for m in models]
         except ResultsError:
             continue
         return (claim, f"Tab. 3: {paper}", " / ".join(times(r) for r in ratios) + ", LoRA r32, 256 + 2048",
-                device_name(doc, file),
+                steps.devs[file],
                 _verdict(all(r >= _paper_factor(m, "qerl", batch) for r, m in zip(ratios, models))))
     return (claim, f"Tab. 3: {paper}", f"no batch-{batch} step of both modes in results/ yet "
             f"(`qerl bench train --batches {batch}`)", "-", "**not measured**")
 
 
-def _big_batch_eight_rows(results_dir) -> list[tuple]:
+def _big_batch_eight_rows(steps: _StepFiles) -> list[tuple]:
     """Tab. 8 at batch 8: QeRL's 32B step fits one 80 GB GPU (12.2 s a step), judged by the H200's peak against the
     H100's capacity as at batch 2, and 16-bit LoRA's does not (`_lora_32b_fit`); "not measured" without rows."""
-    docs = {f: load_result(results_dir, f) for f in (STEP_H100, STEP_H200)}
-    rows = {f: checked_rows(d, f, ("model", "mode", "batch", "step_s", "peak_gib", "error")) for f, d in docs.items()}
-    devs = {f: device_name(d, f) for f, d in docs.items()}
-    capacity_gib = field(provenances(docs[STEP_H100], STEP_H100)[0], "device", "memory_gib", file=STEP_H100)
+    rows, devs, capacity_gib = steps.rows, steps.devs, steps.capacity_gib
     claim = "a 32B model trains on one 80 GB GPU (batch 8, gradient checkpointing)"
     paper = f"Tab. 8: {PAPER_STEP['qwen2.5-32b', 'qerl', 8]}"
     try:
@@ -234,10 +244,9 @@ def _big_batch_eight_rows(results_dir) -> list[tuple]:
                    *_lora_32b_fit(rows[STEP_H100], rows[STEP_H200], 8, capacity_gib, devs))]
 
 
-def _memory_rows(results_dir) -> list[tuple]:
+def _memory_rows(steps: _StepFiles) -> list[tuple]:
     file = STEP_H200
-    doc = load_result(results_dir, file)
-    rows = checked_rows(doc, file, ("model", "mode", "batch", "peak_gib", "base_weights_gib", "error"))
+    rows, dev = checked_rows(steps.docs[file], file, ("base_weights_gib",)), steps.devs[file]
     cases = (("qwen2.5-7b", 8), ("qwen2.5-14b", 8), ("qwen2.5-32b", 2))
     pairs = {m: (_step(rows, file, m, "qerl", b), _step(rows, file, m, "lora", b)) for m, b in cases}
     weights = {m: q["base_weights_gib"] / lo["base_weights_gib"] for m, (q, lo) in pairs.items()}
@@ -255,19 +264,19 @@ def _memory_rows(results_dir) -> list[tuple]:
         ("4-bit weights take 25-30% of the 16-bit model's memory", f"§4.2 (its own model sizes: {paper_w} at "
          f"{' / '.join(_size(m) for m in PAPER_WEIGHT_GB)})",
          f"{' / '.join(f'{s:.0%}' for s in weights.values())} at {sizes}: the embeddings and lm_head stay 16-bit",
-         device_name(doc, file), where(weights, PAPER_WEIGHT_SHARE)),
+         dev, where(weights, PAPER_WEIGHT_SHARE)),
         ("QeRL takes 40-50% of 16-bit LoRA's GPU memory", "§4.3",
          f"step peaks {' / '.join(f'{s:.0%}' for s in peaks.values())} of lora's at {sizes} (7B / 14B batch 8, "
-         f"32B batch 2)", device_name(doc, file), where(peaks, PAPER_MEMORY_SHARE)),
+         f"32B batch 2)", dev, where(peaks, PAPER_MEMORY_SHARE)),
     ]
 
 
 def speed_claim_rows(results_dir) -> list[tuple]:
     """(claim, paper, kit, device, verdict) for each of the paper's speed and memory claims."""
-    steps = _step_rows(results_dir)
-    return [*_rollout_rows(results_dir), _small_batch_rollout_row(results_dir), steps[0],
-            _small_batch_row(results_dir, 2), _small_batch_row(results_dir, 4),
-            *steps[1:], *_big_batch_eight_rows(results_dir), *_memory_rows(results_dir)]
+    steps = _step_files(results_dir)
+    batch_eight, *big = _step_rows(steps)
+    return [*_rollout_rows(results_dir), _small_batch_rollout_row(steps), batch_eight, _small_batch_row(steps, 2),
+            _small_batch_row(steps, 4), *big, *_big_batch_eight_rows(steps), *_memory_rows(steps)]
 
 
 def render_speed_claims(results_dir) -> str:
