@@ -194,6 +194,39 @@ def test_offline_compile_keeps_one_wgmma_in_flight(tmp_path, cfg):
 # ============================================================================ CUDA
 @pytest.mark.cuda
 @pytest.mark.skipif(not HAS_PC, reason="needs a Hopper GPU (sm_90) and Triton's Gluon")
+def test_cuda_a_new_row_count_compiles_nothing():
+    """A prefill's token count changes with its prompts (4 x 252 rows one step, 4 x 251 the next): a count that is,
+    or stops being, a multiple of 16 must reuse the compiled kernels, the permute's and the GEMM's (a second
+    variant compiled in the middle of a rollout cost 2.7 s on an H200, dev/LOG.md 118), and stay exact."""
+    from qerl_lib.kernels import fp4_wgmma
+
+    device = torch.cuda.current_device()
+    caches = [kernel.device_caches[device][0] for kernel in (fp4_wgmma._permute_x_kernel,
+                                                              pc._fp4_wgmma_producer_kernel)]
+    q, w, g = cuda_nvfp4_weights(1024, 512, seed=3)
+    compiled = []
+    for m in (1008, 1004, 1016, 1000, 1):
+        x = torch.randn(m, 512, device="cuda", generator=g).to(torch.bfloat16)
+        out = torch.empty(m, 1024, dtype=torch.bfloat16, device="cuda")
+        pc.linear(x, w.words, w.scales, w.global_scale, None, out, ProducerConfig())
+        torch.cuda.synchronize()
+        compiled.append([len(cache) for cache in caches])
+        ref = reference_matmul(x, q, None)
+        assert float((out.float() - ref.float()).abs().mean() / ref.float().abs().mean()) < 1e-3, m
+    assert compiled[1:] == compiled[:1] * 4, compiled
+
+
+@pytest.mark.skipif(pc.gluon is None, reason="Triton's Gluon is not installed here: the kernels are not defined")
+def test_row_counts_are_left_unspecialized():
+    """The CPU half of the test above: both kernels take M without Triton's divisibility specialization."""
+    from qerl_lib.kernels import fp4_wgmma
+
+    for kernel in (fp4_wgmma._permute_x_kernel, pc._fp4_wgmma_producer_kernel):
+        assert [p.name for p in kernel.params if p.do_not_specialize] == ["M"], kernel
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_PC, reason="needs a Hopper GPU (sm_90) and Triton's Gluon")
 @pytest.mark.parametrize("m, n, k", [(1, 128, 256), (77, 320, 512), (129, 1000, 1024), (300, 4608, 3584),
                                      (257, 3584, 18944), (513, 200, 768), (1024, 512, 3584)])
 @pytest.mark.parametrize("cfg", [ProducerConfig(), ProducerConfig(256, 2), ProducerConfig(128, 4),

@@ -279,7 +279,9 @@ def launch(x2: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, global_s
 # ============================================================================ Gluon kernel
 if gluon is not None:
 
-    @triton.jit
+    # M is a token count (a prefill's changes with its prompts): left unspecialized, a new count's divisibility by 16
+    # does not compile the kernel again in the middle of a rollout (dev/LOG.md 118)
+    @triton.jit(do_not_specialize=["M"])
     def _permute_x_kernel(x_ptr, out_ptr, M, stride_xm, BLOCK_M: tl.constexpr, PDL: tl.constexpr):
         """``permute_x`` for one [BLOCK_M, 128] tile: natural column ``32a + 8b + 4c + 2d + e`` goes to position
         ``32b + 16e + 8d + 2a + c`` (the same permute as the torch view, done in registers). ``out`` is contiguous."""

@@ -332,7 +332,8 @@ if gluon is not None:
                     y = (y.to(gl.float32) + b.to(gl.float32)[:, None]).to(gl.bfloat16)
                 gl.store(out_ptr + offs_m[None, :] * stride_om + offs_n[:, None], y, mask=mask)
 
-    @gluon.jit
+    # M unspecialized, as `fp4_wgmma._permute_x_kernel`'s: a prefill's token count changes with its prompts
+    @gluon.jit(do_not_specialize=["M"])
     def _fp4_wgmma_producer_kernel(x_desc, w_desc, s_desc, gs_ptr, bias_ptr, out_ptr, ws_ptr, M, N, K, stride_om,
                                    has_bias, per, slices, early, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
                                    PRODUCER_REGS: gl.constexpr, WG: gl.constexpr):
