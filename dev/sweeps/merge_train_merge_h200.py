@@ -1,4 +1,4 @@
-"""Write results/train_step_merge_h200.json from five `qerl bench train` records on H200s.
+"""Write results/train_step_merge_h200.json from eight `qerl bench train` records on H200s.
 
 Rows: 7B and 14B at batch 8, 256 + 2048, modes qerl / lora with the rollout's adapters merged and not, the KV
 cache remappable (dev/runs/train_remap_h200_2026-11-29/, dev/LOG.md section 107; it replaced section 100's run,
@@ -9,7 +9,10 @@ qerl at batch 16 and 64 on one and on two GPUs of a 2-GPU machine, with the rema
 record stays in dev/runs/two_gpu_h200x2_2026-11-29/run2/); the 32B step at batch 2, qerl and lora, with the
 remappable cache, two measured steps each (dev/runs/train_32b_h200_2026-11-29/, section 108); and Tab. 3's batch-2
 step at 7B and 14B, lora and qerl (dev/runs/two_gpu_remap_h200x2_2026-11-29/train_b2.json, section 111, on GPU 0
-of the 2-GPU machine alone). The speedup columns stay as each run computed them: within a run, against the lora rows of the same
+of the 2-GPU machine alone); Tab. 8's 32B step at batch 8, qerl and lora, two measured steps each
+(dev/runs/tab3_tab8_h200x2_2026-11-29/train_32b_b8.json, section 118); and Tab. 3's batch-4 step at 7B and 14B, lora
+and qerl, five measured steps each (dev/runs/b4_rerun_h200x2_2026-11-29/, section 118: they replace that section's
+two-step run, as planned before the rerun). The speedup columns stay as each run computed them: within a run, against the lora rows of the same
 case, and against the one-GPU row of the same case.
 Run from the repository root: python dev/sweeps/merge_train_merge_h200.py
 """
@@ -26,7 +29,10 @@ SOURCES = [Path("dev/runs/train_remap_h200_2026-11-29/train_merge.json"),
            Path("dev/runs/preset_step_h200_2026-11-28/preset_step.json"),
            Path("dev/runs/two_gpu_remap_h200x2_2026-11-29/bench_train_2gpu.json"),
            Path("dev/runs/train_32b_h200_2026-11-29/train_32b.json"),
-           Path("dev/runs/two_gpu_remap_h200x2_2026-11-29/train_b2.json")]
+           Path("dev/runs/two_gpu_remap_h200x2_2026-11-29/train_b2.json"),
+           Path("dev/runs/tab3_tab8_h200x2_2026-11-29/train_32b_b8.json"),
+           Path("dev/runs/b4_rerun_h200x2_2026-11-29/train_b4_7b.json"),
+           Path("dev/runs/b4_rerun_h200x2_2026-11-29/train_b4_14b.json")]
 
 
 def main() -> None:
