@@ -7,6 +7,7 @@ garbage collector's collections, each with count and seconds. Writes one JSON li
 trainer's own per-step metrics beside them.
 
     python dev/sweeps/rollout_stall_probe.py --model qwen2.5-7b --mode qerl --batch 4 --steps 6 --json out.json
+    (--workload gsm8k-like: each row stops at its own drawn length, as `qerl bench train --workload`)
 """
 from __future__ import annotations
 
@@ -112,12 +113,13 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--gen-len", type=int, default=2048)
     p.add_argument("--device", default="cuda")
+    p.add_argument("--workload", default="fixed", help="fixed or gsm8k-like (studies.train_bench.TrainCase)")
     p.add_argument("--json", required=True)
     args = p.parse_args()
     install()
     wrap_generate()
     case = TrainCase(model=args.model, mode=args.mode, batch=args.batch, steps=args.steps, prompt_len=args.prompt_len,
-                     gen_len=args.gen_len, device=args.device)
+                     gen_len=args.gen_len, device=args.device, workload=args.workload)
     run_dir = Path(tempfile.mkdtemp(prefix="stall-probe-"))
     try:
         row = run_case_here(case, run_dir)
