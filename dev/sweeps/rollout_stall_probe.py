@@ -3,8 +3,8 @@
 Runs one `qerl bench train` case in this process (`studies.train_bench.run_case_here`, the real trainer) with
 counters around every engine call: its wall seconds, and inside it the decode-graph captures, Triton compilations
 (JIT `_do_compile`, disk-cache hits included) and autotuner benchmarks, torch.compile's compilation time, and the
-garbage collector's collections, each with count and seconds. Writes one JSON line per engine call, then the
-trainer's own per-step metrics beside them.
+garbage collector's collections, each with count and seconds, and the same counters between one call and the next
+(the trainer phase). Writes one JSON line per engine call, then the trainer's own per-step metrics beside them.
 
     python dev/sweeps/rollout_stall_probe.py --model qwen2.5-7b --mode qerl --batch 4 --steps 6 --json out.json
     (--workload gsm8k-like: each row stops at its own drawn length, as `qerl bench train --workload`)
@@ -84,22 +84,32 @@ def dynamo_seconds() -> float:
 
 
 CALLS: list[dict] = []
+# the counters when the last engine call ended: what they gained until the next call is the trainer phase's
+LAST_END: dict = {"counts": {}, "names": 0}
+
+
+def since(counts: dict, names: int) -> dict:
+    """The counters' gains since ``counts`` / ``names``, with the kernels compiled."""
+    gains = {k: v - counts.get(k, 0.0) for k, v in COUNTS.items() if v != counts.get(k, 0.0)}
+    return {**gains, "names": NAMES[names:][:40]}
 
 
 def wrap_generate() -> None:
     original = RolloutEngine.generate
 
     def generate(self, *args, **kwargs):
+        between = since(LAST_END["counts"], LAST_END["names"]) if CALLS else None
         before, names, dyn = dict(COUNTS), len(NAMES), dynamo_seconds()
         sync()
         t0 = time.perf_counter()
         out = original(self, *args, **kwargs)
         sync()
         record = {"call": len(CALLS), "seconds": time.perf_counter() - t0,
-                  "dynamo_compile_s": dynamo_seconds() - dyn, "names": NAMES[names:][:40]}
-        record.update({k: v - before.get(k, 0.0) for k, v in COUNTS.items() if v != before.get(k, 0.0)})
+                  "dynamo_compile_s": dynamo_seconds() - dyn, **since(before, names),
+                  "before_call": between}  # the previous step's trainer phase (None before the first call)
+        LAST_END.update(counts=dict(COUNTS), names=len(NAMES))
         CALLS.append(record)
-        print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in record.items()}), flush=True)
+        print(json.dumps(record, default=lambda v: round(v, 3)), flush=True)
         return out
     RolloutEngine.generate = generate
 
@@ -124,6 +134,7 @@ def main() -> None:
     try:
         row = run_case_here(case, run_dir)
         steps = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r.get("step_seconds") is not None]
+        CALLS.append({"call": "after the last", **since(LAST_END["counts"], LAST_END["names"])})
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
     write_json_atomic(Path(args.json), {"case": vars(args), "calls": CALLS, "steps": steps, "row": row,
