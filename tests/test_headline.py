@@ -235,7 +235,7 @@ def test_train_merge_row_names_a_rollout_that_stopped_early(results_copy):
 
 def test_big_step_row_is_the_32b_lora_step_over_qerls(results_copy):
     doc = json.loads((results_copy / "train_step_merge_h200.json").read_text())
-    rows = {r["mode"]: r for r in doc["rows"] if r["model"] == "qwen2.5-32b"}
+    rows = {r["mode"]: r for r in doc["rows"] if r["model"] == "qwen2.5-32b" and r["batch"] == 2}
     quantity, value, device, file = headline_training._big_step_row(results_copy)
     q, lora = rows["qerl"], rows["lora"]
     assert "Qwen2.5-32B" in quantity and "batch 2" in quantity and device == "H200"

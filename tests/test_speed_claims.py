@@ -158,10 +158,10 @@ def test_a_16_bit_32b_step_on_the_h100_decides_whether_it_fits(results_copy, bat
     h100_file = results_copy / "train_step_h100.json"
     base = next(r for r in json.loads(h100_file.read_text())["rows"]
                 if r["model"] == "qwen2.5-32b" and r["mode"] == "qerl" and r["batch"] == 2)
-    _edit(results_copy / "train_step_merge_h200.json", lambda d: d["rows"].extend(
-        {**r, "batch": batch, "peak_gib": 70.0} for r in list(d["rows"])
-        if r["model"] == "qwen2.5-32b" and r["mode"] == "lora" and r["batch"] == 2 and batch != 2))
-    assert _verdicts(results_copy)[claim] == "**does not hold**"  # the H200's 67.8 / 70 GiB peak: under 79.2
+    _edit(results_copy / "train_step_merge_h200.json", lambda d: [  # the H200's 16-bit peak made to fit: 70 GiB
+        r.update(peak_gib=70.0) for r in d["rows"]
+        if (r["model"], r["mode"], r["batch"]) == ("qwen2.5-32b", "lora", batch) and r["peak_gib"] >= 79.2])
+    assert _verdicts(results_copy)[claim] == "**does not hold**"  # the H200's peak under the H100's 79.2
     oom = {**base, "mode": "lora", "batch": batch, "error": "torch.OutOfMemoryError: CUDA out of memory. Tried to "
            "allocate 1.2 GiB", "step_s": None, "peak_gib": None}
     _edit(h100_file, lambda d: d["rows"].append(oom))

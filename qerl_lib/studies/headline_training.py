@@ -85,9 +85,9 @@ def _train_merge_row(results_dir) -> tuple:
                 f"{''.join(s + '; ' for s in short)}paper, Tab. 3: {paper})")
 
     r = row("qwen2.5-7b", "qerl")
-    # the sizes measured with the merged rollout at batch 8 (the file's 32B batch-8 pair has no merged row)
-    models = sorted({r["model"] for r in rows if r["error"] is None and r["batch"] == 8 and r["rollout_lora_merge"]},
-                    key=model_size)
+    # 7B and the other sizes measured with the merged rollout at batch 8 (the 32B batch-8 pair has no merged row)
+    models = sorted({"qwen2.5-7b"} | {r["model"] for r in rows if r["error"] is None and r["batch"] == 8
+                                      and r["rollout_lora_merge"]}, key=model_size)
     return (f"the GRPO step in one run, batch {r['batch']}, 256 + {r['gen_len']} tokens, LoRA r{r['lora_rank']}: qerl / "
             f"lora with the rollout's adapters merged (`--rollout-lora-merge`) / lora unmerged (qerl's speedup over each)",
             "; ".join(part(m) for m in models), device_name(doc, file), file)
