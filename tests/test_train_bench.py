@@ -251,6 +251,6 @@ def test_dry_run_checks_every_case_and_its_config_and_runs_nothing(monkeypatch, 
     assert main(argv) == 0
     out = capsys.readouterr().out.strip().splitlines()
     assert len(built) == 12 and out[-1] == "12 case(s) checked; nothing ran (--dry-run)"  # lora twice: merged or not
-    assert "qwen2.5-32b lora+m batch 8 (1 group(s), 1 GPU(s)), 256 + 2048 tokens, r32, 3 steps" in out
+    assert "qwen2.5-32b lora+m batch 8 (1 group(s), 1 GPU(s)), 256 + 2048 tokens, r32, 4 steps" in out
     assert main(["bench", "train", "--batches", "64", "--groups", "2", "--num-gpus", "4", "--dry-run"]) == 2
     assert "the groups must divide the batch, and the GPUs the groups" in capsys.readouterr().err

@@ -55,7 +55,9 @@ def register(sub) -> None:
     p.add_argument("--batches", type=_int_list, default=[8], help="completions per step")
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--gen-len", type=int, default=2048)
-    p.add_argument("--steps", type=int, default=3, help="steps per case; the first is warm-up")
+    p.add_argument("--steps", type=int, default=4,
+                   help="steps per case; the first is warm-up, the row reports the medians of the rest (default 4: "
+                        "three, so one slow step, such as a first-time kernel compilation, does not set them)")
     p.add_argument("--lora-rank", type=int, default=32)
     p.add_argument("--micro-batch", type=int, default=None,
                    help="sequences per forward/backward (default: each process's share)")
