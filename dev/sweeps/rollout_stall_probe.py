@@ -124,12 +124,18 @@ def main() -> None:
     p.add_argument("--gen-len", type=int, default=2048)
     p.add_argument("--device", default="cuda")
     p.add_argument("--workload", default="fixed", help="fixed or gsm8k-like (studies.train_bench.TrainCase)")
+    p.add_argument("--micro-batch", type=int, default=None, help="sequences per forward/backward (default: all)")
+    p.add_argument("--groups", type=int, default=1, help="prompts per step (the batch splits into that many groups)")
+    p.add_argument("--rollout-batch", type=int, default=None,
+                   help="rows the engine decodes at once (below --batch: continuous batching refills the rest)")
     p.add_argument("--json", required=True)
     args = p.parse_args()
     install()
     wrap_generate()
     case = TrainCase(model=args.model, mode=args.mode, batch=args.batch, steps=args.steps, prompt_len=args.prompt_len,
-                     gen_len=args.gen_len, device=args.device, workload=args.workload)
+                     gen_len=args.gen_len, device=args.device, workload=args.workload,
+                     rollout_batch=args.rollout_batch, groups=args.groups,
+                     micro_batch=args.micro_batch)
     run_dir = Path(tempfile.mkdtemp(prefix="stall-probe-"))
     try:
         row = run_case_here(case, run_dir)
