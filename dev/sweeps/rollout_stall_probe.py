@@ -109,7 +109,7 @@ def wrap_generate() -> None:
                   "before_call": between}  # the previous step's trainer phase (None before the first call)
         LAST_END.update(counts=dict(COUNTS), names=len(NAMES))
         CALLS.append(record)
-        print(json.dumps(record, default=lambda v: round(v, 3)), flush=True)
+        print(json.dumps(record), flush=True)
         return out
     RolloutEngine.generate = generate
 

@@ -57,7 +57,11 @@ RESULT_FILES = {
                                   "`dev/runs/two_gpu_remap_h200x2_2026-11-29/`); and the 32B step at batch 2, qerl "
                                   "and lora, two measured steps each (section 108, "
                                   "`dev/runs/train_32b_h200_2026-11-29/`); and Tab. 3's batch-2 step at 7B and 14B, "
-                                  "qerl and lora, two measured steps each (section 111); five runs merged by "
+                                  "qerl and lora, two measured steps each (section 111); and the 32B step at batch "
+                                  "8, qerl and lora, two measured steps each (section 118, "
+                                  "`dev/runs/tab3_tab8_h200x2_2026-11-29/`); and Tab. 3's batch-4 step at 7B and "
+                                  "14B, qerl and lora, five measured steps each (section 118, "
+                                  "`dev/runs/b4_rerun_h200x2_2026-11-29/`); eight runs merged by "
                                   "`dev/sweeps/merge_train_merge_h200.py`",
     "rollout_h200.json": "bf16 vs NVFP4 on Qwen2.5-7B/32B shapes, batch 8, 256 + 2048 tokens; engine vs "
                          "`transformers.generate`, SmolLM2 bf16, batch 64, 256 + 512 tokens; the 7B GSM8K preset's "

@@ -14,8 +14,8 @@ step hides (each new padded length costs the attention's per-shape set-up again)
 
 Each case runs in its own process (a case that runs out of memory becomes a row with its ``error``,
 and leaves nothing behind for the next), with PyTorch's allocator in ``expandable_segments`` mode unless
-``PYTORCH_CUDA_ALLOC_CONF`` is already set (`qerl train` leaves the allocator as PyTorch sets it; at 14B batch 2 the
-mode lengthens qerl's trainer phase by ~0.15 s, lora's not at all). The row reports the median over the steps after the first
+``PYTORCH_CUDA_ALLOC_CONF`` is already set (`qerl train` leaves the allocator as PyTorch sets it; what the mode
+changes in a step is in dev/LOG.md section 118). The row reports the median over the steps after the first
 (the first one captures graphs and warms the allocator) of the trainer's own per-step metrics
 (``metrics.jsonl``): ``rollout_s`` (engine), ``train_s`` (everything else in the step), ``step_s``,
 ``peak_gib`` (the step's peak allocated GPU memory) with what it is made of (``base_weights_gib``,
