@@ -20,8 +20,8 @@ import textwrap
 import pytest
 import torch
 
-from qerl_lib.engine.attention import (DEFAULT_LAUNCH, MANY_PAIRS_LAUNCH, AttentionLaunch, decode_attention, num_splits,
-                                       pick_launch, reference_decode_attention)
+from qerl_lib.engine.attention import (DEFAULT_LAUNCH, MANY_PAIRS_LAUNCH, AttentionLaunch, decode_attention, merge_width,
+                                       num_splits, pick_launch, reference_decode_attention)
 from tests.conftest import run_triton_interpreter
 
 INTERP_TOL = 1e-5
@@ -180,6 +180,52 @@ def test_slice_rule():
     assert num_splits(64, 3, 2304) == 3
     assert num_splits(8, 4, 10) == 1  # never more slices than 64-column blocks
     assert num_splits(512, 8, 4096) == 1
+
+
+def test_merge_width_covers_every_length_of_a_batch():
+    """The merge's tile (a compile-time constant) must not follow the cache length: at Qwen2.5-7B's batch 8 every
+    slice count a length bucket can give (2-17) shares one width, so a longer bucket compiles no second merge."""
+    programs = DEFAULT_LAUNCH.programs
+    widths = {merge_width(num_splits(8, 4, length), 8, 4, programs) for length in range(128, 4097, 64)}
+    assert widths == {32}
+    assert merge_width(3, 16, 4, programs) == 16  # 64 pairs: at most 9 slices
+    assert merge_width(100, 1, 4, programs) == 128  # a few rows, a long cache: past the cap the width follows
+    assert merge_width(9, 2, 2, programs) >= 9
+
+
+def test_merge_split_count_is_a_plain_argument():
+    """The CPU half of the CUDA test below: the slice count is neither a constant nor specialized on."""
+    from qerl_lib.engine import attention
+
+    if attention.triton is None:
+        pytest.skip("triton is not installed here: the kernels are not defined")
+    kernel = attention._merge_splits_kernel
+    assert [p.name for p in kernel.params if p.do_not_specialize] == ["SPLITS"]
+    assert not next(p for p in kernel.params if p.name == "SPLITS").is_constexpr
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU (CUDA not available)")
+def test_cuda_a_longer_bucket_compiles_no_new_merge():
+    """Batch 8 at Qwen2.5-7B's heads over cache lengths of 256-1280 columns (4, 8, 12, 16, 17 slices): one merge kernel
+    compiled in all (a new one mid-rollout cost ~0.13 s, dev/LOG.md 120), outputs within bf16 rounding of the oracle."""
+    from qerl_lib.engine import attention
+
+    b, h, kv, d = 8, 28, 4, 128
+    g = torch.Generator(device="cuda").manual_seed(1)
+    cache = attention._merge_splits_kernel.device_caches[torch.cuda.current_device()][0]
+    sizes = []
+    for length in (256, 512, 768, 1024, 1280):
+        q, k, v = (torch.randn(*s, generator=g, device="cuda").to(torch.bfloat16)
+                   for s in ((b, h, d), (b, kv, length, d), (b, kv, length, d)))
+        pad = torch.randint(0, 40, (b,), generator=g, device="cuda")
+        col = length - 3
+        out = decode_attention(q, k, v, pad, torch.tensor([col], device="cuda"), d ** -0.5)
+        torch.cuda.synchronize()
+        sizes.append(len(cache))
+        ref = reference_decode_attention(q, k, v, pad, col, d ** -0.5)
+        torch.testing.assert_close(out.float(), ref, rtol=2.0**-7, atol=1e-2)
+    assert sizes[1:] == sizes[:1] * 4, sizes
 
 
 def test_launch_rule_by_row_kv_pairs():

@@ -113,6 +113,20 @@ def num_splits(batch: int, kv_heads: int, kv_len: int, block: int | None = None,
     return max(1, min(blocks, math.ceil(target / max(1, batch * kv_heads))))
 
 
+# The merge kernel's tile of slices (``SPLITS_P``, a compile-time constant) is sized by what the batch can need, not
+# by the slices the current cache length has: a longer length bucket then reuses the compiled merge instead of
+# compiling another one mid-rollout (~0.13 s each on an H200, dev/LOG.md sections 120 and 122). Tiles above this many
+# slices are only met at a few rows with long caches, and only then does the width follow the slice count.
+MERGE_WIDTH_CAP = 32
+
+
+def merge_width(splits: int, batch: int, kv_heads: int, programs: int) -> int:
+    """Rows of the merge kernel's tile for ``splits`` slices: the power of two covering the most slices
+    ``num_splits`` gives this batch at any length (up to ``MERGE_WIDTH_CAP``), or ``splits`` if more."""
+    most = min(MERGE_WIDTH_CAP, math.ceil(programs / max(1, batch * kv_heads)))
+    return 1 << (max(splits, most) - 1).bit_length()
+
+
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pad: torch.Tensor, column: torch.Tensor,
                      scaling: float, out: torch.Tensor | None = None, splits: int | None = None,
                      launch: AttentionLaunch | None = None, _rope: tuple | None = None,
@@ -164,7 +178,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pad: tor
         num_warps=launch.warps, num_stages=launch.stages)
     if splits > 1:
         _merge_splits_kernel[(b, h)](part_acc, part_ml, out, outr, out.stride(0), out.stride(1), h,
-                                     SPLITS=splits, SPLITS_P=triton.next_power_of_2(splits), D=d, RELABELED=relabeled,
+                                     splits, SPLITS_P=merge_width(splits, b, kv, launch.programs), D=d,
+                                     RELABELED=relabeled,
                                      PDL=early, launch_pdl=early, num_warps=4)
     return out
 
@@ -332,11 +347,12 @@ if triton is not None:
                 else:  # a block spans several heads: each element to its relabeled column
                     tl.store(row_r + relabeled_column(heads[:, None] * D + dd[None, :]), o, mask=g_ok[:, None])
 
-    @triton.jit
-    def _merge_splits_kernel(acc_ptr, ml_ptr, out_ptr, or_ptr, sob, soh, H, SPLITS: tl.constexpr,
-                             SPLITS_P: tl.constexpr, D: tl.constexpr, RELABELED: tl.constexpr, PDL: tl.constexpr):
+    @triton.jit(do_not_specialize=["SPLITS"])
+    def _merge_splits_kernel(acc_ptr, ml_ptr, out_ptr, or_ptr, sob, soh, H, SPLITS, SPLITS_P: tl.constexpr,
+                             D: tl.constexpr, RELABELED: tl.constexpr, PDL: tl.constexpr):
         """out[b, h] = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s (empty slices: m = -inf, l = 0); with
-        RELABELED also stored in contiguous ``or [B, H * D]`` at the FP4 GEMM's relabeled columns."""
+        RELABELED also stored in contiguous ``or [B, H * D]`` at the FP4 GEMM's relabeled columns. ``SPLITS`` is
+        a plain argument (its value and its divisibility compile nothing new); ``SPLITS_P >= SPLITS`` the tile."""
         if PDL:
             gdc_wait()
             gdc_launch_dependents()
