@@ -125,3 +125,69 @@ def test_cuda_continuous_matches_static_through_graphs():
     diffs = torch.cat([(torch.tensor(a.logprobs) - torch.tensor(b.logprobs)).abs()
                        for a, b in zip(continuous, static) if a.token_ids == b.token_ids])
     assert diffs.median() < 0.05 and diffs.max() < 0.5
+
+
+def test_prefill_blocks_meet_each_new_launch_once():
+    """One (rows, length) block per launch the token counts lo..hi meet, its own count within that launch's range
+    (a range too narrow for rows x ceil(count / rows) at the fewest rows takes more rows), none for known ones."""
+    from qerl_lib.engine.continuous import prefill_blocks
+
+    def launch_at(tokens):  # a range of exactly one count (301) that only 7 rows of 43 tokens reach
+        return (("g", "A" if tokens < 300 else "B" if tokens == 300 else "C" if tokens == 301 else "D"),)
+
+    known: set = set()
+    blocks = prefill_blocks(launch_at, 250, 2048, 8, 256, known)
+    assert blocks == [(1, 250), (2, 150), (7, 43), (2, 151)]
+    assert [launch_at(r * n)[0][1] for r, n in blocks] == ["A", "B", "C", "D"]
+    assert known == {("g", x) for x in "ABCD"}
+    assert prefill_blocks(launch_at, 250, 2048, 8, 256, known) == []
+    assert prefill_blocks(launch_at, 250, 600, 2, 256, set()) == [(1, 250), (2, 150), (2, 151)]  # C needs 7 rows
+
+
+def test_a_continuous_call_first_meets_its_prefill_launches(model, monkeypatch):
+    """Where kernels compile on first use, a continuous call first runs one throwaway prefill per launch its refills
+    may meet (engine/continuous.warm_prefill_launches; faked launches here, the CPU compiles nothing): into rows
+    the call's first prefill overwrites, so the completions stay the static batch's; a later call runs none."""
+    from qerl_lib.engine import continuous
+    from qerl_lib.engine.forward import ForwardPass
+
+    monkeypatch.setattr(continuous, "_compiles", lambda device: True)
+    monkeypatch.setattr(ForwardPass, "prefill_launches", lambda self, tokens: (("g", tokens >= 6), ("h", tokens >= 12)))
+    shapes = []
+    prefill = ForwardPass.prefill
+    monkeypatch.setattr(ForwardPass, "prefill",
+                        lambda self, tokens, *a, **k: (shapes.append(tuple(tokens.shape)), prefill(self, tokens, *a, **k))[1])
+    engine = RolloutEngine(model, check_every=2)
+    kw = dict(temperature=1.0, stop_token_ids=[], row_seeds=SEEDS)
+    static = engine.generate(PROMPTS, CAPS, **kw)
+    shapes.clear()
+    _close(engine.generate(PROMPTS, CAPS, max_batch=3, **kw), static)
+    assert shapes[:4] == [(1, 1), (1, 6), (2, 6), (3, 7)]  # counts 1, 6, 12 (of 1..21), then the call's own
+    shapes.clear()
+    _close(engine.generate(PROMPTS, CAPS, max_batch=3, **kw), static)
+    assert shapes[0] == (3, 7)
+
+
+@pytest.mark.cuda
+def test_cuda_after_the_warm_no_prefill_count_compiles_a_gemm(monkeypatch):
+    """On the GPU, after a continuous call's warm (NVFP4 groups, prompts of 1-7 tokens, 3 rows: counts 1-21), a
+    prefill of any count a refill can make compiles no FP4 GEMM kernel (a variant compiled mid-rollout cost 3.1 s
+    at 7B, dev/LOG.md section 122)."""
+    from triton.runtime import jit
+
+    from tests.test_engine import tiny_cuda_model
+
+    engine = RolloutEngine(tiny_cuda_model("nvfp4"), check_every=2)
+    assert engine.generate(PROMPTS, CAPS, max_batch=3, temperature=1.0, stop_token_ids=[], row_seeds=SEEDS)
+    assert engine._forward.prefill_launches(5), "no NVFP4 group on the kernel path: nothing was warmed"
+    compiled, compile_ = [], jit.JITFunction._do_compile
+    monkeypatch.setattr(jit.JITFunction, "_do_compile",
+                        lambda self, *a, **k: (compiled.append(self.fn.__qualname__), compile_(self, *a, **k))[1])
+    for tokens in range(1, 22):
+        rows = -(-tokens // 7)
+        length = -(-tokens // rows)
+        ids = torch.zeros(rows, length, dtype=torch.long, device="cuda")
+        with torch.no_grad():
+            engine._forward.prefill(ids, torch.arange(length, device="cuda").repeat(rows, 1), None, engine.cache)
+    torch.cuda.synchronize()
+    assert not [name for name in compiled if "fp4" in name], compiled

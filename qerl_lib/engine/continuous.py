@@ -37,6 +37,11 @@ and attends to ``pad[r] .. c``, at RoPE position ``column - pad[r]``. That is al
   ``tests/test_engine_continuous.py`` checks that both give the same completions. With one ``seed``
   for the call, draws come from one generator, as in the static path, so the samples depend on the
   schedule.
+* **Prefill kernels.** A refill's token count (its rows x its longest prompt) differs from refill to
+  refill, and the NVFP4 GEMMs' launch rule gives some counts another kernel config, which Triton
+  compiles the first time it runs: in the middle of a rollout, seconds at 7B. Before its first prefill,
+  a call on the GPU runs one throwaway prefill per launch a count from its shortest prompt to ``slots``
+  x its longest can meet and the engine has not met yet (``warm_prefill_launches``).
 * **Graphs.** The decode step is the static engine's, replayed from the same CUDA graphs (batch
   bucket of ``slots`` rows, length buckets of the write column): refills and compactions only
   change the cache's contents and the ``pad`` buffer.
@@ -86,6 +91,54 @@ def left_padded(prompts: list[list[int]], start: int = 0):
     return tokens, positions, pad + start, mask
 
 
+def prefill_blocks(launch_at, lo: int, hi: int, max_rows: int, max_len: int, known: set) -> list[tuple[int, int]]:
+    """``(rows, length)`` prompt blocks whose prefills, run once, meet every kernel launch a prefill of ``lo`` to
+    ``hi`` tokens can (``launch_at(tokens)``: a tuple of hashable launches) that ``known`` lacks; a block is
+    ``rows`` prompts of ``length`` tokens, at most ``max_rows`` x ``max_len``. Adds what it covers to ``known``."""
+    blocks, before = [], None
+    for tokens in range(lo, hi + 1):
+        launches = launch_at(tokens)
+        if launches == before:
+            continue
+        before = launches
+        if set(launches) <= known:
+            continue
+        for rows in range(-(-tokens // max_len), max_rows + 1):
+            length = -(-tokens // rows)  # rows x length: tokens or a little more, if still this launch's
+            if launch_at(rows * length) == launches:
+                blocks.append((rows, length))
+                known.update(launches)
+                break
+    return blocks
+
+
+def warm_prefill_launches(engine, forward, cache, lengths: list[int], slots: int) -> int:
+    """Compile, before a continuous call decodes, the prefill kernels its refills may need; returns the prefills run.
+
+    A refill prefills a group of 1 to ``slots`` prompts, so its token count (rows x the longest prompt) changes from
+    refill to refill, and the NVFP4 GEMMs' launch rule gives some counts another kernel config: a Triton variant
+    compiled the first time it is met, mid-rollout (3.1 s for the 7B gate/up producer kernel on an H200, dev/LOG.md
+    section 122). One throwaway prefill per launch not yet seen, into the first rows of ``cache`` at columns
+    ``[0, length)`` (which the call's first prefill overwrites: length <= its longest prompt), meets them all now.
+    Once per launch and engine: later calls run none."""
+    known = engine._warm_prefill
+    lora = forward.lora is not None
+    launch_at = lambda tokens: tuple((lora, launch) for launch in forward.prefill_launches(tokens))  # noqa: E731
+    longest = max(lengths)
+    blocks = prefill_blocks(launch_at, min(lengths), slots * longest, slots, longest, known)
+    device = forward.view.device
+    for rows, length in blocks:
+        tokens = torch.zeros(rows, length, dtype=torch.long, device=device)
+        positions = torch.arange(length, device=device).repeat(rows, 1)
+        forward.prefill(tokens, positions, None, cache)
+    return len(blocks)
+
+
+def _compiles(device: torch.device) -> bool:
+    """Whether kernels are compiled on first use there (CUDA: Triton); the CPU paths compile nothing."""
+    return device.type == "cuda"
+
+
 class _Slots:
     """The device-side state of the rows and the host's view of which sequence each row holds."""
 
@@ -115,6 +168,8 @@ def run_continuous(engine, forward, prompts, caps, params, seed, stops, timing: 
     plen = max(len(p) for p in prompts)  # every refill fits before the write column, which stays >= plen
     cache = engine._ensure_cache(forward, slots, plen + max_new - 1 + headroom(engine))
     limit = cache.length
+    if _compiles(device):
+        warm_prefill_launches(engine, forward, cache, [len(p) for p in prompts], slots)
     stop_tensor = torch.tensor(stops, dtype=torch.long, device=device) if stops else None
     generator = torch.Generator(device=device).manual_seed(int(seed)) if seed is not None else None
     streams = None

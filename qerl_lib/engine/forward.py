@@ -343,6 +343,20 @@ class ForwardPass:
             return members[0].prepare_kernel()
         return None
 
+    def prefill_launches(self, tokens: int) -> tuple:
+        """The kernel launch of every NVFP4 group's GEMM at a prefill of ``tokens`` rows of x (layer 0's: every
+        layer has the same shapes): "mma" or ``fp4_gemm.planned_launch``'s config. Each distinct launch is a kernel
+        variant Triton compiles the first time it runs (``engine/continuous.warm_prefill_launches``)."""
+        from qerl_lib.kernels.fp4_gemm import planned_launch, uses_mma
+
+        device, launches = self.view.device, []
+        for group, members in self._groups[0].items():
+            prepared = self._fp4_weight(0, group)
+            if prepared is not None:
+                mma = uses_mma(tokens, prepared.shape[1], device, members[0].small_m_backend)
+                launches.append((group, "mma" if mma else planned_launch(tokens, prepared, device)))
+        return tuple(launches)
+
     def norm_shrink_plan(self, layer: int, group: str, rows: int):
         """The group's ``kernels/lora.GroupPlan`` where the norm before it makes its ``xa`` (``glue.norm_shrink``)
         and its GEMM's epilogue adds the expand (``QERL_LORA_SHRINK_IN_NORM=1``, module docstring), else None:

@@ -205,6 +205,7 @@ class RolloutEngine:
         self.cache: KVCache | None = None
         self.graphs: DecodeGraphs | None = None
         self._compiled = None
+        self._warm_prefill: set = set()  # prefill kernel launches already met (engine/continuous.warm_prefill_launches)
         self.last_timing = Timing()
 
     # ---- public ---------------------------------------------------------------------------------
