@@ -120,12 +120,15 @@ def warm_prefill_launches(engine, forward, cache, lengths: list[int], slots: int
     compiled the first time it is met, mid-rollout (3.1 s for the 7B gate/up producer kernel on an H200, dev/LOG.md
     section 122). One throwaway prefill per launch not yet seen, into the first rows of ``cache`` at columns
     ``[0, length)`` (which the call's first prefill overwrites: length <= its longest prompt), meets them all now.
-    Once per launch and engine: later calls run none."""
-    known = engine._warm_prefill
-    lora = forward.lora is not None
+    Once per launch and engine: later calls run none (nor scan a span of counts scanned before)."""
+    lora, longest = forward.lora is not None, max(lengths)
+    span = (lora, min(lengths), slots * longest, slots, longest)
+    if any(s[0] == lora and s[1] <= span[1] and span[2] <= s[2] and s[3] >= slots and s[4] >= longest
+           for s in engine._warm_spans):
+        return 0
+    engine._warm_spans.add(span)
     launch_at = lambda tokens: tuple((lora, launch) for launch in forward.prefill_launches(tokens))  # noqa: E731
-    longest = max(lengths)
-    blocks = prefill_blocks(launch_at, min(lengths), slots * longest, slots, longest, known)
+    blocks = prefill_blocks(launch_at, span[1], span[2], slots, longest, engine._warm_launches)
     device = forward.view.device
     for rows, length in blocks:
         tokens = torch.zeros(rows, length, dtype=torch.long, device=device)

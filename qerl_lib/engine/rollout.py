@@ -205,7 +205,9 @@ class RolloutEngine:
         self.cache: KVCache | None = None
         self.graphs: DecodeGraphs | None = None
         self._compiled = None
-        self._warm_prefill: set = set()  # prefill kernel launches already met (engine/continuous.warm_prefill_launches)
+        # prefill kernel launches already met, and the token spans already scanned (continuous.warm_prefill_launches)
+        self._warm_launches: set = set()
+        self._warm_spans: set = set()
         self.last_timing = Timing()
 
     # ---- public ---------------------------------------------------------------------------------
