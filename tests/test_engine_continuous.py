@@ -161,11 +161,12 @@ def test_a_continuous_call_first_meets_its_prefill_launches(model, monkeypatch):
     kw = dict(temperature=1.0, stop_token_ids=[], row_seeds=SEEDS)
     static = engine.generate(PROMPTS, CAPS, **kw)
     shapes.clear()
-    _close(engine.generate(PROMPTS, CAPS, max_batch=3, **kw), static)
+    _close(engine.generate(PROMPTS, CAPS, max_batch=3, timing=True, **kw), static)
     assert shapes[:4] == [(1, 1), (1, 6), (2, 6), (3, 7)]  # counts 1, 6, 12 (of 1..21), then the call's own
+    assert engine.last_timing.extra["warm_prefills"] == 3
     shapes.clear()
-    _close(engine.generate(PROMPTS, CAPS, max_batch=3, **kw), static)
-    assert shapes[0] == (3, 7)
+    _close(engine.generate(PROMPTS, CAPS, max_batch=3, timing=True, **kw), static)
+    assert shapes[0] == (3, 7) and engine.last_timing.extra["warm_prefills"] == 0
 
 
 @pytest.mark.cuda

@@ -171,8 +171,9 @@ def run_continuous(engine, forward, prompts, caps, params, seed, stops, timing: 
     plen = max(len(p) for p in prompts)  # every refill fits before the write column, which stays >= plen
     cache = engine._ensure_cache(forward, slots, plen + max_new - 1 + headroom(engine))
     limit = cache.length
-    if _compiles(device):
-        warm_prefill_launches(engine, forward, cache, [len(p) for p in prompts], slots)
+    warm_s = _now(device, timing)  # the warm is a one-time cost of the engine, outside the call's prefill and decode
+    warm = warm_prefill_launches(engine, forward, cache, [len(p) for p in prompts], slots) if _compiles(device) else 0
+    warm_s = _now(device, timing) - warm_s
     stop_tensor = torch.tensor(stops, dtype=torch.long, device=device) if stops else None
     generator = torch.Generator(device=device).manual_seed(int(seed)) if seed is not None else None
     streams = None
@@ -180,7 +181,8 @@ def run_continuous(engine, forward, prompts, caps, params, seed, stops, timing: 
         streams = RowStreams(row_seeds[:slots], device)
     state = _Slots(slots, max_new, device)
     results: list = [None] * n
-    stats = {"refills": 0, "refill_prefills": 0, "compactions": 0, "refill_s": 0.0}  # the schedule (Timing.extra)
+    stats = {"refills": 0, "refill_prefills": 0, "compactions": 0, "refill_s": 0.0,  # the schedule (Timing.extra)
+             "warm_prefills": warm, "warm_s": warm_s}
     refill_rows = max(1, slots // 8)  # free rows that make a refill (fewer when the queue has fewer)
     t0 = _now(device, timing)
 
