@@ -28,7 +28,7 @@ from qerl_lib.engine.rollout import RolloutEngine  # noqa: E402
 from qerl_lib.io import provenance  # noqa: E402
 
 
-def case(model, weights: str, rank: int, rows: int, plen: int) -> dict:
+def case(model, weights: str, rank: int, rows: int, plen: int, ops: int = 0) -> dict:
     lora = random_lora(model, rank) if rank else None
     engine = RolloutEngine(model, max_seq_len=plen + 64)
     prompts = random_prompts(rows, plen, model.config.vocab_size, 0)
@@ -52,6 +52,16 @@ def case(model, weights: str, rank: int, rows: int, plen: int) -> dict:
            "span_ms": round(s["span_us"] / 1e3, 2), "kernels": s["n"],
            "ms_by_category": {c: round(v / 1e3, 2) for c, v in sorted(s["per_cat_us"].items(), key=lambda kv: -kv[1])},
            "top_kernels_ms": [(n, round(v / 1e3, 2)) for n, v in per_kernel.most_common(10)]}
+    if ops and torch.cuda.is_available():  # the torch operators behind the kernels, by self CUDA time and shapes
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
+            call()
+            torch.cuda.synchronize()
+        table = prof.key_averages(group_by_input_shape=True)
+        top = sorted(table, key=lambda e: -e.self_device_time_total)[:ops]
+        row["top_ops"] = [(e.key, str(e.input_shapes)[:160], e.count, round(e.self_device_time_total / 1e3, 2))
+                          for e in top]
     print(json.dumps(row), flush=True)
     engine.release()
     return row
@@ -65,6 +75,7 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=8)
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--json", required=True)
+    p.add_argument("--ops", type=int, default=0, help="also list the N torch operators with the most CUDA time")
     p.add_argument("--device", default="cuda", help="cpu: a dry run of the script (no kernels to profile)")
     args = p.parse_args()
     device = torch.device(args.device)
@@ -72,7 +83,7 @@ def main() -> None:
     for weights in args.weights.split(","):
         model = load_bench_model(args.model, weights, device)
         for rank in (int(r) for r in args.lora_rank.split(",")):
-            rows.append(case(model, weights, rank, args.rows, args.prompt_len))
+            rows.append(case(model, weights, rank, args.rows, args.prompt_len, args.ops))
         del model
         torch.cuda.empty_cache()
     out = {"provenance": provenance(), "config": vars(args), "rows": rows}
