@@ -59,7 +59,9 @@ weight-bound matmuls of an NVFP4 model. The ``Glue`` functions are written so th
 ``torch.compile`` can turn each into one kernel; the decode step uses the compiled ones when
 asked (``fuse_elementwise``), prefill and CPU runs the plain ones. With ``glue_kernels`` (the CUDA
 default) the norms and SiLU * up run as ``engine/glue.py``'s Triton kernels instead, which let the
-next NVFP4 matmul launch while they run (programmatic dependent launch).
+next NVFP4 matmul launch while they run (programmatic dependent launch); the prefill takes them too
+(the plain ones spent 12 of a 7B 8 x 256-token prefill's 66 ms on an H200: seven float32 kernels per
+norm, SiLU x up over the strided halves of the fused gate/up output), keeping the plain RoPE.
 
 Where an NVFP4 GEMM runs a Gluon kernel (``fp4_gemm.takes_relabeled_x``: decode batches 32-128 on Qwen2.5),
 it reads x in its own K relabeling, which the kernel that produced x also stores (``relabeled=``,
@@ -179,7 +181,8 @@ class ForwardPass:
     "kernel" (``engine/attention.py``: one split-KV Triton kernel per layer; CUDA default).
     ``fuse_elementwise``: in the decode step, run the elementwise glue between matmuls through
     ``torch.compile``: residual add + RMSNorm, RoPE of q and k, the attention softmax, SiLU * up.
-    ~30 launches a layer eagerly, ~6 fused: worth it inside a CUDA graph. Prefill runs the eager functions.
+    ~30 launches a layer eagerly, ~6 fused: worth it inside a CUDA graph. Prefill runs the eager functions, with the
+    glue kernels' norms and SiLU x up on CUDA (``prefill_ops``).
     ``glue_kernels`` (with ``fuse_elementwise``, on CUDA): the norms and SiLU * up through
     ``engine/glue.py``'s Triton kernels rather than ``torch.compile``. ``attention_launch``: the
     decode-attention kernel's launch shape (``engine.attention.AttentionLaunch``; None:
@@ -222,7 +225,7 @@ class ForwardPass:
         # guards on the module it is given, and 28 different SiLU instances would mean 28 compiles.
         self._act = view.layers[0].mlp.act_fn
         self.eager_ops = Glue(rms_norm, residual_rms_norm, rope_qk, attention_probs, gated_act)
-        self.decode_ops = self.eager_ops
+        self.decode_ops = self.prefill_ops = self.eager_ops
         if fuse_elementwise:
             # dynamic=None: a shape that changes (the attention length bucket) turns dynamic after one
             # recompile instead of compiling once per bucket.
@@ -232,6 +235,12 @@ class ForwardPass:
                 self.decode_ops = self.decode_ops._replace(
                     norm=engine_glue.rms_norm, residual_norm=engine_glue.residual_rms_norm,
                     gated=engine_glue.silu_mul if silu else self.decode_ops.gated)
+                # the prefill too (its shapes change from call to call: no compiled ops), where torch's eager norm
+                # (seven float32 kernels) and SiLU x up over strided halves of gate/up took 12 of a 7B refill's
+                # 66 ms on an H200 (dev/LOG.md section 126)
+                self.prefill_ops = self.eager_ops._replace(
+                    norm=engine_glue.rms_norm, residual_norm=engine_glue.residual_rms_norm,
+                    gated=engine_glue.silu_mul if silu else self.eager_ops.gated)
         self._columns = torch.arange(0, dtype=torch.long, device=view.device)
         self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None
         # the decode step's launch folds (module docstring), read from the environment once per forward pass
@@ -513,7 +522,7 @@ class ForwardPass:
                 cache.v[i, :, :, start:start + plen].index_copy_(0, rows, v)
             return sdpa_attention(q, k, v, mask, self.view.scaling, causal=True)
 
-        h = self._decoder(x, cos, sin, attend, self.eager_ops)
+        h = self._decoder(x, cos, sin, attend, self.prefill_ops)
         return self.view.lm_head(h[:, -1:])[:, -1].float()
 
     def decode_step(self, tokens: torch.Tensor, column: torch.Tensor, pad: torch.Tensor, kv_len: int,
