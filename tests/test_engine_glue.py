@@ -311,11 +311,13 @@ def test_cuda_pdl_matmul_after_glue_kernel_in_a_graph(n, k):
         assert torch.equal(plain, early)
 
 
-def test_cpu_prefill_keeps_the_plain_ops():
-    """Off CUDA the prefill runs transformers' own arithmetic (the engine equals ``generate`` bit for bit there)."""
+def test_cpu_prefill_keeps_the_plain_ops(monkeypatch):
+    """Off CUDA the prefill runs transformers' own arithmetic (the engine equals ``generate`` bit for bit there),
+    whatever ``QERL_PREFILL_GLUE`` says."""
     from qerl_lib.engine.rollout import RolloutEngine
     from tests.test_engine import tiny_model
 
+    monkeypatch.setenv("QERL_PREFILL_GLUE", "1")
     engine = RolloutEngine(tiny_model("qwen2"))
     engine.generate([[5, 6, 7]], 2, temperature=0.0, stop_token_ids=[])
     assert engine._forward.prefill_ops is engine._forward.eager_ops
@@ -324,7 +326,7 @@ def test_cpu_prefill_keeps_the_plain_ops():
 @pytest.mark.cuda
 @pytest.mark.parametrize("weights", ["bf16", "nvfp4"])
 def test_cuda_prefill_with_the_glue_kernels_matches_the_plain_ops(weights):
-    """On CUDA the prefill's norms and SiLU x up are the glue kernels (dev/LOG.md section 126): its logits stay within
+    """With ``QERL_PREFILL_GLUE=1`` the prefill's norms and SiLU x up are the glue kernels (dev/LOG.md 126): its logits stay within
     bf16 rounding of the plain ops' (8 left-padded prompts, NVFP4 and bf16 bases), and the greedy first tokens agree."""
     from qerl_lib.engine import glue
     from qerl_lib.engine.continuous import left_padded
@@ -335,10 +337,12 @@ def test_cuda_prefill_with_the_glue_kernels_matches_the_plain_ops(weights):
     prompts = [[(7 * r + 3 * i) % 250 + 3 for i in range(5 + 3 * r)] for r in range(8)]
     engine.generate(prompts, 2, temperature=0.0, stop_token_ids=[])
     forward, cache = engine._forward, engine.cache
-    assert forward.prefill_ops.norm is glue.rms_norm and forward.prefill_ops.gated is glue.silu_mul
+    ops = forward.prefill_glue_ops
+    assert ops.norm is glue.rms_norm and ops.gated is glue.silu_mul
     tokens, positions, _, mask = left_padded(prompts)
     args = (tokens.cuda(), positions.cuda(), mask.cuda(), cache)
     with torch.no_grad():
+        forward.prefill_ops = ops
         fast = forward.prefill(*args)
         forward.prefill_ops = forward.eager_ops
         plain = forward.prefill(*args)

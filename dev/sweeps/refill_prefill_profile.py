@@ -28,12 +28,16 @@ from qerl_lib.engine.rollout import RolloutEngine  # noqa: E402
 from qerl_lib.io import provenance  # noqa: E402
 
 
-def case(model, weights: str, rank: int, rows: int, plen: int, ops: int = 0) -> dict:
+def case(model, weights: str, rank: int, rows: int, plen: int, ops: int = 0, prefill_ops: str = "default") -> dict:
     lora = random_lora(model, rank) if rank else None
     engine = RolloutEngine(model, max_seq_len=plen + 64)
     prompts = random_prompts(rows, plen, model.config.vocab_size, 0)
     call = lambda: engine.generate(prompts, 1, temperature=1.0, seed=0, stop_token_ids=[], lora=lora)  # noqa: E731
     call()
+    if prefill_ops != "default":  # "plain" / "glue": the A/B of QERL_PREFILL_GLUE in one process
+        forward = engine._forward
+        forward.prefill_ops = forward.eager_ops if prefill_ops == "plain" else forward.prefill_glue_ops
+        call()
     walls = []
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     for _ in range(5):
@@ -47,7 +51,7 @@ def case(model, weights: str, rank: int, rows: int, plen: int, ops: int = 0) -> 
     per_kernel = collections.Counter()
     for name, _, dur in ks:
         per_kernel[name[:90]] += dur
-    row = {"weights": weights, "rank": rank, "rows": rows, "prompt_len": plen, "wall_ms": round(min(walls), 2),
+    row = {"weights": weights, "rank": rank, "prefill_ops": prefill_ops, "rows": rows, "prompt_len": plen, "wall_ms": round(min(walls), 2),
            "walls_ms": [round(w, 2) for w in walls], "busy_ms": round(s["busy_us"] / 1e3, 2),
            "span_ms": round(s["span_us"] / 1e3, 2), "kernels": s["n"],
            "ms_by_category": {c: round(v / 1e3, 2) for c, v in sorted(s["per_cat_us"].items(), key=lambda kv: -kv[1])},
@@ -75,6 +79,8 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=8)
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--json", required=True)
+    p.add_argument("--prefill-ops", default="default", help="comma list of default / plain / glue (QERL_PREFILL_GLUE)")
+    p.add_argument("--rounds", type=int, default=1, help="repeat the whole list this many times (alternating A/B)")
     p.add_argument("--ops", type=int, default=0, help="also list the N torch operators with the most CUDA time")
     p.add_argument("--device", default="cuda", help="cpu: a dry run of the script (no kernels to profile)")
     args = p.parse_args()
@@ -82,8 +88,10 @@ def main() -> None:
     rows = []
     for weights in args.weights.split(","):
         model = load_bench_model(args.model, weights, device)
-        for rank in (int(r) for r in args.lora_rank.split(",")):
-            rows.append(case(model, weights, rank, args.rows, args.prompt_len, args.ops))
+        for _ in range(args.rounds):
+            for rank in (int(r) for r in args.lora_rank.split(",")):
+                for prefill_ops in args.prefill_ops.split(","):
+                    rows.append(case(model, weights, rank, args.rows, args.prompt_len, args.ops, prefill_ops))
         del model
         torch.cuda.empty_cache()
     out = {"provenance": provenance(), "config": vars(args), "rows": rows}
