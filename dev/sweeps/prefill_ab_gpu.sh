@@ -6,5 +6,5 @@
 source dev/sweeps/job_prelude.sh
 export CUDA_VISIBLE_DEVICES=0
 python3 dev/sweeps/refill_prefill_profile.py --model qwen2.5-7b --weights nvfp4 --lora-rank 0,16 --rows 8 \
-  --prompt-len 256 --prefill-ops plain,glue --rounds 3 --json $OUT/prefill_ab.json > $OUT/prefill_ab.log 2>&1
+  --prompt-len 256 --prefill-ops plain,glue --rounds 3 --ops 20 --json $OUT/prefill_ab.json > $OUT/prefill_ab.log 2>&1
 stop_memory_samples

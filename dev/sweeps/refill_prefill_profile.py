@@ -1,7 +1,8 @@
 """Where a refill's prefill goes: one prefill of ROWS prompts of LEN tokens (what continuous batching runs when it
 refills ROWS rows), at Qwen2.5 shapes with random weights, per weights and LoRA rank: wall ms (CUDA-synchronized, best
 of five), and one profiled call's kernel time by category, its busy time and span (span - busy: the GPU idle,
-waiting for the host), and the ten costliest kernels.
+waiting for the host), and the ten costliest kernels; ``--ops N`` also the N torch operators with the most GPU time
+(with their input shapes) and with the most host time.
 
     python3 dev/sweeps/refill_prefill_profile.py --model qwen2.5-7b --weights nvfp4,bf16 --lora-rank 0,16 \
         --rows 8 --prompt-len 256 --json dev/runs/NAME/refill_prefill.json
@@ -56,16 +57,20 @@ def case(model, weights: str, rank: int, rows: int, plen: int, ops: int = 0, pre
            "span_ms": round(s["span_us"] / 1e3, 2), "kernels": s["n"],
            "ms_by_category": {c: round(v / 1e3, 2) for c, v in sorted(s["per_cat_us"].items(), key=lambda kv: -kv[1])},
            "top_kernels_ms": [(n, round(v / 1e3, 2)) for n, v in per_kernel.most_common(10)]}
-    if ops and torch.cuda.is_available():  # the torch operators behind the kernels, by self CUDA time and shapes
+    if ops:  # the torch operators behind the kernels, by self CUDA time and shapes (a CPU dry run: host only)
         from torch.profiler import ProfilerActivity, profile
 
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
+        cuda = torch.cuda.is_available()
+        with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []),
+                     record_shapes=True) as prof:
             call()
-            torch.cuda.synchronize()
+            sync()
         table = prof.key_averages(group_by_input_shape=True)
         top = sorted(table, key=lambda e: -e.self_device_time_total)[:ops]
         row["top_ops"] = [(e.key, str(e.input_shapes)[:160], e.count, round(e.self_device_time_total / 1e3, 2))
                           for e in top]
+        host = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:ops]  # where the host's time goes
+        row["top_host_ops"] = [(e.key, e.count, round(e.self_cpu_time_total / 1e3, 2)) for e in host]
     print(json.dumps(row), flush=True)
     engine.release()
     return row
