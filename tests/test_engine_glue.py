@@ -326,7 +326,7 @@ def test_cpu_prefill_keeps_the_plain_ops(monkeypatch):
 @pytest.mark.cuda
 @pytest.mark.parametrize("weights", ["bf16", "nvfp4"])
 def test_cuda_prefill_with_the_glue_kernels_matches_the_plain_ops(weights):
-    """With ``QERL_PREFILL_GLUE=1`` the prefill's norms and SiLU x up are the glue kernels (dev/LOG.md 126): its logits stay within
+    """With ``QERL_PREFILL_GLUE=1`` the prefill's norms, RoPE and SiLU x up are the glue kernels (dev/LOG.md 126, 128): its logits stay within
     bf16 rounding of the plain ops' (8 left-padded prompts, NVFP4 and bf16 bases), and the greedy first tokens agree."""
     from qerl_lib.engine import glue
     from qerl_lib.engine.continuous import left_padded
@@ -338,7 +338,7 @@ def test_cuda_prefill_with_the_glue_kernels_matches_the_plain_ops(weights):
     engine.generate(prompts, 2, temperature=0.0, stop_token_ids=[])
     forward, cache = engine._forward, engine.cache
     ops = forward.prefill_glue_ops
-    assert ops.norm is glue.rms_norm and ops.gated is glue.silu_mul
+    assert ops.norm is glue.rms_norm and ops.gated is glue.silu_mul and ops.rope is glue.rope_qk
     tokens, positions, _, mask = left_padded(prompts)
     args = (tokens.cuda(), positions.cuda(), mask.cuda(), cache)
     with torch.no_grad():
@@ -348,3 +348,34 @@ def test_cuda_prefill_with_the_glue_kernels_matches_the_plain_ops(weights):
         plain = forward.prefill(*args)
     torch.testing.assert_close(fast, plain, rtol=0.05, atol=0.05)
     assert int((fast.argmax(-1) == plain.argmax(-1)).sum()) >= 7  # a near-tie may flip under one rounding
+
+
+def test_rope_qk_off_cuda_is_the_reference():
+    """``glue.rope_qk`` on CPU tensors (no kernel there) returns ``reference_ops.rope_qk``'s values."""
+    from qerl_lib.engine import glue, reference_ops
+
+    g = torch.Generator().manual_seed(5)
+    q, k = torch.randn(2, 4, 6, 16, generator=g).bfloat16(), torch.randn(2, 2, 6, 16, generator=g).bfloat16()
+    cos, sin = torch.randn(2, 6, 16, generator=g).bfloat16(), torch.randn(2, 6, 16, generator=g).bfloat16()
+    for got, want in zip(glue.rope_qk(q, k, cos, sin), reference_ops.rope_qk(q, k, cos, sin)):
+        assert torch.equal(got, want)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("seed", [0, 1])
+def test_cuda_rope_qk_in_the_prefill_layout_bit_for_bit(seed):
+    """The prefill's q and k (views ``[B, L, H, D] -> [B, H, L, D]`` of the q/k/v output) with per-row cos and sin
+    ``[B, L, D]`` (left-padded positions): ``glue.rope_qk``'s kernels give ``reference_ops.rope_qk``'s bits."""
+    from qerl_lib.engine import glue, reference_ops
+
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    batch, length, heads, kv, d = 3, 37, 28, 4, 128
+    qkv = torch.randn(batch, length, (heads + 2 * kv) * d, device="cuda", generator=g).bfloat16()
+    q = qkv[..., :heads * d].view(batch, length, heads, d).transpose(1, 2)
+    k = qkv[..., heads * d:(heads + kv) * d].view(batch, length, kv, d).transpose(1, 2)
+    angles = torch.rand(batch, length, d // 2, device="cuda", generator=g) * 50
+    cos = torch.cat([angles.cos(), angles.cos()], -1).bfloat16()
+    sin = torch.cat([angles.sin(), angles.sin()], -1).bfloat16()
+    assert glue.rotary_fits(q, k, cos, sin)
+    for got, want in zip(glue.rope_qk(q, k, cos, sin), reference_ops.rope_qk(q, k, cos, sin)):
+        assert torch.equal(got, want)

@@ -200,12 +200,22 @@ def gemm_lora_epilogue(plan, x: torch.Tensor, in_gemm: bool, shrink_in_gemm: boo
 
 def add_lora_torch(entry: tuple, x: torch.Tensor, xa: torch.Tensor | None, outs: list) -> list:
     """The plain-torch adapters of one group (``LoraBuffers.layout`` entry ``(a_cat, slots)``): ``xa = x @
-    A_cat^T`` (or the given ``xa``, rounded to x's dtype), then one ``addmm`` per member with an adapter."""
+    A_cat^T`` (or the given ``xa``, rounded to x's dtype), then one ``addmm`` per member with an adapter.
+
+    The expand adds into the member's output in place (``addmm_``) wherever its rows flatten to a view: a fused
+    group's members are column slices of one GEMM output, and BLAS takes such a slice as it is (its row stride as
+    the leading dimension), where the out-of-place ``addmm`` would first copy it, strided, into a new tensor (a
+    prefill's gate/up expand at 7B, 2048 rows: two 77 MB copies a layer, dev/LOG.md section 128). The same sum
+    either way: out-of-place ``addmm`` is that copy followed by the same in-place product."""
     a_cat, slots = entry
     xa = x.reshape(-1, x.shape[-1]) @ a_cat.t() if xa is None else xa.reshape(-1, a_cat.shape[0]).to(x.dtype)
     for j, slot in enumerate(slots):
         if slot is not None:
             start, end, b, scale = slot
             o = outs[j]
-            outs[j] = torch.addmm(o.reshape(-1, o.shape[-1]), xa[:, start:end], b.t(), alpha=scale).view(o.shape)
+            rows = o.reshape(-1, o.shape[-1])
+            if rows.data_ptr() == o.data_ptr() and not o.requires_grad:  # a view: add in place
+                rows.addmm_(xa[:, start:end], b.t(), alpha=scale)
+            else:
+                outs[j] = torch.addmm(rows, xa[:, start:end], b.t(), alpha=scale).view(o.shape)
     return outs

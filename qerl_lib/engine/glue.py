@@ -181,6 +181,48 @@ def _launch_norm(x, delta, weight, eps, summed, h, hr=None) -> None:
                                      PDL=early, launch_pdl=early, num_warps=8 if block >= 4096 else 4)
 
 
+def rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """``reference_ops.rope_qk`` (q and k rotated, transformers' roundings) as one ``rotate`` launch each where the
+    inputs fit (``rotary_fits``), the reference's torch ops otherwise: the prefill's 10 elementwise launches a
+    layer become 2."""
+    if triton is None or not q.is_cuda or not rotary_fits(q, k, cos, sin):
+        from qerl_lib.engine.reference_ops import rope_qk as reference
+
+        return reference(q, k, cos, sin)
+    return rotate(q, cos, sin, backward=False), rotate(k, cos, sin, backward=False)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: bool) -> torch.Tensor:
+    """transformers' ``x * cos + rotate_half(x) * sin`` (or, ``backward``, its gradient given ``x`` = dy) as one
+    kernel over ``x [B, H, L, D]`` (any strides, unit last) with ``cos``/``sin`` ``[B or 1, L, D]``, bit for bit."""
+    batch, heads, positions, width = x.shape
+    out = torch.empty_like(x)  # x's memory layout, as transformers' elementwise ops keep it
+    if out.numel() == 0:
+        return out
+    (cb, cl, _), (sb, sl, _) = cos.stride(), sin.stride()
+    _rotary_kernel[(batch * positions,)](
+        x, cos, sin, out, heads, positions, x.stride(0), x.stride(1), x.stride(2), out.stride(0), out.stride(1),
+        out.stride(2), cb if cos.shape[0] > 1 else 0, cl, sb if sin.shape[0] > 1 else 0, sl, HALF=width // 2,
+        BLOCK_H=triton.next_power_of_2(heads), BACKWARD=backward, num_warps=4,
+        enable_fp_fusion=False)  # each product rounded before the sum, as torch: no fused multiply-add
+    return out
+
+
+def rotary_fits(q, k, cos, sin) -> bool:
+    """Whether `rotate` takes q and k with these cos and sin: 4-d with unit-stride heads of a power-of-two half, cos
+    and sin ``[B or 1, L, D]`` without gradients, one dtype and device."""
+    tensors = (q, k, cos, sin)
+    if not all(isinstance(t, torch.Tensor) for t in tensors) or q.dim() != 4 or k.dim() != 4 or cos.dim() != 3:
+        return False
+    batch, _, positions, width = q.shape
+    half = width // 2
+    return (k.shape[0], k.shape[2:]) == (batch, q.shape[2:]) and cos.shape == sin.shape and \
+        cos.shape[0] in (1, batch) and tuple(cos.shape[1:]) == (positions, width) and width % 2 == 0 and \
+        half & (half - 1) == 0 and len({t.dtype for t in tensors}) == 1 and q.dtype.is_floating_point and \
+        all(t.stride(-1) == 1 and t.device == q.device for t in tensors) and \
+        not (cos.requires_grad or sin.requires_grad)
+
+
 if triton is not None:
 
     @triton.jit
@@ -294,3 +336,31 @@ if triton is not None:
         tl.store(o_ptr + rows[:, None] * so + cols[None, :], o, mask=ok)
         if RELABELED:
             tl.store(or_ptr + rows[:, None] * width + cols[None, :], relabel_tile(o, BLOCK_M, BLOCK_N // 128), mask=ok)
+
+    @triton.jit
+    def _rotary_kernel(x_ptr, c_ptr, s_ptr, o_ptr, heads, positions, sxb, sxh, sxl, sob, soh, sol, scb, scl, ssb, ssl,
+                       HALF: tl.constexpr, BLOCK_H: tl.constexpr, BACKWARD: tl.constexpr):
+        """Program (sequence, position): every head's rotation (or its gradient), each product rounded as torch."""
+        pid = tl.program_id(0)
+        b, pos = pid // positions, pid % positions
+        h = tl.arange(0, BLOCK_H)[:, None]
+        d = tl.arange(0, HALF)[None, :]
+        ok = (h < heads) & (d < HALF)
+        dtype = o_ptr.dtype.element_ty
+        x = x_ptr + b * sxb + pos * sxl + h * sxh + d
+        x1 = tl.load(x, mask=ok, other=0.0).to(tl.float32)
+        x2 = tl.load(x + HALF, mask=ok, other=0.0).to(tl.float32)
+        c = c_ptr + b * scb + pos * scl + d
+        s = s_ptr + b * ssb + pos * ssl + d
+        c1, c2 = tl.load(c).to(tl.float32), tl.load(c + HALF).to(tl.float32)
+        s1, s2 = tl.load(s).to(tl.float32), tl.load(s + HALF).to(tl.float32)
+        a1, a2 = (x1 * c1).to(dtype).to(tl.float32), (x2 * c2).to(dtype).to(tl.float32)
+        if BACKWARD:  # the gradient reaches x through both products; rotate_half's cat sends it back swapped
+            o1 = a1 + (x2 * s2).to(dtype).to(tl.float32)
+            o2 = a2 - (x1 * s1).to(dtype).to(tl.float32)
+        else:
+            o1 = a1 - (x2 * s1).to(dtype).to(tl.float32)
+            o2 = a2 + (x1 * s2).to(dtype).to(tl.float32)
+        o = o_ptr + b * sob + pos * sol + h * soh + d
+        tl.store(o, o1.to(dtype), mask=ok)
+        tl.store(o + HALF, o2.to(dtype), mask=ok)

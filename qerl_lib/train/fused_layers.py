@@ -12,8 +12,8 @@ mean, rsqrt, multiply, down-cast, the weight's multiply) and about as many backw
 
 What
 ----
-Forward: the rollout engine's kernels (`engine/glue.rms_norm`, `engine/glue.silu_mul`), which already follow
-transformers' order of roundings. Backward, one program per row (RMSNorm) or per block of a row (SiLU x up),
+Forward: the rollout engine's kernels (`engine/glue.rms_norm`, `engine/glue.silu_mul`, `engine/glue.rotate`), which
+follow transformers' order of roundings. Backward, one program per row (RMSNorm) or per block of a row (SiLU x up),
 with the roundings autograd makes on transformers' graph reproduced:
 
     RMSNorm   y = w * bf16(x * r),  r = rsqrt(mean(x^2) + eps)   (statistics in float32)
@@ -147,48 +147,22 @@ class _Rotary(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, cos, sin):
         ctx.save_for_backward(cos, sin)
-        return _rotate(q, cos, sin, backward=False), _rotate(k, cos, sin, backward=False)
+        return glue.rotate(q, cos, sin, backward=False), glue.rotate(k, cos, sin, backward=False)
 
     @staticmethod
     def backward(ctx, dq, dk):
         cos, sin = ctx.saved_tensors
         dq, dk = (g if g.stride(-1) == 1 else g.contiguous() for g in (dq, dk))
-        return _rotate(dq, cos, sin, backward=True), _rotate(dk, cos, sin, backward=True), None, None
+        return glue.rotate(dq, cos, sin, backward=True), glue.rotate(dk, cos, sin, backward=True), None, None
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: bool) -> torch.Tensor:
-    """The kernel over ``x [B, H, L, D]`` (any strides, unit last) with ``cos``/``sin`` ``[B or 1, L, D]``."""
-    batch, heads, positions, width = x.shape
-    out = torch.empty_like(x)  # x's memory layout, as transformers' elementwise ops keep it
-    if out.numel() == 0:
-        return out
-    (cb, cl, _), (sb, sl, _) = cos.stride(), sin.stride()
-    _rotary_kernel[(batch * positions,)](
-        x, cos, sin, out, heads, positions, x.stride(0), x.stride(1), x.stride(2), out.stride(0), out.stride(1),
-        out.stride(2), cb if cos.shape[0] > 1 else 0, cl, sb if sin.shape[0] > 1 else 0, sl, HALF=width // 2,
-        BLOCK_H=triton.next_power_of_2(heads), BACKWARD=backward, num_warps=4,
-        enable_fp_fusion=False)  # each product rounded before the sum, as torch: no fused multiply-add
-    return out
-
-
-def rotary_fits(q, k, cos, sin) -> bool:
-    """Whether `rotary` takes these inputs (module docstring); transformers' function takes the rest."""
-    tensors = (q, k, cos, sin)
-    if not all(isinstance(t, torch.Tensor) for t in tensors) or q.dim() != 4 or k.dim() != 4 or cos.dim() != 3:
-        return False
-    batch, _, positions, width = q.shape
-    half = width // 2
-    return (k.shape[0], k.shape[2:]) == (batch, q.shape[2:]) and cos.shape == sin.shape and \
-        cos.shape[0] in (1, batch) and tuple(cos.shape[1:]) == (positions, width) and width % 2 == 0 and \
-        half & (half - 1) == 0 and len({t.dtype for t in tensors}) == 1 and q.dtype.is_floating_point and \
-        all(t.stride(-1) == 1 and t.device == q.device for t in tensors) and \
-        not (cos.requires_grad or sin.requires_grad)
+rotary_fits = glue.rotary_fits  # what `rotary` takes (the kernel lives in engine/glue.py)
 
 
 def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
     """transformers' ``apply_rotary_pos_emb(q, k, cos, sin)`` (``unsqueeze_dim=1``) with its gradients, one kernel
     each way for q and for k."""
-    if not rotary_fits(q, k, cos, sin):
+    if not glue.rotary_fits(q, k, cos, sin):
         raise ValueError("rotary: q [B, H, L, D] and k [B, Hkv, L, D] with unit-stride heads of a power-of-two "
                          "half, cos and sin [B or 1, L, D] without gradients, one dtype and device, got "
                          f"{[(list(t.shape), t.dtype) for t in (q, k, cos, sin)]}")
@@ -200,7 +174,7 @@ def _rotary_dispatcher(original):
     def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
         unsqueeze = args[0] if args else kwargs.get("unsqueeze_dim", 1)
         if _marked_forwards and unsqueeze == 1 and len(args) + len(kwargs) <= 1 and _runs_kernels(q) and \
-                fused_rotary_enabled() and rotary_fits(q, k, cos, sin):
+                fused_rotary_enabled() and glue.rotary_fits(q, k, cos, sin):
             return _Rotary.apply(q, k, cos, sin)  # checked just now: `rotary` would check again
         return original(q, k, cos, sin, *args, **kwargs)
 
@@ -332,31 +306,3 @@ if triton is not None:
         da = (do * u).to(dtype).to(tl.float32)
         tl.store(du_ptr + row * sdu + cols, (do * a).to(dtype), mask=ok)
         tl.store(dg_ptr + row * sdg + cols, (da * s * (1.0 + g * (1.0 - s))).to(dtype), mask=ok)
-
-    @triton.jit
-    def _rotary_kernel(x_ptr, c_ptr, s_ptr, o_ptr, heads, positions, sxb, sxh, sxl, sob, soh, sol, scb, scl, ssb, ssl,
-                       HALF: tl.constexpr, BLOCK_H: tl.constexpr, BACKWARD: tl.constexpr):
-        """Program (sequence, position): every head's rotation (or its gradient), each product rounded as torch."""
-        pid = tl.program_id(0)
-        b, pos = pid // positions, pid % positions
-        h = tl.arange(0, BLOCK_H)[:, None]
-        d = tl.arange(0, HALF)[None, :]
-        ok = (h < heads) & (d < HALF)
-        dtype = o_ptr.dtype.element_ty
-        x = x_ptr + b * sxb + pos * sxl + h * sxh + d
-        x1 = tl.load(x, mask=ok, other=0.0).to(tl.float32)
-        x2 = tl.load(x + HALF, mask=ok, other=0.0).to(tl.float32)
-        c = c_ptr + b * scb + pos * scl + d
-        s = s_ptr + b * ssb + pos * ssl + d
-        c1, c2 = tl.load(c).to(tl.float32), tl.load(c + HALF).to(tl.float32)
-        s1, s2 = tl.load(s).to(tl.float32), tl.load(s + HALF).to(tl.float32)
-        a1, a2 = (x1 * c1).to(dtype).to(tl.float32), (x2 * c2).to(dtype).to(tl.float32)
-        if BACKWARD:  # the gradient reaches x through both products; rotate_half's cat sends it back swapped
-            o1 = a1 + (x2 * s2).to(dtype).to(tl.float32)
-            o2 = a2 - (x1 * s1).to(dtype).to(tl.float32)
-        else:
-            o1 = a1 - (x2 * s1).to(dtype).to(tl.float32)
-            o2 = a2 + (x1 * s2).to(dtype).to(tl.float32)
-        o = o_ptr + b * sob + pos * sol + h * soh + d
-        tl.store(o, o1.to(dtype), mask=ok)
-        tl.store(o + HALF, o2.to(dtype), mask=ok)
