@@ -326,7 +326,7 @@ def test_cpu_prefill_keeps_the_plain_ops(monkeypatch):
 @pytest.mark.cuda
 @pytest.mark.parametrize("weights", ["bf16", "nvfp4"])
 def test_cuda_prefill_with_the_glue_kernels_matches_the_plain_ops(weights):
-    """With ``QERL_PREFILL_GLUE=1`` the prefill's norms, RoPE and SiLU x up are the glue kernels (dev/LOG.md 126, 128): its logits stay within
+    """The prefill's norms, RoPE and SiLU x up as the glue kernels (the CUDA default, dev/LOG.md 126, 128): its logits stay within
     bf16 rounding of the plain ops' (8 left-padded prompts, NVFP4 and bf16 bases), and the greedy first tokens agree."""
     from qerl_lib.engine import glue
     from qerl_lib.engine.continuous import left_padded
@@ -379,3 +379,23 @@ def test_cuda_rope_qk_in_the_prefill_layout_bit_for_bit(seed):
     assert glue.rotary_fits(q, k, cos, sin)
     for got, want in zip(glue.rope_qk(q, k, cos, sin), reference_ops.rope_qk(q, k, cos, sin)):
         assert torch.equal(got, want)
+
+
+@pytest.mark.cuda
+def test_cuda_prefill_takes_the_glue_ops_unless_switched_off(monkeypatch):
+    """On CUDA the prefill runs ``prefill_glue_ops`` by default and torch's eager ops with ``QERL_PREFILL_GLUE=0``."""
+    from qerl_lib.engine.rollout import RolloutEngine
+    from tests.test_engine import tiny_cuda_model
+
+    def prefill_ops_of_a_fresh_engine():
+        engine = RolloutEngine(model)
+        engine.generate([[5, 6, 7]], 2, temperature=0.0, stop_token_ids=[])
+        return engine._forward
+
+    model = tiny_cuda_model("bf16")
+    monkeypatch.delenv("QERL_PREFILL_GLUE", raising=False)
+    forward = prefill_ops_of_a_fresh_engine()
+    assert forward.prefill_ops is forward.prefill_glue_ops and forward.prefill_ops is not forward.eager_ops
+    monkeypatch.setenv("QERL_PREFILL_GLUE", "0")
+    forward = prefill_ops_of_a_fresh_engine()
+    assert forward.prefill_ops is forward.eager_ops

@@ -57,13 +57,13 @@ Between the matmuls sit elementwise steps (residual add + RMSNorm, RoPE, softmax
 Run eagerly they are ~30 small kernel launches per layer, which at batch 8 cost as much as the
 weight-bound matmuls of an NVFP4 model. The ``Glue`` functions are written so that
 ``torch.compile`` can turn each into one kernel; the decode step uses the compiled ones when
-asked (``fuse_elementwise``), prefill and CPU runs the plain ones. With ``glue_kernels`` (the CUDA
-default) the norms and SiLU * up run as ``engine/glue.py``'s Triton kernels instead, which let the
-next NVFP4 matmul launch while they run (programmatic dependent launch). With ``QERL_PREFILL_GLUE=1`` the
-prefill takes them too, and RoPE as ``glue.rope_qk`` (the plain ones spent 12 of a 7B 8 x 256-token
-prefill's 66 ms of GPU time on an H200: seven float32 kernels per norm, SiLU x up over the strided halves of
-the fused gate/up output; RoPE is ten eager launches a layer); off by default until a same-process A/B shows
-the LoRA prefill's wall shorter (dev/LOG.md sections 126, 128).
+asked (``fuse_elementwise``), CPU runs the plain ones. With ``glue_kernels`` (the CUDA default) the norms and
+SiLU * up run as ``engine/glue.py``'s Triton kernels instead, which let the next NVFP4 matmul launch while they run
+(programmatic dependent launch). The prefill takes them too, and RoPE as ``glue.rope_qk`` (``prefill_glue_ops``;
+the plain ones spent 12 of a 7B 8 x 256-token prefill's 66 ms of GPU time on an H200: seven float32 kernels per
+norm, SiLU x up over the strided halves of the fused gate/up output, and RoPE is ten eager launches a layer). In a
+same-process A/B on an H200 they took that prefill's wall from 76 to 63 ms with a rank-16 adapter, and 65 to 52
+without (dev/LOG.md section 128); ``QERL_PREFILL_GLUE=0`` keeps the plain ones.
 
 Where an NVFP4 GEMM runs a Gluon kernel (``fp4_gemm.takes_relabeled_x``: decode batches 32-128 on Qwen2.5),
 it reads x in its own K relabeling, which the kernel that produced x also stores (``relabeled=``,
@@ -95,7 +95,7 @@ SPLIT_FOLD_ENV = "QERL_LORA_SUMS_SPLITS"  # "0": never let the LoRA expand sum a
 SHRINK_IN_GEMM_ENV = "QERL_LORA_SHRINK_IN_GEMM"  # "1": NVFP4 groups on the mma.sync kernel make xa in their launch
 LORA_ROWS_ENV = "QERL_LORA_ROWS"  # "0": bf16 groups' LoRA A not as extra rows of their weight (engine/adapters.py)
 SHRINK_IN_NORM_ENV = "QERL_LORA_SHRINK_IN_NORM"  # "1": the norm before an NVFP4 q/k/v or gate/up group makes its xa
-PREFILL_GLUE_ENV = "QERL_PREFILL_GLUE"  # "1": the prefill's norms, RoPE and SiLU x up as glue kernels (prefill_glue_ops)
+PREFILL_GLUE_ENV = "QERL_PREFILL_GLUE"  # "0": the prefill keeps torch's eager norms, RoPE and SiLU x up (prefill_glue_ops)
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
 DECODE_ATTENTION = ("sdpa", "matmul", "kernel")
@@ -185,7 +185,7 @@ class ForwardPass:
     ``fuse_elementwise``: in the decode step, run the elementwise glue between matmuls through
     ``torch.compile``: residual add + RMSNorm, RoPE of q and k, the attention softmax, SiLU * up.
     ~30 launches a layer eagerly, ~6 fused: worth it inside a CUDA graph. Prefill runs ``prefill_ops``: the eager
-    functions, or with ``QERL_PREFILL_GLUE=1`` on CUDA the glue kernels' norms, RoPE and SiLU x up (``prefill_glue_ops``).
+    functions, or on CUDA (unless ``QERL_PREFILL_GLUE=0``) the glue kernels' norms, RoPE and SiLU x up (``prefill_glue_ops``).
     ``glue_kernels`` (with ``fuse_elementwise``, on CUDA): the norms and SiLU * up through
     ``engine/glue.py``'s Triton kernels rather than ``torch.compile``. ``attention_launch``: the
     decode-attention kernel's launch shape (``engine.attention.AttentionLaunch``; None:
@@ -241,12 +241,11 @@ class ForwardPass:
                 # the same kernels for the prefill (its shapes change from call to call: no compiled ops), where
                 # torch's eager norm (seven float32 kernels) and SiLU x up over strided halves of gate/up took 12 of a
                 # 7B 8 x 256 prefill's 66 ms of GPU time on an H200, and RoPE as one kernel for q and one for k
-                # (transformers' bits) instead of ten eager ones a layer; opt-in until the rank-16 wall is shorter
-                # in a same-process A/B (dev/LOG.md sections 126, 128)
+                # (transformers' bits) instead of ten eager ones a layer (dev/LOG.md sections 126, 128)
                 self.prefill_glue_ops = self.eager_ops._replace(
                     norm=engine_glue.rms_norm, residual_norm=engine_glue.residual_rms_norm,
                     rope=engine_glue.rope_qk, gated=engine_glue.silu_mul if silu else self.eager_ops.gated)
-                if os.environ.get(PREFILL_GLUE_ENV, "0") == "1":
+                if os.environ.get(PREFILL_GLUE_ENV, "1") != "0":
                     self.prefill_ops = self.prefill_glue_ops
         self._columns = torch.arange(0, dtype=torch.long, device=view.device)
         self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None
