@@ -133,3 +133,25 @@ def test_lora_merge_choice_is_checked_and_a_merged_row_runs_on_cpu():
     row = Row("tiny", "bf16", 2, 4, "eager", "qerl", prompt_len=8, gen_len=6, lora_merged=True)
     row = time_engine(model, row, "eager", random_lora(model, 4), repeats=1, seed=1)
     assert row.error is None and row.useful_tokens == 12 and row.lora_merged
+
+
+def test_static_ttft_is_the_first_calls_prefill_not_the_sum_of_every_calls(monkeypatch):
+    """A static rollout of more prompts than rows runs one call per batch; its ``ttft_ms`` is the first call's load +
+    prefill (as a continuous rollout's is its one call's), not the calls' prefills summed."""
+    from qerl_lib.engine.rollout import RolloutEngine
+    from tests.test_engine import tiny_model
+
+    seen, generate = [], RolloutEngine.generate
+
+    def recording(self, *args, **kwargs):
+        out = generate(self, *args, **kwargs)
+        if kwargs.get("timing"):
+            seen.append(self.last_timing.load_s + self.last_timing.prefill_s)
+        return out
+
+    monkeypatch.setattr(RolloutEngine, "generate", recording)
+    model = tiny_model("qwen2", dtype=torch.bfloat16)
+    row = Row("tiny", "bf16", 2, 0, "eager", "qerl", prompt_len=8, gen_len=5, prompts=6)
+    row = time_engine(model, row, "eager", None, repeats=1, seed=2)
+    assert row.error is None and len(seen) == 3
+    assert row.ttft_ms == pytest.approx(1e3 * seen[0])

@@ -154,7 +154,7 @@ class Row:
     tok_s: float | None = None
     decode_tok_s: float | None = None
     ms_per_step: float | None = None
-    ttft_ms: float | None = None
+    ttft_ms: float | None = None  # the rollout's first call: its adapters' load + prefill (median over repeats)
     peak_gib: float | None = None
     weights_gib: float | None = None
     kv_cache_gib: float | None = None
@@ -262,11 +262,11 @@ def time_engine(model, row: Row, backend: str, lora, repeats: int, seed: int, fu
     useful = sum(lengths)
     # the continuous cache is longer by its headroom: capture every length bucket it will visit now
     engine.warmup(row.batch, row.prompt_len, row.gen_len + (headroom(engine) if continuous else 0), lora=lora)
-    totals, decodes, prefills, slot_steps = [], [], [], 0
+    totals, decodes, firsts, slot_steps = [], [], [], 0
     for r in range(repeats):
         kw = dict(temperature=1.0, seed=seed + r, stop_token_ids=[], lora=lora, timing=True)
-        total = decode = prefill = 0.0
-        tokens, slot_steps = 0, 0
+        total = decode = 0.0
+        first, tokens, slot_steps = None, 0, 0
         calls = [(prompts, lengths)] if continuous else \
             [(prompts[i:i + row.batch], lengths[i:i + row.batch]) for i in range(0, n, row.batch)]
         for chunk, caps in calls:
@@ -275,22 +275,23 @@ def time_engine(model, row: Row, backend: str, lora, repeats: int, seed: int, fu
             if not continuous and t.steps != max(caps) - 1:
                 raise RuntimeError(f"expected {max(caps) - 1} decode steps, ran {t.steps}")
             tokens += sum(len(c.token_ids) for c in out)
-            # the adapters' load counts (a merged copy is rewritten every call), in the prefill's share
-            total, decode, prefill = (total + t.load_s + t.prefill_s + t.decode_s, decode + t.decode_s,
-                                      prefill + t.load_s + t.prefill_s)
+            # the adapters' load counts (a merged copy is rewritten every call), in the prefill's share; the time
+            # to first token is the first call's (a static rollout of more prompts than rows makes several calls)
+            total, decode = total + t.load_s + t.prefill_s + t.decode_s, decode + t.decode_s
+            first = t.load_s + t.prefill_s if first is None else first
             slot_steps += t.batch * (t.steps + 1) + (t.extra.get("refills", 0) if continuous else 0)
         if tokens != useful:
             raise RuntimeError(f"expected {useful} tokens, the rollout returned {tokens}")
         totals.append(total)
         decodes.append(decode)
-        prefills.append(prefill)
+        firsts.append(first)
     total, decode = statistics.median(totals), statistics.median(decodes)
     row.tok_s = useful / total
     steps = slot_steps / row.batch  # decode steps (+ prefills) of one row: the rollout's length in steps
     row.decode_tok_s = (useful - row.batch) / decode if steps > 1 else None
     row.ms_per_step = 1e3 * decode / (steps - len(calls)) if steps > len(calls) else None
     row.useful_tokens, row.slot_utilization = useful, round(useful / slot_steps, 4)
-    row.ttft_ms = 1e3 * statistics.median(prefills)
+    row.ttft_ms = 1e3 * statistics.median(firsts)
     row.repeats_s = [round(x, 4) for x in totals]
     row.kv_cache_gib = engine.cache.nbytes / 2**30 if engine.cache is not None else None
     if continuous:
