@@ -28,6 +28,7 @@ SMOKE: dict[str, dict] = {
     "05_grpo_training": {"steps": 2},
     "06_entropy_study": {"n_problems": 4, "max_new_tokens": 16, "samples": 1, "sigmas": [0.0, 0.01]},
     "07_paper_claims": {},  # reads the committed JSONs; the tiny sweep's machinery is tests/test_sweep.py's
+    "08_rollout_scheduling": {"n_prompts": 6, "slots": 3, "max_new_tokens": 24},
 }
 
 pytestmark = pytest.mark.notebooks

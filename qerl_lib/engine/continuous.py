@@ -182,7 +182,8 @@ def run_continuous(engine, forward, prompts, caps, params, seed, stops, timing: 
     state = _Slots(slots, max_new, device)
     results: list = [None] * n
     stats = {"refills": 0, "refill_prefills": 0, "compactions": 0, "refill_s": 0.0,  # the schedule (Timing.extra)
-             "warm_prefills": warm, "warm_s": warm_s}
+             "warm_prefills": warm, "warm_s": warm_s,
+             "admissions": []}  # [sequence, row, decode step it was prefilled before] per prompt, in admission order
     refill_rows = max(1, slots // 8)  # free rows that make a refill (fewer when the queue has fewer)
     t0 = _now(device, timing)
 
@@ -209,6 +210,7 @@ def run_continuous(engine, forward, prompts, caps, params, seed, stops, timing: 
         state.out_tokens[rows_t, 0], state.out_logprobs[rows_t, 0] = token, logprob
         for r, i in zip(rows, seqs):
             state.seq[r], state.last[r] = i, iteration + caps[i] - 1
+            stats["admissions"].append([i, r, iteration])
 
     admit(list(range(slots)), list(range(slots)), plen, 0, reseed=False)
     queue = list(range(slots, n))
