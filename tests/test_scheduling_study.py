@@ -123,3 +123,20 @@ def test_the_figure_names_its_json_and_refuses_one_without_timelines(tmp_path):
     src.write_text(json.dumps({"config": {"slots": 2}, "static": study["static"]}))
     with pytest.raises(ValueError, match="no continuous timeline"):
         plot_schedule(src, tmp_path / "x.png")
+
+
+@pytest.mark.cuda
+def test_cuda_study_under_graphs_gives_the_same_completions_and_a_consistent_record():
+    """On the GPU (CUDA-graph decode, the continuous call's warm prefills): the same completions under both
+    schedules, and the admission record ends at the continuous call's last decode step."""
+    from tests.test_engine import tiny_cuda_model
+
+    model = tiny_cuda_model("bf16")
+    engine = RolloutEngine(model)
+    study = scheduling_study(model, _prompts(9, seed=3), SchedulingConfig(slots=3, max_new_tokens=24, seed=3),
+                             engine=engine)
+    assert study["same_completions"] is True
+    assert study["continuous"]["decode_steps"] == engine.last_timing.steps
+    assert study["continuous"]["refills"] == 6
+    for part in (study["static"], study["continuous"]):
+        _rows_never_overlap(part["timeline"])
