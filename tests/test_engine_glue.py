@@ -326,8 +326,9 @@ def test_cpu_prefill_keeps_the_plain_ops(monkeypatch):
 @pytest.mark.cuda
 @pytest.mark.parametrize("weights", ["bf16", "nvfp4"])
 def test_cuda_prefill_with_the_glue_kernels_matches_the_plain_ops(weights):
-    """The prefill's norms, RoPE and SiLU x up as the glue kernels (the CUDA default, dev/LOG.md 126, 128): its logits stay within
-    bf16 rounding of the plain ops' (8 left-padded prompts, NVFP4 and bf16 bases), and the greedy first tokens agree."""
+    """The prefill's norms, RoPE and SiLU x up as the glue kernels (the CUDA default, dev/LOG.md 126, 128): its logits
+    stay within bf16 rounding of the plain ops' (8 left-padded prompts, NVFP4 and bf16 bases), and the greedy first
+    tokens agree."""
     from qerl_lib.engine import glue
     from qerl_lib.engine.continuous import left_padded
     from qerl_lib.engine.rollout import RolloutEngine

@@ -95,7 +95,7 @@ SPLIT_FOLD_ENV = "QERL_LORA_SUMS_SPLITS"  # "0": never let the LoRA expand sum a
 SHRINK_IN_GEMM_ENV = "QERL_LORA_SHRINK_IN_GEMM"  # "1": NVFP4 groups on the mma.sync kernel make xa in their launch
 LORA_ROWS_ENV = "QERL_LORA_ROWS"  # "0": bf16 groups' LoRA A not as extra rows of their weight (engine/adapters.py)
 SHRINK_IN_NORM_ENV = "QERL_LORA_SHRINK_IN_NORM"  # "1": the norm before an NVFP4 q/k/v or gate/up group makes its xa
-PREFILL_GLUE_ENV = "QERL_PREFILL_GLUE"  # "0": the prefill keeps torch's eager norms, RoPE and SiLU x up (prefill_glue_ops)
+PREFILL_GLUE_ENV = "QERL_PREFILL_GLUE"  # "0": the prefill keeps torch's eager norms, RoPE, SiLU x up
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
 DECODE_ATTENTION = ("sdpa", "matmul", "kernel")
@@ -185,7 +185,8 @@ class ForwardPass:
     ``fuse_elementwise``: in the decode step, run the elementwise glue between matmuls through
     ``torch.compile``: residual add + RMSNorm, RoPE of q and k, the attention softmax, SiLU * up.
     ~30 launches a layer eagerly, ~6 fused: worth it inside a CUDA graph. Prefill runs ``prefill_ops``: the eager
-    functions, or on CUDA (unless ``QERL_PREFILL_GLUE=0``) the glue kernels' norms, RoPE and SiLU x up (``prefill_glue_ops``).
+    functions, or on CUDA (unless ``QERL_PREFILL_GLUE=0``) the glue kernels' norms, RoPE and SiLU x up
+    (``prefill_glue_ops``).
     ``glue_kernels`` (with ``fuse_elementwise``, on CUDA): the norms and SiLU * up through
     ``engine/glue.py``'s Triton kernels rather than ``torch.compile``. ``attention_launch``: the
     decode-attention kernel's launch shape (``engine.attention.AttentionLaunch``; None:

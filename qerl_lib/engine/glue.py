@@ -34,6 +34,11 @@ weight before waiting for the previous kernel, then makes its row's norm in one 
 (one more read of a row that is in L2), and dots it with those rows; the first rank block's programs store the norm's
 outputs.
 
+The prefill (``engine/forward.py``'s ``prefill_glue_ops``) runs the norms and SiLU x up too, and RoPE as ``rope_qk``:
+``rotate``, one program per (sequence, position) over all heads of q or of k, each product rounded to the activation
+dtype before the sum as torch rounds it (compiled without fused multiply-add), so its outputs are transformers' bit
+for bit; the trainer's rotary embedding (``train/fused_layers.py``) runs the same kernel, and its gradient.
+
 Numerics follow ``engine/reference_ops.py``'s functions (transformers' order): ``x + delta`` rounded to the
 activation dtype; RMSNorm in float32 on that, rounded, *then* times the weight (one more rounding);
 SiLU in float32 rounded to the activation dtype, times ``up`` rounded. Sums run in a different
