@@ -59,6 +59,7 @@ except ImportError:  # pragma: no cover
     tl = None
     gdc_launch_dependents = gdc_wait = None
 
+from qerl_lib.engine import reference_ops
 from qerl_lib.kernels import lora as lora_kernels
 from qerl_lib.kernels import pdl
 
@@ -191,9 +192,7 @@ def rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     inputs fit (``rotary_fits``), the reference's torch ops otherwise: the prefill's 10 elementwise launches a
     layer become 2."""
     if triton is None or not q.is_cuda or not rotary_fits(q, k, cos, sin):
-        from qerl_lib.engine.reference_ops import rope_qk as reference
-
-        return reference(q, k, cos, sin)
+        return reference_ops.rope_qk(q, k, cos, sin)
     return rotate(q, cos, sin, backward=False), rotate(k, cos, sin, backward=False)
 
 
