@@ -362,6 +362,17 @@ def test_rope_qk_off_cuda_is_the_reference():
         assert torch.equal(got, want)
 
 
+def _prefill_qk(g: torch.Generator, batch: int, length: int, heads: int = 28, kv: int = 4, d: int = 128):
+    """The prefill's q and k (views ``[B, L, H, D] -> [B, H, L, D]`` of one q/k/v output) and per-row bf16 cos, sin
+    ``[B, L, D]`` of random angles, on CUDA."""
+    qkv = torch.randn(batch, length, (heads + 2 * kv) * d, device="cuda", generator=g).bfloat16()
+    q = qkv[..., :heads * d].view(batch, length, heads, d).transpose(1, 2)
+    k = qkv[..., heads * d:(heads + kv) * d].view(batch, length, kv, d).transpose(1, 2)
+    angles = torch.rand(batch, length, d // 2, device="cuda", generator=g) * 50
+    return q, k, torch.cat([angles.cos(), angles.cos()], -1).bfloat16(), \
+        torch.cat([angles.sin(), angles.sin()], -1).bfloat16()
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("seed", [0, 1])
 def test_cuda_rope_qk_in_the_prefill_layout_bit_for_bit(seed):
@@ -369,17 +380,39 @@ def test_cuda_rope_qk_in_the_prefill_layout_bit_for_bit(seed):
     ``[B, L, D]`` (left-padded positions): ``glue.rope_qk``'s kernels give ``reference_ops.rope_qk``'s bits."""
     from qerl_lib.engine import glue, reference_ops
 
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    batch, length, heads, kv, d = 3, 37, 28, 4, 128
-    qkv = torch.randn(batch, length, (heads + 2 * kv) * d, device="cuda", generator=g).bfloat16()
-    q = qkv[..., :heads * d].view(batch, length, heads, d).transpose(1, 2)
-    k = qkv[..., heads * d:(heads + kv) * d].view(batch, length, kv, d).transpose(1, 2)
-    angles = torch.rand(batch, length, d // 2, device="cuda", generator=g) * 50
-    cos = torch.cat([angles.cos(), angles.cos()], -1).bfloat16()
-    sin = torch.cat([angles.sin(), angles.sin()], -1).bfloat16()
+    q, k, cos, sin = _prefill_qk(torch.Generator(device="cuda").manual_seed(seed), batch=3, length=37)
     assert glue.rotary_fits(q, k, cos, sin)
     for got, want in zip(glue.rope_qk(q, k, cos, sin), reference_ops.rope_qk(q, k, cos, sin)):
         assert torch.equal(got, want)
+
+
+def test_rotary_length_is_a_plain_argument():
+    """The CPU half of the CUDA test below: the rotary kernel's position count is not specialized on."""
+    from qerl_lib.engine import glue
+
+    if glue.triton is None:
+        pytest.skip("triton is not installed here: the kernels are not defined")
+    kernel = glue._rotary_kernel
+    assert [p.name for p in kernel.params if p.do_not_specialize] == ["positions"]
+    assert not next(p for p in kernel.params if p.name == "positions").is_constexpr
+
+
+@pytest.mark.cuda
+def test_cuda_prefills_of_any_length_share_one_rotary_kernel():
+    """Prefill lengths 250, 256, 1 and 37 (a refill's longest prompt changes from refill to refill): one compiled
+    ``_rotary_kernel`` variant in all (Triton specializes integers on divisibility by 16 and on 1 unless told not
+    to, dev/LOG.md 137), each length's bits equal to ``reference_ops.rope_qk``'s."""
+    from qerl_lib.engine import glue, reference_ops
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    variants = []
+    for length in (250, 256, 1, 37):
+        q, k, cos, sin = _prefill_qk(g, batch=2, length=length)
+        for got, want in zip(glue.rope_qk(q, k, cos, sin), reference_ops.rope_qk(q, k, cos, sin)):
+            assert torch.equal(got, want), length
+        torch.cuda.synchronize()
+        variants.append(len(glue._rotary_kernel.device_caches[torch.cuda.current_device()][0]))
+    assert variants[1:] == variants[:1] * 3, variants
 
 
 @pytest.mark.cuda

@@ -198,7 +198,9 @@ def rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: bool) -> torch.Tensor:
     """transformers' ``x * cos + rotate_half(x) * sin`` (or, ``backward``, its gradient given ``x`` = dy) as one
-    kernel over ``x [B, H, L, D]`` (any strides, unit last) with ``cos``/``sin`` ``[B or 1, L, D]``, bit for bit."""
+    kernel over ``x [B, H, L, D]`` (any strides, unit last) with ``cos``/``sin`` ``[B or 1, L, D]``, bit for bit.
+    ``L`` is not specialized on: a continuous call's refills prefill at lengths that change from refill to refill,
+    and Triton would otherwise compile a second variant mid-rollout for lengths divisible by 16 (dev/LOG.md 137)."""
     batch, heads, positions, width = x.shape
     out = torch.empty_like(x)  # x's memory layout, as transformers' elementwise ops keep it
     if out.numel() == 0:
@@ -341,7 +343,7 @@ if triton is not None:
         if RELABELED:
             tl.store(or_ptr + rows[:, None] * width + cols[None, :], relabel_tile(o, BLOCK_M, BLOCK_N // 128), mask=ok)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["positions"])  # a refill's longest prompt: one variant at every length
     def _rotary_kernel(x_ptr, c_ptr, s_ptr, o_ptr, heads, positions, sxb, sxh, sxl, sob, soh, sol, scb, scl, ssb, ssl,
                        HALF: tl.constexpr, BLOCK_H: tl.constexpr, BACKWARD: tl.constexpr):
         """Program (sequence, position): every head's rotation (or its gradient), each product rounded as torch."""
