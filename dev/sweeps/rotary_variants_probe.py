@@ -5,16 +5,18 @@ a copy of the same function under Triton's default specialization (integers spec
 by 16). For each, `glue.rotate` runs q and k of the prefill's layout (7B heads, 8 rows) at lengths 250, 256, 1, 37,
 240 in turn, in a fresh Triton cache: per length the wall seconds of the call (a first call of a new variant includes
 its compilation) and the number of compiled variants after it. Then each kernel's steady time at 8 x 256 and 8 x 250
-(CUDA events, median of 200), to see what leaving `positions` unspecialized costs the kernel. Bits equal to
-`reference_ops.rope_qk` at every length, both kernels.
+(CUDA events, median of 200) in rounds whose order alternates, to see what leaving `positions` unspecialized costs
+the kernel, and each variant's registers and PTX. Bits equal to `reference_ops.rope_qk` at every length, both kernels.
 
     TRITON_CACHE_DIR=$(mktemp -d) python dev/sweeps/rotary_variants_probe.py --json out.json
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
+from pathlib import Path
 
 import torch
 import triton
@@ -41,10 +43,18 @@ def variants(kernel) -> int:
     return len(kernel.device_caches[torch.cuda.current_device()][0])
 
 
-def run_kernel(name: str, kernel) -> dict:
-    library = glue._rotary_kernel
-    glue._rotary_kernel = kernel
+@contextlib.contextmanager
+def using(kernel):
+    """``glue.rotate`` launches ``kernel`` inside the block."""
+    library, glue._rotary_kernel = glue._rotary_kernel, kernel
     try:
+        yield
+    finally:
+        glue._rotary_kernel = library
+
+
+def run_kernel(name: str, kernel) -> dict:
+    with using(kernel):
         calls = []
         for i, length in enumerate(LENGTHS):
             q, k, cos, sin = inputs(length, i)
@@ -56,35 +66,59 @@ def run_kernel(name: str, kernel) -> dict:
             exact = all(torch.equal(a, b) for a, b in zip(got, reference_ops.rope_qk(q, k, cos, sin)))
             calls.append({"length": length, "seconds": round(seconds, 4), "variants": variants(kernel),
                           "bit_exact": exact})
-        steady = {}
-        for length in (256, 250):
-            q, k, cos, sin = inputs(length, 99)
+    return {"kernel": name, "calls": calls}
+
+
+def steady_us(kernel, length: int, repeats: int = 200) -> float:
+    """Median microseconds of one ``rope_qk`` (q and k launches) at ``ROWS x length`` with ``kernel``."""
+    with using(kernel):
+        q, k, cos, sin = inputs(length, 99)
+        glue.rope_qk(q, k, cos, sin)
+        times = []
+        for _ in range(repeats):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
             glue.rope_qk(q, k, cos, sin)
-            times = []
-            for _ in range(200):
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                glue.rope_qk(q, k, cos, sin)
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end) * 1000.0)
-            steady[str(length)] = round(statistics.median(times), 2)
-        return {"kernel": name, "calls": calls, "steady_us_q_and_k": steady}
-    finally:
-        glue._rotary_kernel = library
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1000.0)
+    return statistics.median(times)
+
+
+def compiled(kernel, out_dir: str | None) -> list[dict]:
+    """Each compiled variant's registers and PTX size (PTX written to ``out_dir`` when given)."""
+    found = []
+    for i, (key, binary) in enumerate(kernel.device_caches[torch.cuda.current_device()][0].items()):
+        ptx = binary.asm.get("ptx", "")
+        found.append({"n_regs": binary.n_regs, "ptx_lines": ptx.count("\n"), "key": str(key)[:400]})
+        if out_dir:
+            Path(out_dir, f"{'lib' if kernel is glue._rotary_kernel else 'default'}_{i}.ptx").write_text(ptx)
+    return found
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--json", required=True)
+    p.add_argument("--rounds", type=int, default=4, help="steady-time rounds, the kernels' order alternating")
+    p.add_argument("--ptx-dir", help="write each compiled variant's PTX here")
     args = p.parse_args()
     specialized = triton.jit(glue._rotary_kernel.fn)  # the same function, Triton's default specialization
-    rows = [run_kernel("default specialization", specialized), run_kernel("library (positions unspecialized)",
-                                                                          glue._rotary_kernel)]
+    kernels = {"default specialization": specialized, "library (positions unspecialized)": glue._rotary_kernel}
+    rows = [run_kernel(name, kernel) for name, kernel in kernels.items()]
+    # steady times in alternating order, rounds x lengths: one kernel first, then the other first
+    steady = {name: {"256": [], "250": []} for name in kernels}
+    for rnd in range(args.rounds):
+        order = list(kernels.items()) if rnd % 2 == 0 else list(kernels.items())[::-1]
+        for length in (256, 250):
+            for name, kernel in order:
+                steady[name][str(length)].append(round(steady_us(kernel, length), 2))
     for row in rows:
+        row["steady_us_q_and_k"] = steady[row["kernel"]]
+        row["compiled"] = compiled(kernels[row["kernel"]], args.ptx_dir)
         print(f"{row['kernel']:36s} " + "  ".join(f"L={c['length']}: {c['seconds']:.3f}s v{c['variants']}"
-                                                  f"{'' if c['bit_exact'] else ' NOT EXACT'}" for c in row["calls"])
-              + f"  steady us (q+k) {row['steady_us_q_and_k']}")
+                                                  f"{'' if c['bit_exact'] else ' NOT EXACT'}" for c in row["calls"]))
+        print(f"{'':36s} steady us (q+k), rounds: {row['steady_us_q_and_k']}; registers "
+              f"{[c['n_regs'] for c in row['compiled']]}, PTX lines {[c['ptx_lines'] for c in row['compiled']]}")
     write_json_atomic(args.json, {"provenance": provenance(), "rows_x_heads": [ROWS, HEADS, KV, D], "rows": rows})
 
 
