@@ -2,7 +2,7 @@
 
 Floors, each importing only those below it (each subpackage's docstring says what it may import):
 
-    errors, io, paths (utilities)  ->  quant, tasks, plots (ground floor)  ->  kernels  ->  models
+    errors, io, paths, progress (utilities)  ->  quant, tasks, plots (ground floor)  ->  kernels  ->  models
     ->  engine  ->  train, evals, bench  ->  studies  ->  cli
 
 The top-level names below are imported lazily, so `import qerl_lib` stays fast and a
@@ -12,8 +12,14 @@ missing optional dependency only matters when you use the piece that needs it.
 from __future__ import annotations
 
 import importlib
+import logging
 
 __version__ = "0.1.0"
+
+# bitsandbytes, on a CPU with AVX512-BF16, tries at import to fetch a CPU NF4 kernel from the hub and logs a
+# warning when it cannot (offline, or without the `kernels` package). The kit turns that path off on every NF4
+# layer (`models.nf4.keep_nf4_layout`), so the kernel would never run: only that one logger is quieted.
+logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 
 # public name -> module that defines it
 _LAZY = {

@@ -62,3 +62,17 @@ def test_a_claim_of_several_comparisons_needs_all_of_them():
     assert _combine(rows("holds", "holds")) == "holds"
     assert _combine(rows("holds", "inconclusive")) == "inconclusive"
     assert _combine(rows("holds", "does not hold")) == "does not hold"
+
+
+def test_terminal_table_states_each_claim_whole_and_explains_its_columns():
+    """`format_table` (notebook 07, `qerl claims`) prints every claim in full and a legend for the unadjusted CI,
+    Holm's p, the equivalence interval's star and the supplementary rows."""
+    from qerl_lib.studies.claims_table import format_table
+
+    table = build_table(read_blocks(RESULTS_DIR / "claims"))
+    text = format_table(table)
+    for entry in table["claims"]:
+        assert f"({entry['id']})".ljust(6) + f" {entry['claim']}  -> {entry['verdict']}" in text
+    legend = " ".join(text.split("\n\n")[-1].split())
+    for phrase in ("not adjusted for multiple comparisons", "p_holm <", "90% equivalence interval", "(suppl.)"):
+        assert phrase in legend, phrase

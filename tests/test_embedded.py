@@ -40,6 +40,14 @@ def test_folder_loads_with_plain_transformers_and_chats(embedded_model_dir):
     assert len(tok.decode(new[:-1]).strip()) > 0
 
 
+def test_tokenizer_config_does_not_ask_for_cleanup_that_transformers_ignores(embedded_model_dir):
+    """The GGUF's ``clean_up_tokenization_spaces=True`` is saved as False: transformers ignores it for this BPE
+    tokenizer (decoding is the same either way) and warned about it at every load."""
+    import json
+
+    assert json.loads((embedded_model_dir / "tokenizer_config.json").read_text())["clean_up_tokenization_spaces"] is False
+
+
 def test_truncated_gguf_gives_clear_error_and_no_folder(tmp_path):
     source = embedded.find_embedded_gguf()
     bad = tmp_path / "truncated.gguf"

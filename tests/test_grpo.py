@@ -601,3 +601,14 @@ def test_trainable_weights_finite_finds_one_bad_value_anywhere(device):
     assert trainable_weights_finite(model)
     model.requires_grad_(False)
     assert trainable_weights_finite(model)
+
+
+def test_run_summary_median_of_an_even_count_is_the_mean_of_the_middle_two():
+    """``median_step_seconds`` of two steps is their mean (it was the larger of the two), odd counts the middle."""
+    from qerl_lib.train.metrics import summarize
+
+    rows = [{"step": 1, "step_seconds": 10.0, "rollout_seconds": 1.0, "train_seconds": 1.0},
+            {"step": 2, "step_seconds": 14.0, "rollout_seconds": 1.0, "train_seconds": 1.0}]
+    assert summarize(rows)["median_step_seconds"] == 12.0
+    rows.append({"step": 3, "step_seconds": 30.0, "rollout_seconds": 1.0, "train_seconds": 1.0})
+    assert summarize(rows)["median_step_seconds"] == 14.0

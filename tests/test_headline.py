@@ -262,3 +262,22 @@ def test_data_parallel_row_is_each_batchs_one_gpu_step_over_its_two_gpu_step(res
           lambda d: d.update(rows=[r for r in d["rows"] if not (r.get("num_gpus") == 1 and r["batch"] == 64)]))
     with pytest.raises(ResultsError, match="no measured row with model=qwen2.5-7b, mode=qerl, batch=64, num_gpus=1"):
         headline_training._data_parallel_row(results_copy)
+
+
+def test_dispatch_table_names_the_kernel_each_call_gets():
+    """Notebook 03's table: the decode rows on the mma.sync kernel, every label one the GEMM benchmark writes, the
+    largest row count on dequantize + cuBLAS, and each cell what `plan_launch` picks for that shape."""
+    from qerl_lib.bench.gemm import projection_shapes
+    from qerl_lib.kernels import launch_rule
+    from qerl_lib.studies.kernel import dispatch_table
+
+    rows = dispatch_table("qwen2.5-7b", [1, 8, 64, 1024, 4096])
+    names = [s.name for s in projection_shapes("qwen2.5-7b")]
+    assert [r["m"] for r in rows] == [1, 8, 64, 1024, 4096] and all(set(r) == {"m", *names} for r in rows)
+    assert all(rows[i][n] == "mma" for i in (0, 1) for n in names)
+    assert all(rows[-1][n] == "dequant+cublas" for n in names)
+    labels = {"mma", "cuda-register-a", "gluon-producer", "gluon-wgmma", "dequant+cublas", "fused-fragment", "fused"}
+    assert {v for r in rows for k, v in r.items() if k != "m"} <= labels
+    shape = next(s for s in projection_shapes("qwen2.5-7b") if s.name == "gate_up_proj")
+    assert rows[3]["gate_up_proj"] == launch_rule.path_name(
+        launch_rule.plan_launch(1024, shape.n, shape.k, 132, gluon=True, producer_aligned=True, ra=True))

@@ -64,7 +64,7 @@ def test_notebook_defines_no_functions(path):
 # The floors of qerl_lib, by subpackage (or top-level utility module). A module may import its own
 # floor's package and any lower floor; packages that share a floor number may not import each other.
 FLOORS = {
-    "errors": 0, "io": 0, "paths": 0,              # utilities
+    "errors": 0, "io": 0, "paths": 0, "progress": 0,  # utilities
     "quant": 1, "tasks": 1, "plots": 1,            # ground floor
     "kernels": 2,
     "models": 3,
@@ -185,7 +185,7 @@ def test_layering_check_catches_a_planted_upward_import():
 
 def test_top_level_holds_only_utilities():
     loose = sorted(p.name for p in (ROOT / "qerl_lib").glob("*.py"))
-    assert loose == ["__init__.py", "__main__.py", "errors.py", "io.py", "paths.py"], loose
+    assert loose == ["__init__.py", "__main__.py", "errors.py", "io.py", "paths.py", "progress.py"], loose
 
 
 def test_every_subpackage_states_its_floor():

@@ -21,7 +21,7 @@ from qerl_lib.paths import REPO_ROOT
 
 SMOKE: dict[str, dict] = {
     "00_setup_check": {"max_new_tokens": 16},
-    "01_first_look": {"n_problems": 4, "max_new_tokens": 24, "quant_backend": "native"},
+    "01_first_look": {"n_problems": 4, "max_new_tokens": 24, "expr_tokens": 8, "quant_backend": "native"},
     "02_nvfp4_format": {"layers_to_scan": 2},
     "03_fp4_kernel": {},
     "04_adaptive_quantization_noise": {"n_problems": 2, "max_new_tokens": 16},

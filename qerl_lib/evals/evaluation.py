@@ -182,9 +182,9 @@ def bootstrap_interval(values: torch.Tensor, n_boot: int = 2000, seed: int = 0,
 
 
 def _progress(total: int, enabled: bool, desc: str):
-    from tqdm.auto import tqdm
+    from qerl_lib.progress import progress_bar
 
-    return tqdm(total=total, desc=desc, disable=not enabled, leave=False)
+    return progress_bar(total=total, desc=desc, disable=not enabled, leave=False)
 
 
 def compare_formats(models: dict, tokenizer, problems: list[dict], config: EvalConfig,
@@ -248,3 +248,31 @@ def compare_formats(models: dict, tokenizer, problems: list[dict], config: EvalC
 
 def _finite_or_none(value: float) -> float | None:
     return value if math.isfinite(value) else None
+
+
+def format_comparison(result: dict) -> str:
+    """``compare_formats``' result as a fixed-width table (one row per model: pass@1 and its 95% interval, the
+    share of answers in the marked format, mean completion length, the entropy on the reference's tokens, the
+    share of completions identical to the reference's), then each paired entropy difference, and a note where
+    no model answered anything right (so the accuracy comparison is empty)."""
+    ref = result["reference"]
+    lines = [f"{'model':8s} {'pass@1':>7s} {'95% CI':>15s} {'fmt rate':>8s} {'length':>7s} {'H ref':>7s} "
+             f"{'same text':>9s}"]
+    for name, f in result["formats"].items():
+        lo, hi = f["pass@1_ci95"]
+        h_ref = "-" if f["entropy_on_reference"] is None else f"{f['entropy_on_reference']:.3f}"
+        lines.append(f"{name:8s} {f['pass@1']:7.3f} [{lo:5.3f}, {hi:5.3f}] {f['format_rate']:8.2f} "
+                     f"{f['mean_length']:7.1f} {h_ref:>7s} {f['same_completion_as_reference']:9.2f}")
+    lines.append("")
+    for name, f in result["formats"].items():
+        d = f.get("entropy_diff_vs_reference")
+        if d is not None:
+            lines.append(f"{name} - {ref} entropy on identical tokens: {d['mean_diff']:+.4f} nats, 95% CI "
+                         f"[{d['low']:+.4f}, {d['high']:+.4f}] over {d['n']} problems")
+    formats = result["formats"].values()
+    if all(f["pass@1"] == 0 for f in formats):
+        rates = ", ".join(f"{f['format_rate']:.2f}" for f in formats)
+        longest = max(f["mean_length"] for f in formats)
+        lines.append(f"no model answered a problem right (format rates {rates}; mean lengths up to {longest:.1f} of "
+                     f"{result['config']['max_new_tokens']} tokens): the accuracy comparison is empty here")
+    return "\n".join(lines)

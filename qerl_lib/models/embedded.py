@@ -142,6 +142,8 @@ def _convert(gguf_path: Path, out: Path) -> None:
     model.config.eos_token_id = eot_id
     model.config.pad_token_id = eot_id
 
+    # the GGUF tokenizer says True; transformers ignores it for this BPE tokenizer and warns at every load
+    tokenizer.clean_up_tokenization_spaces = False
     model.save_pretrained(out)  # safetensors by default
     tokenizer.save_pretrained(out)
 

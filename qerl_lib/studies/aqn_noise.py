@@ -33,8 +33,8 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from qerl_lib.train.aqn import (DEFAULT_NORMS, apply_norm_overrides, merged_projection_weight, realized_noise_stats,
-                          sample_norm_overrides)
+from qerl_lib.train.aqn import (DEFAULT_NORMS, apply_norm_overrides, find_norms, merged_projection_weight,
+                                realized_noise_stats, sample_norm_overrides)
 from qerl_lib.evals.entropy import NO_TOKENS, mean_token_entropy, paired_bootstrap, per_sequence_mean, token_entropies
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj")  # what input_layernorm feeds in a Llama/Qwen2 layer
@@ -196,6 +196,13 @@ def entropy_vs_sigma(model, prompts: Sequence[Sequence[int]], completions: Seque
         point["verdict"] = verdict(point["diff_vs_sigma0"])
         points.append(point)
     return points
+
+
+def median_norm_weight(model, norms: tuple[str, ...] = DEFAULT_NORMS) -> float:
+    """The median |w| over every channel of the norms AQN perturbs: noise Z on w is the relative jitter Z/w on the
+    projection inputs that read the norm, so σ / median |w| is that jitter's size on a typical channel."""
+    weights = torch.cat([m.weight.detach().float().abs().flatten().cpu() for m in find_norms(model, norms).values()])
+    return float(weights.median())
 
 
 def verdict(diff: dict) -> str:

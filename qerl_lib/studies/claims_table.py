@@ -28,6 +28,7 @@ the last 10 logged rollouts (20 optimizer steps).
 from __future__ import annotations
 
 import json
+import textwrap
 from pathlib import Path
 
 from qerl_lib.errors import UserError
@@ -313,11 +314,11 @@ def render_markdown(table: dict) -> str:
 
 
 def format_table(table: dict) -> str:
-    """Fixed-width terminal table: one line per comparison under its claim."""
+    """Fixed-width terminal table: one line per comparison under its claim (stated in full), then a legend."""
     out = [f"claims at kit scale: {table['setting']}", ""]
     out.append(f"{'claim':6s} {'comparison':44s} {'estimate':>9s} {'CI (95%; 90% *)':>19s} {'p_holm':>8s}  verdict")
     for e in table["claims"]:
-        out.append(f"({e['id']})".ljust(6) + f" {e['claim'][:62]}  -> {e['verdict']}")
+        out.append(f"({e['id']})".ljust(6) + f" {e['claim']}  -> {e['verdict']}")
         for r in e["comparisons"]:
             ci = r.get("ci90") or r["ci"]
             ci_text = "-" if None in ci else f"[{ci[0]:+.3f}, {ci[1]:+.3f}]" + ("*" if r.get("ci90") else "")
@@ -325,4 +326,11 @@ def format_table(table: dict) -> str:
             tag = "(suppl.)" if r["supplementary"] else r.get("verdict", "")
             est = "-" if r["estimate"] is None else f"{r['estimate']:+.3f}"
             out.append(f"{'':6s} {r['comparison'][:44]:44s} {est:>9s} {ci_text:>19s} {p:>8s}  {tag}")
+    legend = ("estimate: the paired difference of the two arms. CI: its Student-t interval (paired by seed; by "
+              "problem for the untrained bases of (b)), not adjusted for multiple comparisons. 'holds' needs the "
+              f"paper's direction with p_holm < {table['alpha']} (Holm's correction within the claim); 'does not "
+              f"hold' needs the interval to rule out a {table['margin']} effect the paper's way, or a significant "
+              "effect the other way; so an interval that excludes 0 can still be inconclusive. *: a 90% equivalence "
+              f"interval, 'holds' when it lies inside +-{table['margin']}. (suppl.): context, not part of the verdict.")
+    out += ["", textwrap.fill(legend, width=110)]
     return "\n".join(out)

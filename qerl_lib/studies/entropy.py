@@ -38,10 +38,14 @@ is null, with a sibling ``<key>_note`` saying why for the summary numbers, never
 
 Deviations from the paper, and why
 ----------------------------------
-* Weights are fake-quantized (quantize, then dequantize to bf16) and run through dense matmuls.
-  The values are exactly the format's, so the logits are those of a real kernel up to summation
-  order. For NVFP4 the packed path (``nvfp4_backend="packed"``, `NVFP4Linear` and the FP4
-  kernel on GPU) gives bit-identical weights (tests/test_entropy_study.py). MXFP4 follows the OCP
+* Weights are fake-quantized (quantize, then dequantize to bf16) and run through dense matmuls: each
+  weight is the format's value rounded once to bf16, as transformers' compressed-tensors loader
+  dequantizes. For NVFP4 that value, ``fp4 * s / gs``, is not a bf16 number in general: the FP4 kernel
+  (and the packed path, ``nvfp4_backend="packed"``, computing in float32 on a CPU) applies ``1/gs`` in
+  float32 instead, so its weights differ from the fake ones by that rounding. In bf16 the packed
+  layers dequantize to the fake weights bit for bit (tests/test_entropy_study.py); notebook 04's
+  float32 NVFP4 model is the unrounded one, and its entropy on the same tokens differs from this
+  study's in the third decimal (dev/LOG.md 138). MXFP4 follows the OCP
   spec and NF4 is bitsandbytes' (blocks of 64, no double quantization; `qerl_lib.quant.formats`).
 * The paper quantizes with AWQ calibration. We round-to-nearest with no calibration data, as the
   official NVFP4 script does (llm-compressor, data-free). AWQ would lower the error of all three

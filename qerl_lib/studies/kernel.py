@@ -80,6 +80,31 @@ def roofline_table(n: int, k: int, ms: Sequence[int], copy_gbps: float, peak_tfl
     return rows
 
 
+def dispatch_table(model: str, ms: Sequence[int], layouts: Sequence[str] = ("hf", "fused"),
+                   num_sms: int = 132) -> list[dict]:
+    """Which FP4 kernel ``fp4_gemm.fp4_linear`` runs for each projection of ``model`` at each row count in ``ms``
+    on a Hopper GPU with ``num_sms`` SMs (132: an H100 SXM or H200) and the defaults (every kernel on, weights
+    TMA-aligned): the CUDA ``mma.sync`` kernel where it takes the call, else ``launch_rule.plan_launch``'s
+    choice, by the label the GEMM benchmark gives it. One row per row count: ``m`` and one key per projection
+    shape (``bench.gemm.projection_shapes``' names). Computed from the launch rules: what the code does."""
+    from qerl_lib.bench.gemm import projection_shapes
+    from qerl_lib.kernels import launch_rule, mma
+
+    shapes = projection_shapes(model, layouts)
+    rows = []
+    for m in ms:
+        row = {"m": m}
+        for shape in shapes:
+            if m <= mma.AUTO_MAX_M and mma.supported_problem(m, shape.k):
+                row[shape.name] = "mma"
+            else:
+                config = launch_rule.plan_launch(m, shape.n, shape.k, num_sms, gluon=True, producer_aligned=True,
+                                                 ra=True)
+                row[shape.name] = launch_rule.path_name(config)
+        rows.append(row)
+    return rows
+
+
 def gemm_headline(doc: dict) -> dict:
     """Per model, recomputed from the forward-layout rows (rows without a ``direction`` key are
     forward rows): geomean speedup M <= 16, min speedup M >= 1024 (and where), best M <= 16 point,

@@ -171,10 +171,12 @@ def format_study(study: dict) -> str:
 
 
 def format_gpu_rows(rows: list[dict]) -> str:
-    """A fixed-width table of ``gpu_scheduling_rows``."""
+    """A fixed-width table of ``gpu_scheduling_rows`` (throughputs in generated tokens per second)."""
     if not rows:
         return "no committed GPU measurement pairs a static and a continuous row (qerl bench rollout --scheduling)"
-    lines = [f"{'device':<16s} {'model':<11s} {'weights':<7s} {'rank':>4s} {'rows':>4s} {'prompts':>7s} "
+    lines = ["tokens/s of the static batch, of continuous batching and of vLLM on the same workload; ratio: "
+             "continuous / static",
+             f"{'device':<16s} {'model':<11s} {'weights':<7s} {'rank':>4s} {'rows':>4s} {'prompts':>7s} "
              f"{'static':>7s} {'cont.':>7s} {'ratio':>6s} {'vLLM':>7s}  file"]
     for r in rows:
         vllm = f"{r['vllm_tok_s']:>7.0f}" if r["vllm_tok_s"] else f"{'-':>7s}"

@@ -292,9 +292,10 @@ def _drive(todo: list, active: dict, failed: list, concurrency: int, start: floa
 
 
 def _bar(total: int, done: int, enabled: bool, name: str, concurrency: int):
-    from tqdm.auto import tqdm
+    from qerl_lib.progress import progress_bar
 
-    return tqdm(total=total, initial=done, disable=not enabled, desc=f"sweep {name} (x{concurrency})", unit="run")
+    return progress_bar(total=total, initial=done, disable=not enabled, desc=f"sweep {name} (x{concurrency})",
+                        unit="run")
 
 
 def _spec_dict(spec: SweepSpec) -> dict:

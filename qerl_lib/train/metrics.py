@@ -47,6 +47,7 @@ import math
 import re
 import resource
 import shutil
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -96,10 +97,10 @@ class RunMetrics(TrainerCallback):
         # transformers rotates checkpoints before on_save marks the new one complete; rotate here instead
         self.keep_checkpoints, args.save_total_limit = args.save_total_limit, None
         if not self.quiet and state.is_world_process_zero:
-            from tqdm.auto import tqdm
+            from qerl_lib.progress import progress_bar
 
-            self.bar = tqdm(total=state.max_steps, initial=state.global_step, desc=f"{self.config.arm_label}", unit="step",
-                            dynamic_ncols=True)
+            self.bar = progress_bar(total=state.max_steps, initial=state.global_step, desc=f"{self.config.arm_label}",
+                                    unit="step", dynamic_ncols=True)
 
     def on_step_begin(self, args, state, control, **kwargs):
         if torch.cuda.is_available():
@@ -399,8 +400,8 @@ def summarize(rows: list[dict], window: int = 10) -> dict:
 
 
 def _median(values):
-    values = sorted(v for v in values if isinstance(v, (int, float)))
-    return values[len(values) // 2] if values else None
+    values = [v for v in values if isinstance(v, (int, float))]
+    return statistics.median(values) if values else None
 
 
 def write_summary(out: Path, config, diverged_at_step: int | None = None, steps_done: int | None = None) -> dict:
