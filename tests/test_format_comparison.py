@@ -24,7 +24,10 @@ def test_table_says_when_no_model_answered_anything_right():
     assert "fmt rate" in empty.splitlines()[0] and empty.splitlines()[0].count("format") == 0
     assert "nvfp4 - bf16 entropy on identical tokens: +0.1410 nats" in empty
     assert "the accuracy comparison is empty here" in empty and "of 64 tokens" in empty
-    assert "empty" not in format_comparison(_result(0.34, 0.25, "expressions"))
+    expressions = _result(0.34, 0.25, "expressions")
+    expressions["config"]["first_number"] = True  # no marked format on that task
+    table = format_comparison(expressions)
+    assert "empty" not in table and table.splitlines()[1].split()[4] == "-"
 
 
 def test_figure_takes_accuracy_from_the_expression_task_where_present(tmp_path):

@@ -252,16 +252,18 @@ def _finite_or_none(value: float) -> float | None:
 
 def format_comparison(result: dict) -> str:
     """``compare_formats``' result as a fixed-width table (one row per model: pass@1 and its 95% interval, the
-    share of answers in the marked format, mean completion length, the entropy on the reference's tokens, the
+    share of answers in the marked format (``-`` where the answer is the first number), mean completion length, the entropy on the reference's tokens, the
     share of completions identical to the reference's), then each paired entropy difference, and a note where
     no model answered anything right (so the accuracy comparison is empty)."""
     ref = result["reference"]
+    marked = not result["config"].get("first_number")  # the expression task reads the first number: no format
     lines = [f"{'model':8s} {'pass@1':>7s} {'95% CI':>15s} {'fmt rate':>8s} {'length':>7s} {'H ref':>7s} "
              f"{'same text':>9s}"]
     for name, f in result["formats"].items():
         lo, hi = f["pass@1_ci95"]
         h_ref = "-" if f["entropy_on_reference"] is None else f"{f['entropy_on_reference']:.3f}"
-        lines.append(f"{name:8s} {f['pass@1']:7.3f} [{lo:5.3f}, {hi:5.3f}] {f['format_rate']:8.2f} "
+        rate = f"{f['format_rate']:.2f}" if marked else "-"
+        lines.append(f"{name:8s} {f['pass@1']:7.3f} [{lo:5.3f}, {hi:5.3f}] {rate:>8s} "
                      f"{f['mean_length']:7.1f} {h_ref:>7s} {f['same_completion_as_reference']:9.2f}")
     lines.append("")
     for name, f in result["formats"].items():

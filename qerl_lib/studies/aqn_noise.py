@@ -202,7 +202,7 @@ def median_norm_weight(model, norms: tuple[str, ...] = DEFAULT_NORMS) -> float:
     """The median |w| over every channel of the norms AQN perturbs: noise Z on w is the relative jitter Z/w on the
     projection inputs that read the norm, so σ / median |w| is that jitter's size on a typical channel."""
     weights = torch.cat([m.weight.detach().float().abs().flatten().cpu() for m in find_norms(model, norms).values()])
-    return float(weights.median())
+    return float(weights.quantile(0.5))  # torch's median() would take the lower of two middle values
 
 
 def verdict(diff: dict) -> str:

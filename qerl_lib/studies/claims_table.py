@@ -331,6 +331,8 @@ def format_table(table: dict) -> str:
               f"paper's direction with p_holm < {table['alpha']} (Holm's correction within the claim); 'does not "
               f"hold' needs the interval to rule out a {table['margin']} effect the paper's way, or a significant "
               "effect the other way; so an interval that excludes 0 can still be inconclusive. *: a 90% equivalence "
-              f"interval, 'holds' when it lies inside +-{table['margin']}. (suppl.): context, not part of the verdict.")
+              f"interval, 'holds' when it lies inside +-{table['margin']} (the p_holm beside it tests a difference "
+              "and is not read). (suppl.): context, not part of the verdict. (lr) is decided by the plan's collapse "
+              "rule (the claim holds where most LoRA seeds collapse and most QeRL seeds do not), not by a difference.")
     out += ["", textwrap.fill(legend, width=110)]
     return "\n".join(out)
