@@ -449,8 +449,10 @@ def describe(config: TrainConfig) -> str:
     """A few lines naming what the run will do (printed at start, shown in the notebook)."""
     c, a = config, config.aqn_settings()
     fitted = "" if a["num_stages"] == c.aqn_stages else f", aqn_stages {c.aqn_stages} fitted to {c.steps} steps"
-    noise = (f"AQN σ {a['sigma_start']:g} → {a['sigma_end']:g} in {a['num_stages']} stages ({c.aqn_schedule}, "
-             f"target {c.noise_target}{fitted})") if c.aqn else "no AQN"
+    noisy = (f"σ {a['sigma_start']:g}" if a["num_stages"] == 2 else
+             f"σ {a['sigma_start']:g} → {a['sigma_end']:g} over {a['num_stages'] - 1} stages")
+    noise = (f"AQN: stage 0 without noise, then {noisy} ({c.aqn_schedule}, target {c.noise_target}{fitted})"
+             if c.aqn else "no AQN")
     return (f"{c.preset} / {c.arm_label}: {c.base} base + LoRA r{c.lora_rank}, {noise}\n"
             f"  {c.steps} steps x {c.prompts_per_step} prompts x {c.num_generations} completions "
             f"(≤{c.max_completion_length} tokens), μ={c.num_iterations}, micro-batch {c.micro_batch} "
