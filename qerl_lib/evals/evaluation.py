@@ -252,9 +252,10 @@ def _finite_or_none(value: float) -> float | None:
 
 def format_comparison(result: dict) -> str:
     """``compare_formats``' result as a fixed-width table (one row per model: pass@1 and its 95% interval, the
-    share of answers in the marked format (``-`` where the answer is the first number), mean completion length, the entropy on the reference's tokens, the
-    share of completions identical to the reference's), then each paired entropy difference, and a note where
-    no model answered anything right (so the accuracy comparison is empty)."""
+    share of answers in the marked format (``-`` where the answer is the first number), mean completion length,
+    the entropy on the reference's tokens, the share of completions identical to the reference's), then each
+    paired entropy difference, and a note where no model answered anything right (the accuracy comparison is
+    then empty)."""
     ref = result["reference"]
     marked = not result["config"].get("first_number")  # the expression task reads the first number: no format
     lines = [f"{'model':8s} {'pass@1':>7s} {'95% CI':>15s} {'fmt rate':>8s} {'length':>7s} {'H ref':>7s} "

@@ -28,7 +28,8 @@ def plot_format_comparison(metrics_json: str | Path, out_png: str | Path) -> Pat
     for ax in (ax_acc, ax_ent):
         ax.set_xticks(range(len(names)), [n.upper() for n in names])
     ax_acc.set_ylabel("accuracy (pass@1)")
-    ax_acc.set_title(f"{accuracy.get('task', m.get('task', 'problems'))}, {accuracy['n_problems']} problems", fontsize=9)
+    acc_task = accuracy.get("task", m.get("task", "problems"))
+    ax_acc.set_title(f"{acc_task}, {accuracy['n_problems']} problems", fontsize=9)
     ax_ent.set_title(f"{m.get('task', 'problems')}, {m['n_problems']} problems", fontsize=9)
     ax_ent.set_ylabel("mean next-token entropy (nats)")
     ax_ent.legend(fontsize=7)
