@@ -180,6 +180,25 @@ def refuse_overlap(out: str | os.PathLike, inputs: Iterable[str | os.PathLike | 
     return out
 
 
+def prepare_output_file(out: str | os.PathLike, inputs: Iterable[str | os.PathLike | None] = (),
+                        force: bool | None = False, flag: str = "--out", suffix: str | None = None) -> Path:
+    """Check, before any work, that a file may be written at `out`; return `out` as a Path.
+
+    Refused with a one-line `UserError` naming the fix: an `out` that is a folder, one that is one of `inputs`
+    (`refuse_overlap`: writing it would destroy what is being read), one without `suffix` where one is given
+    (a figure must end in ``.png``), and, unless `force` (None: replacing is this output's normal use, as for a
+    figure redrawn), an existing file. Nothing is written here; the writers replace files atomically."""
+    out = Path(out).expanduser()
+    if out.is_dir():
+        raise UserError(f"{flag} {out} is a folder: pass a file path")
+    if suffix is not None and out.suffix.lower() != suffix:
+        raise UserError(f"{flag} {out} does not end in {suffix}: pass a {suffix} path")
+    refuse_overlap(out, inputs, flag)
+    if force is False and out.is_file():
+        raise UserError(f"{flag} {out} already exists: pass --force to replace it, or choose another {flag}")
+    return out
+
+
 def prepare_output_folder(out: str | os.PathLike, inputs: Iterable[str | os.PathLike | None] = (),
                           force: bool = False, flag: str = "--out") -> Path:
     """Check, before any work, that a new folder may be written at `out`; return `out` as a Path.

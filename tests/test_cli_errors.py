@@ -80,9 +80,9 @@ def test_bad_json_line_names_file_and_line(tmp_path, capsys):
 @pytest.mark.parametrize("argv, match", [
     (["eval", "--model", MISSING_MODEL, "--n", "-3"], "--n must be >= 1"),
     (["eval", "--model", MISSING_MODEL, "--data", "arith", "--n", "0"], "--n must be >= 1"),
-    (["data", "arith", "--n", "-1", "--out", "/nonexistent/x.jsonl"], "--n must be >= 0"),
+    (["data", "arith", "--n", "-1", "--out", "/nonexistent/x.jsonl"], "--n must be >= 1"),
     (["data", "gsm8k", "--path", "/nonexistent/test.jsonl", "--n", "-2", "--out", "/nonexistent/x.jsonl"],
-     "--n must be >= 0"),
+     "--n must be >= 1"),
     (["generate", "--model", MISSING_MODEL, "--prompt", "hi", "--n", "-1"], "--n and --max-new-tokens must be >= 1"),
 ], ids=["eval", "eval-zero", "data-arith", "data-gsm8k", "generate"])
 def test_negative_n_is_an_error_not_a_shorter_list(capsys, argv, match):
@@ -284,3 +284,45 @@ def test_cuda_n_must_name_a_visible_gpu_which_becomes_current(monkeypatch):
     assert resolve_cli_device("cuda") == resolve_cli_device("auto") == torch.device("cuda") and made_current == []
     # the kit's kernels launch on the current device's stream: an explicit GPU becomes the current one
     assert resolve_cli_device("cuda:1") == torch.device("cuda", 1) and made_current == [torch.device("cuda", 1)]
+
+
+def test_outputs_never_replace_their_inputs_or_existing_files(tmp_path, capsys):
+    """`qerl data` refuses an --out that exists (unless --force) or is its --path, and an empty input; `qerl eval`
+    an output that is its --path; `qerl plot-run` / `plot-steps` an --out that is an input or not a .png. Each
+    input is byte-equal afterwards (these once replaced the problems, the metrics or the JSON being read)."""
+    data = write_jsonl(tmp_path / "in.jsonl", [GOOD, {**GOOD, "question": "b"}])
+    before = data.read_bytes()
+    cases = [
+        (["data", "gsm8k", "--path", data, "--n", "1", "--out", data], "is the input"),
+        (["data", "gsm8k", "--path", data, "--out", data, "--force"], "is the input"),
+        (["data", "arith", "--n", "2", "--out", data], "already exists: pass --force"),
+        (["data", "arith", "--n", "0", "--out", tmp_path / "new.jsonl"], "--n must be >= 1"),
+        (["eval", "--model", MISSING_MODEL, "--data", "file", "--path", data, "--records", data], "is the input"),
+        (["eval", "--model", MISSING_MODEL, "--data", "file", "--path", data, "--json", data], "is the input"),
+    ]
+    for argv, match in cases:
+        code, err = run(capsys, *argv)
+        assert code == 2 and match in one_line(err, argv[0]), (argv, err)
+        assert data.read_bytes() == before, argv
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    code, err = run(capsys, "data", "gsm8k", "--path", empty, "--out", tmp_path / "g.jsonl")
+    assert code == 2 and not (tmp_path / "g.jsonl").exists(), err
+    code, _ = run(capsys, "data", "arith", "--n", "2", "--out", data, "--force")
+    assert code == 0 and data.read_bytes() != before  # --force replaces, as asked
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    metrics = run_dir / "metrics.jsonl"
+    metrics.write_text('{"step": 1, "reward": 0.5}\n')
+    for out, match in ((metrics, "does not end in .png"), (run_dir / "x.txt", "does not end in .png")):
+        code, err = run(capsys, "plot-run", run_dir, "--out", out)
+        assert code == 2 and match in one_line(err, "plot-run"), err
+    assert metrics.read_text() == '{"step": 1, "reward": 0.5}\n'
+    (run_dir / "run.json").write_text('{"a": 1}')
+    code, err = run(capsys, "plot-run", run_dir, "--out", tmp_path / "f.png")
+    assert code == 2 and "is not a run.json written by `qerl train`" in one_line(err, "plot-run"), err
+    steps = tmp_path / "steps.json"
+    steps.write_text('{"rows": []}')
+    code, err = run(capsys, "plot-steps", steps, "--out", steps)
+    assert code == 2 and "does not end in .png" in one_line(err, "plot-steps") and steps.read_text() == '{"rows": []}'

@@ -72,7 +72,7 @@ def _eval(args) -> int:
     from qerl_lib.tasks.problems import load_problems
     from qerl_lib.io import provenance
     from qerl_lib.evals.evaluation import EvalConfig, evaluate
-    from qerl_lib.io import write_json_atomic, write_jsonl_atomic
+    from qerl_lib.io import prepare_output_file, write_json_atomic, write_jsonl_atomic
     from qerl_lib.models.loader import is_nvfp4_checkpoint, load_model, resolve_model_dir
 
     if args.n is not None and args.n < 1:
@@ -92,6 +92,9 @@ def _eval(args) -> int:
     # Data first: a wrong path, a non-UTF-8 file, an empty gold answer or an offline hub fails in a
     # second, before any model is loaded (load_problems checks every gold answer).
     problems = load_problems(args.data, split=args.split, n=args.n, seed=args.seed, path=args.path)
+    for flag, out in (("--json", args.json), ("--records", args.records)):  # never over the problems being read
+        if out is not None:
+            prepare_output_file(out, [args.path], force=None, flag=flag)
     device, dtype = _resolve_device_dtype(args.device, args.dtype)
     folder = resolve_model_dir(args.model)
     model = load_model(folder, device=device, dtype=dtype)

@@ -135,6 +135,7 @@ def _plot_run(args) -> int:
     from pathlib import Path
 
     from qerl_lib.errors import UserError
+    from qerl_lib.io import prepare_output_file
     from qerl_lib.plots.training import plot_runs
 
     runs = {}
@@ -145,12 +146,17 @@ def _plot_run(args) -> int:
         label = Path(run).name
         config = Path(run) / "run.json"
         if config.is_file():
-            label = json.loads(config.read_text())["config"].get("mode", label)
+            saved = json.loads(config.read_text())
+            if not isinstance(saved, dict) or not isinstance(saved.get("config"), dict):
+                raise UserError(f"{config} is not a run.json written by `qerl train`: pass a `qerl train` run folder")
+            label = saved["config"].get("mode", label)
             label = label if label not in runs else Path(run).name
         runs[label] = metrics
     out = args.out or (Path(args.runs[0]) / "training_curves.png" if len(args.runs) == 1 else None)
     if out is None:
         raise UserError("several runs: pass --out FILE.png for the comparison figure")
+    inputs = [f for run in args.runs for f in (Path(run) / "metrics.jsonl", Path(run) / "run.json")]
+    prepare_output_file(out, inputs, force=None, suffix=".png")  # a figure, never over a run's files
     print(plot_runs(runs, out))
     return 0
 
@@ -173,6 +179,7 @@ def _plot_steps(args) -> int:
     from pathlib import Path
 
     from qerl_lib.errors import UserError
+    from qerl_lib.io import prepare_output_file
     from qerl_lib.plots.train_step import plot_train_steps
 
     src = Path(args.json)
@@ -185,7 +192,7 @@ def _plot_steps(args) -> int:
         raise UserError(f"{src} is not JSON ({exc}): {hint}") from None
     if not isinstance(doc, dict) or not isinstance(doc.get("rows"), list):
         raise UserError(f"{src} has no 'rows' list: {hint}")
-    out = Path(args.out) if args.out else src.with_suffix(".png")
+    out = prepare_output_file(args.out, [src], force=None, suffix=".png") if args.out else src.with_suffix(".png")
     try:
         print(plot_train_steps(src, out))
     except ValueError as exc:  # names the file and what is missing
