@@ -326,3 +326,18 @@ def test_outputs_never_replace_their_inputs_or_existing_files(tmp_path, capsys):
     steps.write_text('{"rows": []}')
     code, err = run(capsys, "plot-steps", steps, "--out", steps)
     assert code == 2 and "does not end in .png" in one_line(err, "plot-steps") and steps.read_text() == '{"rows": []}'
+
+
+def test_foreign_run_files_give_one_line_errors(tmp_path, capsys):
+    """`train --resume` on a run.json not written by `qerl train`, and `plot-run` on a run whose metrics file has no
+    step yet, print one line naming the fix (they raised KeyError / ValueError tracebacks)."""
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "run.json").write_text('{"a": 1}')
+    code, err = run(capsys, "train", "--preset", "smollm2-arith-cpu", "--resume", "--out", foreign)
+    assert code == 2 and "is not a run.json written by `qerl train`" in one_line(err, "train"), err
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "metrics.jsonl").write_text("")
+    code, err = run(capsys, "plot-run", empty, "--out", tmp_path / "f.png")
+    assert code == 2 and "train at least one step first" in one_line(err, "plot-run"), err

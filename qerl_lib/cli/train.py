@@ -157,7 +157,10 @@ def _plot_run(args) -> int:
         raise UserError("several runs: pass --out FILE.png for the comparison figure")
     inputs = [f for run in args.runs for f in (Path(run) / "metrics.jsonl", Path(run) / "run.json")]
     prepare_output_file(out, inputs, force=None, suffix=".png")  # a figure, never over a run's files
-    print(plot_runs(runs, out))
+    try:
+        print(plot_runs(runs, out))
+    except ValueError as exc:  # a metrics file without a step yet (the message names it)
+        raise UserError(f"{exc}: train at least one step first, or pass another run folder") from None
     return 0
 
 

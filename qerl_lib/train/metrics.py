@@ -337,7 +337,12 @@ def prepare_output(out: Path, config, resume: bool, report: Callable[[str], None
         raise UserError(f"nothing to resume in {out} (no run.json): start the run without --resume")
     from qerl_lib.train.presets import RECORDED_WHEN_ON
 
-    saved = json.loads(run_json.read_text())["config"]
+    try:
+        saved = json.loads(run_json.read_text())["config"]
+    except (ValueError, KeyError, TypeError):
+        raise UserError(f"{run_json} is not a run.json written by `qerl train`: choose another --out") from None
+    if not isinstance(saved, dict):
+        raise UserError(f"{run_json} is not a run.json written by `qerl train`: choose another --out")
     mine = json.loads(json.dumps(config.to_dict()))  # tuples -> lists, as saved
     diff = {k: (saved.get(k), v) for k, v in mine.items() if k != "device" and saved.get(k) != v}
     diff.update({k: (saved.get(k, False), mine.get(k, False)) for k in RECORDED_WHEN_ON
