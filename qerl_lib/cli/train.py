@@ -137,6 +137,7 @@ def _plot_run(args) -> int:
     from qerl_lib.errors import UserError
     from qerl_lib.io import prepare_output_file
     from qerl_lib.plots.training import plot_runs
+    from qerl_lib.train.metrics import read_run_config
 
     runs = {}
     for run in args.runs:
@@ -146,10 +147,7 @@ def _plot_run(args) -> int:
         label = Path(run).name
         config = Path(run) / "run.json"
         if config.is_file():
-            saved = json.loads(config.read_text())
-            if not isinstance(saved, dict) or not isinstance(saved.get("config"), dict):
-                raise UserError(f"{config} is not a run.json written by `qerl train`: pass a `qerl train` run folder")
-            label = saved["config"].get("mode", label)
+            label = read_run_config(config, fix="pass a `qerl train` run folder").get("mode", label)
             label = label if label not in runs else Path(run).name
         runs[label] = metrics
     out = args.out or (Path(args.runs[0]) / "training_curves.png" if len(args.runs) == 1 else None)

@@ -337,12 +337,7 @@ def prepare_output(out: Path, config, resume: bool, report: Callable[[str], None
         raise UserError(f"nothing to resume in {out} (no run.json): start the run without --resume")
     from qerl_lib.train.presets import RECORDED_WHEN_ON
 
-    try:
-        saved = json.loads(run_json.read_text())["config"]
-    except (ValueError, KeyError, TypeError):
-        raise UserError(f"{run_json} is not a run.json written by `qerl train`: choose another --out") from None
-    if not isinstance(saved, dict):
-        raise UserError(f"{run_json} is not a run.json written by `qerl train`: choose another --out")
+    saved = read_run_config(run_json, fix="choose another --out")
     mine = json.loads(json.dumps(config.to_dict()))  # tuples -> lists, as saved
     diff = {k: (saved.get(k), v) for k, v in mine.items() if k != "device" and saved.get(k) != v}
     diff.update({k: (saved.get(k, False), mine.get(k, False)) for k in RECORDED_WHEN_ON
@@ -365,6 +360,18 @@ def prepare_output(out: Path, config, resume: bool, report: Callable[[str], None
     if metrics.exists():
         write_jsonl_atomic(metrics, [r for r in read_jsonl(metrics) if r.get("step", 0) <= step])
     return checkpoint
+
+
+def read_run_config(run_json: Path, fix: str) -> dict:
+    """The saved config of a run's ``run.json`` (what ``prepare_output`` writes); a one-line `UserError` ending in
+    ``fix`` for a file `qerl train` did not write."""
+    try:
+        saved = json.loads(Path(run_json).read_text())
+    except (ValueError, UnicodeDecodeError):
+        saved = None
+    if not isinstance(saved, dict) or not isinstance(saved.get("config"), dict):
+        raise UserError(f"{run_json} is not a run.json written by `qerl train`: {fix}")
+    return saved["config"]
 
 
 def load_side_state(checkpoint: Path, rollout) -> None:
