@@ -341,3 +341,65 @@ def test_foreign_run_files_give_one_line_errors(tmp_path, capsys):
     (empty / "metrics.jsonl").write_text("")
     code, err = run(capsys, "plot-run", empty, "--out", tmp_path / "f.png")
     assert code == 2 and "train at least one step first" in one_line(err, "plot-run"), err
+
+
+def test_flag_errors_are_one_line_and_come_before_any_model_or_write(tmp_path, capsys):
+    """Bad values of list flags, sampling flags, adapter folders and target files are one line naming the flag and
+    the fix, found before a model is looked up (`MISSING_MODEL` would fail otherwise) and before anything is
+    written (these were tracebacks, argparse's "invalid _int_list value", or checks made after the model loaded)."""
+    wrong = tmp_path / "wrong.json"
+    wrong.write_text('{"a": 1}')
+    bin_only = tmp_path / "bin_adapter"
+    bin_only.mkdir()
+    (bin_only / "adapter_config.json").write_text("{}")
+    (bin_only / "adapter_model.bin").write_bytes(b"\x80")
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    gguf = tmp_path / "bad.gguf"
+    gguf.write_bytes(b"")
+    data = write_jsonl(tmp_path / "p.records.jsonl", [GOOD])
+    spec = Path(__file__).resolve().parents[1] / "data" / "sweeps" / "tiny.toml"
+    m = ["--model", MISSING_MODEL]
+    cases = [
+        (["bench", "rollout", "--batch", "0"], "bench", "--batch, --prompt-len and --repeats must be >= 1"),
+        (["bench", "rollout", "--models", "foo"], "bench", "unknown model 'foo' in --models"),
+        (["bench", "rollout", "--batch", "a,b"], "bench rollout", "expected comma-separated integers, got 'a,b'"),
+        (["bench", "rollout", "--merge", wrong], "bench", "is not a results file of `qerl bench rollout --json`"),
+        (["bench", "gemm", "--m", "0"], "bench gemm", "expected comma-separated integers >= 1, got '0'"),
+        (["calibrate", *m, "--levels", "a,b"], "calibrate", "--levels takes comma-separated int values"),
+        (["calibrate", *m, "--levels", "0"], "calibrate", "--levels takes comma-separated levels from"),
+        (["calibrate", *m, "--temperatures", "-1"], "calibrate", "--temperatures takes comma-separated temperatures"),
+        (["sweep", spec, "--seeds", "a,b", "--check"], "sweep", "--seeds takes comma-separated int values"),
+        (["generate", *m, "--prompt", "hi", "--lora", tmp_path / "nope"], "generate", "adapter folder"),
+        (["generate", *m, "--prompt", "hi", "--temperature", "-1"], "generate", "temperature must be >= 0"),
+        (["generate", *m, "--prompts", empty], "generate", "holds no prompts: write one user message per line"),
+        (["eval", *m, "--n", "2", "--lora", bin_only], "eval", "has no adapter_model.safetensors"),
+        (["eval", *m, "--data", "file", "--path", empty], "eval", "the dataset is empty: pass a GSM8K-schema"),
+        (["eval", *m, "--data", "file", "--path", data, "--json", tmp_path / "p.json"], "eval", "is the input"),
+        (["export", *m, "--lora", tmp_path / "nope", "--out", tmp_path / "o"], "export", "does not exist"),
+        (["prepare-model", "--gguf", gguf, "--out", tmp_path / "pm"], "prepare-model",
+         "pass a complete SmolLM2-family GGUF file as --gguf"),
+        (["results", "--readme", tmp_path], "results", "is a folder: pass the Markdown file"),
+    ]
+    for argv, command, match in cases:
+        code, err = run(capsys, *argv)
+        assert code == 2 and match in one_line(err, command), (argv, err)
+    assert data.read_text() == json.dumps(GOOD) + "\n" and not (tmp_path / "p.json").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.gguf", "bin_adapter", "empty.jsonl", "p.records.jsonl",
+                                                          "wrong.json"]
+
+
+def test_claims_checks_its_readme_before_writing_claims_json(tmp_path, capsys):
+    """A wrong `qerl claims --readme` changes nothing: claims.json is not written (it was, before the error)."""
+    import shutil
+
+    results = tmp_path / "results"
+    shutil.copytree(Path(__file__).resolve().parents[1] / "results" / "claims", results / "claims")
+    no_block = tmp_path / "notes.md"
+    no_block.write_text("# notes\n")
+    for readme, match in ((tmp_path / "nope.md", "no such file"), (tmp_path, "is a folder"),
+                          (no_block, "add them where the table goes")):
+        code, err = run(capsys, "claims", "--results-dir", results, "--readme", readme)
+        assert code == 2 and match in one_line(err, "claims"), err
+        assert not (results / "claims.json").exists()
+    assert no_block.read_text() == "# notes\n"

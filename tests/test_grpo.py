@@ -352,6 +352,28 @@ def test_output_folder_rules(tiny_model_dir, tmp_path, monkeypatch):
         train(config, tmp_path / "used", quiet=True)
 
 
+def test_a_run_whose_model_fails_to_load_leaves_its_out_reusable(tiny_model_dir, tmp_path, monkeypatch):
+    """A fresh run that fails before training (here its model does not load) removes the run.json it wrote, so the
+    retry may use the same --out; a folder holding only a run.json is refused with the ways out named."""
+    import qerl_lib.train.grpo as grpo
+    from qerl_lib.train.metrics import prepare_output
+
+    def offline(*args, **kwargs):
+        raise UserError("model 'org/x' is not cached and the Hugging Face Hub is unreachable")
+
+    monkeypatch.setattr(grpo, "load_policy", offline)
+    config = tiny_config(tiny_model_dir, "lora")
+    out = tmp_path / "run"
+    with pytest.raises(UserError, match="not cached"):
+        grpo.train(config, out, quiet=True)
+    assert out.is_dir() and not (out / "run.json").exists()
+    with pytest.raises(UserError, match="not cached"):  # the retry gets as far as the model again
+        grpo.train(config, out, quiet=True)
+    prepare_output(out, config, resume=False)  # a run that stopped during its model load (killed: nothing removed)
+    with pytest.raises(UserError, match=r"has not finished a step .* pass --resume .* delete .*run\.json"):
+        prepare_output(out, config, resume=False)
+
+
 def test_resume_names_the_padding_a_preset_run_was_saved_without(tmp_path):
     """A Qwen2.5 run saved before its preset padded to 64 (no pad_to_multiple_of in run.json) resumes only with the
     padding off, and the error says how; with it off, the settings match again."""

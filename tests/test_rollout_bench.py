@@ -127,7 +127,7 @@ def test_merged_adapter_rows_stay_out_of_the_acceptance_checks_and_are_summarize
 def test_lora_merge_choice_is_checked_and_a_merged_row_runs_on_cpu():
     from tests.test_engine import tiny_model
 
-    with pytest.raises(ValueError, match="lora_merge must be one or more of off, on"):
+    with pytest.raises(ValueError, match="--lora-merge takes one or more of off, on"):
         RolloutBenchConfig(lora_merge=("yes",))
     model = tiny_model("qwen2", dtype=torch.bfloat16)
     row = Row("tiny", "bf16", 2, 4, "eager", "qerl", prompt_len=8, gen_len=6, lora_merged=True)

@@ -105,36 +105,39 @@ class RolloutBenchConfig:
 
     def __post_init__(self):
         from qerl_lib.bench.vllm_peer import ENGINES
+        from qerl_lib.errors import UserError
 
         if not self.engines or set(self.engines) - set(ENGINES):
-            raise ValueError(f"engines {self.engines}: choose from {', '.join(ENGINES)}")
+            raise UserError(f"engines {self.engines}: choose from {', '.join(ENGINES)}")
         for m in self.models:
             if m not in MODELS:
-                raise ValueError(f"unknown model {m!r}: choose from {', '.join(MODELS)}")
+                raise UserError(f"unknown model {m!r} in --models: choose from {', '.join(MODELS)}")
         for w in self.weights:
             if w not in WEIGHTS:
-                raise ValueError(f"unknown weights {w!r}: choose from {', '.join(WEIGHTS)}")
+                raise UserError(f"unknown weights {w!r} in --weights: choose from {', '.join(WEIGHTS)}")
         if min(self.batches) < 1 or self.prompt_len < 1 or self.gen_len < 2 or self.repeats < 1:
-            raise ValueError("batches, prompt_len and repeats must be >= 1 and gen_len >= 2")
+            raise UserError(f"--batch, --prompt-len and --repeats must be >= 1 and --gen-len >= 2, got batches "
+                            f"{list(self.batches)}, prompt_len {self.prompt_len}, repeats {self.repeats}, "
+                            f"gen_len {self.gen_len}")
         if min(self.lora_ranks) < 0:
-            raise ValueError("LoRA ranks must be >= 0 (0 = no adapter)")
+            raise UserError(f"--lora-rank takes ranks >= 0 (0 = no adapter), got {list(self.lora_ranks)}")
         if self.fp4_small_m not in SMALL_M_BACKENDS:
-            raise ValueError(f"fp4_small_m must be one of {', '.join(SMALL_M_BACKENDS)}, got {self.fp4_small_m!r}")
+            raise UserError(f"fp4_small_m must be one of {', '.join(SMALL_M_BACKENDS)}, got {self.fp4_small_m!r}")
         if self.init not in ("random_codes", "quantize"):
-            raise ValueError(f"init must be 'random_codes' or 'quantize', got {self.init!r}")
+            raise UserError(f"init must be 'random_codes' or 'quantize', got {self.init!r}")
         if self.workload not in WORKLOADS:
-            raise ValueError(f"workload must be one of {', '.join(WORKLOADS)}, got {self.workload!r}")
+            raise UserError(f"workload must be one of {', '.join(WORKLOADS)}, got {self.workload!r}")
         bad = [x for x in self.scheduling if x not in SCHEDULING]
         if bad or not self.scheduling:
-            raise ValueError(f"scheduling must be one or more of {', '.join(SCHEDULING)}, got {list(self.scheduling)}")
+            raise UserError(f"--scheduling takes one or more of {', '.join(SCHEDULING)}, got {list(self.scheduling)}")
         if not self.lora_merge or set(self.lora_merge) - {"off", "on"}:
-            raise ValueError(f"lora_merge must be one or more of off, on, got {list(self.lora_merge)}")
+            raise UserError(f"--lora-merge takes one or more of off, on, got {list(self.lora_merge)}")
         if self.lora_fold not in LORA_FOLD:
-            raise ValueError(f"lora_fold must be one of {', '.join(LORA_FOLD)}, got {self.lora_fold!r}")
+            raise UserError(f"lora_fold must be one of {', '.join(LORA_FOLD)}, got {self.lora_fold!r}")
         if self.prompts is not None and self.prompts < 1:
-            raise ValueError(f"prompts must be >= 1 (completions per rollout), got {self.prompts}")
+            raise UserError(f"--prompts must be >= 1 (completions per rollout), got {self.prompts}")
         if "vllm" in self.engines and self.prompts is not None and len(self.batches) > 1:
-            raise ValueError("--prompts with --engines vllm takes one --batch (vLLM's running-sequence cap is "
+            raise UserError("--prompts with --engines vllm takes one --batch (vLLM's running-sequence cap is "
                              "fixed when its engine starts): run one batch size per call")
 
 
@@ -482,7 +485,10 @@ def _free() -> None:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     def ints(s):
-        return tuple(int(x) for x in s.split(",") if x)
+        try:
+            return tuple(int(x) for x in s.split(",") if x.strip())
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {s!r}") from None
 
     def names(s):
         return tuple(x.strip() for x in s.split(",") if x.strip())
@@ -549,7 +555,19 @@ def run_cli(args) -> int:
     if args.merge:
         from pathlib import Path
 
-        result = merge_results([json.loads(Path(f).read_text()) for f in args.merge])
+        from qerl_lib.errors import UserError
+
+        docs = [json.loads(Path(f).read_text()) for f in args.merge]
+        for name, doc in zip(args.merge, docs):
+            whole = isinstance(doc, dict) and isinstance(doc.get("rows"), list) and {"provenance", "config"} <= set(doc)
+            if not whole:
+                raise UserError(f"{name} is not a results file of `qerl bench rollout --json` (it needs rows, "
+                                "provenance and config): pass only files that command wrote")
+        try:
+            result = merge_results(docs)
+        except TypeError as e:  # a row with fields this kit's rows do not have (or lack)
+            raise UserError(f"the rows of {', '.join(args.merge)} do not match this kit's rollout rows ({e}): "
+                            "measure them again with this version") from None
         if args.json_out:
             write_json_atomic(args.json_out, result)
         print(render_rollout_report(result))

@@ -4,6 +4,7 @@ and `qerl bench rollout` (rollout throughput, qerl_lib.bench.rollout, which defi
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 
@@ -12,9 +13,9 @@ def _int_list(text: str, least: int = 1) -> list[int]:
     try:
         values = [int(v) for v in text.split(",") if v.strip()]
     except ValueError:
-        raise ValueError(f"expected comma-separated integers, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
     if not values or any(v < least for v in values):
-        raise ValueError(f"expected integers >= {least}, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers >= {least}, got {text!r}")
     return values
 
 

@@ -92,9 +92,14 @@ def _eval(args) -> int:
     # Data first: a wrong path, a non-UTF-8 file, an empty gold answer or an offline hub fails in a
     # second, before any model is loaded (load_problems checks every gold answer).
     problems = load_problems(args.data, split=args.split, n=args.n, seed=args.seed, path=args.path)
-    for flag, out in (("--json", args.json), ("--records", args.records)):  # never over the problems being read
+    records_path = args.records or (str(Path(args.json).with_suffix("")) + ".records.jsonl" if args.json else None)
+    for flag, out in (("--json", args.json), ("--records", records_path)):  # never over the problems being read
         if out is not None:
             prepare_output_file(out, [args.path], force=None, flag=flag)
+    if args.lora:
+        from qerl_lib.models.lora import check_adapter_dir
+
+        check_adapter_dir(args.lora)  # before the model loads
     device, dtype = _resolve_device_dtype(args.device, args.dtype)
     folder = resolve_model_dir(args.model)
     model = load_model(folder, device=device, dtype=dtype)
@@ -127,11 +132,7 @@ def _eval(args) -> int:
               "data": {"source": args.data, "path": args.path, "split": args.split, "n": len(problems)},
               "provenance": provenance(command="qerl eval")}
     if args.json:
-        json_path = write_json_atomic(args.json, result)
-        records_path = args.records or str(Path(args.json).with_suffix("")) + ".records.jsonl"
-        print(f"wrote {json_path}")
-    else:
-        records_path = args.records
+        print(f"wrote {write_json_atomic(args.json, result)}")
     if records_path:
         rows = [{k: v for k, v in r.items() if k != "completion_ids"} for r in report.records]
         print(f"wrote {write_jsonl_atomic(records_path, rows)} ({len(rows)} problems)")

@@ -71,6 +71,7 @@ def _generate(args) -> int:
 
     from qerl_lib.cli.devices import resolve_cli_device
     from qerl_lib.engine.rollout import generate
+    from qerl_lib.engine.sampling import SamplingParams
     from qerl_lib.errors import UserError
     from qerl_lib.models.loader import load_model, resolve_model_dir
 
@@ -78,7 +79,16 @@ def _generate(args) -> int:
         raise UserError("--n and --max-new-tokens must be >= 1")
     messages = [args.prompt] if args.prompt is not None else read_prompts(args.prompts)
     if not messages:
-        raise UserError(f"{args.prompts} holds no prompts")
+        raise UserError(f"{args.prompts} holds no prompts: write one user message per line (or a .jsonl with "
+                        "'prompt' fields)")
+    try:
+        SamplingParams(args.temperature, args.top_p, args.top_k)  # checked before the model loads
+    except ValueError as e:
+        raise UserError(f"{e} (--temperature / --top-p / --top-k)") from None
+    if args.lora:
+        from qerl_lib.models.lora import check_adapter_dir
+
+        check_adapter_dir(args.lora)
     device = resolve_cli_device(args.device)
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}.get(
         args.dtype, torch.bfloat16 if device.type == "cuda" else torch.float32)

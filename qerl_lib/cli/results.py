@@ -47,7 +47,9 @@ def _results(args) -> int:
         path = Path(target)
         if path not in texts:
             if not path.is_file():
-                raise ResultsError(f"{path}: no such file")
+                what = "is a folder" if path.is_dir() else "no such file"
+                raise ResultsError(f"{path}: {what}: pass the Markdown file that holds the table's block "
+                                   "(e.g. README.md)")
             texts[path] = path.read_text(encoding="utf-8")
         try:
             texts[path] = update_block(texts[path], block, body)

@@ -42,16 +42,23 @@ def register(sub) -> None:
     p.set_defaults(func=_claims)
 
 
-def _csv(text: str, kind=str) -> tuple:
-    return tuple(kind(x) for x in text.split(",") if x.strip())
+def _csv(text: str, kind=str, flag: str = "") -> tuple:
+    """Comma-separated values of one type; a value that does not parse is a one-line error naming ``flag``."""
+    try:
+        return tuple(kind(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        from qerl_lib.errors import UserError
+
+        raise UserError(f"{flag} takes comma-separated {kind.__name__} values, got {text!r}") from None
 
 
 def _calibrate(args) -> int:
     from qerl_lib.io import provenance, write_json_atomic
     from qerl_lib.studies.calibration import calibrate, format_calibration
 
-    record = calibrate(model=args.model, levels=_csv(args.levels, int), temperatures=_csv(args.temperatures, float),
-                       n=args.n, group=args.group, bases=_csv(args.bases), device=args.device)
+    record = calibrate(model=args.model, levels=_csv(args.levels, int, "--levels"),
+                       temperatures=_csv(args.temperatures, float, "--temperatures"),
+                       n=args.n, group=args.group, bases=_csv(args.bases, str, "--bases"), device=args.device)
     print(format_calibration(record))
     if args.json:
         write_json_atomic(args.json, {**record, "provenance": provenance()})
@@ -80,7 +87,7 @@ def _sweep(args) -> int:
             common[key] = value
     spec = dataclasses.replace(spec, common=common)
     if args.seeds:
-        spec = dataclasses.replace(spec, seeds=_csv(args.seeds, int))
+        spec = dataclasses.replace(spec, seeds=_csv(args.seeds, int, "--seeds"))
     if args.concurrency is not None:
         value = args.concurrency if args.concurrency == "auto" else int(args.concurrency) \
             if args.concurrency.isdigit() else args.concurrency
@@ -104,6 +111,7 @@ def _sweep(args) -> int:
 def _claims(args) -> int:
     from pathlib import Path
 
+    from qerl_lib.errors import UserError
     from qerl_lib.io import write_json_atomic, write_text_atomic
     from qerl_lib.paths import RESULTS_DIR
     from qerl_lib.studies.claims_table import build_table, export_blocks, format_table, read_blocks, render_markdown
@@ -112,11 +120,20 @@ def _claims(args) -> int:
     results = Path(args.results_dir) if args.results_dir else RESULTS_DIR
     blocks = export_blocks(args.sweeps, results / "claims") if args.export else read_blocks(results / "claims")
     table = build_table(blocks)
+    readme = None
+    if args.readme:  # the block is placed before anything is written: a wrong --readme changes nothing
+        path = Path(args.readme)
+        if not path.is_file():
+            raise UserError(f"--readme {path}: {'is a folder' if path.is_dir() else 'no such file'}: pass the "
+                            "Markdown file that holds the claims block (e.g. README.md)")
+        try:
+            readme = update_block(path.read_text(encoding="utf-8"), "claims", render_markdown(table))
+        except UserError as exc:  # no claims markers
+            raise UserError(f"{path}: {exc}: add them where the table goes") from None
     write_json_atomic(results / "claims.json", table)
     print(format_table(table))
     print(f"wrote {results / 'claims.json'}")
-    if args.readme:
-        path = Path(args.readme)
-        write_text_atomic(path, update_block(path.read_text(encoding="utf-8"), "claims", render_markdown(table)))
+    if readme is not None:
+        write_text_atomic(path, readme)
         print(f"wrote the claims table into {path}")
     return 0

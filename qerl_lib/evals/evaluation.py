@@ -66,8 +66,10 @@ class EvalConfig:
             raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.max_new_tokens < 1 or self.batch_size < 1 or self.entropy_batch_size < 1:
-            raise ValueError("max_new_tokens, batch_size and entropy_batch_size must be >= 1")
+        small = {k: getattr(self, k) for k in ("max_new_tokens", "batch_size", "entropy_batch_size")
+                 if getattr(self, k) < 1}
+        if small:
+            raise ValueError(f"{' and '.join(small)} must be >= 1, got {small}")
         if self.n_boot < 100:
             raise ValueError(f"n_boot must be >= 100 bootstrap resamples for a usable interval, got {self.n_boot}")
         if self.temperature == 0 and self.samples > 1:

@@ -93,18 +93,24 @@ def prepare_embedded_model(gguf: str | os.PathLike | None = None, out: str | os.
                         f"conversion writes last (an interrupted conversion or another folder): remove it, "
                         f"or rebuild it with `{rebuild}`")
     digest = _sha256(gguf_path)
-    if gguf is None and "QERL_GGUF" not in os.environ and digest != GGUF_SHA256:
+    embedded = gguf is None and "QERL_GGUF" not in os.environ
+    if embedded and digest != GGUF_SHA256:
         raise UserError(f"{gguf_path} does not have the expected sha256 (truncated or corrupt): {REINSTALL_HINT}")
     if not quiet:
         print(f"converting {gguf_path.name} -> {target} (once)")
+    fix = REINSTALL_HINT if embedded else (f"pass a complete SmolLM2-family GGUF file as "
+                                           f"{'--gguf' if gguf is not None else 'QERL_GGUF'}, or leave it out for "
+                                           "the embedded model")
     with atomic_directory(target, force=force) as tmp:
-        _convert(gguf_path, tmp)
+        _convert(gguf_path, tmp, fix)
         (tmp / SOURCE_MARKER).write_text(json.dumps(
             {"gguf": gguf_path.name, "sha256": digest, "dtype": "bfloat16", "eos": END_OF_TURN}, indent=2) + "\n")
     return target
 
 
-def _convert(gguf_path: Path, out: Path) -> None:
+def _convert(gguf_path: Path, out: Path, fix: str = REINSTALL_HINT) -> None:
+    """The GGUF at ``gguf_path`` as a bf16 HF folder in ``out``; a file that does not convert is a `UserError`
+    ending in ``fix``."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -114,7 +120,7 @@ def _convert(gguf_path: Path, out: Path) -> None:
         loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.bfloat16)
     except Exception as e:  # the gguf reader raises many types on a damaged file
         raise UserError(f"could not read {gguf_path} ({type(e).__name__}: {str(e)[:120]}); "
-                        f"the file is truncated or corrupt: {REINSTALL_HINT}") from None
+                        f"the file is truncated or corrupt: {fix}") from None
 
     # A dense model with the same config minus the GGUF quantization entry.
     config_dict = loaded.config.to_dict()
@@ -127,12 +133,12 @@ def _convert(gguf_path: Path, out: Path) -> None:
     missing = [k for k in missing if not (config.tie_word_embeddings and k == "lm_head.weight")]
     if missing or unexpected:
         raise UserError(f"GGUF conversion produced an unexpected state dict (missing {missing[:3]}, "
-                        f"unexpected {unexpected[:3]}): {REINSTALL_HINT}")
+                        f"unexpected {unexpected[:3]}): {fix}")
     model.tie_weights()
 
     eot_id = tokenizer.convert_tokens_to_ids(END_OF_TURN)
     if eot_id is None or eot_id == tokenizer.unk_token_id:
-        raise UserError(f"the GGUF tokenizer has no {END_OF_TURN} token: {REINSTALL_HINT}")
+        raise UserError(f"the GGUF tokenizer has no {END_OF_TURN} token: {fix}")
     tokenizer.eos_token = END_OF_TURN
     tokenizer.pad_token = END_OF_TURN
     gen = model.generation_config

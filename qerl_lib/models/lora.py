@@ -159,17 +159,31 @@ def save_adapters(model, adapter_dir: str | os.PathLike, force: bool = False) ->
     return adapter_dir
 
 
+def check_adapter_dir(adapter_dir: str | os.PathLike) -> Path:
+    """``adapter_dir`` as a Path if it is an adapter folder the kit loads (``adapter_config.json`` and
+    ``adapter_model.safetensors``: safetensors only, never a pickled ``.bin``); else a one-line `UserError`.
+    Cheap: commands call it before they load a model."""
+    from qerl_lib.errors import UserError
+
+    adapter_dir = Path(adapter_dir)
+    if not adapter_dir.is_dir():
+        raise UserError(f"adapter folder {adapter_dir} does not exist: pass the adapter/ folder of a run "
+                        "(qerl train writes RUN/adapter)")
+    if not (adapter_dir / "adapter_config.json").is_file():
+        raise UserError(f"{adapter_dir} has no adapter_config.json: pass a folder written by save_adapters "
+                        "(or peft's save_pretrained)")
+    if not (adapter_dir / "adapter_model.safetensors").is_file():
+        raise UserError(f"{adapter_dir} has no adapter_model.safetensors: the kit loads safetensors adapters only "
+                        "(re-save it with peft's save_pretrained(..., safe_serialization=True))")
+    return adapter_dir
+
+
 def load_adapters(model: nn.Module, adapter_dir: str | os.PathLike, adapter_name: str = "default",
                   is_trainable: bool = True):
     """Load a peft adapter folder onto a base model (bf16 or NVFP4) or into an existing PeftModel."""
     from peft import LoraConfig, PeftModel
 
-    adapter_dir = Path(adapter_dir)
-    if not (adapter_dir / "adapter_config.json").is_file():
-        from qerl_lib.errors import UserError
-
-        raise UserError(f"{adapter_dir} has no adapter_config.json: pass a folder written by save_adapters "
-                        "(or peft's save_pretrained)")
+    adapter_dir = check_adapter_dir(adapter_dir)
     config = _register(LoraConfig.from_pretrained(str(adapter_dir)))
     config.inference_mode = not is_trainable
     if isinstance(model, PeftModel):
@@ -282,6 +296,7 @@ def export_model(model_path: str | os.PathLike, lora_dir: str | os.PathLike, out
     from qerl_lib.models.loader import (first_non_finite, load_model, replace_linear_with_nvfp4, resolve_model_dir,
                                         save_nvfp4_checkpoint)
 
+    check_adapter_dir(lora_dir)
     source = resolve_model_dir(model_path)
     out_dir = prepare_output_folder(out_dir, [source, lora_dir], force)
     base = load_model(source, device=device)

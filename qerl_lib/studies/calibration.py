@@ -29,8 +29,17 @@ def calibrate(model: str = "smollm2", levels=(1, 2, 3, 4, 5), temperatures=(0.5,
     from qerl_lib.train.grpo import compute_dtype, load_base, load_tokenizer, resolve_device
     from qerl_lib.train.presets import make_config
 
+    from qerl_lib.tasks.expressions import EXPR_LEVELS
+    from qerl_lib.train.presets import BASE_FORMATS
+
     if group < 2 or n < 1:
-        raise UserError(f"group={group} must be >= 2 and n={n} >= 1")
+        raise UserError(f"--group must be >= 2 and --n >= 1, got group={group}, n={n}")
+    checks = (("--levels", levels, lambda v: v in EXPR_LEVELS, f"levels from {EXPR_LEVELS}"),
+              ("--temperatures", temperatures, lambda v: v >= 0, "temperatures >= 0 (0 = greedy)"),
+              ("--bases", bases, lambda v: v in BASE_FORMATS, f"bases from {', '.join(BASE_FORMATS)}"))
+    for flag, values, valid, wanted in checks:  # before any model loads
+        if not values or not all(valid(v) for v in values):
+            raise UserError(f"{flag} takes comma-separated {wanted}, got {list(values)}")
     rows = []
     for base in bases:
         config = make_config("smollm2-expr", model=model, base_format=base, device=device)

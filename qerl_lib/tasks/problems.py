@@ -280,7 +280,8 @@ def load_problems(data: str = "arith", split: str = "test", n: int | None = None
     else:
         raise UserError(f"unknown data source {data!r}: use arith, expr, gsm8k or file")
     if not records:
-        raise UserError(f"no problems in {data} ({path or split}): the dataset is empty")
+        raise UserError(f"no problems in {data} ({path or split}): the dataset is empty: pass a GSM8K-schema jsonl "
+                        "with one {'question': ..., 'answer': ...} object per line (qerl data arith/gsm8k writes one)")
     records = records[:n] if n is not None else records
     for i, record in enumerate(records):
         problem = _gold_problem(record.get("answer") if isinstance(record, dict) else None)

@@ -540,7 +540,12 @@ def train(config: TrainConfig, out_dir: str | os.PathLike, resume: bool = False,
         checkpoint = gm.prepare_output(out, config, resume)  # validates a resume against run.json, before loading
     else:  # `accelerate launch`: the first process prepares OUT, the others only find the checkpoint to resume
         checkpoint = gm.last_complete_checkpoint(out / "checkpoints", None) if resume else None
-    trainer = build_trainer(config, out, extra_rewards, callbacks, quiet, completion_budgets)
+    try:
+        trainer = build_trainer(config, out, extra_rewards, callbacks, quiet, completion_budgets)
+    except BaseException:
+        if rank == 0 and not resume:  # e.g. a model that did not load: the retry may use the same OUT
+            gm.discard_unstarted_run(out)
+        raise
     if checkpoint is not None:
         gm.load_side_state(checkpoint, trainer.qerl_rollout)
     trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint is not None else None)

@@ -328,6 +328,10 @@ def prepare_output(out: Path, config, resume: bool, report: Callable[[str], None
     run_json, metrics = out / "run.json", out / "metrics.jsonl"
     if not resume:
         held = [name for name in RUN_FILES if (out / name).exists()]
+        if held == ["run.json"]:
+            raise UserError(f"{out} holds the run.json of a run that has not finished a step (it may be loading "
+                            f"its model now): pass --resume to continue it, delete {run_json} if that run stopped, "
+                            "or choose another --out")
         if held:
             raise UserError(f"{out} already holds a run ({', '.join(held)}): pass --resume to continue it, "
                             "or choose another --out")
@@ -360,6 +364,14 @@ def prepare_output(out: Path, config, resume: bool, report: Callable[[str], None
     if metrics.exists():
         write_jsonl_atomic(metrics, [r for r in read_jsonl(metrics) if r.get("step", 0) <= step])
     return checkpoint
+
+
+def discard_unstarted_run(out: Path) -> None:
+    """Remove the ``run.json`` that `prepare_output` wrote for a fresh run that failed before its trainer was
+    built (nothing else of a run is in OUT then), so the same OUT can be used again."""
+    out = Path(out)
+    if not any((out / name).exists() for name in RUN_FILES if name != "run.json"):
+        (out / "run.json").unlink(missing_ok=True)
 
 
 def read_run_config(run_json: Path, fix: str) -> dict:
