@@ -519,3 +519,28 @@ def test_runs_killed_at_random_and_while_checkpointing_resume_to_the_same_adapte
 def test_many_kill_points_over_several_seeds(forkserver, tiny_dir, tmp_path):
     """Two training seeds x three kill schedules of 20 kills each (120 kill points); ~2.5 min on 2 cores."""
     _fault_injection(forkserver, tiny_dir, tmp_path, seeds=[0, 1], kill_seeds=[3, 4, 5], n_kills=20)
+
+
+def test_on_save_waits_for_every_process_and_drops_the_pickled_training_args(tmp_path, monkeypatch):
+    """Each process calls on_save after writing its own files (rng_state_K.pth): all meet at a barrier before
+    process 0 lists the files' sizes in the marker; transformers' pickled training_args.bin is removed first."""
+    from types import SimpleNamespace
+
+    import qerl_lib.train.metrics as metrics
+
+    folder = _fake_checkpoint(tmp_path / "checkpoints", 3, complete=False)
+    (folder / metrics.PICKLED_ARGS).write_bytes(b"\x80\x04pickle")
+    order: list[str] = []
+    monkeypatch.setattr(torch.distributed, "is_available", lambda: True)
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "barrier", lambda: order.append("barrier"))
+    original = metrics.mark_checkpoint_complete
+    monkeypatch.setattr(metrics, "mark_checkpoint_complete", lambda f, side: order.append("marker") or original(f, side))
+    callback = metrics.RunMetrics(tmp_path, config=None, reward_funcs=[], rollout=SimpleNamespace(aqn=None), quiet=True)
+    args = SimpleNamespace(output_dir=str(tmp_path / "checkpoints"))
+    callback.on_save(args, SimpleNamespace(is_world_process_zero=False, global_step=3), None)
+    assert order == ["barrier"] and (folder / metrics.PICKLED_ARGS).exists() and checkpoint_problem(folder)
+    callback.on_save(args, SimpleNamespace(is_world_process_zero=True, global_step=3), None)
+    assert order == ["barrier", "barrier", "marker"]
+    assert not (folder / metrics.PICKLED_ARGS).exists() and checkpoint_problem(folder) is None
+    assert set(json.loads((folder / SIDE_STATE).read_text())["files"]) == {"adapter_model.safetensors", "optimizer.pt"}

@@ -182,3 +182,17 @@ def test_concurrency_above_gpu_memory_is_one_clear_line(tiny_dir, tmp_path, monk
         assert not out.exists(), f"{extra}: the sweep wrote {out} before failing"
     assert main(["sweep", str(path), "--concurrency", "9", "--check"]) == 0
     assert "4 runs (2 arms x 2 seeds), 9 at once" in capsys.readouterr().out
+
+
+def test_a_run_folder_takes_one_worker_at_a_time(tmp_path):
+    """A worker left running by a SIGKILLed sweep holds its run's lock: a rerun's worker for that run stops with
+    one line (two trainers would write the same checkpoints); once the first ends, the lock is free again."""
+    from qerl_lib.studies.sweep import _hold_run_lock, run_one
+
+    folder = tmp_path / "runs" / "arm-s0"
+    folder.mkdir(parents=True)
+    first = _hold_run_lock(folder)
+    with pytest.raises(UserError, match="another worker is running .*arm-s0"):
+        run_one(folder)  # refused before it reads anything of the run
+    first.close()  # the first worker ends (the OS drops its lock the same way when it is killed)
+    _hold_run_lock(folder).close()

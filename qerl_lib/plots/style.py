@@ -48,6 +48,8 @@ def save_figure(fig, path: str | os.PathLike, source: str | os.PathLike | None =
         with os.fdopen(fd, "wb") as f:
             os.fchmod(f.fileno(), file_mode())  # mkstemp's 0600 would make the figure private
             fig.savefig(f, dpi=130, format="png", metadata=metadata)
+            f.flush()
+            os.fsync(f.fileno())  # on disk before the rename publishes it, as io.write_text_atomic does
         os.replace(tmp, path)
     finally:
         plt.close(fig)

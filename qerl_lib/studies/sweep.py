@@ -324,11 +324,32 @@ def _overrides(run: RunPlan, spec: SweepSpec) -> dict:
 
 
 # ----------------------------------------------------------------------------- one run (worker process)
+RUN_LOCK = ".worker.lock"
+
+
+def _hold_run_lock(folder: Path):
+    """An exclusive lock on ``folder`` for this process's life (the OS drops it when the process ends, even
+    killed). A sweep killed with SIGKILL leaves its workers running; rerunning it must not start a second
+    worker on a run one of them still trains: that worker stops here with a one-line error instead."""
+    import fcntl
+
+    handle = open(folder / RUN_LOCK, "a")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.close()
+        raise UserError(f"another worker is running {folder} (it holds {RUN_LOCK}): wait for it to finish, or "
+                        "stop the old sweep's workers (pkill -f qerl_lib.studies.sweep), then run the sweep "
+                        "again") from None
+    return handle
+
+
 def run_one(folder: str | os.PathLike) -> dict:
     """Train (or resume) one run of a sweep, evaluate it on held-out problems, write ``result.json``."""
     from qerl_lib.train.presets import make_config
 
     folder = Path(folder)
+    lock = _hold_run_lock(folder)  # noqa: F841 -- held until this process ends
     record = json.loads((folder / "spec.json").read_text())
     if (folder / "result.json").is_file():
         return json.loads((folder / "result.json").read_text())

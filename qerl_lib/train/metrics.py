@@ -75,6 +75,7 @@ METRIC_KEYS = ("step", "epoch", "learning_rate", "loss", "grad_norm", "reward", 
                "clip_ratio_low", "clip_ratio_high", "clip_ratio", *KIT_KEYS, "train_seconds", "step_seconds",
                "peak_memory_gb", "memory_kind", *MEMORY_KEYS)
 SIDE_STATE = "qerl_state.json"  # written last into every checkpoint folder: AQN state + completion marker
+PICKLED_ARGS = "training_args.bin"  # transformers' torch.save of its TrainingArguments, removed from checkpoints
 RUN_FILES = ("run.json", "metrics.jsonl", "checkpoints", "adapter", "summary.json")  # what a run writes into OUT
 
 
@@ -145,9 +146,17 @@ class RunMetrics(TrainerCallback):
                 self.bar.write(f"  {row['reward_errors']} completion(s) whose reward raised scored 0; last: {last[-1:]}")
 
     def on_save(self, args, state, control, **kwargs):
+        # Every process writes its own files into the checkpoint (rng_state_K.pth) and then calls on_save;
+        # the marker lists the files' sizes, so it waits until all of them are written.
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.barrier()
         if not state.is_world_process_zero:
             return
         folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+        # transformers pickles its TrainingArguments there; nothing reads it back (run.json keeps the config),
+        # and the kit's checkpoints hold no pickle but the optimizer / scheduler / RNG state, loaded
+        # weights_only
+        (folder / PICKLED_ARGS).unlink(missing_ok=True)
         aqn = self.rollout.aqn
         mark_checkpoint_complete(folder, {"step": state.global_step,
                                           "aqn": aqn.state_dict() if aqn is not None else None})
