@@ -149,6 +149,21 @@ def read_jsonl(path: str | os.PathLike) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
+def earlier_results(path: str | os.PathLike) -> tuple[Any, list[dict]]:
+    """An existing results file that a rerun may resume: its JSON document (None when it is unreadable or not JSON;
+    the caller says what it expected) and the provenance of every run whose rows it holds, oldest first (the
+    runs it had itself resumed from, under ``provenance.resumed_from``, then the one that wrote it)."""
+    try:
+        doc = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None, []
+    last = doc.get("provenance") if isinstance(doc, dict) else None
+    if not isinstance(last, dict):
+        return doc, []
+    prior = last.get("resumed_from")
+    return doc, [*(prior if isinstance(prior, list) else []), {k: v for k, v in last.items() if k != "resumed_from"}]
+
+
 def _inside(path: Path, folder: Path) -> bool:
     """True when `path` is `folder` or lies below it (both already resolved)."""
     return path == folder or folder in path.parents

@@ -19,6 +19,7 @@ import torch
 
 from qerl_lib.errors import UserError
 from qerl_lib.train.grpo import accumulation_steps, world
+from qerl_lib.train.metrics import PICKLED_ARGS, SIDE_STATE, checkpoint_problem
 from qerl_lib.train.presets import make_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -60,7 +61,14 @@ def test_two_processes_sample_and_learn_what_one_process_does(tmp_path, embedded
     rows = _metrics(two)
     assert [r["step"] for r in rows] == [1, 3], "metrics must come from one process, one line per rollout (μ = 2)"
     assert (two / "adapter" / "adapter_config.json").is_file() and (two / "summary.json").is_file()
-    assert sorted(p.name for p in (two / "checkpoints").iterdir() if p.name.startswith("checkpoint-"))
+    checkpoints = sorted(p for p in (two / "checkpoints").iterdir() if p.name.startswith("checkpoint-"))
+    assert checkpoints
+    for checkpoint in checkpoints:  # process 0's marker waited for process 1's files (RunMetrics.on_save)
+        assert checkpoint_problem(checkpoint) is None, checkpoint
+        listed = json.loads((checkpoint / SIDE_STATE).read_text())["files"]
+        rng = {p.name for p in checkpoint.iterdir() if p.name.startswith("rng_state")}  # one a process on GPUs
+        assert rng and rng <= set(listed), (sorted(rng), sorted(listed))
+        assert not (checkpoint / PICKLED_ARGS).exists(), "a pickle nothing reads"
     assert proc.stdout.count("done: 4 steps (2 rollouts)") == 1, "only the first process reports"
     summary = json.loads((two / "summary.json").read_text())
     assert (summary["steps"], summary["rollouts"]) == (4, 2)

@@ -33,7 +33,7 @@ def register(sub) -> None:
     bsub = bench.add_subparsers(dest="bench_command", metavar="WHAT")
     bsub.required = True
 
-    from qerl_lib.bench import gemm, rollout
+    from qerl_lib.bench import gemm, rollout_cli
     from qerl_lib.bench.workloads import WORKLOADS
 
     p = bsub.add_parser("gemm", help="fused NVFP4 x BF16 GEMM vs torch BF16 on every projection shape of the models")
@@ -86,22 +86,27 @@ def register(sub) -> None:
                    help="comma-separated paddings of the trainer's prompts and completions, one case each; 0: to the "
                         "batch's longest, e.g. 0,64 (default: the preset's, 64)")
     p.add_argument("--dry-run", action="store_true",
-                   help="build and check every case and its trainer config, list them, run nothing")
-    p.add_argument("--json", default=None, help="write the rows JSON here (atomic)")
+                   help="build and check every case and its trainer config, list them (and those an existing --json "
+                        "already holds, which would be skipped), run nothing")
+    p.add_argument("--json", default=None,
+                   help="write the rows JSON here (atomic), rewritten after every case; if it exists, the same command "
+                        "resumes it: its cases without an error are kept and not run again (a file holding other cases "
+                        "is refused)")
+    p.add_argument("--force", action="store_true", help="start over: replace an existing --json instead of resuming it")
     p.set_defaults(func=_train)
 
     # `qerl bench rollout`: its arguments and handler live in qerl_lib.bench.rollout
     p = bsub.add_parser("rollout", help="rollout speed (TTFT, TPOT, tok/s, peak VRAM): bf16 vs NVFP4 engines")
-    rollout.add_arguments(p)
-    p.set_defaults(func=rollout.run_cli)
+    rollout_cli.add_arguments(p)
+    p.set_defaults(func=rollout_cli.run_cli)
 
 
 def _train(args) -> int:
     from dataclasses import replace
 
     from qerl_lib.errors import UserError
-    from qerl_lib.io import write_json_atomic
-    from qerl_lib.studies.train_bench import TrainCase, format_bench, run_bench
+    from qerl_lib.io import prepare_output_file, write_json_atomic
+    from qerl_lib.studies.train_bench import TrainCase, case_key, format_bench, resume_rows, run_bench
 
     merges = args.rollout_lora_merge
     if not merges or set(merges) - {"off", "on"}:
@@ -130,6 +135,13 @@ def _train(args) -> int:
                            workload=args.workload, pad_to_multiple_of=q)
                  for m in args.models for b in args.batches for mode in args.modes for g in merge_values(mode)
                  for n in args.num_gpus for c in (args.checkpoint_layers or [None]) for q in paddings]
+    # --json: an existing file is resumed (its finished cases kept, see studies/train_bench.py), unless --force
+    kept, earlier_runs = [], []
+    if args.json:
+        prepare_output_file(args.json, force=None, flag="--json")  # a folder is refused; a file is read below
+        if not args.force:
+            kept, earlier_runs = resume_rows(args.json, cases)
+    skipped = {case_key(row) for row in kept}
     if args.dry_run:  # a GPU job's commands checked before device time is spent on them
         from qerl_lib.studies.train_bench import case_config
 
@@ -137,11 +149,31 @@ def _train(args) -> int:
             case_config(case)
             print(f"{case.model} {case.mode}{'+m' if case.rollout_lora_merge else ''} batch {case.batch} "
                   f"({case.groups} group(s), {case.num_gpus} GPU(s)), {case.prompt_len} + {case.gen_len} tokens, "
-                  f"r{case.lora_rank}, {case.steps} steps")
-        print(f"{len(cases)} case(s) checked; nothing ran (--dry-run)")
+                  f"r{case.lora_rank}, {case.steps} steps" + (f"  (skip: in {args.json})" if case_key(case) in skipped
+                                                               else ""))
+        would = ""
+        if args.json:
+            would = (f", {args.json} would be replaced (--force)" if args.force else
+                     f", {sum(case_key(c) in skipped for c in cases)} already in {args.json} would be skipped")
+        print(f"{len(cases)} case(s) checked{would}; nothing ran (--dry-run)")
         return 0
-    record = run_bench(cases)
-    record["provenance"]["command"] = " ".join(["qerl", *sys.argv[1:]])
+    command = " ".join(["qerl", *sys.argv[1:]])
+
+    def stamp(record: dict) -> dict:
+        """The record with this command (and the runs whose rows it kept) in its provenance."""
+        record["provenance"]["command"] = command
+        if earlier_runs:
+            record["provenance"]["resumed_from"] = earlier_runs
+        return record
+
+    if args.json:  # the record so far is written after every case, so a crash keeps every finished one
+        if kept:
+            print(f"kept {len(kept)} row(s) from {args.json}; running "
+                  f"{sum(case_key(c) not in skipped for c in cases)} case(s)", flush=True)
+        record = run_bench(cases, kept=kept, checkpoint=lambda rec: write_json_atomic(args.json, stamp(rec)))
+    else:  # nothing to resume or to keep: the plain call
+        record = run_bench(cases)
+    stamp(record)
     print(format_bench(record))
     if args.json:
         write_json_atomic(args.json, record)

@@ -13,7 +13,11 @@ def register(sub) -> None:
     p.add_argument("--n", type=int, default=128, help="training-split problems per setting")
     p.add_argument("--group", type=int, default=8, help="completions per problem (a GRPO group)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    p.add_argument("--json", default=None, help="write the calibration record here (with provenance)")
+    p.add_argument("--json", default=None,
+                   help="write the calibration record here (with provenance), rewritten after every row; if it exists "
+                        "with the same settings (model, --n, --group), the rerun resumes it: rows already there are not "
+                        "measured again (a file of other settings is refused)")
+    p.add_argument("--force", action="store_true", help="start over: replace an existing --json instead of resuming it")
     p.set_defaults(func=_calibrate)
 
     p = sub.add_parser("sweep", help="run a grid of (arm x seed) training runs from a spec file, resumable",
@@ -53,15 +57,31 @@ def _csv(text: str, kind=str, flag: str = "") -> tuple:
 
 
 def _calibrate(args) -> int:
-    from qerl_lib.io import provenance, write_json_atomic
-    from qerl_lib.studies.calibration import calibrate, format_calibration
+    from qerl_lib.io import prepare_output_file, provenance, write_json_atomic
+    from qerl_lib.studies.calibration import (calibrate, calibration_settings, check_calibration_args,
+                                              format_calibration, resume_calibration)
 
-    record = calibrate(model=args.model, levels=_csv(args.levels, int, "--levels"),
-                       temperatures=_csv(args.temperatures, float, "--temperatures"),
-                       n=args.n, group=args.group, bases=_csv(args.bases, str, "--bases"), device=args.device)
+    levels, temperatures = _csv(args.levels, int, "--levels"), _csv(args.temperatures, float, "--temperatures")
+    bases = _csv(args.bases, str, "--bases")
+    check_calibration_args(levels, temperatures, args.n, args.group, bases)  # flag errors before the file's
+    done, earlier_runs = [], []
+    if args.json:  # an existing record of the same settings is resumed (studies/calibration.py), unless --force
+        prepare_output_file(args.json, force=None, flag="--json")  # a folder is refused; a file is read below
+        if not args.force:
+            done, earlier_runs = resume_calibration(args.json, calibration_settings(args.model, args.n, args.group),
+                                                    bases, levels, temperatures)
+    prov = provenance()
+    if earlier_runs:  # the runs that measured the rows kept, oldest first
+        prov["resumed_from"] = earlier_runs
+    if done:
+        grid = {(b, lv, t) for b in bases for lv in levels for t in temperatures}
+        print(f"kept {len(done)} row(s) from {args.json}; measuring {len(grid) - len(done)}", flush=True)
+    save = (lambda record: write_json_atomic(args.json, {**record, "provenance": prov})) if args.json else None
+    record = calibrate(model=args.model, levels=levels, temperatures=temperatures, n=args.n, group=args.group,
+                       bases=bases, device=args.device, done=done, checkpoint=save)
     print(format_calibration(record))
     if args.json:
-        write_json_atomic(args.json, {**record, "provenance": provenance()})
+        write_json_atomic(args.json, {**record, "provenance": prov})
         print(f"wrote {args.json}")
     return 0
 

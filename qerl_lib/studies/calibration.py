@@ -8,6 +8,13 @@ temperature) from the untrained base and reports, per setting: pass@1, the share
 the share of truncated completions and the mean length. `choose_setting` applies the rule fixed
 before the claim sweeps (``docs/claims_plan.md``): among settings with pass@1 in [0.25, 0.45],
 prefer the paper's rollout temperature 1.0, then the largest share of mixed groups.
+
+Resuming: the grid is bases x levels x temperatures evaluations of ``n x group`` completions each, so
+``checkpoint(record)`` hands the record so far to the caller after every row (`qerl calibrate --json`
+writes it there), and ``done`` rows (an earlier record of the same settings, `resume_calibration`) are
+not measured again: a rerun of a stopped calibration continues where it stopped, and a base whose rows
+are all done does not even load its model. What makes rows comparable is `SETTING_KEYS` (model,
+problems, group, length budget, seed, split); a file of other settings is refused, never mixed in.
 """
 
 from __future__ import annotations
@@ -20,15 +27,18 @@ PASS1_WINDOW = (0.25, 0.45)
 PREFERRED_TEMPERATURE = 1.0
 
 
-def calibrate(model: str = "smollm2", levels=(1, 2, 3, 4, 5), temperatures=(0.5, 0.7, 1.0), n: int = 128,
-              group: int = 8, max_new_tokens: int = 32, bases=("bf16", "nvfp4"), device: str = "auto",
-              seed: int = 0, progress: bool = True) -> dict:
-    """Measure every (base, level, temperature) setting; returns the calibration record (see module doc)."""
-    from qerl_lib.evals.evaluation import EvalConfig, evaluate
-    from qerl_lib.tasks.problems import load_problems
-    from qerl_lib.train.grpo import compute_dtype, load_base, load_tokenizer, resolve_device
-    from qerl_lib.train.presets import make_config
+SETTING_KEYS = ("model", "n", "group", "max_new_tokens", "split", "seed")  # what a row's numbers depend on
 
+
+def calibration_settings(model: str = "smollm2", n: int = 128, group: int = 8, max_new_tokens: int = 32,
+                         seed: int = 0) -> dict:
+    """The record's ``settings``: `SETTING_KEYS` and the rule that chose among the rows."""
+    return {"model": model, "n": n, "group": group, "max_new_tokens": max_new_tokens, "split": "train",
+            "seed": seed, "rule": choose_setting.__doc__.strip()}
+
+
+def check_calibration_args(levels, temperatures, n: int, group: int, bases) -> None:
+    """The grid's and the group's values, checked before anything loads; a bad one is a one-line `UserError`."""
     from qerl_lib.tasks.expressions import EXPR_LEVELS
     from qerl_lib.train.presets import BASE_FORMATS
 
@@ -37,18 +47,86 @@ def calibrate(model: str = "smollm2", levels=(1, 2, 3, 4, 5), temperatures=(0.5,
     checks = (("--levels", levels, lambda v: v in EXPR_LEVELS, f"levels from {EXPR_LEVELS}"),
               ("--temperatures", temperatures, lambda v: v >= 0, "temperatures >= 0 (0 = greedy)"),
               ("--bases", bases, lambda v: v in BASE_FORMATS, f"bases from {', '.join(BASE_FORMATS)}"))
-    for flag, values, valid, wanted in checks:  # before any model loads
+    for flag, values, valid, wanted in checks:
         if not values or not all(valid(v) for v in values):
             raise UserError(f"{flag} takes comma-separated {wanted}, got {list(values)}")
-    rows = []
+
+
+def _row_key(row: dict) -> tuple:
+    return row["base"], row["level"], row["temperature"]
+
+
+def resume_calibration(path, settings: dict, bases, levels, temperatures) -> tuple[list[dict], list[dict]]:
+    """The rows of an existing calibration record at ``path`` that a run of ``settings`` over the grid ``bases x
+    levels x temperatures`` need not measure again, and the provenance of the runs that measured them (the file's,
+    after those it had itself resumed from; empty when nothing is kept); ``([], [])`` when there is no file.
+
+    Refused with a one-line `UserError` naming ``--force``: a file that is not a calibration record, one measured
+    with other `SETTING_KEYS` (its numbers are not comparable), and one with a row outside the grid (resuming would
+    mix in a setting this command does not ask for, and replacing it would lose that row)."""
+    from pathlib import Path
+
+    from qerl_lib.io import earlier_results
+
+    path = Path(path)
+    if not path.exists():
+        return [], []
+    fix = "pass --force to replace it, or choose another --json"
+    doc, runs = earlier_results(path)
+    rows = doc.get("rows") if isinstance(doc, dict) else None
+    if not (isinstance(rows, list) and isinstance(doc.get("settings"), dict) and all(
+            isinstance(r, dict) and {"base", "level", "temperature"} <= set(r) for r in rows)):
+        raise UserError(f"--json {path} exists and is not a `qerl calibrate` record (rows and settings): {fix}")
+    changed = [f"{k} {doc['settings'].get(k)!r} there, {settings[k]!r} here" for k in SETTING_KEYS
+               if doc["settings"].get(k) != settings[k]]
+    if changed:
+        raise UserError(f"--json {path} holds a calibration with other settings ({'; '.join(changed)}): {fix}")
+    grid = {(b, lv, t) for b in bases for lv in levels for t in temperatures}
+    outside = [r for r in rows if _row_key(r) not in grid]
+    if outside:
+        b, lv, t = _row_key(outside[0])
+        raise UserError(f"--json {path} holds {len(outside)} row(s) outside this grid (the first: {b} level {lv} "
+                        f"temperature {t}): add them to --bases/--levels/--temperatures, {fix}")
+    return rows, runs if rows else []
+
+
+def calibrate(model: str = "smollm2", levels=(1, 2, 3, 4, 5), temperatures=(0.5, 0.7, 1.0), n: int = 128,
+              group: int = 8, max_new_tokens: int = 32, bases=("bf16", "nvfp4"), device: str = "auto",
+              seed: int = 0, progress: bool = True, done=(), checkpoint=None) -> dict:
+    """Measure every (base, level, temperature) setting; returns the calibration record (see module doc).
+
+    ``done``: rows already measured under these settings (`resume_calibration`); their settings are not measured
+    again, a base with all of them done is not loaded, and a row outside this grid is left out of the record.
+    ``checkpoint(record)``, when given, gets the record so far (the same shape as the returned one: rows in grid
+    order, settings, chosen) after every row measured."""
+    check_calibration_args(levels, temperatures, n, group, bases)  # before any model loads
+    from qerl_lib.evals.evaluation import EvalConfig, evaluate
+    from qerl_lib.tasks.problems import load_problems
+    from qerl_lib.train.grpo import compute_dtype, load_base, load_tokenizer, resolve_device
+    from qerl_lib.train.presets import make_config
+
+    grid = [(b, lv, t) for b in bases for lv in levels for t in temperatures]
+    measured = {_row_key(r): r for r in done}
+    settings = calibration_settings(model, n, group, max_new_tokens, seed)
+
+    def record() -> dict:
+        rows = [measured[key] for key in grid if key in measured]  # grid order, as one uninterrupted run gives
+        return {"rows": rows, "settings": settings, "chosen": choose_setting(rows)}
+
     for base in bases:
+        if all(key in measured for key in grid if key[0] == base):
+            continue  # every row of this base is done: its model is not loaded
         config = make_config("smollm2-expr", model=model, base_format=base, device=device)
         dev = resolve_device(config)
         tokenizer = load_tokenizer(config)
         policy = load_base(config, dev, compute_dtype(dev)).eval()
         for level in levels:
+            if all((base, level, t) in measured for t in temperatures):
+                continue
             problems = load_problems("expr", "train", n=n, seed=seed, level=level)
             for temperature in temperatures:
+                if (base, level, temperature) in measured:
+                    continue
                 start = time.perf_counter()
                 report = evaluate(policy, tokenizer, problems, EvalConfig(
                     samples=group, temperature=temperature, top_p=1.0, max_new_tokens=max_new_tokens,
@@ -59,13 +137,14 @@ def calibrate(model: str = "smollm2", levels=(1, 2, 3, 4, 5), temperatures=(0.5,
                        "mixed_groups": sum(0 < c < group for c in correct) / len(correct),
                        "truncated_rate": report.summary["truncated_rate"],
                        "mean_length": report.summary["mean_length"], "seconds": round(time.perf_counter() - start, 2)}
-                rows.append(row)
+                measured[(base, level, temperature)] = row
                 if progress:
                     print(f"{base:6s} level {level}  T {temperature:.1f}  pass@1 {row['pass@1']:.3f}  "
                           f"mixed {row['mixed_groups']:.2f}  truncated {row['truncated_rate']:.2f}", flush=True)
-    return {"rows": rows, "settings": {"model": model, "n": n, "group": group, "max_new_tokens": max_new_tokens,
-                                       "split": "train", "seed": seed, "rule": choose_setting.__doc__.strip()},
-            "chosen": choose_setting(rows)}
+                if checkpoint is not None:
+                    checkpoint(record())
+        del policy  # the next base's model loads in its place
+    return record()
 
 
 def choose_setting(rows: list[dict], base: str = "bf16") -> dict | None:

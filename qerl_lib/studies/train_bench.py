@@ -30,6 +30,14 @@ Where this differs from the paper's Tables 3 and 5-8: the paper averages over th
 a real run (completions of varying length, vLLM for rollouts); here every step generates the full
 ``gen_len`` tokens, so a step here is at least as long as the paper's. The paper's numbers are
 printed beside ours, labelled as the paper's (`PAPER`).
+
+Resuming: a case can take up to half an hour, so ``--json`` is rewritten (atomically) after every case with the
+record so far, and a rerun of the same command continues where the last one stopped. A case is known by the fields
+that define what it runs (`CASE_FIELDS`: every `TrainCase` field, with the padding the trainer really used), which
+each row records; `resume_rows` keeps the rows of an existing ``--json`` that ran without error, `run_bench` skips
+their cases and runs the rest (a row with an error runs again). A file is resumed only if every one of its rows is
+a case of this command: anything else (another command's rows, another settings' cases, not a bench-train file at
+all) is refused rather than mixed in or silently replaced (``--force`` starts over).
 """
 
 from __future__ import annotations
@@ -40,11 +48,12 @@ import statistics
 import subprocess
 import sys
 import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 from qerl_lib.bench.workloads import WORKLOADS, sample_lengths
 from qerl_lib.errors import UserError
+from qerl_lib.io import earlier_results
 from qerl_lib.train.checkpointing import check_layer_count
 
 MODES = ("lora", "qlora", "nvfp4", "qerl")
@@ -211,10 +220,69 @@ def run_case_here(case: TrainCase, out_dir: str | Path) -> dict:
             "rollout_s_steps": [r.get("rollout_seconds") for r in rows], "train_s_steps": [r.get("train_seconds") for r in rows]}
 
 
+# The fields that say what a case runs: every TrainCase field. Each row starts with them (`case_fields`), so a row
+# of an earlier `--json` can be matched to the case that made it (`resume_rows`).
+CASE_FIELDS = tuple(f.name for f in fields(TrainCase))
+_ABSENT = object()  # a field a row does not have (another command's row, or an older version's): matches no case
+
+
+def case_fields(case: TrainCase) -> dict:
+    """The case as its row records it: its fields, with the padding the trainer uses (`padding_of`) in place of
+    None ("the preset's"), so a case that leaves the padding to the preset and one that names the same value are
+    one case."""
+    return {**asdict(case), "pad_to_multiple_of": padding_of(case)}
+
+
+def case_key(case_or_row: TrainCase | dict) -> tuple:
+    """What identifies a case: the values of `CASE_FIELDS`, taken from a case or from a row it wrote."""
+    values = case_fields(case_or_row) if isinstance(case_or_row, TrainCase) else case_or_row
+    return tuple(values.get(name, _ABSENT) for name in CASE_FIELDS)
+
+
+def resume_rows(path: str | Path, cases: list[TrainCase]) -> tuple[list[dict], list[dict]]:
+    """The rows of an existing ``--json`` that ``cases`` need not run again, and the provenance of the runs that
+    measured them (empty when nothing is kept); ``([], [])`` when ``path`` does not exist.
+
+    Kept: each case's first row without an error (a row with one is dropped, so its case runs again). Refused with
+    a one-line `UserError` naming ``--force``: a file that is not a `qerl bench train` record, and one holding a row
+    that is none of ``cases`` (written with other flags or by another command): resuming it would mix rows of two
+    different benchmarks in one table, and replacing it would destroy rows the user may still want."""
+    path = Path(path)
+    if not path.exists():
+        return [], []
+    fix = "pass --force to replace it, or choose another --json"
+    doc, runs = earlier_results(path)
+    if not (isinstance(doc, dict) and isinstance(doc.get("rows"), list) and isinstance(doc.get("provenance"), dict)
+            and all(isinstance(r, dict) for r in doc["rows"])):
+        raise UserError(f"--json {path} exists and is not a `qerl bench train` record (rows and provenance): {fix}")
+    wanted = {case_key(c): c for c in cases}
+    foreign = [r for r in doc["rows"] if case_key(r) not in wanted]
+    if foreign:
+        raise UserError(f"--json {path} holds {len(foreign)} row(s) of cases this command does not run "
+                        f"({_difference(foreign[0], cases)}): {fix}")
+    kept: dict[tuple, dict] = {}
+    for row in doc["rows"]:
+        if "error" in row and row["error"] is None:
+            kept.setdefault(case_key(row), row)
+    return list(kept.values()), runs if kept else []
+
+
+def _difference(row: dict, cases: list[TrainCase]) -> str:
+    """How ``row`` differs from the nearest of ``cases``, e.g. "the first: steps 3 where this command runs 4"."""
+    missing = [name for name in CASE_FIELDS if name not in row]
+    if missing:
+        return f"the first lacks {', '.join(missing[:3])}: another command's or an older version's row"
+    if not cases:
+        return "this command runs no case"
+    key = case_key(row)
+    nearest = min((case_key(c) for c in cases), key=lambda k: sum(a != b for a, b in zip(k, key)))
+    diffs = [f"{name} {a!r} where this command runs {b!r}" for name, a, b in zip(CASE_FIELDS, key, nearest) if a != b]
+    return "the first: " + ", ".join(diffs[:3])
+
+
 def run_case(case: TrainCase, timeout_s: float = 1800) -> dict:
     """One case in a fresh process; an out-of-memory or any other failure becomes the row's ``error``."""
-    row = {**asdict(case), "paper": PAPER.get((case.model, case.mode, case.batch))}
-    row["pad_to_multiple_of"] = padding_of(case)
+    row = {**case_fields(case), "paper": PAPER.get((case.model, case.mode, case.batch))}
     with tempfile.TemporaryDirectory(prefix="qerl-bench-train-") as tmp:
         spec, result = Path(tmp) / "case.json", Path(tmp) / "row.json"
         spec.write_text(json.dumps(asdict(case)))
@@ -239,24 +307,41 @@ def run_case(case: TrainCase, timeout_s: float = 1800) -> dict:
         return {**row, **json.loads(result.read_text()), "error": None}
 
 
-def run_bench(cases: list[TrainCase], progress: bool = True) -> dict:
-    """Every case, one process each; the record `qerl bench train --json` writes (with provenance)."""
+def run_bench(cases: list[TrainCase], progress: bool = True, kept: list[dict] | None = None, checkpoint=None) -> dict:
+    """Every case, one process each; the record `qerl bench train --json` writes (with provenance).
+
+    ``kept``: rows of an earlier run (`resume_rows`); a case with a row there is not run again, its row takes the
+    case's place. ``checkpoint(record)``, when given, is called after every case that ran with the record so far:
+    the rows of every case done (kept or run), in the cases' order, with their speedups among themselves and this
+    run's provenance, the same document as the final one; the CLI writes it to ``--json`` so a crash keeps every
+    finished case. The rows come out in the cases' order whether or not some were kept, so a resumed run's record
+    is the one an uninterrupted run gives."""
     from qerl_lib.io import provenance
 
-    rows = []
-    for i, case in enumerate(cases):
+    prov = provenance()  # at the start: a checkpoint needs it (it reads the GPU's properties, no CUDA context)
+    earlier = {case_key(row): row for row in kept or ()}
+    done = {i: earlier[case_key(case)] for i, case in enumerate(cases) if case_key(case) in earlier}
+    todo = [i for i in range(len(cases)) if i not in done]
+
+    def record() -> dict:
+        rows = [done[i] for i in sorted(done)]
+        add_speedups(rows)
+        return {"rows": rows, "provenance": prov}
+
+    for n, i in enumerate(todo):
+        case = cases[i]
         if progress:
             recompute = "" if case.checkpoint_layers is None else f", {case.checkpoint_layers} layers recompute"
-            print(f"[{i + 1}/{len(cases)}] {case.model} {case.mode} batch {case.batch}, {case.prompt_len} + "
+            print(f"[{n + 1}/{len(todo)}] {case.model} {case.mode} batch {case.batch}, {case.prompt_len} + "
                   f"{case.gen_len} tokens{recompute} ...", flush=True)
-        rows.append(run_case(case))
+        done[i] = r = run_case(case)
         if progress:
-            r = rows[-1]
             print("   " + (f"error: {r['error']}" if r["error"] else
                            f"step {r['step_s']:.2f} s (rollout {r['rollout_s']:.2f} s), peak {r['peak_gib']:.1f} GiB"),
                   flush=True)
-    add_speedups(rows)
-    return {"rows": rows, "provenance": provenance()}
+        if checkpoint is not None:
+            checkpoint(record())
+    return record()
 
 
 def add_speedups(rows: list[dict]) -> None:
