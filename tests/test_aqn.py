@@ -242,13 +242,24 @@ def test_restore_is_exact_even_on_exception_and_guards_against_accumulation():
     model = _tiny_model("llama", torch.bfloat16)
     start = _bits(model)
     overrides = sample_norm_overrides(model, 1e-2, torch.Generator().manual_seed(SEED))
+    assert overrides, "sample_norm_overrides returned no overrides: nothing would be tested"
+    modules = dict(model.named_modules())
+
+    def assert_overrides_in_effect(what):
+        # every targeted norm holds exactly its override, and that differs from the saved original
+        for name, value in overrides.items():
+            weight = modules[name].weight
+            assert torch.equal(weight, value.to(weight.dtype)), f"{what}: {name} does not hold its override"
+            assert not torch.equal(weight.detach().view(torch.int16), start[f"{name}.weight"]), \
+                f"{what}: {name} still holds its original bits, the override changed nothing (seed {SEED})"
+
     with pytest.raises(KeyError):
         with apply_norm_overrides(model, overrides):
-            assert not torch.equal(model.model.layers[0].input_layernorm.weight,
-                                   model.model.layers[0].input_layernorm.weight.clone().zero_())
+            assert_overrides_in_effect("inside the block")
             raise KeyError("boom")
     _assert_bit_identical(model, start, "after an exception inside the block")
     with apply_norm_overrides(model, overrides):
+        assert_overrides_in_effect("inside the guarded block")
         with pytest.raises(RuntimeError, match="outside `apply_norm_overrides`"):
             sample_norm_overrides(model, 1e-2, torch.Generator().manual_seed(0))
         with pytest.raises(RuntimeError, match="outside `apply_norm_overrides`"):

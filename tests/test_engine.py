@@ -9,7 +9,6 @@ one token, which would make "same tokens" a weak check.
 from __future__ import annotations
 
 import copy
-import importlib.util
 
 import pytest
 import torch
@@ -387,8 +386,7 @@ def test_embedded_model_greedy_equals_hf_generate(embedded_model_dir):
         assert c.token_ids == hf_greedy(model, prompt, 16)
 
 
-# ---- NVFP4 weights (needs the loader) -----------------------------------------------------------
-@pytest.mark.skipif(importlib.util.find_spec("qerl_lib.models.loader") is None, reason="qerl_lib.models.loader not written yet")
+# ---- NVFP4 weights -------------------------------------------------------------------------------
 def test_nvfp4_model_greedy_equals_naive_loop():
     from qerl_lib.models.loader import replace_linear_with_nvfp4
 

@@ -23,7 +23,7 @@ import textwrap
 import pytest
 import torch
 
-from tests.conftest import run_triton_interpreter
+from tests.conftest import requires_triton, run_triton_interpreter
 
 INTERP_SCRIPT = textwrap.dedent("""
     import json, os, sys
@@ -205,13 +205,13 @@ def test_silu_mul_with_lora_matches_the_reference_in_the_interpreter(interpreted
         assert interpreted_fold[f"relabeled-{i}"]  # same output, and its copy is permute_x of it
 
 
+@requires_triton
 def test_silu_mul_with_lora_refuses_a_split_it_does_not_cover():
     from qerl_lib.engine import glue as engine_glue
     from qerl_lib.kernels import lora as lk
     from tests.test_lora_kernels import make_group
 
-    if engine_glue.triton is None:
-        pytest.skip("triton not installed")
+    assert engine_glue.triton is not None, "triton is installed but qerl_lib.engine.glue did not import it"
     plan, _, base = make_group(2, 64, [(32, 4, 1.0), (32, 4, 1.0)], torch.float32, "cpu")
     shrunk = lk.Shrunk(torch.zeros(2, 8), 1, 2, plan, 16, "ieee", False)
     with pytest.raises(ValueError, match="silu_mul: with lora="):  # halves of another width than the plan's
@@ -220,11 +220,11 @@ def test_silu_mul_with_lora_refuses_a_split_it_does_not_cover():
         engine_glue.silu_mul(None, base[:, :32].clone(), base[:, 32:].clone(), lora=shrunk)
 
 
+@requires_triton
 def test_silu_mul_refuses_mismatched_shapes():
     from qerl_lib.engine import glue as engine_glue
 
-    if engine_glue.triton is None:
-        pytest.skip("triton not installed")
+    assert engine_glue.triton is not None, "triton is installed but qerl_lib.engine.glue did not import it"
     with pytest.raises(ValueError, match="silu_mul"):
         engine_glue.silu_mul(None, torch.zeros(2, 4), torch.zeros(2, 5))
 
@@ -270,9 +270,17 @@ def test_cuda_silu_mul_with_lora_equals_the_expand_kernel_path(rank, rows, pdl_o
         assert (got != ref).float().mean() < 0.01
 
 
+def _mma_unavailable() -> str | None:
+    """Why the NVFP4 mma.sync kernel cannot run here (no CUDA, capability < 9.0, no NVRTC or driver library), or None."""
+    from qerl_lib.kernels import mma
+
+    return mma.unavailable_reason()
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
                     reason="needs a CUDA GPU with compute capability >= 9.0 (PDL, mma kernel)")
+@pytest.mark.skipif(_mma_unavailable() is not None, reason=f"mma kernel unavailable: {_mma_unavailable()}")
 @pytest.mark.parametrize("n,k", [(4608, 3584), (3584, 18944)])
 def test_cuda_pdl_matmul_after_glue_kernel_in_a_graph(n, k):
     from qerl_lib.engine import glue
@@ -280,8 +288,6 @@ def test_cuda_pdl_matmul_after_glue_kernel_in_a_graph(n, k):
     from qerl_lib.kernels.fp4_gemm import prepare_fp4_weights
     from qerl_lib.quant.nvfp4 import quantize
 
-    if not mma.available():
-        pytest.skip(f"mma kernel unavailable: {mma.unavailable_reason()}")
     g = torch.Generator(device="cuda").manual_seed(1)
     q = quantize((torch.randn(n, k, generator=g, device="cuda") * 0.02).to(torch.bfloat16))
     wt = prepare_fp4_weights(q.weight_packed, q.weight_scale, q.weight_global_scale)
@@ -323,18 +329,61 @@ def test_cpu_prefill_keeps_the_plain_ops(monkeypatch):
     assert engine._forward.prefill_ops is engine._forward.eager_ops
 
 
+def float32_twin(model: torch.nn.Module) -> torch.nn.Module:
+    """A float32 copy of ``model`` with the same weights: every ``NVFP4Linear`` becomes an ``nn.Linear`` holding its
+    dequantized weight in float32 (``fp4 * s / gs``, the products the NVFP4 GEMMs form exactly). Its logits are the
+    reference the bf16 paths' rounding error is measured against."""
+    import copy
+
+    from qerl_lib.models.nvfp4_linear import NVFP4Linear
+
+    twin = copy.deepcopy(model)
+    for name, module in list(twin.named_modules()):
+        if isinstance(module, NVFP4Linear):
+            dense = torch.nn.Linear(module.in_features, module.out_features, bias=module.bias is not None,
+                                    device=module.weight_packed.device, dtype=torch.float32)
+            with torch.no_grad():
+                dense.weight.copy_(module.dequantize(torch.float32))
+                if module.bias is not None:
+                    dense.bias.copy_(module.bias.float())
+            twin.set_submodule(name, dense)
+    return twin.float().eval()
+
+
+def twin_last_logits(twin: torch.nn.Module, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """transformers' float32 logits of the last column for left-padded ``tokens`` (pad id 0; the prompts' ids are
+    >= 3), with the prefill's RoPE ``positions``: on a CPU this equals the engine's float32 prefill exactly."""
+    with torch.no_grad():
+        out = twin(input_ids=tokens, attention_mask=(tokens != 0).long(), position_ids=positions)
+    return out.logits[:, -1].float()
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("weights", ["bf16", "nvfp4"])
-def test_cuda_prefill_with_the_glue_kernels_matches_the_plain_ops(weights):
-    """The prefill's norms, RoPE and SiLU x up as the glue kernels (the CUDA default, dev/LOG.md 126, 128): its logits
-    stay within bf16 rounding of the plain ops' (8 left-padded prompts, NVFP4 and bf16 bases), and the greedy first
-    tokens agree."""
-    from qerl_lib.engine import glue
+def test_cuda_prefill_with_the_glue_kernels_matches_the_plain_ops(weights, monkeypatch):
+    """The prefill's norms, RoPE and SiLU x up as the glue kernels (the CUDA default, dev/LOG.md 126, 128), 8
+    left-padded prompts, NVFP4 and bf16 bases:
+
+    * every glue call inside the prefill, against the plain op on the very inputs it got: residual sums and RoPE
+      bit for bit, norms and SiLU x up within two bf16 steps (rtol 2^-6; the plain ops round twice, h to bf16 and
+      then weight * h, or SiLU then * up, so a kernel that sums or rounds once in another order can land one step
+      off at each), with at most 1% of the elements differing at all;
+    * the logits within bf16 rounding: the glue path may not be further from the exact (float32) logits than twice
+      the plain bf16 path is (``noise`` = max |plain - float32|, the bf16 rounding error of this model's
+      arithmetic), and within ``rtol 2^-7 + 1.5 noise`` of the plain path. Why not a few logit ulps: this tiny model
+      (initializer_range 0.3) amplifies rounding steps; on a CPU, nudging one bf16 step on 1% of the norm and
+      SiLU x up outputs of the plain path moved the logits by up to 1.1 noise from the plain ones and 1.7 noise
+      from float32 (0.1% of them: 0.83 and 1.25), noise being 0.25 there (logits' std 2.4), where a flat 2^-7
+      would fail with a single flipped element;
+    * the greedy first tokens agree."""
+    from qerl_lib.engine import glue, reference_ops
     from qerl_lib.engine.continuous import left_padded
     from qerl_lib.engine.rollout import RolloutEngine
     from tests.test_engine import tiny_cuda_model
 
-    engine = RolloutEngine(tiny_cuda_model(weights))
+    model = tiny_cuda_model(weights)
+    twin = float32_twin(model)  # before the engine sees the model
+    engine = RolloutEngine(model)
     prompts = [[(7 * r + 3 * i) % 250 + 3 for i in range(5 + 3 * r)] for r in range(8)]
     engine.generate(prompts, 2, temperature=0.0, stop_token_ids=[])
     forward, cache = engine._forward, engine.cache
@@ -342,12 +391,71 @@ def test_cuda_prefill_with_the_glue_kernels_matches_the_plain_ops(weights):
     assert ops.norm is glue.rms_norm and ops.gated is glue.silu_mul and ops.rope is glue.rope_qk
     tokens, positions, _, mask = left_padded(prompts)
     args = (tokens.cuda(), positions.cuda(), mask.cuda(), cache)
+
+    # spies on the glue functions (the module's own names: forward.py tells the glue path by identity with them)
+    stats = {"norm": [0, 0], "silu_mul": [0, 0], "residual sum": [0, 0], "rope": [0, 0]}  # [differing, total]
+    real = {name: getattr(glue, name) for name in ("rms_norm", "residual_rms_norm", "silu_mul", "rope_qk")}
+
+    def check(what, got, want, rtol, atol=0.0):
+        assert got.shape == want.shape and got.dtype == want.dtype, (what, got.shape, want.shape)
+        if rtol == 0:
+            assert torch.equal(got, want), f"{what}: not bit-equal to the plain op on the same inputs"
+        else:
+            torch.testing.assert_close(got.float(), want.float(), rtol=rtol, atol=atol, msg=lambda m: f"{what}: {m}")
+        stats[what][0] += int((got != want).sum())
+        stats[what][1] += got.numel()
+
+    def rms_norm(x, weight, eps, relabeled=False):
+        want = reference_ops.rms_norm(x, weight, eps)
+        res = real["rms_norm"](x, weight, eps, relabeled=relabeled)
+        check("norm", res[0] if relabeled else res, want, rtol=2.0**-6)
+        return res
+
+    def residual_rms_norm(x, delta, weight, eps, relabeled=False):
+        want_sum, want_h = reference_ops.residual_rms_norm(x, delta, weight, eps)
+        res = real["residual_rms_norm"](x, delta, weight, eps, relabeled=relabeled)
+        check("residual sum", res[0], want_sum, rtol=0)
+        check("norm", res[1], want_h, rtol=2.0**-6)
+        return res
+
+    def silu_mul(act, gate, up, lora=None, relabeled=False):
+        assert lora is None, "no adapters in this test"
+        want = reference_ops.gated_act(act, gate, up)
+        res = real["silu_mul"](act, gate, up, lora=lora, relabeled=relabeled)
+        check("silu_mul", res[0] if relabeled else res, want, rtol=2.0**-6, atol=1e-6)
+        return res
+
+    def rope_qk(q, k, cos, sin):
+        want = reference_ops.rope_qk(q, k, cos, sin)
+        res = real["rope_qk"](q, k, cos, sin)
+        for got, w in zip(res, want):
+            check("rope", got, w, rtol=0)
+        return res
+
+    spies = dict(rms_norm=rms_norm, residual_rms_norm=residual_rms_norm, silu_mul=silu_mul, rope_qk=rope_qk)
+    for name, spy in spies.items():
+        monkeypatch.setattr(glue, name, spy)
+    spied_ops = ops._replace(norm=glue.rms_norm, residual_norm=glue.residual_rms_norm, rope=glue.rope_qk,
+                             gated=glue.silu_mul)
     with torch.no_grad():
-        forward.prefill_ops = ops
+        forward.prefill_ops = spied_ops
         fast = forward.prefill(*args)
         forward.prefill_ops = forward.eager_ops
         plain = forward.prefill(*args)
-    torch.testing.assert_close(fast, plain, rtol=0.05, atol=0.05)
+    for name in spies:
+        monkeypatch.setattr(glue, name, real[name])
+    for what, (differing, total) in stats.items():
+        assert total > 0, f"the prefill never called the glue {what}: the test checked nothing of it"
+        assert differing <= 0.01 * total, f"{what}: {differing} of {total} elements differ from the plain op"
+
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)  # the float32 reference must be float32
+    exact = twin_last_logits(twin, args[0], args[1])
+    assert exact.shape == plain.shape == fast.shape
+    noise = float((plain - exact).abs().max())
+    assert 0 < noise < 1.0, f"the plain bf16 path is {noise} from the float32 logits: the twin is not the same model"
+    glue_error = float((fast - exact).abs().max())
+    assert glue_error <= 2 * noise, f"glue path {glue_error:.4g} from the float32 logits, the plain path {noise:.4g}"
+    torch.testing.assert_close(fast, plain, rtol=2.0**-7, atol=1.5 * noise)
     assert int((fast.argmax(-1) == plain.argmax(-1)).sum()) >= 7  # a near-tie may flip under one rounding
 
 
@@ -386,12 +494,12 @@ def test_cuda_rope_qk_in_the_prefill_layout_bit_for_bit(seed):
         assert torch.equal(got, want)
 
 
+@requires_triton
 def test_rotary_length_is_a_plain_argument():
     """The CPU half of the CUDA test below: the rotary kernel's position count is not specialized on."""
     from qerl_lib.engine import glue
 
-    if glue.triton is None:
-        pytest.skip("triton is not installed here: the kernels are not defined")
+    assert glue.triton is not None, "triton is installed but qerl_lib.engine.glue did not import it"
     kernel = glue._rotary_kernel
     assert [p.name for p in kernel.params if p.do_not_specialize] == ["positions"]
     assert not next(p for p in kernel.params if p.name == "positions").is_constexpr

@@ -275,10 +275,11 @@ def test_bf16_merged_rollouts_are_no_noisier_than_unmerged_ones():
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("weights", ["bf16", "nvfp4"])
-def test_cuda_merged_engine_agrees_with_the_unmerged_paths(weights):
+def test_cuda_merged_engine_agrees_with_the_unmerged_paths(weights, monkeypatch):
     """Greedy rollouts through CUDA graphs (graphs+fused): merged against the torch path within bf16 noise for a
-    bf16 base, and bit for bit the unmerged kernels' for NVFP4 (nothing merges); an in-place update of the
-    adapters reaches the captured graphs (B zeroed: the base model's rollout)."""
+    bf16 base (and a second merged engine with programmatic dependent launch off giving the same bits), and bit for
+    bit the unmerged kernels' for NVFP4 (nothing merges); an in-place update of the adapters reaches the captured
+    graphs (B zeroed: the base model's rollout)."""
     from tests.test_lora_kernels import _tiny_cuda_with_adapters, assert_rollouts_agree
 
     model, ads = _tiny_cuda_with_adapters(weights)
@@ -286,9 +287,15 @@ def test_cuda_merged_engine_agrees_with_the_unmerged_paths(weights):
     merged = engine.generate(PROMPTS, 24, temperature=0, stop_token_ids=[], lora=ads)
     if weights == "bf16":
         assert len(engine._forward.merged.layout) == 2 * 4
-        torch_path = RolloutEngine(model, lora_kernels=False).generate(PROMPTS, 24, temperature=0, stop_token_ids=[],
-                                                                       lora=ads)
-        assert_rollouts_agree(merged, merged, torch_path, 24)
+        with monkeypatch.context() as env:  # a second merged engine, its launches plain: the same bits
+            env.setenv("QERL_PDL", "0")
+            merged_plain = RolloutEngine(model, lora_merge=True).generate(PROMPTS, 24, temperature=0,
+                                                                          stop_token_ids=[], lora=ads)
+        torch_engine = RolloutEngine(model, lora_kernels=False)
+        torch_path = torch_engine.generate(PROMPTS, 24, temperature=0, stop_token_ids=[], lora=ads)
+        assert_rollouts_agree(merged, merged_plain, torch_path, 24, PROMPTS,
+                              lambda prompts, n: torch_engine.generate(prompts, n, temperature=0, stop_token_ids=[],
+                                                                       lora=ads))
     else:
         assert not engine._forward.merged.layout
         plain = RolloutEngine(model).generate(PROMPTS, 24, temperature=0, stop_token_ids=[], lora=ads)

@@ -13,7 +13,9 @@ oracle; only the summation order differs, which moves the fp32 sum by ~1e-7 rela
 the final bf16 rounding by one unit in the last place (<= 2^-7 relative) for a tiny fraction of
 elements. So elementwise ``rtol = 2^-7`` (one bf16 ulp), and the mean relative error
 ``mean|out - ref| / mean|ref|`` must be <= 1e-5 (observed: 0 in the interpreter, whose order
-matches) -- far inside the issue's 1e-3, which is Marlin's bar. On GPU the bar is the issue's 1e-3.
+matches) -- far inside the issue's 1e-3, which is Marlin's bar. On GPU the mean bar is the issue's 1e-3,
+and every element must also lie within the bf16 rounding of a float32-accumulated sum
+(``conftest.bf16_gemm_bound``: one bf16 step of the value, two with a bias, plus K * 2^-24 * |x| @ |W|).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import torch
 
 from qerl_lib.quant import nvfp4
 from qerl_lib.kernels.fp4_gemm import KernelConfig, PreparedFP4Weight, fp4_linear, fp4_matmul, pick_config, prepare_fp4_weights
-from tests.conftest import run_triton_interpreter
+from tests.conftest import assert_within_bf16_gemm_bound, bf16_gemm_bound, run_triton_interpreter
 
 BF16_ULP_RTOL = 2.0**-7  # one bf16 unit in the last place, relative (worst case just above a power of two)
 CPU_MEAN_REL_TOL = 1e-5
@@ -232,10 +234,11 @@ def _qwen7b_shapes():
 @pytest.mark.cuda
 @pytest.mark.parametrize("m", [1, 3, 16, 17, 64, 128, 150, 300], ids=lambda m: f"m{m}")
 @pytest.mark.parametrize("shape", _qwen7b_shapes(), ids=lambda s: f"{s[0]}_{s[1]}x{s[2]}")
-def test_cuda_projection_shapes(shape, m):
+def test_cuda_projection_shapes(shape, m, fp32_cublas_sums):
     from qerl_lib.bench.gemm import mean_relative_error
     _, n, k = shape
-    gen = torch.Generator(device="cuda").manual_seed(m * 7 + n)
+    seed = m * 7 + n
+    gen = torch.Generator(device="cuda").manual_seed(seed)
     q = nvfp4.quantize((torch.randn(n, k, device="cuda", generator=gen) * 0.02).bfloat16())
     x = torch.randn(m, k, device="cuda", generator=gen).bfloat16()
     bias = torch.randn(n, device="cuda", generator=gen).bfloat16()
@@ -246,33 +249,46 @@ def test_cuda_projection_shapes(shape, m):
     assert not torch.isnan(out).any(), "poisoned output elements were never written"
     rel = mean_relative_error(out.float(), ref.float())
     assert rel <= 1e-3, f"mean rel err {rel:.3g}"
+    # elementwise: bf16 output rounding of a float32-accumulated sum (another summation order, one rounding
+    # before the bias and one after): see conftest.bf16_gemm_bound
+    bound = bf16_gemm_bound(ref, x, nvfp4.dequantize(q, torch.float32).t(), nvfp4.reference_matmul(x, q))
+    assert_within_bf16_gemm_bound(out, ref, bound, f"fp4_linear m={m} n={n} k={k} (seed {seed})")
     assert torch.equal(fp4_linear(x, prep, bias), out), "two identical calls differ (race or nondeterminism)"
     raw = fp4_matmul(x, q.weight_packed, q.weight_scale, q.weight_global_scale, bias)
     assert mean_relative_error(raw.float(), ref.float()) <= 1e-3
+    assert_within_bf16_gemm_bound(raw, ref, bound, f"fp4_matmul m={m} n={n} k={k} (seed {seed})")
 
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("cfg", [KernelConfig(128, 128, 64, cublas=True), KernelConfig(128, 128, 64, 1, 8, 3, swap_ab=False),
                                  KernelConfig(16, 64, 128, split_k=7), KernelConfig(64, 128, 128, split_k=3, fragment=True)],
                          ids=["cublas", "fused_large", "generic_split7", "fragment_bm64_split3"])
-def test_cuda_forced_paths(cfg):
+def test_cuda_forced_paths(cfg, fp32_cublas_sums):
     from qerl_lib.bench.gemm import mean_relative_error
     m, n, k = 257, 1000, 1040
-    q = nvfp4.quantize(torch.randn(n, k, device="cuda").bfloat16())
-    x = torch.randn(m, k, device="cuda").bfloat16()
+    seed = 1040  # fixed: a failure reproduces
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q = nvfp4.quantize(torch.randn(n, k, device="cuda", generator=gen).bfloat16())
+    x = torch.randn(m, k, device="cuda", generator=gen).bfloat16()
     prep = prepare_fp4_weights(q.weight_packed, q.weight_scale, q.weight_global_scale)
     out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
     fp4_linear(x, prep, out=out, config=cfg)
     assert not torch.isnan(out).any()
-    assert mean_relative_error(out.float(), nvfp4.reference_matmul(x, q).float()) <= 1e-3
+    ref = nvfp4.reference_matmul(x, q)
+    assert mean_relative_error(out.float(), ref.float()) <= 1e-3
+    # elementwise: bf16 output rounding of a float32-accumulated sum in another order (conftest.bf16_gemm_bound);
+    # the cuBLAS route runs with cuBLAS's bf16 split-K reductions off (fixture fp32_cublas_sums)
+    bound = bf16_gemm_bound(ref, x, nvfp4.dequantize(q, torch.float32).t())
+    assert_within_bf16_gemm_bound(out, ref, bound, f"{cfg} (seed {seed})")
 
 
 @pytest.mark.cuda
 def test_cuda_graph_capture():
-    q = nvfp4.quantize(torch.randn(3584, 3584, device="cuda").bfloat16())
+    gen = torch.Generator(device="cuda").manual_seed(3584)  # seeded: a failure reproduces
+    q = nvfp4.quantize(torch.randn(3584, 3584, device="cuda", generator=gen).bfloat16())
     prep = prepare_fp4_weights(q.weight_packed, q.weight_scale, q.weight_global_scale)
     assert isinstance(prep, PreparedFP4Weight)
-    x = torch.randn(4, 3584, device="cuda").bfloat16()
+    x = torch.randn(4, 3584, device="cuda", generator=gen).bfloat16()
     eager = fp4_linear(x, prep)
     out = torch.empty_like(eager)
     fp4_linear(x, prep, out=out)  # warm-up (compile) outside the capture

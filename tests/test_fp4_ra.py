@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from qerl_lib.kernels import fp4_ra
-from qerl_lib.quant.nvfp4 import GROUP_SIZE, decode_e2m1, reference_matmul
-from tests.conftest import cuda_nvfp4_weights, nvrtc_or_none
+from qerl_lib.quant.nvfp4 import GROUP_SIZE, decode_e2m1, dequantize, reference_matmul
+from tests.conftest import assert_within_bf16_gemm_bound, bf16_gemm_bound, cuda_nvfp4_weights, nvrtc_or_none
 
 SHAPES = [fp4_ra.RaConfig(256, 4), fp4_ra.RaConfig(128, 6), fp4_ra.RaConfig(128, 4), fp4_ra.RaConfig(64, 8)]
 
@@ -158,8 +158,8 @@ def _launch_id(cfg: fp4_ra.RaConfig) -> str:
 @pytest.mark.parametrize("cfg", LAUNCHES, ids=_launch_id)
 @pytest.mark.parametrize("n,k,m,bias", CHECKS)
 def test_matches_the_oracle_and_writes_only_its_output(cfg, n, k, m, bias):
-    """Fresh random weights and x: mean relative error <= 1e-3 against the oracle (the kernel sums exact products in
-    fp32 in another order), every output written, nothing around it touched, two launches bit-equal."""
+    """Fresh random weights and x: mean relative error <= 1e-3 against the oracle and every element within the bf16
+    rounding of an fp32 sum (the kernel sums exact products in fp32 in another order; ``conftest.bf16_gemm_bound``), every output written, nothing around it touched, two launches bit-equal."""
     q, w, gen = cuda_nvfp4_weights(n, k, seed=n * 7 + k * 3 + m)
     words, scales = w.words, w.scales
     x = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
@@ -170,6 +170,11 @@ def test_matches_the_oracle_and_writes_only_its_output(cfg, n, k, m, bias):
     fp4_ra.linear(x, words, scales, q.weight_global_scale, b, out, cfg)
     err = ((out.double() - ref).abs().mean() / ref.abs().mean()).item()
     assert out.isfinite().all() and err <= 1e-3, err
+    # elementwise: bf16 output rounding of a float32-accumulated sum in another order (one rounding before the
+    # bias, one after): conftest.bf16_gemm_bound
+    bound = bf16_gemm_bound(ref.float(), x, dequantize(q, torch.float32).t(), None if b is None else reference_matmul(x, q))
+    assert_within_bf16_gemm_bound(out, ref.float(), bound, f"{_launch_id(cfg)} n={n} k={k} m={m} bias={bias} "
+                                                           f"(seed {n * 7 + k * 3 + m})")
     assert buf[0].isnan().all() and buf[-1].isnan().all() and buf[1:m + 1, n:].isnan().all()
     again = torch.empty_like(out)
     fp4_ra.linear(x, words, scales, q.weight_global_scale, b, again, cfg)

@@ -19,7 +19,7 @@ import torch
 from qerl_lib.kernels import fp4_wgmma
 from qerl_lib.kernels.fp4_wgmma import WgmmaConfig, k_slices
 from qerl_lib.quant.nvfp4 import dequantize, quantize, reference_matmul
-from tests.conftest import check_gemm_after_norm_in_a_graph, sm90_ptxas
+from tests.conftest import assert_within_bf16_gemm_bound, bf16_gemm_bound, check_gemm_after_norm_in_a_graph, sm90_ptxas
 
 HAS_WGMMA = fp4_wgmma.available()
 
@@ -256,8 +256,8 @@ def _make(m, n, k, seed):
                                  WgmmaConfig(128, 1, 1, 2), WgmmaConfig(256, 2, 1, 3), WgmmaConfig(256, 1, 3, 2)],
                          ids=lambda c: f"m{c.block_m}wg{c.warpgroups}s{c.split_k}st{c.stages}r{c.max_registers or 0}")
 def test_cuda_kernel_matches_the_oracle(m, n, k, cfg):
-    """Against ``reference_matmul`` at mean relative error < 1e-3 (fp32 sums in another order, one bf16
-    rounding), with and without bias, every output written (NaN-poisoned), deterministic."""
+    """Against ``reference_matmul`` at mean relative error < 1e-3 and elementwise within the bf16 rounding of an
+    fp32 sum in another order (``conftest.bf16_gemm_bound``), with and without bias, every output written (NaN-poisoned), deterministic."""
     _check_against_the_oracle(m, n, k, cfg, seed=m + n)
 
 
@@ -266,7 +266,10 @@ def _check_against_the_oracle(m, n, k, cfg, seed):
 
     q, x = _make(m, n, k, seed=seed)
     prep = prepare_fp4_weights(q.weight_packed, q.weight_scale, q.weight_global_scale)
-    bias = torch.randn(n, device="cuda").to(torch.bfloat16)
+    bias = torch.randn(n, device="cuda", generator=torch.Generator(device="cuda").manual_seed(seed + 1)
+                       ).to(torch.bfloat16)
+    w_t = dequantize(q, torch.float32).t()
+    no_bias = reference_matmul(x, q)
     for b in (None, bias):
         ref = reference_matmul(x, q, b).float()
         out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
@@ -274,6 +277,10 @@ def _check_against_the_oracle(m, n, k, cfg, seed):
         assert not torch.isnan(out).any()
         rel = float((out.float() - ref).abs().mean() / ref.abs().mean())
         assert rel < 1e-3, rel
+        # elementwise: bf16 output rounding of a float32-accumulated sum in another order (one rounding before
+        # the bias, one after): conftest.bf16_gemm_bound
+        bound = bf16_gemm_bound(ref, x, w_t, None if b is None else no_bias)
+        assert_within_bf16_gemm_bound(out, ref, bound, f"{cfg} m={m} n={n} k={k} bias={b is not None} (seed {seed})")
         assert torch.equal(out, fp4_linear(x, prep, b, config=cfg))
 
 

@@ -19,8 +19,9 @@ import torch
 from qerl_lib.kernels import fp4_wgmma_producer as pc
 from qerl_lib.kernels.fp4_wgmma_producer import ProducerConfig
 from qerl_lib.kernels.launch_rule import PRODUCER_ENV, pick_producer_config, plan_launch, producer_block_m
-from qerl_lib.quant.nvfp4 import reference_matmul
-from tests.conftest import check_gemm_after_norm_in_a_graph, cuda_nvfp4_weights, sm90_ptxas
+from qerl_lib.quant.nvfp4 import dequantize, reference_matmul
+from tests.conftest import (assert_within_bf16_gemm_bound, bf16_gemm_bound, check_gemm_after_norm_in_a_graph,
+                            cuda_nvfp4_weights, sm90_ptxas)
 
 HAS_PC = pc.available()
 
@@ -243,6 +244,7 @@ def test_cuda_kernel_matches_the_oracle_and_fp4_wgmma(m, n, k, cfg):
     q, w, g = cuda_nvfp4_weights(n, k, seed=m + n + k)
     x = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
     bias = torch.randn(n, device="cuda", generator=g).to(torch.bfloat16)
+    w_t, no_bias = dequantize(q, torch.float32).t(), reference_matmul(x, q)
     for b in (None, bias):
         ref = reference_matmul(x, q, b)
         outs = []
@@ -255,6 +257,9 @@ def test_cuda_kernel_matches_the_oracle_and_fp4_wgmma(m, n, k, cfg):
         assert not torch.isnan(outs[0]).any()
         rel = float((outs[0].float() - ref.float()).abs().mean() / ref.float().abs().mean())
         assert rel < 1e-3, rel
+        # elementwise: bf16 output rounding of a float32-accumulated sum in another order (conftest.bf16_gemm_bound)
+        assert_within_bf16_gemm_bound(outs[0], ref, bf16_gemm_bound(ref, x, w_t, None if b is None else no_bias),
+                                      f"{cfg} m={m} n={n} k={k} bias={b is not None} (seed {m + n + k})")
         assert torch.equal(outs[0], outs[1])
         assert torch.equal(outs[0], wg)
 
@@ -309,6 +314,7 @@ def test_cuda_k_slices_match_the_oracle(m, n, k, cfg):
     x = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
     bias = torch.randn(n, device="cuda", generator=g).to(torch.bfloat16)
     assert pc.k_slices(k, cfg.split_k)[1] > 1
+    w_t, no_bias = dequantize(q, torch.float32).t(), reference_matmul(x, q)
     for b in (None, bias):
         ref = reference_matmul(x, q, b)
         outs = []
@@ -320,6 +326,12 @@ def test_cuda_k_slices_match_the_oracle(m, n, k, cfg):
         assert not torch.isnan(outs[0]).any()
         rel = float((outs[0].float() - ref.float()).abs().mean() / ref.float().abs().mean())
         assert rel < 1e-3, rel
+        # elementwise, split and unsplit: the K-slices' fp32 partials are summed in fp32 and rounded once before
+        # the bias, so the bound is still bf16 output rounding of a float32-accumulated sum (conftest.bf16_gemm_bound)
+        bound = bf16_gemm_bound(ref, x, w_t, None if b is None else no_bias)
+        for what, got in (("split", outs[0]), ("unsplit", outs[2])):
+            assert_within_bf16_gemm_bound(got, ref, bound, f"{what} {cfg} m={m} n={n} k={k} bias={b is not None} "
+                                                           f"(seed {m + n + k})")
         assert torch.equal(outs[0], outs[1])
         unsplit = float((outs[0].float() - outs[2].float()).abs().mean() / outs[2].float().abs().mean())
         assert unsplit < 1e-3, unsplit

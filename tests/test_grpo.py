@@ -33,15 +33,7 @@ NUMERIC_KEYS = ("step", "learning_rate", "loss", "grad_norm", "reward", "reward_
 
 
 # --------------------------------------------------------------------------------------------- fixtures
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # 64-wide matrices: a second intra-op thread only adds OpenMP synchronisation, which on a loaded
-    # 2-core machine made these runs 5x slower (measured: 4 s vs 28 s per run). Runs with one thread
-    # are as deterministic as with two; the conftest's thread setting is restored afterwards.
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("single_torch_thread")  # 64-wide matrices: one thread (conftest.py)
 
 
 def byte_tokenizer():

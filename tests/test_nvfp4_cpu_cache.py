@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import io
+import weakref
 
 import pytest
 import torch
@@ -151,23 +152,31 @@ def test_replaced_buffer_is_noticed():
 
 
 def test_buffer_at_a_recycled_address_is_not_mistaken_for_the_old_one():
-    """A new buffer at the freed address of the old one, with the same version count: a cache keyed on
-    (data_ptr, _version) would serve the old weight. The cache compares identities (weak references)."""
-    recycled = 0
-    for trial in range(20):
-        layer, other = _layer(n=64, k=128, seed=0), _layer(n=64, k=128, seed=1)  # packed: 4 KiB
+    """A new buffer at the address of the old one, once the old tensor is gone, with new content and the same version
+    count: a cache keyed on (data_ptr, _version) would serve the old weight. The cache compares identities (weak
+    references). The recycling is forced, not left to the allocator: the new tensor is ``set_`` onto the old one's
+    storage (held alive on its own), so the case is tested on every machine."""
+    for trial in range(3):
+        layer, other = _layer(n=64, k=128, seed=0), _layer(n=64, k=128, seed=1)  # packed: 64 x 64 bytes
         x = _x(3, 128, seed=trial)
-        layer(x)
+        with torch.no_grad():
+            for _ in range(4):  # a version count above what set_ and one copy_ give the new tensor
+                layer.weight_packed.add_(0)
+        old_out = layer(x)  # the cache now holds the old weight
         ptr, version = layer.weight_packed.data_ptr(), layer.weight_packed._version
-        layer.weight_packed = other.weight_packed  # the original is freed here
-        fresh = torch.empty(64, 64, dtype=torch.uint8)  # often at the freed address
-        for _ in range(max(version, 1)):
-            fresh.copy_(other.weight_packed)  # new content, and the old version count
-        layer.weight_packed = fresh
-        recycled += fresh.data_ptr() == ptr and fresh._version == version
-        assert torch.equal(layer(x), _uncached(layer, x))
-    if not recycled:
-        pytest.skip("the allocator never reused the address in 20 tries (the outputs were still checked)")
+        storage = layer.weight_packed.untyped_storage()  # keeps the memory, not the tensor
+        old_alive = weakref.ref(layer.weight_packed)
+        fresh = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (64, 64))  # the same address
+        with torch.no_grad():
+            fresh.copy_(other.weight_packed)  # new content
+            while fresh._version < version:
+                fresh.add_(0)
+        assert fresh.data_ptr() == ptr and fresh._version == version, (fresh._version, version)
+        layer.weight_packed = fresh  # the old tensor object is freed here
+        assert old_alive() is None, "something still holds the old buffer: the recycled case would not be tested"
+        expected = _uncached(layer, x)
+        assert not torch.equal(expected, old_out), "the two weights must give different outputs for the test to mean anything"
+        assert torch.equal(layer(x), expected), f"served the old weight at a recycled address (trial {trial})"
 
 
 @pytest.mark.parametrize("name", ["weight_packed", "weight_scale", "weight_global_scale"])

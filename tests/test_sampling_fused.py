@@ -14,7 +14,7 @@ import textwrap
 import pytest
 import torch
 
-from tests.conftest import run_triton_interpreter
+from tests.conftest import requires_triton, run_triton_interpreter
 
 SCRIPT = textwrap.dedent("""
     import json, os, sys
@@ -53,11 +53,11 @@ def test_fused_sampler_matches_the_eager_race(interpreted, case):
     assert r["logprob_err"] < 1e-5, r
 
 
+@requires_triton
 def test_fused_sampler_refuses_bad_shapes():
     from qerl_lib.engine import sampling
 
-    if sampling.triton is None:
-        pytest.skip("triton not installed")
+    assert sampling.triton is not None, "triton is installed but qerl_lib.engine.sampling did not import it"
     with pytest.raises(ValueError, match="fused_sample"):
         sampling.fused_sample(torch.zeros(2, 10), torch.zeros(2, 11))
 

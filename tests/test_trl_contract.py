@@ -21,12 +21,7 @@ from test_grpo import save_tiny_llama, tiny_config, toy_reward  # noqa: E402  (s
 DRIFT = f"TRL DRIFT (installed trl {trl.__version__}, the kit is written against 1.16.0): "
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny matrices: see tests/test_grpo.py
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("single_torch_thread")  # tiny matrices (conftest.py)
 
 
 @pytest.fixture(scope="module")

@@ -41,7 +41,9 @@ for 2 <= M <= 16, measured best on an H100).
 
 Large M (prefill, training forward) is compute-bound. Mostly fastest: one exact ``_fp4_dequant_kernel`` pass to bf16
 ``fp4 * s * 2^-8`` (~97% of copy bandwidth), then cuBLAS with ``alpha = 2^8/gs`` in its fp32 epilogue (``addmm``), the
-oracle's single rounding (a Gluon kernel beats it on wide shapes at 193-2048 rows, below). The large-tile Triton
+oracle's single rounding when cuBLAS sums in fp32 (torch lets it round split-K partials to bf16 unless
+``torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction`` is False; the CUDA tests that bound this
+route elementwise turn it off) (a Gluon kernel beats it on wide shapes at 193-2048 rows, below). The large-tile Triton
 kernel (``swap_ab=False``, 0.44-0.55x of cuBLAS) remains for calls without a host copy of ``gs``.
 
 Backward layout (``fp4_grad_input``, oracle ``nvfp4.reference_grad_input``): ``dL/dx = dy @ W`` (``dy [M, N]`` ->

@@ -61,7 +61,9 @@ that sampled, exactly like the official code (docs/paper_settings.md). The behav
 the trainer's dequantised matmul, KV-cache decode vs one full forward, bf16 rounding). We
 log per step, over the loss tokens, with Δ = log π_old − log π_engine:
 ``logprob_mismatch`` = mean |Δ|, ``logprob_mismatch_max``, ``mismatch_kl`` = mean(e^Δ − 1 − Δ)
-(the k3 estimate of KL(engine ‖ trainer)), and ``is_ratio_*`` = min(e^Δ, C) statistics.
+(the k3 estimate of KL(engine ‖ trainer)), and the importance ratios e^Δ: ``is_ratio_mean`` = mean of
+min(e^Δ, C), ``is_ratio_min`` / ``is_ratio_max`` = the extremes of e^Δ before the cap, ``is_truncated_rate``
+= the share of tokens with e^Δ > C.
 
 With ``is_correction=True`` each token's advantage is multiplied by min(e^Δ, C) (truncated
 importance sampling, token level, C = ``is_cap`` = 2). Because that weight is detached and ≥ 0,

@@ -19,7 +19,7 @@ truncated_rate [completions/clipped_ratio]           share that hit max_completi
 clip_ratio_low / _high / clip_ratio [clip_ratio/*]   share of tokens where the PPO clip acts
 sigma, aqn_stage, noise_rms                          AQN σ of the step, its stage, realised RMS noise
 logprob_mismatch, logprob_mismatch_max, mismatch_kl  engine vs trainer log-probs (grpo.py)
-is_ratio_mean, is_ratio_min, is_ratio_max, is_truncated_rate   the truncated-IS weights (logged even when off)
+is_ratio_mean, is_ratio_min, is_ratio_max, is_truncated_rate   e^Δ: capped mean, uncapped min/max, share > cap
 rollout_tokens, rollout_tokens_per_s                 completion tokens sampled and engine throughput
 rollout_seconds, train_seconds, step_seconds         time split: engine (the slowest process's, when several) /
                                                      everything else / whole step
