@@ -28,7 +28,7 @@ def register(sub) -> None:
     p.add_argument("--is-correction", choices=("on", "off"), default=None,
                    help="truncated importance sampling with the engine's logprobs (default off, see qerl_lib/train/grpo.py)")
     p.add_argument("--decode-backend", choices=DECODE_BACKENDS, default=None,
-                   help="rollout engine decode path (default auto: CUDA graphs on GPU, eager on CPU)")
+                   help="rollout engine decode path (default auto: graphs+fused on GPU, eager on CPU)")
     p.add_argument("--rollout-lora-merge", action="store_true", default=None,
                    help="bf16 base (mode lora): roll out with the adapters merged into the engine's own weight copies "
                         "(no adapter launches; one more copy of the weights in memory during the rollout)")

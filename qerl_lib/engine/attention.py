@@ -3,8 +3,8 @@
 Why kernels
 -----------
 In a decode step each row has one query token, and attention reads every cached key and value
-of the row once: with Qwen2.5-7B's 4 KV heads at 1,300 cached tokens that is 10 MB per layer for
-batch 8. Written with torch ops (``matmul_decode_attention``: scores matmul, float32 softmax,
+of the row once: with Qwen2.5-7B's 4 KV heads at 1,300 cached tokens that is ~21 MB per layer (keys and
+values) for batch 8. Written with torch ops (``matmul_decode_attention``: scores matmul, float32 softmax,
 probabilities matmul) it costs three kernels and a round trip of the scores through memory per
 layer, and cuBLAS handles the tiny ``[7, D] x [D, L]`` products poorly. Here one program handles
 one (row, KV head, slice of the cache): the ``G = heads / kv_heads`` query heads that share the KV

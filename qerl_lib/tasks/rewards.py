@@ -42,7 +42,8 @@ How a completion is scored
    ``verify``) decides, on both answers wrapped in ``$...$``, unless the prediction is a list or an
    expression and the gold is not. math-verify runs in worker processes under a hard wall-clock
    limit per answer (`MathVerifier`, default 2 s); a batch (`score_answers`, `accuracy_reward`)
-   is checked side by side, so N slow answers take about one limit, not N.
+   is checked side by side (up to `MathVerifier`'s ``max_parallel``, default 8, at once), so N slow answers
+   take about ceil(N / 8) limits, not N.
 4. **Format** (`format_reward`): 1.0 iff the completion is exactly one non-empty ``<think>`` block
    followed by one non-empty ``<answer>`` block, with only whitespace around them.
 

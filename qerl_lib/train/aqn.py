@@ -55,7 +55,8 @@ linear space.
 
 When noise is drawn, and where it goes
 --------------------------------------
-* Each rollout (each `AQNController.overrides_for_step` call) draws a fresh vector for each
+* Each `AQNController.overrides_for_step` call (training makes one per optimizer step that rolls out)
+  draws a fresh vector for each
   targeted norm. Every completion is then sampled from one well-defined perturbed policy
   π_{θ+Z}. Resampling on every forward pass (the paper's §3.3 wording) would switch policy in
   the middle of a sequence, and the cached keys and values would come from other draws. Once

@@ -12,7 +12,7 @@ What one optimizer step does
 2. **Rewards** (TRL). accuracy (1.0 if the final answer equals the gold one) + 0.2 x format,
    each wrapped in `rewards.SafeReward`: a completion whose scoring raises gets 0 and is counted.
 3. **Advantages** (TRL). A_i = (r_i - mean of the group) / (std of the group + 1e-4).
-4. **Mismatch** (`grpo_trainer.QeRLGRPOTrainer`). The trainer recomputes the log-probs of the sampled tokens
+4. **Mismatch** (`train.trainer.QeRLGRPOTrainer`). The trainer recomputes the log-probs of the sampled tokens
    with the clean model (no AQN noise, its own matmul path) and we log how far they are from the
    engine's. With ``is_correction`` the advantages are weighted by a truncated importance ratio.
 5. **Loss and update** (TRL). Clipped surrogate, AdamW, cosine schedule, checkpoints.
@@ -30,11 +30,11 @@ Every algorithmic choice, and where it comes from (QeRL §3-4, App. E; docs/pape
  4. No KL term (β = 0) and no entropy bonus, as Table 4 says ("without using entropy or KL losses").
     With β = 0 TRL loads no reference model.
  5. μ (policy updates per rollout): 4 on GSM8K, 1 on BigMath (Table 4, read as TRL's
-    ``num_iterations``; see grpo_presets). With μ = 1 the ratio ρ is exactly 1 at the single update,
+    ``num_iterations``; see `train.presets`). With μ = 1 the ratio ρ is exactly 1 at the single update,
     so clipping never acts: the step is REINFORCE with a group baseline.
  6. Truncated completions (no end-of-turn token within the limit) are masked out of the loss
     (``mask_truncated_completions``, official scripts; DAPO's overlong filtering) in the Qwen
-    presets; ``smollm2-arith`` keeps them (see grpo_presets for the measurement behind that).
+    presets; ``smollm2-arith`` keeps them (see `train.presets` for the measurement behind that).
  7. Rollouts at temperature 1.0, top-p 1.0, no top-k (Table 4, scripts). The engine's logprobs are
     of softmax(logits / T), the same distribution TRL scores; a top-p/top-k filter is refused.
  8. LoRA rank 32, alpha = rank, all seven projections, dropout 0, norms frozen (paper §4.1; the
@@ -42,7 +42,8 @@ Every algorithmic choice, and where it comes from (QeRL §3-4, App. E; docs/pape
  9. AdamW (8-bit on GPU, Table 4), betas (0.9, 0.99), weight decay 0.1, warm-up 10 %, cosine,
     grad-norm clip 0.2 (scripts). lr 1e-5 quantized / 5e-6 bf16 (Table 4).
 10. AQN: σ_start 1e-2 → σ_end 5e-4 over 10 stages, exponential, stage 0 noise-free (Table 4,
-    Eq. 8 with the official code's exponent, see `aqn`); one fresh draw per rollout, on the input
+    Eq. 8 with the official code's exponent, see `aqn`); one fresh draw per optimizer step that rolls out (`EngineRollout.noise_for`; TRL makes at
+    most one rollout per step here), on the input
     and post-attention RMSNorms, *rollout only*, as the paper and code intend. The official code
     most likely never applied it (class check on transformers' RMSNorm inside vLLM); here it reaches
     the engine, and ``noise_rms`` in the metrics shows the realised perturbation.
@@ -525,7 +526,7 @@ def train(config: TrainConfig, out_dir: str | os.PathLike, resume: bool = False,
           callbacks: list | None = None, quiet: bool = False, completion_budgets=None) -> dict:
     """Run (or resume) one training run; return the summary dict (also written to OUT/summary.json).
 
-    OUT holds ``run.json`` (config + provenance), ``metrics.jsonl`` (one line per step),
+    OUT holds ``run.json`` (config + provenance), ``metrics.jsonl`` (one line per step that rolled out: every μ-th),
     ``checkpoints/checkpoint-N`` (TRL), ``adapter/`` (final LoRA adapters) and ``summary.json``.
     Every input error (unknown preset or mode, impossible batch, empty dataset, a resume that does
     not match) raises `UserError` before any model is loaded. ``extra_rewards``: (name, function,

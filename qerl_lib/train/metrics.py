@@ -1,9 +1,10 @@
 """Per-step metrics, progress line and checkpoints (side state, completion marker, resume) for QeRL training.
 
-Every optimizer step TRL calls ``log`` with the averages of what it and the kit recorded during the
-step; `RunMetrics.on_log` turns that into one JSON line in ``OUT/metrics.jsonl`` (rewritten
-atomically, so a reader or a resumed run never sees a torn line) with plain key names, adds the
-wall-clock split and peak memory, and prints one line under a tqdm bar.
+After every optimizer step TRL calls ``log`` with the averages of what it and the kit recorded during the
+step. For each step that carried a rollout, `RunMetrics.on_log` turns that into one JSON line in
+``OUT/metrics.jsonl`` (rewritten atomically, so a reader or a resumed run never sees a torn line) with plain
+key names, adds the wall-clock split and peak memory, and prints one line under a tqdm bar. With μ > 1 a
+rollout serves μ steps; the steps without one write no line (TRL logs no ``reward`` for them).
 
 Keys of a metrics line (``METRIC_KEYS``; TRL's own name in brackets where it differs)
 ------------------------------------------------------------------------------------
@@ -26,6 +27,8 @@ rollout_seconds, train_seconds, step_seconds         time split: engine (the slo
 peak_memory_gb, memory_kind                          CUDA: peak allocated in the step (the engine's remappable KV
                                                      cache, outside PyTorch's allocator, counted during the rollout);
                                                      CPU: process peak RSS
+kv_cache_gb                                          the engine's KV cache during the step's rollout
+base_weights_gb, lora_gb, grads_gb, optimizer_gb     the step's fixed memory (`memory_accounting`)
 
 Crash-proof checkpoints
 -----------------------
@@ -129,7 +132,7 @@ class RunMetrics(TrainerCallback):
             row[RENAMES.get(key, key)] = value
         row["step"] = state.global_step
         row["reward_errors"] = sum(f.take_errors() for f in self.reward_funcs if hasattr(f, "take_errors"))
-        # μ > 1 reuses one rollout for several steps: the steps without one spent 0 s in the engine
+        # a row without rollout_seconds (no engine in the loop) counts 0 s in it
         row["rollout_seconds"] = rollout_s = row.get("rollout_seconds") or 0.0
         row["step_seconds"] = self._step_seconds
         row["train_seconds"] = self._step_seconds - rollout_s

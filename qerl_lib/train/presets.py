@@ -119,7 +119,7 @@ class TrainConfig:
     num_iterations: int = 1  # μ: optimizer passes over each rollout batch (TRL num_iterations)
     max_completion_length: int = 4096
     rollout_batch: int = 256  # most sequences decoding at once (bounds the KV cache); more queue for their rows
-    decode_backend: str = "auto"  # engine decode path: auto (CUDA graphs on GPU, eager on CPU) | eager | graphs
+    decode_backend: str = "auto"  # engine decode path: auto (graphs+fused on GPU, eager on CPU) | eager | graphs | graphs+fused
     # bf16 base only: each rollout runs the adapters merged into engine-owned weight copies (engine/merged.py): no
     # adapter launches, one more copy of the dense weights during the rollout (7B: +12.2 GiB; freed before the backward
     # with release_engine_cache); make_config re-sizes a Qwen preset's rollout_batch for it (train/memory.py)
