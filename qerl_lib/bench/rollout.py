@@ -38,9 +38,9 @@ rows on the very same checkpoint, adapters and prompts, in the same run (``bench
 ``--weights nf4`` adds QLoRA's bitsandbytes NF4 base (``models/nf4.py``) to the kit's rows.
 
 Output (the command line is `bench/rollout_cli.py`): ``--json`` is rewritten (atomically) after every
-configuration, so a run cut short keeps the rows it finished. A rerun does not resume them, so an existing ``--json`` is refused unless ``--force``: measure the rest
-into another file and combine the two with ``--merge`` (a configuration in both keeps the row of the file named
-later).
+configuration, so a run cut short keeps the rows it finished. A rerun does not resume them, so an existing
+``--json`` is refused unless ``--force``: measure the rest into another file and combine the two with
+``--merge`` (a configuration in both keeps the row of the file named later).
 """
 
 from __future__ import annotations

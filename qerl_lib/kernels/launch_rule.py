@@ -77,12 +77,18 @@ def resolve_small_m_backend(name: str | None = None) -> str:
     return value
 
 
+def mma_shape(m: int, k: int) -> bool:
+    """Whether the mma.sync kernel takes a call of this shape under the "auto" small-M rule (rows <= AUTO_MAX_M and a
+    reduction it supports); whether this machine can run it is ``uses_mma``'s further question."""
+    return m <= mma.AUTO_MAX_M and mma.supported_problem(m, k)
+
+
 def uses_mma(m: int, k: int, device: torch.device, backend: str | None = None) -> bool:
     """Whether an ``fp4_linear`` call with ``m`` rows, reduction ``k`` on ``device`` (and no Triton
     ``config``) runs the mma.sync kernel under small-M ``backend`` (None: the environment's, see
     ``resolve_small_m_backend``); raises if the backend is "mma" but this machine cannot run it."""
     backend = resolve_small_m_backend(backend)
-    if backend == "triton" or device.type != "cuda" or m > mma.AUTO_MAX_M or not mma.supported_problem(m, k):
+    if backend == "triton" or device.type != "cuda" or not mma_shape(m, k):
         return False
     index = device.index if device.index is not None else (torch.cuda.current_device() if torch.cuda.is_available() else 0)
     if mma.available(index):

@@ -88,14 +88,14 @@ def dispatch_table(model: str, ms: Sequence[int], layouts: Sequence[str] = ("hf"
     choice, by the label the GEMM benchmark gives it. One row per row count: ``m`` and one key per projection
     shape (``bench.gemm.projection_shapes``' names). Computed from the launch rules: what the code does."""
     from qerl_lib.bench.gemm import projection_shapes
-    from qerl_lib.kernels import launch_rule, mma
+    from qerl_lib.kernels import launch_rule
 
     shapes = projection_shapes(model, layouts)
     rows = []
     for m in ms:
         row = {"m": m}
         for shape in shapes:
-            if m <= mma.AUTO_MAX_M and mma.supported_problem(m, shape.k):
+            if launch_rule.mma_shape(m, shape.k):
                 row[shape.name] = "mma"
             else:
                 config = launch_rule.plan_launch(m, shape.n, shape.k, num_sms, gluon=True, producer_aligned=True,

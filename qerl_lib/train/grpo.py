@@ -42,8 +42,8 @@ Every algorithmic choice, and where it comes from (QeRL §3-4, App. E; docs/pape
  9. AdamW (8-bit on GPU, Table 4), betas (0.9, 0.99), weight decay 0.1, warm-up 10 %, cosine,
     grad-norm clip 0.2 (scripts). lr 1e-5 quantized / 5e-6 bf16 (Table 4).
 10. AQN: σ_start 1e-2 → σ_end 5e-4 over 10 stages, exponential, stage 0 noise-free (Table 4,
-    Eq. 8 with the official code's exponent, see `aqn`); one fresh draw per optimizer step that rolls out (`EngineRollout.noise_for`; TRL makes at
-    most one rollout per step here), on the input
+    Eq. 8 with the official code's exponent, see `aqn`); one fresh draw per optimizer step that rolls out
+    (`EngineRollout.noise_for`; TRL makes at most one rollout per step here), on the input
     and post-attention RMSNorms, *rollout only*, as the paper and code intend. The official code
     most likely never applied it (class check on transformers' RMSNorm inside vLLM); here it reaches
     the engine, and ``noise_rms`` in the metrics shows the realised perturbation.
