@@ -7,6 +7,7 @@
 # while the machine is held:
 #   carry .vlpN alone, run `bash dev/sweeps/vllm_peer_gpu.sh vl N`          (N = 0 ... 9)
 #   carry .whl, run `bash dev/sweeps/vllm_peer_gpu.sh install start` (or `install start-r16`: the short set;
+#   `install start-h200`: the short set's NVFP4 rows and the uneven workload, section 152;
 #   `install start-nf4`: NVFP4 against QLoRA's NF4 in both engines, after bitsandbytes is assembled, see start-nf4)
 #   then `bash dev/sweeps/vllm_peer_gpu.sh poll 560` until it prints "done" (results come back under $OUT).
 # "start" runs the three benchmarks in the background (the whole run is longer than one 10-minute call):
@@ -56,6 +57,28 @@ python3 -m qerl_lib bench rollout --merge /tmp/bg/vllm_fixed_nvfp4_r16.json /tmp
   --json /tmp/bg/merged.json > /tmp/bg/table.txt 2>&1
 touch /tmp/bg/done
 EOF
+      (nohup setsid bash "$BG/run.sh" > "$BG/run_log.txt" 2>&1 &)
+      echo started ;;
+    start-h200)  # dev/LOG.md section 152: the kit and vLLM 0.24 in one run on an H200 (they have met there only at
+      # batch 8, section 54): NVFP4 + r16 at batch 8/32/64/128, 256 + 1024; then the gsm8k-like workload on 64 rows
+      # (kit static and continuous, vLLM); then the merge
+      mkdir -p "$BG" /tmp/vw
+      cat > "$BG/run.sh" <<'EOF2'
+set -uo pipefail
+cd /tmp/kit
+export PYTHONPATH=/tmp/site:/tmp/kit PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total --format=csv > /tmp/bg/gpu.txt
+python3 -m qerl_lib bench rollout --models qwen2.5-7b --prompt-len 256 --gen-len 1024 --repeats 2 --no-hf-baseline \
+  --engines kit,vllm --vllm-pythonpath /tmp/vsite:/tmp/site --vllm-workdir /tmp/vw \
+  --weights nvfp4 --batch 8,32,64,128 --lora-rank 16 --json /tmp/bg/vllm_fixed_nvfp4_r16.json > /tmp/bg/log_fixed_nvfp4.txt 2>&1
+python3 -m qerl_lib bench rollout --models qwen2.5-7b --prompt-len 256 --gen-len 1024 --repeats 2 --no-hf-baseline \
+  --engines kit,vllm --vllm-pythonpath /tmp/vsite:/tmp/site --vllm-workdir /tmp/vw \
+  --weights nvfp4 --batch 64 --lora-rank 16 --workload gsm8k-like --prompts 256 --scheduling static,continuous \
+  --json /tmp/bg/vllm_uneven_nvfp4_r16.json > /tmp/bg/log_uneven.txt 2>&1
+python3 -m qerl_lib bench rollout --merge /tmp/bg/vllm_fixed_nvfp4_r16.json /tmp/bg/vllm_uneven_nvfp4_r16.json \
+  --json /tmp/bg/merged.json > /tmp/bg/table.txt 2>&1
+touch /tmp/bg/done
+EOF2
       (nohup setsid bash "$BG/run.sh" > "$BG/run_log.txt" 2>&1 &)
       echo started ;;
     start-nf4)  # dev/LOG.md section 53: the paper's Fig. 1 setting (7B, batch 8, 256 + 2048, LoRA r0 / r16), NVFP4 and
