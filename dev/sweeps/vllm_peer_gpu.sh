@@ -3,9 +3,10 @@
 # Qwen2.5-7B checkpoints, prompts, adapters and lengths, one after the other on one H100.
 # Set-up (../shared/gpu/vllm/README.md): `bash ../shared/gpu/vllm/prepare.sh` here fills .vl1 ... .vl7 (56 MiB each,
 # which with this tree's ~24 MB pass the 64 MiB a call carries), then `bash dev/sweeps/vllm_peer_gpu.sh split` here
-# packs the wheels into one tar cut into 34 MiB parts .vlp0 ... .vlp9. On the device, one call right after another
+# packs the wheels into one tar cut into 30 MiB parts .vlp00, .vlp01, ... (this tree is ~33 MB of a call's 64 MiB).
+# On the device, one call right after another
 # while the machine is held:
-#   carry .vlpN alone, run `bash dev/sweeps/vllm_peer_gpu.sh vl N`          (N = 0 ... 9)
+#   carry .vlpNN alone, run `bash dev/sweeps/vllm_peer_gpu.sh vl NN`        (NN = 00, 01, ... as `split` listed)
 #   carry .whl, run `bash dev/sweeps/vllm_peer_gpu.sh install start` (or `install start-r16`: the short set;
 #   `install start-h200`: the short set's NVFP4 rows and the uneven workload, section 152;
 #   `install start-nf4`: NVFP4 against QLoRA's NF4 in both engines, after bitsandbytes is assembled, see start-nf4)
@@ -25,17 +26,17 @@ while [ $# -gt 0 ]; do
     split)  # here, after ../shared/gpu/vllm/prepare.sh
       stage=$(mktemp -d); cp .vl?/* "$stage"/
       (cd "$stage" && cat vlpart.? > "$(cat vllm.name)" && echo "$(cat vllm.sha256)  $(cat vllm.name)" | sha256sum -c &&
-        tar cf vl.tar ./*.whl && split -b 34M -d -a 1 vl.tar vlp.)
-      rm -rf .vlp?; for f in "$stage"/vlp.?; do mkdir ".vlp${f##*.}"; mv "$f" ".vlp${f##*.}/p"; done
-      last=$(ls -d .vlp? | tail -1); sha256sum "$stage/vl.tar" | cut -d' ' -f1 > "$last/sha256"; rm -rf "$stage"
-      grep -qxF "/.vlp?/" "$(git rev-parse --git-dir)/info/exclude" || echo "/.vlp?/" >> "$(git rev-parse --git-dir)/info/exclude"
-      du -sh .vlp? ;;
+        tar cf vl.tar ./*.whl && split -b 30M -d -a 2 vl.tar vlp.)
+      rm -rf .vlp?*; for f in "$stage"/vlp.??; do mkdir ".vlp${f##*.}"; mv "$f" ".vlp${f##*.}/p"; done
+      last=$(ls -d .vlp?? | tail -1); sha256sum "$stage/vl.tar" | cut -d' ' -f1 > "$last/sha256"; rm -rf "$stage"
+      grep -qxF "/.vlp*/" "$(git rev-parse --git-dir)/info/exclude" || echo "/.vlp*/" >> "$(git rev-parse --git-dir)/info/exclude"
+      du -sh .vlp?? ;;
     vl)
       mkdir -p /tmp/vl && cp ".vlp$2/p" "/tmp/vl/p$2" && { [ ! -f ".vlp$2/sha256" ] || cp ".vlp$2/sha256" /tmp/vl/sha256; }
       ls /tmp/vl; shift ;;
     install)  # every part sent; the last one brought the tar's sha256
-      cat /tmp/vl/p? > /tmp/vl/vl.tar && echo "$(cat /tmp/vl/sha256)  /tmp/vl/vl.tar" | sha256sum -c &&
-        (cd /tmp/vl && tar xf vl.tar && rm vl.tar p? &&
+      cat /tmp/vl/p?? > /tmp/vl/vl.tar && echo "$(cat /tmp/vl/sha256)  /tmp/vl/vl.tar" | sha256sum -c &&
+        (cd /tmp/vl && tar xf vl.tar && rm vl.tar p?? &&
          python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/vsite ./*.whl 2>&1 | tail -2)
       python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>&1 | tail -2
       mkdir -p /tmp/kit && cp -r qerl_lib data pyproject.toml /tmp/kit/ ;;
