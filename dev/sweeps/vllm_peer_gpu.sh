@@ -82,6 +82,25 @@ touch /tmp/bg/done
 EOF2
       (nohup setsid bash "$BG/run.sh" > "$BG/run_log.txt" 2>&1 &)
       echo started ;;
+    start-h200-large)  # dev/LOG.md section 153: 14B then 32B, NVFP4 + LoRA r32, batch 8, 256 + 2048, kit then vLLM
+      mkdir -p "$BG" /tmp/vw
+      cat > "$BG/run.sh" <<'EOF2'
+set -uo pipefail
+cd /tmp/kit
+export PYTHONPATH=/tmp/site:/tmp/kit PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total --format=csv > /tmp/bg/gpu.txt
+python3 -m qerl_lib bench rollout --models qwen2.5-14b --prompt-len 256 --gen-len 2048 --repeats 2 --no-hf-baseline \
+  --engines kit,vllm --vllm-pythonpath /tmp/vsite:/tmp/site --vllm-workdir /tmp/vw \
+  --weights nvfp4 --batch 8 --lora-rank 32 --json /tmp/bg/vllm_14b_nvfp4_r32.json > /tmp/bg/log_14b.txt 2>&1
+python3 -m qerl_lib bench rollout --models qwen2.5-32b --prompt-len 256 --gen-len 2048 --repeats 2 --no-hf-baseline \
+  --engines kit,vllm --vllm-pythonpath /tmp/vsite:/tmp/site --vllm-workdir /tmp/vw \
+  --weights nvfp4 --batch 8 --lora-rank 32 --json /tmp/bg/vllm_32b_nvfp4_r32.json > /tmp/bg/log_32b.txt 2>&1
+python3 -m qerl_lib bench rollout --merge /tmp/bg/vllm_14b_nvfp4_r32.json /tmp/bg/vllm_32b_nvfp4_r32.json \
+  --json /tmp/bg/merged.json > /tmp/bg/table.txt 2>&1
+touch /tmp/bg/done
+EOF2
+      (nohup setsid bash "$BG/run.sh" > "$BG/run_log.txt" 2>&1 &)
+      echo started ;;
     start-nf4)  # dev/LOG.md section 53: the paper's Fig. 1 setting (7B, batch 8, 256 + 2048, LoRA r0 / r16), NVFP4 and
       # QLoRA's NF4 base in both engines. Needs bitsandbytes first: `gpu_job.sh part .bnb0`, `part .bnb1`, then
       # `bash dev/sweeps/gpu_job.sh assemble` (into /tmp/site_bnb) before `install start-nf4`.
