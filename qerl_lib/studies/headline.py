@@ -198,7 +198,7 @@ def _fixed_rows(results_dir, file: str):
     doc = load_result(results_dir, file)
     every = checked_rows(doc, file, ROLLOUT_KEYS + ("workload", "prompts", "scheduling"))
     rows = [r for r in every if r["workload"] == "fixed" and r["prompts"] is None]
-    gen = fastest(rows, file, engine="qerl")["gen_len"]
+    gen = fastest(rows, file, engine="qerl", model="qwen2.5-7b", rank=16)["gen_len"]
     common = dict(model="qwen2.5-7b", rank=16, prompt_len=256, gen_len=gen)
 
     def tok(engine, weights, batch):
@@ -207,7 +207,42 @@ def _fixed_rows(results_dir, file: str):
 
 
 def _batches(rows: list[dict], engine: str, weights: str) -> list[int]:
-    return sorted({r["batch"] for r in rows if r["engine"] == engine and r["weights"] == weights and r["rank"] == 16})
+    return sorted({r["batch"] for r in rows if r["engine"] == engine and r["weights"] == weights and r["rank"] == 16
+                   and r["model"] == "qwen2.5-7b"})
+
+
+LEAD = "kit engine / vLLM 0.24, same run, same Qwen2.5-7B-shaped checkpoint, prompts and adapters"
+
+
+def _where(batches, gen) -> str:
+    return f"batch {' / '.join(map(str, batches))}, 256 + {gen} tokens"
+
+
+def _ratios(pairs) -> str:
+    return " / ".join(times(a / b) for a, b in pairs)
+
+
+def _peer_nvfp4_row(results_dir, file: str) -> tuple:
+    """The kit's engine over vLLM, NVFP4 + r16 at every batch of one same-run file, with the kit's tokens/s."""
+    _, rows, dev, tok, gen = _fixed_rows(results_dir, file)
+    batches = _batches(rows, "vllm", "nvfp4")
+    return (f"{LEAD}, NVFP4 + LoRA r16, {_where(batches, gen)}",
+            _ratios((tok("qerl", "nvfp4", b), tok("vllm", "nvfp4", b)) for b in batches)
+            + f" (kit {' / '.join(tok_text(tok('qerl', 'nvfp4', b)) for b in batches)} tok/s)", dev, file)
+
+
+def _uneven_row(every: list[dict], dev: str, file: str) -> tuple:
+    """Continuous batching against the static batch and vLLM on one file's uneven workload."""
+    label = {"nvfp4": "NVFP4", "bf16": "bf16"}
+    uneven = [r for r in every if r["workload"] != "fixed"]
+    cont = fastest(uneven, file, engine="qerl", scheduling="continuous")
+    static = fastest(uneven, file, engine="qerl", scheduling="static", batch=cont["batch"], rank=cont["rank"])
+    peer = fastest(uneven, file, engine="vllm", batch=cont["batch"], rank=cont["rank"])
+    return (f"uneven rollout, {cont['prompts']} {cont['workload']} completions of <= {cont['gen_len']} tokens on "
+            f"{cont['batch']} rows, {label[cont['weights']]} + LoRA r{cont['rank']}: kit continuous / kit static / vLLM",
+            f"{tok_text(cont['tok_s'])} / {tok_text(static['tok_s'])} / {tok_text(peer['tok_s'])} tok/s: "
+            f"{times(cont['tok_s'] / static['tok_s'])} over static, {times(cont['tok_s'] / peer['tok_s'])} over vLLM",
+            dev, file)
 
 
 def _vllm_rows(results_dir) -> list[tuple]:
@@ -215,44 +250,50 @@ def _vllm_rows(results_dir) -> list[tuple]:
     NVFP4 + r16 comes from the newer run (``rollout_vllm_r16_h100.json``), the kit's NVFP4 / bf16 from the newest
     kit-only run (``rollout_r16_h100.json``); bf16 + r16, vLLM's NVFP4 / bf16 and the uneven rollout from the earlier
     full set (``rollout_vllm_h100.json``)."""
-    def ratios(pairs):
-        return " / ".join(times(a / b) for a, b in pairs)
-
-    def where(batches, gen):
-        return f"batch {' / '.join(map(str, batches))}, 256 + {gen} tokens"
-
-    new = "rollout_vllm_r16_h100.json"
-    _, rows_new, dev_new, tok_new, gen_new = _fixed_rows(results_dir, new)
-    b_new = _batches(rows_new, "vllm", "nvfp4")
     kit_file = "rollout_r16_h100.json"
     _, rows_kit, dev_kit, tok_kit, gen_kit = _fixed_rows(results_dir, kit_file)
     b_ratio = sorted(set(_batches(rows_kit, "qerl", "nvfp4")) & set(_batches(rows_kit, "qerl", "bf16")))
     file = "rollout_vllm_h100.json"
     every, rows, dev, tok, gen = _fixed_rows(results_dir, file)
     batches = _batches(rows, "vllm", "bf16")
-    lead = "kit engine / vLLM 0.24, same run, same Qwen2.5-7B-shaped checkpoint, prompts and adapters"
-    out = [(f"{lead}, NVFP4 + LoRA r16, {where(b_new, gen_new)}",
-            ratios((tok_new("qerl", "nvfp4", b), tok_new("vllm", "nvfp4", b)) for b in b_new)
-            + f" (kit {' / '.join(tok_text(tok_new('qerl', 'nvfp4', b)) for b in b_new)} tok/s)", dev_new, new),
-           (f"{lead}, bf16 + LoRA r16, {where(batches, gen)}",
-            ratios((tok("qerl", "bf16", b), tok("vllm", "bf16", b)) for b in batches)
-            + f" (kit {' / '.join(tok_text(tok('qerl', 'bf16', b)) for b in batches)} tok/s)", dev, file),
-           (f"NVFP4 / bf16 with LoRA r16, kit engine, same run, {where(b_ratio, gen_kit)}",
-            " / ".join(times(tok_kit("qerl", "nvfp4", b) / tok_kit("qerl", "bf16", b), 3) for b in b_ratio)
-            + f" (NVFP4 {' / '.join(tok_text(tok_kit('qerl', 'nvfp4', b)) for b in b_ratio)}, bf16 "
-            + f"{' / '.join(tok_text(tok_kit('qerl', 'bf16', b)) for b in b_ratio)} tok/s)", dev_kit, kit_file),
-           (f"NVFP4 / bf16 with LoRA r16, vLLM 0.24 (Marlin FP4), same run, {where(batches, gen)}",
-            ratios((tok("vllm", "nvfp4", b), tok("vllm", "bf16", b)) for b in batches), dev, file)]
-    label = {"nvfp4": "NVFP4", "bf16": "bf16"}
-    uneven = [r for r in every if r["workload"] != "fixed"]
-    cont = fastest(uneven, file, engine="qerl", scheduling="continuous")
-    static = fastest(uneven, file, engine="qerl", scheduling="static", batch=cont["batch"], rank=cont["rank"])
-    peer = fastest(uneven, file, engine="vllm", batch=cont["batch"], rank=cont["rank"])
-    out.append((f"uneven rollout, {cont['prompts']} {cont['workload']} completions of <= {cont['gen_len']} tokens on "
-                f"{cont['batch']} rows, {label[cont['weights']]} + LoRA r{cont['rank']}: kit continuous / kit static / vLLM",
-                f"{tok_text(cont['tok_s'])} / {tok_text(static['tok_s'])} / {tok_text(peer['tok_s'])} tok/s: "
-                f"{times(cont['tok_s'] / static['tok_s'])} over static, {times(cont['tok_s'] / peer['tok_s'])} over vLLM",
-                dev, file))
+    return [_peer_nvfp4_row(results_dir, "rollout_vllm_r16_h100.json"),
+            (f"{LEAD}, bf16 + LoRA r16, {_where(batches, gen)}",
+             _ratios((tok("qerl", "bf16", b), tok("vllm", "bf16", b)) for b in batches)
+             + f" (kit {' / '.join(tok_text(tok('qerl', 'bf16', b)) for b in batches)} tok/s)", dev, file),
+            (f"NVFP4 / bf16 with LoRA r16, kit engine, same run, {_where(b_ratio, gen_kit)}",
+             " / ".join(times(tok_kit("qerl", "nvfp4", b) / tok_kit("qerl", "bf16", b), 3) for b in b_ratio)
+             + f" (NVFP4 {' / '.join(tok_text(tok_kit('qerl', 'nvfp4', b)) for b in b_ratio)}, bf16 "
+             + f"{' / '.join(tok_text(tok_kit('qerl', 'bf16', b)) for b in b_ratio)} tok/s)", dev_kit, kit_file),
+            (f"NVFP4 / bf16 with LoRA r16, vLLM 0.24 (Marlin FP4), same run, {_where(batches, gen)}",
+             _ratios((tok("vllm", "nvfp4", b), tok("vllm", "bf16", b)) for b in batches), dev, file),
+            _uneven_row(every, dev, file)]
+
+
+def _vllm_h200_rows(results_dir) -> list[tuple]:
+    """The same-run comparison on the H200 (``rollout_vllm_h200.json``): the 7B NVFP4 + r16 batches, the uneven
+    workload, and the larger models' batch-8 rows beside the paper's vLLM figures for them."""
+    file = "rollout_vllm_h200.json"
+    every, _, dev, _, _ = _fixed_rows(results_dir, file)
+    out = [_peer_nvfp4_row(results_dir, file), _uneven_row(every, dev, file)]
+    large = sorted({r["model"] for r in every if r["model"] != "qwen2.5-7b" and r["engine"] == "vllm"
+                    and r["workload"] == "fixed" and r["error"] is None}, key=model_size)
+    if large:
+        ref = field(load_result(results_dir, file), "summary", "paper_vllm_h100", file=file)
+
+        def tok(model, engine):
+            return fastest(every, file, model=model, engine=engine, weights="nvfp4", batch=8, prompt_len=256,
+                           gen_len=2048, workload="fixed")
+
+        kit, peer = {m: tok(m, "qerl") for m in large}, {m: tok(m, "vllm") for m in large}
+        ranks = sorted({kit[m]["rank"] for m in large} | {peer[m]["rank"] for m in large})
+        sizes = [m.replace("qwen2.5-", "") for m in large]
+        paper = " / ".join(tok_text(field(ref, f"{s}_nvfp4_b8", file=file)) for s in sizes)
+        out.append((f"kit engine / vLLM 0.24, same run, Qwen2.5-{' / '.join(s.upper() for s in sizes)} shapes, "
+                    f"NVFP4 + LoRA r{' / r'.join(map(str, ranks))}, batch 8, 256 + 2048 tokens",
+                    _ratios((kit[m]["tok_s"], peer[m]["tok_s"]) for m in large)
+                    + f" (kit {' / '.join(tok_text(kit[m]['tok_s']) for m in large)}, vLLM "
+                    + f"{' / '.join(tok_text(peer[m]['tok_s']) for m in large)} tok/s) "
+                    + f"(paper, vLLM on H100, Tab. 7-8, rank not stated: {paper} tok/s)", dev, file))
     return out
 
 
@@ -309,6 +350,7 @@ def headline_rows(results_dir: str | Path = RESULTS_DIR,
                  *_rollout_nf4_rows(results_dir),
                  _rollout_merge_row(results_dir),
                  *_vllm_rows(results_dir),
+                 *_vllm_h200_rows(results_dir),
                  _engine_vs_generate(results_dir, "rollout_h100.json"),
                  _engine_vs_generate(results_dir, "rollout_h200.json")]
     if "entropy" in topics:

@@ -37,6 +37,12 @@ RESULT_FILES = {
                                   "cuBLAS bf16, the kit's `fp4_linear` and vLLM 0.24's Marlin FP4, one process, each "
                                   "output checked against the kit's oracle (dev/LOG.md section 55, "
                                   "`dev/runs/marlin_peer_h200_2026-11-28/`)",
+    "rollout_vllm_h200.json": "the kit's engine and vLLM 0.24.0 one after the other on the same random-weight "
+                              "checkpoints, prompts and adapters (`--engines kit,vllm`) on an H200: Qwen2.5-7B NVFP4 + "
+                              "LoRA r16 at batch 8/32/64/128, 256 + 1024 tokens; 256 GSM8K-like completions of <= 1024 "
+                              "tokens over 64 rows (kit static and continuous, vLLM); Qwen2.5-14B and 32B NVFP4 + r32 "
+                              "at batch 8, 256 + 2048 (dev/LOG.md sections 152-153, "
+                              "`dev/runs/vllm_peer_h200_2026-11-30/`); two runs merged",
     "rollout_nf4_h200.json": "NVFP4 against QLoRA's base (bitsandbytes NF4), random-weight Qwen2.5-7B: batch 8, "
                              "256 + 2048 tokens, LoRA rank 0/16, in the kit's engine and in vLLM 0.24 in one run "
                              "(dev/LOG.md section 54, `dev/runs/vllm_nf4_h200_2026-11-28/`); batch 32, 256 + 1024, "
