@@ -377,6 +377,8 @@ def test_flag_errors_are_one_line_and_come_before_any_model_or_write(tmp_path, c
         (["eval", *m, "--data", "file", "--path", empty], "eval", "the dataset is empty: pass a GSM8K-schema"),
         (["eval", *m, "--data", "file", "--path", data, "--json", tmp_path / "p.json"], "eval", "is the input"),
         (["export", *m, "--lora", tmp_path / "nope", "--out", tmp_path / "o"], "export", "does not exist"),
+        (["export", *m, "--lora", tmp_path / "nope", "--out", tmp_path / "o", "--merge", "--requantize"], "export",
+         "not allowed with argument"),
         (["prepare-model", "--gguf", gguf, "--out", tmp_path / "pm"], "prepare-model",
          "pass a complete SmolLM2-family GGUF file as --gguf"),
         (["results", "--readme", tmp_path], "results", "is a folder: pass the Markdown file"),

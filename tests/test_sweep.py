@@ -172,6 +172,7 @@ def test_concurrency_above_gpu_memory_is_one_clear_line(tiny_dir, tmp_path, monk
              (["--concurrency", "9", "--set", "learnig_rate=1"], r"unknown or misplaced field\(s\) \['learnig_rate'\]"),
              (["--concurrency", "9", "--set", "seed=3"], r"misplaced field\(s\) \['seed'\]"),
              (["--concurrency", "9", "--set", "base_format=nvfp4"], "arm 'lora': mode lora trains on a bf16 base"),
+             (["--concurrency", "9", "--set", "mode=qerl"], r"--set mode=\.\.\.: arm\(s\) \['lora', 'qerl'\] set 'mode'"),
              (["--concurrency", "0"], "--concurrency '0'")]
     for extra, message in cases:
         capsys.readouterr()

@@ -14,9 +14,10 @@ that line. Unexpected errors (bugs) still raise with their traceback. User-fixab
   tensor (`user_error_message`): ``json.JSONDecodeError`` (file, line, column), ``UnicodeDecodeError``
   (file, line, the byte), a safetensors error (the file; for a truncated one, the first tensor cut
   off), an adapter that does not fit the model (transformers/peft: the first mismatched tensor), a
-  CUDA device asked for where CUDA is missing, and a file that is missing, unreadable, or
-  where a folder should be (and the reverse). The file is found from the exception or, when the
-  library did not keep it, among the paths the failing frames held, by matching the bytes.
+  CUDA device asked for where CUDA is missing, a file that is missing, unreadable, or where a
+  folder should be (and the reverse), and a full disk. The file is found from the exception or,
+  when the library did not keep it, among the paths the failing frames and the command's arguments
+  hold: by matching the bytes (JSON, UTF-8) or by reading the header (safetensors).
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ COMMAND_MODULES = (
     "train",      # train, plot-run, plot-steps
     "sweep",      # calibrate, sweep, claims
     "reproduce",  # reproduce (papermill runner)
-    "results",    # results (the README's GPU results table)
+    "results",    # results (the README's GPU results and speed-claims tables)
 )
 
 

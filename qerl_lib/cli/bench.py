@@ -1,5 +1,7 @@
-"""`qerl bench gemm` (NVFP4 x BF16 GEMM vs BF16 in the forward and backward layouts, qerl_lib.bench.gemm)
-and `qerl bench rollout` (rollout throughput, qerl_lib.bench.rollout, which defines its own arguments).
+"""`qerl bench gemm` (NVFP4 x BF16 GEMM vs BF16 in the forward and backward layouts, qerl_lib.bench.gemm),
+`qerl bench train` (one GRPO step per mode through the real trainer, qerl_lib.studies.train_bench) and
+`qerl bench rollout` (rollout throughput, qerl_lib.bench.rollout; its arguments and handler live in
+qerl_lib.bench.rollout_cli).
 """
 
 from __future__ import annotations
@@ -72,7 +74,9 @@ def register(sub) -> None:
     p.add_argument("--mismatch-forward", action="store_true", help="also run the μ = 1 mismatch forward")
     p.add_argument("--preset-settings", action="store_true",
                    help="run each model's qwen2.5-SIZE-gsm8k preset as `qerl train` would (its batch, lengths, "
-                        "micro-batch, μ, rank, rollout rows; the flags that set those are then not accepted)")
+                        "micro-batch, μ, rank, rollout rows); --batches, --prompt-len, --gen-len, --lora-rank, "
+                        "--micro-batch, --groups, --num-gpus, --no-gradient-checkpointing, --mismatch-forward and "
+                        "--checkpoint-layers are then refused, while --num-iterations still sets μ")
     p.add_argument("--num-iterations", type=int, default=None,
                    help="μ, policy updates per rollout (default: 1, or the preset's with --preset-settings)")
     p.add_argument("--rollout-lora-merge", type=_str_list, default=["off"],
@@ -95,7 +99,7 @@ def register(sub) -> None:
     p.add_argument("--force", action="store_true", help="start over: replace an existing --json instead of resuming it")
     p.set_defaults(func=_train)
 
-    # `qerl bench rollout`: its arguments and handler live in qerl_lib.bench.rollout
+    # `qerl bench rollout`: its arguments and handler live in qerl_lib.bench.rollout_cli
     p = bsub.add_parser("rollout", help="rollout speed (TTFT, TPOT, tok/s, peak VRAM): bf16 vs NVFP4 engines")
     rollout_cli.add_arguments(p)
     p.set_defaults(func=rollout_cli.run_cli)

@@ -37,8 +37,10 @@ def register(sub) -> None:
     p.add_argument("--lora", required=True, help="adapter folder (peft format, from training)")
     p.add_argument("--out", required=True, help="output folder (written atomically; never the model or adapter folder)")
     p.add_argument("--force", action="store_true", help="replace --out if it exists and is not empty")
-    p.add_argument("--merge", action="store_true", help="merged dense bf16 weights (the default)")
-    p.add_argument("--requantize", action="store_true", help="re-quantize the merged weights to NVFP4A16")
+    kind = p.add_mutually_exclusive_group()
+    kind.add_argument("--merge", action="store_true",
+                      help="merged dense bf16 weights (the default: what export writes without --requantize)")
+    kind.add_argument("--requantize", action="store_true", help="re-quantize the merged weights to NVFP4A16")
     p.add_argument("--device", default="cpu")
     p.set_defaults(func=_export)
 

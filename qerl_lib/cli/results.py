@@ -36,7 +36,7 @@ def _results(args) -> int:
         extra, missing = unlisted_entries(results_dir)
         if extra:
             raise ResultsError(f"{results_dir}: {extra} not described: add them to RESULT_FILES "
-                               f"(qerl_lib/studies/headline.py) or move them to dev/runs/")
+                               f"(qerl_lib/studies/result_files.py) or move them to dev/runs/")
         if missing:
             raise ResultsError(f"{results_dir}: {missing} described in RESULT_FILES but absent")
     texts, written = {}, []  # every block is placed before any file is written: a missing marker changes nothing

@@ -28,7 +28,8 @@ def register(sub) -> None:
     p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="override every run's device")
     p.add_argument("--max-minutes", type=float, default=None, help="stop launching new runs after this long")
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
-                   help="override a TrainConfig field for every arm (JSON value), e.g. --set steps=2")
+                   help="set a TrainConfig field in the spec's [common] table (the value read as JSON, else as "
+                        "text), e.g. --set steps=2; refused for a field an arm sets itself")
     p.add_argument("--seeds", default=None, help="comma-separated seeds instead of the spec's")
     p.add_argument("--concurrency", default=None,
                    help="runs at once instead of the spec's (a positive integer or \"auto\"), e.g. to share a GPU "
@@ -101,6 +102,10 @@ def _sweep(args) -> int:
         if "=" not in item:
             raise UserError(f"--set {item!r}: use FIELD=VALUE, e.g. --set steps=2")
         key, value = item.split("=", 1)
+        setters = [arm.get("name", "?") for arm in spec.arms if key in arm]
+        if setters:
+            raise UserError(f"--set {key}=...: arm(s) {setters} set {key!r} themselves, and an arm's value wins over "
+                            f"[common]; edit those arms in {args.spec} instead")
         try:
             common[key] = json.loads(value)
         except json.JSONDecodeError:

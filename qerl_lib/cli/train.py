@@ -20,7 +20,9 @@ def register(sub) -> None:
     p.add_argument("--mode", default=None, help=f"{' | '.join(MODES)} (default: the preset's, qerl)")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps (default: the preset's)")
     p.add_argument("--seed", type=int, default=None, help="run seed: LoRA init, data order, rollouts, AQN noise")
-    p.add_argument("--out", default=None, help="run folder (default: artifacts/train/PRESET-MODE-seedS)")
+    p.add_argument("--out", default=None,
+                   help="run folder (default: artifacts/train/PRESET-ARM-seedS, ARM being the mode or an ablation's "
+                        "label such as bf16+aqn)")
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
     p.add_argument("--model", default=None, help="model folder or hub id instead of the preset's")
     p.add_argument("--data-path", default=None, help="local problems file (GSM8K-schema jsonl) for file/gsm8k data")

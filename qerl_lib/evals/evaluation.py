@@ -51,7 +51,7 @@ class EvalConfig:
     temperature: float = 0.6         # 0 = greedy
     top_p: float = 0.95
     max_new_tokens: int = 1024
-    batch_size: int = 64             # prompts per engine call
+    batch_size: int = 64             # completions (problem x sample) per engine call
     seed: int = 0                    # same seed, same samples, same numbers
     with_entropy: bool = False       # also the teacher-forced entropy on own completions
     entropy_batch_size: int = 16     # sequences per teacher-forced forward (full-vocab logits: memory)

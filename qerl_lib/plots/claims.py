@@ -7,7 +7,8 @@
 * `plot_lr_ladder`: held-out pass@1 against the learning rate for LoRA and QeRL, every seed a
   dot, collapsed runs crossed (paper Fig. 16/17, App. I);
 * `plot_base_formats`: untrained pass@1 per base format with 95% intervals (paper Tab. 1, base rows);
-* `plot_claims`: every claim's headline comparison with its interval, coloured by verdict.
+* `plot_claims`: every comparison behind each claim with its interval, coloured by verdict (supplementary
+  comparisons grey and dashed).
 """
 
 from __future__ import annotations

@@ -1,15 +1,16 @@
 """Figure of `notebooks/06_entropy_study.ipynb`, drawn from the metrics JSON of
 `qerl_lib.studies.entropy.run_entropy_study`.
 
-Three panels:
+Three panels (the third only when the JSON has an ``aqn`` entry):
 
 1. entropy difference from BF16 (nats, format minus bf16, paired by problem) for each 4-bit
    format, one bar per reference (own samples, the worked solutions, BF16's samples), with the
    95% bootstrap interval. A bar whose interval clears the zero line is a detected difference;
 2. accuracy (greedy pass@1 when measured, else sampled pass@1) per format with its interval;
-3. entropy vs AQN σ on the perturbed format (difference from BF16 on the worked solutions,
-   with intervals). The dotted horizontal lines mark where the other formats sit on the
-   same tokens, which shows whether noise moves entropy more than the choice of format does.
+3. entropy vs AQN σ on the perturbed format (difference from BF16, with intervals, on each fixed
+   reference the ``aqn`` entry lists: the worked solutions and BF16's samples by default). The dotted
+   horizontal lines mark where the other formats sit on the worked solutions, which shows whether
+   noise moves entropy more than the choice of format does.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ def _yerr(d: dict) -> list[list[float]]:
 
 
 def plot_entropy_study(metrics_json: str | Path, out_png: str | Path) -> Path:
-    """Draw the three panels above from `metrics_json`; returns the PNG path."""
+    """Draw the panels above from `metrics_json`; returns the PNG path."""
     m = load_json(metrics_json)
     formats = m.get("formats")
     if not formats or "bf16" not in formats:

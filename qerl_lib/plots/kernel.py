@@ -1,4 +1,5 @@
-"""Figures of the FP4 x BF16 GEMM benchmark (``qerl bench gemm --json``), drawn from its JSON only."""
+"""Figures of the GPU benchmarks, each drawn from its JSON only: the FP4 x BF16 GEMM (``qerl bench gemm --json``)
+and rollout throughput (``qerl bench rollout --json``)."""
 
 from __future__ import annotations
 
@@ -67,7 +68,7 @@ def plot_gemm_bandwidth(gemm_json: str | Path, out_png: str | Path, max_m: int =
 
 def _best(rows: list[dict], **match) -> dict | None:
     """The fastest row matching ``match`` (several backends/runs per configuration: the fastest
-    counts, as `qerl_lib.bench.rollout.summarize` does)."""
+    counts, as `qerl_lib.bench.rollout_report.summarize` does)."""
     hits = [r for r in rows if r.get("error") is None and r.get("tok_s") and all(r.get(k) == v for k, v in match.items())]
     return max(hits, key=lambda r: r["tok_s"]) if hits else None
 

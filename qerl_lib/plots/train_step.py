@@ -1,10 +1,12 @@
 """Where a GRPO step's time goes, per mode and model, from `qerl bench train --json`.
 
-Each bar is one mode's step (median of the measured steps), stacked by phase: the rollout (the engine sampling the
-completions), the trainer (log-probs, forward, backward, optimizer) and the rest (rewards, bookkeeping). QeRL's
-speedup over 16-bit LoRA is a rollout effect: with the current trainer the NVFP4 and bf16 bases' trainer phases are
-about equal, so the bars differ mostly in their solid part. The label above a bar is the step time and, beside lora's unmerged step, the
-speedup over it; the paper's figure for the case (its Tables 3 and 8) is printed under the case's name.
+Each bar is one mode's step (median of the measured steps), stacked by phase: the rollout (``rollout_s``, the engine
+sampling the completions), the trainer (``train_s``, everything else in the step: rewards, log-probs, forward,
+backward, optimizer) and a grey remainder (``step_s`` less both; each of the three is a median of its own, so the
+remainder is 0 or a sliver). QeRL's speedup over 16-bit LoRA is a rollout effect: the NVFP4 and bf16 bases' trainer
+phases are about equal, so the bars differ mostly in their solid part. The label above a bar is the step time and, on
+every bar but lora's unmerged one, the speedup over lora's unmerged step; the paper's figure for the case (its Tables
+3 and 8) is printed under the case's name.
 """
 
 from __future__ import annotations
@@ -65,7 +67,7 @@ def _device(doc: dict) -> str:
 
 
 def plot_train_steps(step_json: str | Path, out_png: str | Path) -> Path:
-    """One panel of stacked bars (rollout, trainer, rest) for every case and mode that `step_json` measured."""
+    """One panel of stacked bars (rollout, trainer, remainder) for every case and mode that `step_json` measured."""
     doc = load_json(step_json)
     cases = step_cases(doc["rows"], source=str(step_json))
     if not cases:
@@ -97,8 +99,8 @@ def plot_train_steps(step_json: str | Path, out_png: str | Path) -> Path:
     ax.set_ylim(top=ax.get_ylim()[1] * 1.12)
     # phase key: proxy artists with no data
     ax.bar(0, 0, 0, color="0.4", label="rollout (solid)")
-    ax.bar(0, 0, 0, color="0.4", alpha=0.45, hatch="//", edgecolor="white", label="trainer (hatched)")
-    ax.bar(0, 0, 0, color="0.75", label="rewards and the rest")
+    ax.bar(0, 0, 0, color="0.4", alpha=0.45, hatch="//", edgecolor="white", label="trainer, rewards incl. (hatched)")
+    ax.bar(0, 0, 0, color="0.75", label="step less both (medians' gap)")
     ax.legend(fontsize=6, ncol=2)
     settings = sorted({b["setting"] for c in cases for b in c["bars"]}, key=str)
     setting = "; ".join(f"{p} + {g} tokens, LoRA r{k}" for p, g, k in settings)

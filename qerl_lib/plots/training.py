@@ -14,7 +14,7 @@ from qerl_lib.plots.style import COLORS, new_figure, save_figure
 
 
 def moving_average(values: list, window: int) -> list:
-    """Trailing mean over the last `window` finite values (None where there are none yet)."""
+    """Trailing mean over the last `window` numbers, non-numbers (None) skipped; None where there are none yet."""
     out, kept = [], []
     for v in values:
         if isinstance(v, (int, float)):
