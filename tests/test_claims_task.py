@@ -61,6 +61,9 @@ def test_spec_validation_fails_before_anything_loads():
         plan_runs(_spec(arms=[{"name": "a", "mode": "lora", "base_format": "nvfp4"}]))
     with pytest.raises(UserError, match="unknown key"):
         _spec(concurency=2)
+    with pytest.raises(UserError, match="the equivalence test pairs seeds"):
+        _spec(blocks={"c": {"arms": ["lora", "qerl"], "test": "equivalence", "pairing": "problem"}})
+    assert _spec(blocks={"c": {"arms": ["lora", "qerl"], "test": "equivalence"}}).blocks["c"]["test"] == "equivalence"
 
 
 def test_paired_statistics_match_scipy():

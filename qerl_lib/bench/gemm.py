@@ -27,8 +27,8 @@ How the numbers are taken (and why)
   ``direction`` key (files written before it existed) are fwd rows.
 
 The timing helpers (``time_graph``, ``time_eager``, ``copy_bandwidth_gbps``, ``l2_cache_bytes``,
-``rotation_copies``, ``mean_relative_error``, ``TimingStats``) are shared with the rollout benchmark
-(``qerl_lib.bench.rollout``) and the sweeps in ``dev/sweeps/``; tables come from ``bench/table.py``.
+``rotation_copies``, ``mean_relative_error``, ``TimingStats``) are shared with the sweeps in
+``dev/sweeps/``; tables come from ``bench/table.py``.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ import torch
 from qerl_lib.bench.table import format_table
 from qerl_lib.errors import UserError
 from qerl_lib.models.fused import PROJECTIONS, layer_projection_shapes
-from qerl_lib.paths import CONFIGS_DIR, load_model_config  # noqa: F401 (re-exported)
+from qerl_lib.paths import load_model_config
 
 FP4_BYTES_PER_WEIGHT = 0.5 + 1 / 16  # 4-bit code + one E4M3 scale per 16 weights
 BF16_BYTES_PER_WEIGHT = 2.0

@@ -1,4 +1,4 @@
-"""The benchmarks' fixed-width tables: one column spec, one formatter (``qerl bench gemm``, ``qerl bench rollout``).
+"""The benchmarks' fixed-width tables: one column spec, one formatter (``qerl bench gemm``, ``rollout``, ``train``).
 
 A column is ``(key, format spec, width)``: the header is the key, right-aligned in ``width``; a
 cell is ``format(value, spec)`` (``str(value)`` for an empty spec), ``-`` where the value is

@@ -4,13 +4,14 @@ Two questions, each answered on the embedded model:
 
 1. **Is noise on the RMSNorm weight really noise on the projections?** `equivalence_on_layer` takes
    the real input of one decoder layer's ``input_layernorm`` and computes q/k/v two ways:
-   (a) the norm with weight ``w + Z`` (applied through `qerl_lib.train.aqn.apply_norm_overrides`, the
-   path training uses) followed by the unchanged projections, and (b) the clean norm followed by
-   projections whose input columns are scaled by ``1 + Z/w`` (`qerl_lib.train.aqn.merged_projection_weight`).
-   Algebraically (a) == (b). In float32 they differ by rounding only. The report sets that gap
-   against the size of the noise's own effect (a minus the clean output), so "small" has a scale.
-   The float64 rerun shows the gap shrinks with the precision, which is what rounding does and an
-   algebra error would not.
+   (a) the norm with weight ``w + Z``, written out by hand, followed by the unchanged projections, and
+   (b) the clean norm followed by projections whose input columns are scaled by ``1 + Z/w``
+   (`qerl_lib.train.aqn.merged_projection_weight`). Algebraically (a) == (b). In float32 they differ
+   by rounding only. The report sets that gap against the size of the noise's own effect (a minus the
+   clean output), so "small" has a scale. The float64 rerun shows the gap shrinks with the precision,
+   which is what rounding does and an algebra error would not. A separate check runs the norm module's
+   own forward with the override applied through `qerl_lib.train.aqn.apply_norm_overrides` (the path
+   training uses) and compares it with the by-hand norm of (a).
 
 2. **How much next-token entropy does each σ add on top of NVFP4?** `entropy_vs_sigma` scores fixed
    completions (teacher-forced, the same tokens at every σ) under AQN noise on the
@@ -79,7 +80,9 @@ def equivalence_on_layer(model, hidden: torch.Tensor, layer_index: int, sigma: f
 
     Needs a dense model (projection weights readable as ``.weight``). Returns, per projection and in
     float32 and float64: ``max_abs_diff`` (a vs b), ``max_abs_noise_effect`` (a vs clean) and their ratio
-    (null, with ``diff_over_effect_note``, when the noise had no effect).
+    (null, with ``diff_over_effect_note``, when the noise had no effect); and
+    ``module_vs_by_hand_max_abs_diff``: the norm module's forward under `apply_norm_overrides` against
+    ``(w + Z) ⊙ x̂`` computed by hand in float32.
     """
     if not sigma > 0:
         raise ValueError(f"sigma={sigma!r}: need sigma > 0, otherwise there is no noise to compare")
@@ -166,10 +169,10 @@ def entropy_vs_sigma(model, prompts: Sequence[Sequence[int]], completions: Seque
                      batch_size: int = 16, n_boot: int = 2000) -> list[dict]:
     """Teacher-forced entropy of `completions` under AQN noise of each σ, paired against σ = 0.
 
-    Each point: sigma, entropy (token mean, nats; null with ``entropy_note`` if no completion has tokens),
-    per_problem (null for an empty completion), diff_vs_sigma0 (paired bootstrap, per-problem, 95%),
-    realized_rms and fraction_changed of the float32 noise, and fraction_changed_if_bf16 (the share of norm
-    channels a bf16 cast would leave changed).
+    σ = 0 is added in front when `sigmas` lacks it. Each point: sigma, entropy (token mean, nats; null with
+    ``entropy_note`` if no completion has tokens), per_problem (null for an empty completion), diff_vs_sigma0
+    (paired bootstrap, per-problem, 95%) and its `verdict`, realized_rms and fraction_changed of the float32
+    noise, and fraction_changed_if_bf16 (the share of norm channels a bf16 cast would leave changed).
     """
     sigmas = [float(s) for s in sigmas]
     if any(not math.isfinite(s) or s < 0 for s in sigmas):
@@ -206,7 +209,8 @@ def median_norm_weight(model, norms: tuple[str, ...] = DEFAULT_NORMS) -> float:
 
 
 def verdict(diff: dict) -> str:
-    """Read a paired interval: 'raises' / 'lowers' when it excludes 0, else 'no detectable change'."""
+    """Read a paired interval: 'raises' / 'lowers' when it excludes 0, 'no data' without pairs, else 'no
+    detectable change'."""
     if diff.get("n", 0) == 0 or diff.get("low") is None:
         return "no data"
     if diff["low"] > 0:

@@ -3,8 +3,8 @@
 GRPO learns only from groups whose completions disagree: a group of G completions that are all
 right or all wrong has zero advantage everywhere. So a task suits a short RL run when the base
 model is right some of the time (pass@1 well inside (0, 1)) and most groups of G = 8 are *mixed*.
-`calibrate` samples G completions for each of ``n`` training-split problems per (level,
-temperature) from the untrained base and reports, per setting: pass@1, the share of mixed groups,
+`calibrate` samples G completions for each of ``n`` training-split problems per (base format,
+level, temperature) from the untrained model and reports, per setting: pass@1, the share of mixed groups,
 the share of truncated completions and the mean length. `choose_setting` applies the rule fixed
 before the claim sweeps (``docs/claims_plan.md``): among settings with pass@1 in [0.25, 0.45],
 prefer the paper's rollout temperature 1.0, then the largest share of mixed groups.
@@ -171,6 +171,11 @@ def format_calibration(record: dict) -> str:
         lines.append(f"{r['base']:6s} {r['level']:5d} {r['temperature']:4.1f} {r['pass@1']:7.3f} "
                      f"{r['mixed_groups']:6.2f} {r['truncated_rate']:6.2f} {r['mean_length']:5.1f}")
     chosen = record.get("chosen")
-    lines.append("chosen: " + (f"level {chosen['level']}, temperature {chosen['temperature']}" if chosen else
-                               "none in the pass@1 window: widen the levels or temperatures"))
+    if chosen is None:
+        lines.append("chosen: none (the rule chooses among bf16 settings: add bf16 to --bases)")
+    else:
+        low, high = PASS1_WINDOW
+        lines.append(f"chosen: level {chosen['level']}, temperature {chosen['temperature']}"
+                     + ("" if chosen.get("in_window", True) else
+                        f" (the closest: none in the pass@1 window [{low}, {high}]; widen the levels or temperatures)"))
     return "\n".join(lines)

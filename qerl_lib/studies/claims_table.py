@@ -7,11 +7,11 @@ Two steps, both pure functions of files the kit wrote:
    with its endpoints, per-arm means with 95% intervals, the paired comparisons of the
    pre-registered analysis (`studies/claims.py`), the per-step curves the figures need, the sweep
    spec, and the GPU, date and versions the runs carried.
-2. `build_table` reads only those block JSONs and writes the table (``results/claims.json``):
-   one entry per claim (a)-(e) and LR with ``claim``, ``paper`` (the paper's setting and number,
-   cited by section), ``kit`` (the kit's setting and measurement), ``ci`` (the headline
-   comparison's interval), ``verdict``, and every comparison behind it. Notebook 07 rebuilds the
-   table from the block JSONs alone, so a reader without a GPU can check it.
+2. `build_table` builds the table from those block JSONs alone (``qerl claims`` writes it to
+   ``results/claims.json``): one entry per claim (a)-(e) and LR with ``claim``, ``paper`` (the
+   paper's setting and number, cited by section), ``kit`` (the kit's setting and measurement),
+   ``ci`` (the headline comparison's interval), ``verdict``, and every comparison behind it.
+   Notebook 07 rebuilds the table from the block JSONs alone, so a reader without a GPU can check it.
 
 Verdicts follow ``docs/claims_plan.md`` (the pre-registration): holds / does not hold /
 inconclusive from `claims.verdict` on the paired difference in the paper's direction, Holm-adjusted

@@ -83,7 +83,7 @@ class StudyConfig:
 
     model: str = "smollm2"                # model folder, `smollm2`, or a hub id when online
     formats: tuple = FORMATS              # bf16 must be first: it is the baseline and the reference
-    data: str = "arith"                   # arith (generated, offline), gsm8k (hub or data_path), file
+    data: str = "arith"                   # arith or expr (generated, offline), gsm8k (hub or data_path), file
     data_path: str | None = None
     split: str = "test"
     n_problems: int = 256
@@ -156,7 +156,8 @@ def load_format_model(model_dir, fmt: str, device: str, dtype: torch.dtype, nvfp
 
     Quantization runs on bf16 weights on `device` (NF4 goes through bitsandbytes on CPU, layer by
     layer), then the model is cast, so every compute dtype sees the same format values.
-    Returns ``(model, layer_report)``, the report holding one SQNR per quantized layer.
+    Returns ``(model, layer_report)``, the report holding one SQNR per quantized layer (empty for bf16 and
+    for the packed NVFP4 backend).
     """
     from qerl_lib.models.loader import load_model, replace_linear_with_nvfp4
 
@@ -399,7 +400,8 @@ _REF_WORDS = {"own": "on its own samples", "gold": "on the reference solutions (
 
 def verdict_lines(result: dict) -> list[str]:
     """One sentence per (format, reference), built from the interval, e.g.
-    'NVFP4 raises entropy vs BF16 on its own samples: yes (+0.0123 nats, 95% CI [+0.0050, +0.0190] excludes 0)'."""
+    'NVFP4 raises entropy vs BF16 on its own samples: yes (+0.0123 nats, 95% CI [+0.0050, +0.0190] excludes 0,
+    256 problems)'."""
     lines = []
     for fmt, row in result["formats"].items():
         for ref in REFERENCES if fmt != "bf16" else ():

@@ -13,10 +13,11 @@ A field a row needs and the file lacks raises `ResultsError` naming the file and
 than a KeyError three frames down: a results file rewritten by a newer benchmark should fail loudly.
 
 `results_index` renders the table of results/README.md: one line per entry of ``results/`` with what
-it holds (`studies/result_files.RESULT_FILES`, the one place those descriptions live), the device and the command from its
-provenance block. Commands are shown with the kit's current names: ``qerl`` for ``python -m qerl_lib``,
-current module paths, output files without the measuring machine's folder, and inputs that have since
-moved to ``dev/runs/`` under their new path. The JSONs keep the command exactly as it ran.
+it holds (`studies/result_files.RESULT_FILES`, the one place those descriptions live), the device and
+the command from its provenance block (a merged file's ``merged_by`` command where it has one). Commands
+are shown with the kit's current names: ``qerl`` for ``python -m qerl_lib``, current module paths,
+output files without the measuring machine's folder, and inputs that have since moved to ``dev/runs/``
+under their new path. The JSONs keep the command exactly as it ran.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from pathlib import Path
 from qerl_lib.paths import REPO_ROOT, RESULTS_DIR
 from qerl_lib.studies.headline_training import training_rows
 from qerl_lib.studies.kernel import gemm_headline
-from qerl_lib.studies.result_files import RESULT_FILES  # noqa: F401 (re-exported: cli/results.py, tests)
+from qerl_lib.studies.result_files import RESULT_FILES  # also read as headline.RESULT_FILES by tests/test_headline.py
 from qerl_lib.studies.result_reading import (BATCH8, ROLLOUT_KEYS, ResultsError, checked_rows, ci_text, device_name,
                                              fastest, field, ktok_text, load_result, markdown_table, model_size,
                                              provenances, times, tok_text)

@@ -1,5 +1,6 @@
-"""The training rows of the README's GPU table: the GRPO step per mode, with the merged 16-bit baseline, the 7B
-preset's step and rollout, and a short real run; each read from its results file (`studies/result_reading`)."""
+"""The training rows of the README's GPU table: the GRPO step per mode, with the merged 16-bit baseline, the 32B
+step, data parallel on two GPUs, the 7B preset's step and rollout, and a short real run; each read from its results
+file (`studies/result_reading`)."""
 
 from __future__ import annotations
 

@@ -26,9 +26,9 @@ from pathlib import Path
 from qerl_lib.io import tree_sha256
 from qerl_lib.models.fused import layer_projection_shapes
 from qerl_lib.quant.nvfp4 import GROUP_SIZE
-from qerl_lib.paths import CONFIGS_DIR, load_model_config  # noqa: F401 (re-exported)
+from qerl_lib.paths import load_model_config
 
-# the same constants as qerl_lib.bench.gemm (not imported: bench sits on this module's floor)
+# the same values as the constants of these names in qerl_lib.bench.gemm
 FP4_BYTES_PER_WEIGHT = 0.5 + 1 / GROUP_SIZE  # 4-bit code + one E4M3 scale per 16 weights
 BF16_BYTES_PER_WEIGHT = 2.0
 CEILING = BF16_BYTES_PER_WEIGHT / FP4_BYTES_PER_WEIGHT  # 16 / 4.5 = 3.56x
@@ -163,9 +163,10 @@ def rollout_headline(doc: dict, current_kernel_hash: str | None = None) -> dict:
 
 
 def step_split(doc: dict, weights: str = "nvfp4", context: int | None = None) -> dict:
-    """One row of a decode-step breakdown JSON (``rollout_step_breakdown``: kernel time per category
-    from a profiler trace): the categories sorted by time, each with its share of the step's busy
-    time, plus the idle time between kernels. `context` picks the cached length (default: the middle one)."""
+    """One row of a decode-step breakdown JSON (``dev/sweeps/rollout_step_breakdown.py``, e.g.
+    ``results/rollout_step_breakdown_h200.json``: kernel time per category from a profiler trace): the
+    categories sorted by time, each with its share of the step's busy time, plus the idle time between
+    kernels. `context` picks the cached length (default: the middle one)."""
     rows = [r for r in doc["rows"] if r["weights"] == weights]
     if not rows:
         raise ValueError(f"no {weights!r} rows (have {sorted({r['weights'] for r in doc['rows']})})")

@@ -1,9 +1,9 @@
 """NVFP4 explained on real weights: the E2M1 code table, one block worked through, and an SQNR scan.
 
 This is the analysis behind ``notebooks/02_nvfp4_format.ipynb``. It does not define the format
-(`qerl_lib.quant.nvfp4` does, bit-exact with compressed-tensors) and it does not define MXFP4/NF4 (`qerl_lib.quant.formats`
-does); it takes those apart for display and returns plain dicts of Python numbers, ready to be
-written as JSON and plotted by ``qerl_lib.plots.quant``.
+(`qerl_lib.quant.nvfp4` does, bit-exact with compressed-tensors) and it does not define MXFP4/NF4
+(`qerl_lib.quant.formats` does); it takes those apart for display and returns plain dicts of Python
+numbers, ready to be written as JSON and plotted by ``qerl_lib.plots.quant``.
 
 * ``e2m1_table()`` decodes the 16 codes from their bits (sign | 2 exponent bits | 1 mantissa
   bit, exponent bias 1, exponent field 0 = subnormal) instead of reading ``nvfp4.E2M1_VALUES``,
@@ -14,7 +14,7 @@ written as JSON and plotted by ``qerl_lib.plots.quant``.
 * ``explain_block(weight, row, block)`` recomputes one block's scale step by step (``t``, ``p``,
   E4M3 rounding, the 0.125 fallback) and takes the codes, bytes and dequantized values from
   ``nvfp4.quantize``/``dequantize`` of that row, which the test checks against the whole tensor.
-* ``sqnr_scan(model, formats, layers)`` round-trips every ``nn.Linear`` of the first ``layers``
+* ``sqnr_scan(model, formats_to_scan, layers)`` round-trips every ``nn.Linear`` of the first ``layers``
   decoder layers through each format and reports SQNR in dB against the original weights. NVFP4
   shares one global scale over q/k/v and over gate/up, as llm-compressor does for vLLM's fused
   GEMMs, so the numbers are those of a real checkpoint. Means are means of dB values.
@@ -220,8 +220,9 @@ def roundtrip(fmt: str, weight: torch.Tensor, global_scale: torch.Tensor | None 
 def sqnr_scan(model: nn.Module, formats_to_scan=SCAN_FORMATS, layers: int | None = None) -> dict:
     """SQNR (dB) of every linear in the first ``layers`` decoder layers, for each format; the model is not changed.
 
-    Returns ``{"formats", "layers_scanned", "rows": [{"layer", "name", "projection", "shape",
-    "sqnr_db": {fmt: dB}}], "seconds": {fmt: wall s}, "cpu_seconds": {fmt: s}, "summary": {...}}``.
+    Returns ``{"formats", "layers_scanned", "layers_total", "nvfp4_global_scale", "bits_per_weight": {fmt: bits},
+    "rows": [{"layer", "name", "projection", "shape", "sqnr_db": {fmt: dB}}], "seconds": {fmt: wall s},
+    "cpu_seconds": {fmt: s}, "summary": {...}}`` (``summary``: `summarize`).
     """
     formats_to_scan = tuple(formats_to_scan)
     unknown = [f for f in formats_to_scan if f not in SCAN_FORMATS]

@@ -24,8 +24,8 @@ class ResultsError(UserError):
 def load_result(results_dir: str | Path, name: str) -> dict:
     path = Path(results_dir) / name
     if not path.is_file():
-        raise ResultsError(f"{path}: not found; the README's results table reads it (restore it, or change "
-                           f"qerl_lib/studies/headline.py / headline_training.py)")
+        raise ResultsError(f"{path}: not found; the README's results tables read it (restore it, or change "
+                           f"qerl_lib/studies/headline.py / headline_training.py / speed_claims.py)")
     try:
         return json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:

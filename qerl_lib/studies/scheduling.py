@@ -17,8 +17,8 @@ does.
 On a CPU, a decode step's cost grows with its rows far more than on a GPU, where the step is bound by reading the
 weights once whatever the rows; so the wall-clock gain measured here understates a GPU's, and the decode-step
 counts are the figure to read. (On a GPU the timed calls also capture the CUDA graphs of length buckets the short
-warm-up call did not reach; `qerl bench rollout` warms every bucket before it times.) GPU measurements of the same comparison are `qerl bench rollout --scheduling
-static,continuous --workload gsm8k-like` (README, results/).
+warm-up call did not reach; `qerl bench rollout` warms every bucket before it times.) GPU measurements of the same
+comparison are `qerl bench rollout --scheduling static,continuous --workload gsm8k-like` (README, results/).
 """
 
 from __future__ import annotations

@@ -38,8 +38,9 @@ killed mid-way resumes from its last checkpoint (or restarts when it had none). 
 adapters are deleted once the run is evaluated, unless ``keep_adapters = true``: a sweep folder is
 small enough to commit. A run whose trainable weights turn non-finite stops at that step
 (`errors.TrainingDiverged`); it is finished, with ``diverged_at_step`` set and held-out pass@1 0
-(a policy with NaN weights answers nothing), and the learning-rate analysis counts it as collapsed. Runs execute as separate processes (``python -m qerl_lib.studies.sweep
-RUN_DIR``), so one crash stays one failed run, reported in the summary with its log.
+(a policy with NaN weights answers nothing), and the learning-rate analysis counts it as collapsed.
+Runs execute as separate processes (``python -m qerl_lib.studies.sweep RUN_DIR``, output in
+``RUN_DIR/log.txt``), so one crash stays one failed run, named on stderr when the sweep ends.
 """
 
 from __future__ import annotations
@@ -161,6 +162,9 @@ def parse_spec(raw: dict, source: str = "spec") -> SweepSpec:
         if table.get("test", "superiority") not in ("superiority", "equivalence") or \
                 table.get("pairing", "seed") not in ("seed", "problem"):
             raise UserError(f"{source}: block {block!r}: test is superiority or equivalence, pairing is seed or problem")
+        if table.get("test") == "equivalence" and table.get("pairing") == "problem":
+            raise UserError(f"{source}: block {block!r}: the equivalence test pairs seeds; use pairing = \"seed\" "
+                            f"or test = \"superiority\"")
         missing = [a for a in table.get("arms", []) if a not in names]
         if not table.get("arms") or missing:
             raise UserError(f"{source}: block {block!r} must list existing arms; unknown: {missing or '(none listed)'}")
@@ -438,7 +442,7 @@ def endpoints(metrics_path: Path, eval_summary: dict) -> dict:
 
 
 def curves(metrics_path: Path) -> dict:
-    """Per-step reward, entropy and σ (compact: the figures' input)."""
+    """Per-step reward, entropy, σ and zero-std groups (compact: the figures' input)."""
     rows = list(read_jsonl(metrics_path))
     return {key: [r.get(key) for r in rows] for key in ("reward", "entropy", "sigma", "zero_std_groups")}
 

@@ -17,19 +17,19 @@ and leaves nothing behind for the next), with PyTorch's allocator in ``expandabl
 ``PYTORCH_CUDA_ALLOC_CONF`` is already set (`qerl train` leaves the allocator as PyTorch sets it; what the mode
 changes in a step is in dev/LOG.md section 118). The row reports the median over the steps after the first
 (the first one captures graphs and warms the allocator) of the trainer's own per-step metrics
-(``metrics.jsonl``): ``rollout_s`` (engine), ``train_s`` (everything else in the step), ``step_s``,
-``peak_gib`` (the step's peak allocated GPU memory) with what it is made of (``base_weights_gib``,
-``lora_gib``, ``grads_gib``, ``optimizer_gib``, ``kv_cache_gib``), ``completion_len``, and completion tokens per
-second of the whole step; ``rollout_s_steps`` and ``train_s_steps`` keep every measured step's value.
+(``metrics.jsonl``): ``rollout_s`` (engine), ``train_s`` (everything else in the step), ``step_s``, what the
+peak is made of (``base_weights_gib``, ``lora_gib``, ``grads_gib``, ``optimizer_gib``, ``kv_cache_gib``),
+``completion_len``, and completion tokens per second of the whole step; ``peak_gib`` is the largest of those
+steps' peak allocated GPU memory; ``rollout_s_steps`` and ``train_s_steps`` keep every measured step's value.
 
 Mode lora can also run its rollouts with the adapters merged into a copy of the bf16 base (``rollout_lora_merge``,
 ``--rollout-lora-merge off,on``; table mode ``lora+m``), as TRL does before each weight sync to vLLM: such rows get
 their own reference column, ``speedup_vs_lora_merged``, while ``speedup_vs_lora`` stays against the unmerged row.
 
 Where this differs from the paper's Tables 3 and 5-8: the paper averages over the first 30 steps of
-a real run (completions of varying length, vLLM for rollouts); here every step generates the full
-``gen_len`` tokens, so a step here is at least as long as the paper's. The paper's numbers are
-printed beside ours, labelled as the paper's (`PAPER`).
+a real run (completions of varying length, vLLM for rollouts); here, with the default workload "fixed",
+every step generates the full ``gen_len`` tokens, so a step here is at least as long as the paper's.
+The paper's numbers are printed beside ours, labelled as the paper's (`PAPER`).
 
 Resuming: a case can take up to half an hour, so ``--json`` is rewritten (atomically) after every case with the
 record so far, and a rerun of the same command continues where the last one stopped. A case is known by the fields
@@ -76,7 +76,7 @@ PAPER = {
 class TrainCase:
     model: str = "qwen2.5-7b"  # an architecture of data/configs/
     mode: str = "qerl"
-    batch: int = 8  # completions per step (one group)
+    batch: int = 8  # completions per step (over all `groups`)
     prompt_len: int = 256
     gen_len: int = 2048
     steps: int = 3
