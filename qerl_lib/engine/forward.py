@@ -68,8 +68,9 @@ without (dev/LOG.md section 128); ``QERL_PREFILL_GLUE=0`` keeps the plain ones.
 Where an NVFP4 GEMM runs a Gluon kernel (``fp4_gemm.takes_relabeled_x``: decode batches 32-128 on Qwen2.5),
 it reads x in its own K relabeling, which the kernel that produced x also stores (``relabeled=``,
 ``out_relabeled=``): no permute launch (``QERL_FP4_RELABEL_X=0``: off; H100, 7B + r16: +2-3%, dev/LOG.md 38).
-Where a group's FP4 GEMM cuts K into at most 4 slices (down at 24-64 rows, q/k/v and o at 25-32), the group's
-LoRA expand sums its fp32 partials (``kernels/lora.expand_(..., base=)``, same bits): one reduction launch
+Where a group's FP4 GEMM cuts K into at most 4 slices (`launch_rule` on Qwen2.5-7B's shapes with 132 SMs: down at
+24-64 and 129-192 rows, q/k/v at 25-32 and 97-192, o at 25-32 and 129-192), the group's LoRA expand sums its fp32
+partials (``kernels/lora.expand_(..., base=)``, same bits): one reduction launch
 fewer (H100, 7B + r16: +0.4-0.9%, dev/LOG.md 39; more slices lost 3.8%). ``QERL_LORA_SUMS_SPLITS=0``: off.
 """
 

@@ -1,4 +1,4 @@
-"""Two FP4 codes into two bf16 values with a handful of integer ops (Marlin's trick, spec section 4.6).
+"""Two FP4 codes into two bf16 values with a handful of integer ops (Marlin's trick; docs/nvfp4_format.md, section 6).
 
 A NVFP4 code ``c = s e1 e0 m`` (sign, two exponent bits, one mantissa bit) becomes a bfloat16 when its
 bits are moved into place: ``s << 15 | e1 e0 m << 6`` *is* the bf16 of ``fp4(c) * 2^-126`` (code 1 = 0.5
@@ -10,7 +10,8 @@ leaves ``fp4 * s * 2^-8``; the kernels' epilogues multiply by ``2^8 / gs``.
 word, code ``i`` in bits ``4i..4i+3``) at once: one mask keeps the two nibbles, one multiply by
 ``2^a + 2^b`` makes the two shifted copies a code needs (its sign and its magnitude move by different
 amounts), one mask keeps the right bits. Code ``I`` ends in the low half, code ``I + 4`` in the high half.
-Shared by the Triton kernels (``fp4_gemm``) and the Gluon kernel (``fp4_wgmma``), which can call it.
+Shared by the Triton kernels (``fp4_gemm``) and the Gluon kernels (``fp4_wgmma``, whose ``_decode``
+``fp4_wgmma_producer`` reuses, and ``fp4_wgmma_ws``), which can call it.
 
 ``relabeled_column(c)`` is where natural column ``c`` of ``x`` sits in the Gluon kernels' K relabeling
 (``fp4_wgmma.permute_x``'s copy), and ``relabel_tile`` moves a whole tile of columns there in registers:
@@ -66,7 +67,8 @@ if triton is not None:
 
     @triton.jit
     def round_bf16(v, INTERPRETED: tl.constexpr):
-        """fp32 -> bf16, round-to-nearest-even (the interpreter truncates: round the bits by hand, finite values only)."""
+        """fp32 -> bf16, round-to-nearest-even (the interpreter truncates: round the bits by hand, finite values
+        only)."""
         if INTERPRETED:
             bits = v.to(tl.uint32, bitcast=True)
             bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16

@@ -15,13 +15,14 @@ K (split-K, below). Per K-step of 128:
 1. **Load** ``BLOCK_N x 16`` int32 words of ``weight_packed`` (the compressed-tensors bytes read in place as
    int32, 8 codes per word: 16-byte vector loads, ``evict_first`` as every weight is used once), ``BLOCK_N x 8``
    scale bytes and the ``x`` tile; the next step's loads are issued before this step's math (prefetch).
-2. **Decode two codes per 32-bit op** (Marlin's trick, spec 4.6): for a code ``c = s e1 e0 m`` the
-   16 bits ``s<<15 | e1 e0 m << 6`` *are* the bfloat16 ``fp4(c) * 2^-126`` (code 1 = 0.5 becomes a
-   bf16 subnormal, exactly right). ``fp4_decode.code_pair_bits`` builds codes ``i`` and ``i + 4`` of a word in
+2. **Decode two codes per 32-bit op** (Marlin's trick, docs/nvfp4_format.md section 6): for a code
+   ``c = s e1 e0 m`` the 16 bits ``s<<15 | e1 e0 m << 6`` *are* the bfloat16 ``fp4(c) * 2^-126`` (code 1 = 0.5
+   becomes a bf16 subnormal, exactly right). ``fp4_decode.code_pair_bits`` builds codes ``i`` and ``i + 4`` of a word in
    one register with a mask, a multiply by ``2^a + 2^b`` (two shifted copies at once) and a mask.
 3. **Apply the block scale exactly.** The E4M3 byte becomes ``s * 2^118`` in bf16 (exact), and one
    packed ``mul.rn.bf16x2`` (inline PTX) per register gives ``W' = fp4 * s * 2^-8`` -- exact,
-   because ``fp4 * s`` has at most 6 significant bits (spec 1.7). ``1/gs`` is *not* applied here.
+   because ``fp4 * s`` has at most 6 significant bits (docs/nvfp4_format.md section 6). ``1/gs`` is *not*
+   applied here.
 4. **Straight into the tensor cores.** ``acc[BLOCK_N, BLOCK_M] += W' @ x.T`` with the operands
    swapped: the weights are the *A* operand, which Hopper's ``wgmma`` reads from registers, and
    the few rows of ``x`` the narrow *B* operand. The rows are loaded through a 4-D index
@@ -48,7 +49,8 @@ kernel (``swap_ab=False``, 0.44-0.55x of cuBLAS) remains for calls without a hos
 
 Backward layout (``fp4_grad_input``, oracle ``nvfp4.reference_grad_input``): ``dL/dx = dy @ W`` (``dy [M, N]`` ->
 ``[M, K]``) of a frozen layer, by the large-M forward's single-rounding arithmetic with W untransposed: a temporary
-``_fp4_dequant_kernel`` copy ``W'``, then cuBLAS ``dy @ W'`` with ``alpha = 2^8/gs`` in fp32 (interpreter: CPU ``addmm``).
+``_fp4_dequant_kernel`` copy ``W'``, then cuBLAS ``dy @ W'`` with ``alpha = 2^8/gs`` in fp32 (interpreter: CPU
+``addmm``).
 
 Where we deviate from Marlin / vLLM: no offline repacking (the fragment layout comes from relabeling K, the
 compressed-tensors bytes are read in place); only ``x`` goes through shared memory (wgmma's B operand must), once per
@@ -450,7 +452,8 @@ if triton is not None:
     def _bitreverse_k(t, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr):
         """Permute the K axis of ``t [ROWS, BLOCK_K]`` by 3-bit bit reversal inside every 8 (an involution:
         kernel order <-> natural order), in registers. The identity inline-PTX ``mov`` hides the permute from
-        Triton 3.6's dot-operand optimizer, which would fold it into a shared layout and abort ("Illegal shared layout")."""
+        Triton 3.6's dot-operand optimizer, which would fold it into a shared layout and abort ("Illegal shared
+        layout")."""
         t = tl.reshape(t, [ROWS, BLOCK_K // 8, 2, 2, 2])
         t = tl.reshape(tl.permute(t, [0, 1, 4, 3, 2]), [ROWS, BLOCK_K])
         if not INTERPRETED:
@@ -530,7 +533,8 @@ if triton is not None:
         """One (BLOCK_N x BLOCK_M) output tile over one K-slice. FRAG: the small-M fragment path (module docstring).
         Otherwise the generic path: W' is built in the decoder's K order (3-bit bit reversal inside each 8), x is
         permuted the same way in registers, and the tensor-core operands are W' (A) and x (B) if SWAP_AB, else x (A)
-        and W' (B) for large M. Both issue the next K-step's loads before this step's decode: DRAM latency overlaps math."""
+        and W' (B) for large M. With PREFETCH (the default) both issue the next K-step's loads before this step's
+        decode, so DRAM latency overlaps math; without it, Triton's pipeliner stages the loads (num_stages > 1)."""
         pid_n, pid_m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rows = tl.minimum(offs_n, N - 1)  # clamp instead of masking: weight loads stay unpredicated

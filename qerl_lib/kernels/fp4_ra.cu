@@ -304,8 +304,9 @@ KERNEL_NAME(const __grid_constant__ TensorMap x_map, const __grid_constant__ Ten
     for (int i = 0; i < TOK / 2; ++i) acc[i] = 0.f;
 
 #if BACKWARD
-// Lane ct's 16 halfword table addresses (2 per word: word 2s + h holds rows r and r + 8 of pair column 2t + 8h of
-// k16 step s) and its warp's block's 8 scale pairs (word 2s + h, both rows) -> the 4 k16 fragments of the step.
+// Consumer lane cb's 16 halfword table addresses (2 per word: word 2s + h holds rows r and r + 8 of pair column
+// 2t + 8h of k16 step s) and its warp's block's 8 scale pairs (word 2s + h, both rows) -> the 4 k16 fragments of the
+// step.
 #define DECODE(Q, J)                                                                                    \
   {                                                                                                     \
     const u32 ring = g0 + (J), slot = ring % STAGES;                                                    \

@@ -60,9 +60,9 @@ E4M3-subnormal block scales are kept, as compressed-tensors does.
 
 The backward layout
 -------------------
-``grad_input`` runs ``dx = dy @ W`` from the same bytes (``RaConfig(backward=True)``, ``BACKWARD`` in the source): a tile
-is 128 columns of W x ``tok`` rows of ``dy``, a K-step 64 rows of W. W^T's fragment pair (2t, 2t + 1) is one column of
-two W rows with two block scales, so the producer warpgroup repacks every K-step: the raw W tile and its scale bytes
+``grad_input`` runs ``dx = dy @ W`` from the same bytes (``RaConfig(backward=True)``, ``BACKWARD`` in the source): a
+tile is 128 columns of W x ``tok`` rows of ``dy``, a K-step 64 rows of W. W^T's fragment pair (2t, 2t + 1) is one column
+of two W rows with two block scales, so the producer warpgroup repacks every K-step: the raw W tile and its scale bytes
 come by TMA into a ring of their own, and the producer writes each consumer lane's 16 values as table addresses and
 its scale pairs as bf16x2 words, after which the consumer's decode is the forward's three instructions a register.
 Measured on an H200 (dev/LOG.md section 76) the repack bounds it at 0.5-0.85x of bf16, below dequantize + cuBLAS, so
@@ -146,7 +146,7 @@ class RaConfig:
     @property
     def stage_bytes(self) -> int:
         """The x tile, the weight bytes and the weight rows' block scales as bf16x2 words (4 a row); backward, the
-        repacked weights (a halfword table address per fragment half-register) and the scale pairs (8 per lane column
+        repacked weights (a halfword table address per fragment register) and the scale pairs (8 per lane column
         of each 16-column block)."""
         if self.backward:
             return self.tok * BLOCK_K * 2 + ROWS_PER_CTA * BLOCK_K + ROWS_PER_CTA * 8
@@ -364,8 +364,9 @@ def supported_backward_problem(n: int, k: int) -> bool:
 def grad_input(dy2: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor,
                out: torch.Tensor, config: RaConfig | None = None) -> torch.Tensor:
     """The backward layout, ``out[m, k] = bf16(dy2 @ W * 2^8/gs ...)`` for bf16 ``dy2 [m, N]`` (the input gradient of
-    ``y = x @ W.T``), from the same compressed-tensors bytes as ``linear`` (no transposed copy); ``out`` bf16 ``[m, K]``.
-    ``config`` must have ``backward=True`` (the default one does). Same workspace and counters as ``linear``."""
+    ``y = x @ W.T``), from the same compressed-tensors bytes as ``linear`` (no transposed copy); ``out`` bf16
+    ``[m, K]``. ``config`` must have ``backward=True`` (the default one does). Same workspace and counters as
+    ``linear``."""
     m, n = dy2.shape
     k = 8 * words.shape[1]
     cfg = config or RaConfig(backward=True)

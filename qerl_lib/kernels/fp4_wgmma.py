@@ -51,8 +51,9 @@ M <= 64 the permute's launch and the ring's prologue cost more than it saves. At
 (M >= 1024, section 34) its best launch is 256 rows of x and two warpgroups (``WgmmaConfig(256, 2)``,
 216 KB of shared memory at 3 stages): 0.58-0.95x of bf16 on the gate/up and down shapes (0.27-0.71x on the
 attention ones), ahead of dequantize + cuBLAS only on the gate/up shapes at M = 1024 (7B 1.08x, 32B 1.17x),
-level at 2048, behind from 4096 and on the down and attention shapes, so the rule keeps dequantize + cuBLAS
-there. Its per-step CTA barrier (point 2) is where Nsight Compute finds the most stalls at that size.
+level at 2048, behind from 4096 and on the down and attention shapes, so the launch rule does not pick it there
+(``pick_wgmma_config`` stops at 128 rows). Its per-step CTA barrier (point 2) is where Nsight Compute finds the
+most stalls at that size.
 
 Output: fp32 partials of one K-slice (``split_k > 1``; ``fp4_gemm`` sums them in a fixed order) or the
 epilogue ``bf16(acc * 2^8 / gs)`` then ``+ bias`` after the cast, the same single rounding as
@@ -190,8 +191,8 @@ def k_slices(k: int, split_k: int) -> tuple[int, int]:
 def wave_plan(m: int, n: int, k: int, config: WgmmaConfig) -> list[tuple[int, int, int]]:
     """The launches of one ``linear`` call as ``(first weight row, rows, split_k)``. One launch, unless
     ``config.wave_slots`` is set, the call has one tile of rows of x and one K-slice, and its output tiles
-    (``block_n`` weight rows each) overflow the last whole wave of programs: 592 tiles on 396 slots run as 1.5 waves, the
-    last one a third full. Then the whole waves run first (unsplit) and the remaining tiles run in as
+    (``block_n`` weight rows each) overflow the last whole wave of programs: 592 tiles on 396 slots run as 1.5
+    waves, the last one half full. Then the whole waves run first (unsplit) and the remaining tiles run in as
     many K-slices as fill one wave (196 tiles x 2 slices on 396 slots): one and a half waves of work
     take one wave and a half-length one, and only the tail's partials go through fp32."""
     slots, tiles = config.wave_slots, -(-n // config.block_n)
@@ -253,9 +254,9 @@ def launch(x2: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, global_s
     ``out.stride(0)`` apart) when ``config.split_k`` gives one slice, else ``workspace`` (fp32 ``[slices, M, N]``,
     raw partials; the caller sums them). ``permuted``: ``x2`` is already ``permute_x``'s copy. ``pdl``: launch
     with programmatic dependent launch (None: ``kernels/pdl.py``'s switch for this device); the kernel then
-    reads the weights, their scales and ``gs`` before its grid-dependency wait, so they must not be written by
-    the kernel just before it (true of a prepared weight). Shapes and alignment are the caller's to check
-    (``fp4_gemm._triton_linear``)."""
+    copies the weight words of its first stages before its grid-dependency wait (their scales and ``gs`` after
+    it), so the weights must not be written by the kernel just before it (true of a prepared weight). Shapes and
+    alignment are the caller's to check (``fp4_gemm._triton_linear``)."""
     early = pdl_switch.use_for(x2.device, pdl)
     m, k = x2.shape
     n = words.shape[0]

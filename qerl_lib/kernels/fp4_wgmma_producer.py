@@ -32,9 +32,9 @@ ahead, and no thread of theirs issues a copy. Launched with programmatic depende
 the producer issues the words and scale boxes of its first ``STAGES`` steps, then waits for the previous
 kernel, lets the next one launch, and only then copies x: the first weights arrive under the kernel before,
 and the LoRA shrink after the GEMM runs beside it (+7.7% / +3.5% of the 7B decode step at batch 32 / 64 with
-LoRA r16 on an H100, dev/LOG.md section 40). Programs are persistent (one per SM at most): a program takes
-tiles ``pid, pid + grid, ...`` (rows of ``x`` fastest), and the ring position runs on across them, so the
-producer loads a tile's first stages while the consumers finish and store the one before.
+LoRA r16 on an H100, dev/LOG.md section 40). Programs are persistent (at most ``programs_per_sm`` per SM): a
+program takes tiles ``pid, pid + grid, ...`` (rows of ``x`` fastest), and the ring position runs on across them,
+so the producer loads a tile's first stages while the consumers finish and store the one before.
 
 What did not work (Triton 3.6, dev/LOG.md section 35): two
 consumer partitions of one warpgroup each, which would let one warpgroup run ahead of the other (Gluon's

@@ -46,8 +46,8 @@ Where it stands (H100, Qwen2.5-7B/32B shapes at M = 1024-8192, dev/LOG.md sectio
 error 1.7e-5 against the oracles), and 0.42-0.72x of bf16 forward on the gate/up and down shapes (0.23-0.57x on
 the attention ones), 0.45-0.75x backward: below dequantize + cuBLAS (0.68-1.08x), so no launch rule uses it.
 Each partition alone runs near cuBLAS's pace per step (MMA without the decode ~750-890 ns per 128 x 256 x 64 step,
-decode without the MMA ~800-950 ns); together they take ~1140-1270 ns. ptxas needs >= 154 registers a thread for the m64n256 wgmma, so 12 warps (maxnreg 168) is the
-most the kernel can have: more decode warps do not compile.
+decode without the MMA ~800-950 ns); together they take ~1140-1270 ns. ptxas needs >= 154 registers a thread for
+the m64n256 wgmma, so 12 warps (maxnreg 168) is the most the kernel can have: more decode warps do not compile.
 
 Where we deviate from CUTLASS's and Machete's mixed-input GEMMs: they convert in registers and feed wgmma's A
 operand from there (the weights must then sit on the M side, and the backward layout needs a transposed

@@ -8,7 +8,8 @@ kernel (``pick_producer_config``) runs: most shapes at 24-96 rows, the wide gate
 the long-K down shapes at 193-512, except that the register-A CUDA kernel (``pick_ra_config``) takes the wide
 ones at 1024-2048; everything else the Triton kernel,
 whose small-M launches want enough programs in flight (K-splits) without overflowing one wave, or from 193
-rows one exact dequantization pass and cuBLAS (``pick_config``). ``plan_launch`` chains the last three.
+rows one exact dequantization pass and cuBLAS (``pick_config``). ``plan_launch`` chains the last four, the
+register-A rule first.
 """
 
 from __future__ import annotations

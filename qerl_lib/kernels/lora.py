@@ -22,14 +22,15 @@ How (``apply_``)
   the last slice of a block to arrive (an atomic counter, reset by that program) adds them once and
   writes ``xa``. Either way in slice order (deterministic bits) and rounded to the activation dtype,
   as the torch path's ``xa`` tensor is.
-* Where the group's FP4 GEMM split K (decode rows 9-64 on the Qwen2.5 shapes), the expand can also finish
-  that GEMM (``expand_(..., base=SplitBase)``, from ``fp4_gemm.fp4_linear(..., defer_reduce=)``): each program
-  sums its tile's fp32 partials exactly as ``fp4_gemm.reduce_splits`` does (slice order, ``* 2^8/gs``, one
-  rounding, bias, one rounding) before adding the adapters, so the GEMM's reduction launch is saved and the
-  bits are the same. Only where the adapters cover every output column, and the GEMM cut K into at most
-  ``EXPAND_SUMS_SLICES_UP_TO`` slices: on an H100 the fold lost 3.8% of tokens/s at batch 32, where q/k/v's and
-  o's 28-36 expand programs each added 7-10 slices that the reduction spread over 144 programs (dev/LOG.md
-  section 38). The engine's switch: ``QERL_LORA_SUMS_SPLITS``.
+* Where the group's FP4 GEMM split K (on a Hopper GPU with the Qwen2.5 shapes, ``launch_rule``: the Triton kernel
+  on all but gate/up at 9-24 and 129-192 rows, the Gluon kernels on down at 24-128 and on q/k/v and o at 25-32 and
+  97-128), the expand can also finish that GEMM (``expand_(..., base=SplitBase)``, from ``fp4_gemm.fp4_linear(...,
+  defer_reduce=)``): each program sums its tile's fp32 partials exactly as ``fp4_gemm.reduce_splits`` does (slice
+  order, ``* 2^8/gs``, one rounding, bias, one rounding) before adding the adapters, so the GEMM's reduction
+  launch is saved and the bits are the same. Only where the adapters cover every output column, and the GEMM cut K
+  into at most ``EXPAND_SUMS_SLICES_UP_TO`` slices: on an H100 the fold lost 3.8% of tokens/s at batch 32, where
+  q/k/v's and o's 28-36 expand programs each added 7-10 slices that the reduction spread over 144 programs
+  (dev/LOG.md section 38). The engine's switch: ``QERL_LORA_SUMS_SPLITS``.
 * ``_expand_kernel``: programs tile the output columns, one member per tile (the member's rank
   offset, rank and scale come from small per-tile tables); each multiplies ``xa`` by its ``B``
   tile and adds ``scale *`` that to ``out`` in fp32, rounding once (as ``addmm`` does). All members
@@ -71,8 +72,8 @@ group instead of two. Off by default: on an H200 its LoRA CTAs still add ~3 us t
 shrink here runs beside the GEMM; at 7B the step came out 2-4% slower at ranks 16 and 32 and 3% faster at 64
 (dev/LOG.md sections 50-51). A third, for groups that follow a norm: the norm kernel makes ``xa`` itself
 (``engine/glue.norm_shrink``) and the GEMM adds it in its epilogue (``GroupPlan.epilogue(given=xa)``, ``mma.cu``
-``LORA_GIVEN``: no LoRA CTAs, no wait), so the group has no LoRA launch at all; built and CUDA-tested, not yet
-wired into the engine or timed (dev/LOG.md section 66).
+``LORA_GIVEN``: no LoRA CTAs, no wait), so the group has no LoRA launch at all (``QERL_LORA_SHRINK_IN_NORM=1``;
+off by default: on an H200 the step came out slower, dev/LOG.md sections 66-67).
 
 Where we deviate from vLLM (the paper's engine): vLLM's punica kernels (SGMV/BGMV shrink and
 expand) serve many adapters per batch through an index per token; here one adapter serves the

@@ -1,7 +1,7 @@
 // NVFP4 x BF16 GEMM for few rows of x (M <= 16): out[M, N] = x[M, K] @ W[N, K]^T.
 // Compiled at run time by NVRTC (qerl_lib/kernels/mma.py), once per launch shape; the shape
-// comes in as the macros T_TILES, WARPS_R, WARPS_K, NB, DEPTH, MIN_CTAS, PREFETCH, L2_HINT, LORA_R and
-// KERNEL_NAME.
+// comes in as the macros T_TILES, WARPS_R, WARPS_K, NB, DEPTH, MIN_CTAS, PREFETCH, L2_HINT, LORA_R,
+// LORA_EXPAND, LORA_GIVEN, LORA_MAX_SLICES and KERNEL_NAME.
 //
 // Layout read in place (compressed-tensors): W codes as u32 words [N, K/8] (code k of a row is
 // nibble k%8 of word k/8), E4M3 block scales as bytes [N, K/16], fp32 global scale gs[1]

@@ -13,8 +13,9 @@ CUDA (``mma.cu``, read it next to this docstring):
 * the compressed-tensors bytes are read **in place** (no repacked copy, no extra memory): K is
   relabelled so that each thread's A fragment comes from one 16-byte load per row and chunk of
   128 codes, and ``x`` is permuted the same way in registers (a dot product ignores term order);
-* decoding is Marlin's bit trick (spec 4.6) -- one multiply places two codes as bf16 -- and the
-  E4M3 block scale is applied exactly by one packed ``mul.rn.bf16x2``, as in the Triton kernel;
+* decoding is Marlin's bit trick (docs/nvfp4_format.md section 6) -- one multiply places two
+  codes as bf16 -- and the E4M3 block scale is applied exactly by one packed ``mul.rn.bf16x2``,
+  as in the Triton kernel;
 * loads run ``depth - 1`` chunks ahead in a register ring (the role of Marlin's multi-stage
   ``cp.async`` pipeline), and several warps split K inside a CTA, so many bytes are in flight;
 * the kernel is bound by the integer pipe as much as by DRAM, so decoding is cut to two integer

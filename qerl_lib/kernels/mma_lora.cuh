@@ -20,7 +20,8 @@
 // per 256 columns of one rank. Then the warp adds its lanes'
 // sums (a fixed butterfly: deterministic). The last slice of a rank block to finish (lsync[4 + rb]) adds
 // the block's partials in slice order, rounds to bf16 (as the torch path's xa tensor) and writes them as
-// floats after the partials (xa[tok][r] at lxa + slices * M * R), then counts the block ready (lsync[1]).
+// floats after the partials (xa[tok][r] at lxa + slices * M * R), then (LORA_EXPAND) counts the block ready
+// (lsync[1]).
 __device__ __forceinline__ void lora_shrink_step(const u16* __restrict__ x, const u16* __restrict__ la,
                                                  float (&acc)[LORA_RPW][MAXTOK], int M, int K, int ldx,
                                                  int r0, int r_end, int k) {

@@ -30,7 +30,8 @@ except ImportError:  # pragma: no cover - exercised only on installs without tri
 
 
 def reduce_splits(ws: torch.Tensor, global_scale: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> None:
-    """out (rows ``out.stride(0)`` apart) = bf16(sum of the fp32 partials ``ws [S, M, N]`` * 2^8/gs) (+ bias), in order."""
+    """out (rows ``out.stride(0)`` apart) = bf16(sum of the fp32 partials ``ws [S, M, N]`` * 2^8/gs) (+ bias), in
+    order."""
     split, m, n = ws.shape
     _splitk_reduce_kernel[(triton.cdiv(m * n, 1024),)](
         ws, global_scale, bias if bias is not None else out, out, m * n, n, out.stride(0), SPLIT=split,
