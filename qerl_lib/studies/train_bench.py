@@ -53,7 +53,7 @@ from pathlib import Path
 
 from qerl_lib.bench.workloads import WORKLOADS, sample_lengths
 from qerl_lib.errors import UserError
-from qerl_lib.io import earlier_results
+from qerl_lib.io import RESUME_FIX, resumable_record
 from qerl_lib.train.checkpointing import check_layer_count
 
 MODES = ("lora", "qlora", "nvfp4", "qerl")
@@ -250,11 +250,8 @@ def resume_rows(path: str | Path, cases: list[TrainCase]) -> tuple[list[dict], l
     path = Path(path)
     if not path.exists():
         return [], []
-    fix = "pass --force to replace it, or choose another --json"
-    doc, runs = earlier_results(path)
-    if not (isinstance(doc, dict) and isinstance(doc.get("rows"), list) and isinstance(doc.get("provenance"), dict)
-            and all(isinstance(r, dict) for r in doc["rows"])):
-        raise UserError(f"--json {path} exists and is not a `qerl bench train` record (rows and provenance): {fix}")
+    fix = RESUME_FIX
+    doc, runs = resumable_record(path, "qerl bench train")
     wanted = {case_key(c): c for c in cases}
     foreign = [r for r in doc["rows"] if case_key(r) not in wanted]
     if foreign:
