@@ -161,7 +161,7 @@ class Row:
     ms_per_step: float | None = None
     ttft_ms: float | None = None  # the rollout's first call: its adapters' load + prefill (median over repeats)
     peak_gib: float | None = None
-    weights_gib: float | None = None
+    weights_gib: float | None = None  # what building the model allocated on the GPU (None off CUDA)
     kv_cache_gib: float | None = None
     repeats_s: list = field(default_factory=list)
     error: str | None = None
@@ -430,6 +430,7 @@ def run_rollout_bench(cfg: RolloutBenchConfig, log=print, checkpoint=None, kept=
         if not left:
             continue
         _free()
+        held = _allocated_gib(device)  # what earlier builds of this process left allocated: not this model's
         try:
             model = load_bench_model(name, weights, device, cfg.init, cfg.seed)
         except torch.cuda.OutOfMemoryError as e:
@@ -443,7 +444,7 @@ def run_rollout_bench(cfg: RolloutBenchConfig, log=print, checkpoint=None, kept=
 
             peer = prepare_peer(model, name, weights, cfg, log)
         set_small_m_kernel(model, cfg.fp4_small_m)
-        weights_gib = _allocated_gib(device)
+        weights_gib = None if held is None else _allocated_gib(device) - held
         if cfg.profile:
             try:
                 log(f"== profile {name} {weights} batch {cfg.batches[0]}\n"
@@ -487,7 +488,7 @@ def _timing(kind: str, model, lora, cfg: RolloutBenchConfig):
 
 
 def _allocated_gib(device: torch.device) -> float | None:
-    """The memory the device holds now (the built model's weights), or None off CUDA."""
+    """The memory PyTorch's allocator holds on the device now, or None off CUDA."""
     if device.type != "cuda":
         return None
     torch.cuda.synchronize()
