@@ -21,6 +21,14 @@ set -euo pipefail
 BG=/tmp/bg
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
+launch() {  # start the job whose commands come on stdin, detached (PYTHONPATH: $1, default /tmp/site:/tmp/kit)
+  mkdir -p "$BG" /tmp/vw
+  { printf '%s\n' 'set -uo pipefail' 'cd /tmp/kit' "export PYTHONPATH=${1:-/tmp/site:/tmp/kit} PYTHONUNBUFFERED=1" \
+      'nvidia-smi --query-gpu=name,memory.total --format=csv > /tmp/bg/gpu.txt'
+    cat; echo 'touch /tmp/bg/done'; } > "$BG/run.sh"
+  (nohup setsid bash "$BG/run.sh" > "$BG/run_log.txt" 2>&1 &)
+  echo started
+}
 while [ $# -gt 0 ]; do
   case $1 in
     split)  # here, after ../shared/gpu/vllm/prepare.sh
@@ -42,13 +50,8 @@ while [ $# -gt 0 ]; do
       mkdir -p /tmp/kit && cp -r qerl_lib data pyproject.toml /tmp/kit/ ;;
     start-r16)  # the short set (dev/LOG.md section 37, run 7): NVFP4 + r16 at batch 8/32/64/128, kit then vLLM; the
       # kit's bf16 + r16 at batch 32/64 (the NVFP4 / bf16 ratio); then the merge
-      mkdir -p "$BG" /tmp/vw
-      cat > "$BG/run.sh" <<'EOF'
-set -uo pipefail
-cd /tmp/kit
-export PYTHONPATH=/tmp/site:/tmp/kit PYTHONUNBUFFERED=1
+      launch <<'EOF'
 common=(--models qwen2.5-7b --prompt-len 256 --gen-len 1024 --repeats 2 --no-hf-baseline)
-nvidia-smi --query-gpu=name,memory.total --format=csv > /tmp/bg/gpu.txt
 python3 -m qerl_lib bench rollout "${common[@]}" --engines kit,vllm --vllm-pythonpath /tmp/vsite:/tmp/site \
   --vllm-workdir /tmp/vw --weights nvfp4 --batch 8,32,64,128 --lora-rank 16 \
   --json /tmp/bg/vllm_fixed_nvfp4_r16.json > /tmp/bg/log_fixed_nvfp4.txt 2>&1
@@ -56,19 +59,12 @@ python3 -m qerl_lib bench rollout "${common[@]}" --weights bf16 --batch 32,64 --
   --json /tmp/bg/kit_fixed_bf16_r16.json > /tmp/bg/log_fixed_bf16.txt 2>&1
 python3 -m qerl_lib bench rollout --merge /tmp/bg/vllm_fixed_nvfp4_r16.json /tmp/bg/kit_fixed_bf16_r16.json \
   --json /tmp/bg/merged.json > /tmp/bg/table.txt 2>&1
-touch /tmp/bg/done
 EOF
-      (nohup setsid bash "$BG/run.sh" > "$BG/run_log.txt" 2>&1 &)
-      echo started ;;
+      ;;
     start-h200)  # dev/LOG.md section 152: the kit and vLLM 0.24 in one run on an H200 (they have met there only at
       # batch 8, section 54): NVFP4 + r16 at batch 8/32/64/128, 256 + 1024; then the gsm8k-like workload on 64 rows
       # (kit static and continuous, vLLM); then the merge
-      mkdir -p "$BG" /tmp/vw
-      cat > "$BG/run.sh" <<'EOF2'
-set -uo pipefail
-cd /tmp/kit
-export PYTHONPATH=/tmp/site:/tmp/kit PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,memory.total --format=csv > /tmp/bg/gpu.txt
+      launch <<'EOF'
 python3 -m qerl_lib bench rollout --models qwen2.5-7b --prompt-len 256 --gen-len 1024 --repeats 2 --no-hf-baseline \
   --engines kit,vllm --vllm-pythonpath /tmp/vsite:/tmp/site --vllm-workdir /tmp/vw \
   --weights nvfp4 --batch 8,32,64,128 --lora-rank 16 --json /tmp/bg/vllm_fixed_nvfp4_r16.json > /tmp/bg/log_fixed_nvfp4.txt 2>&1
@@ -78,17 +74,10 @@ python3 -m qerl_lib bench rollout --models qwen2.5-7b --prompt-len 256 --gen-len
   --json /tmp/bg/vllm_uneven_nvfp4_r16.json > /tmp/bg/log_uneven.txt 2>&1
 python3 -m qerl_lib bench rollout --merge /tmp/bg/vllm_fixed_nvfp4_r16.json /tmp/bg/vllm_uneven_nvfp4_r16.json \
   --json /tmp/bg/merged.json > /tmp/bg/table.txt 2>&1
-touch /tmp/bg/done
-EOF2
-      (nohup setsid bash "$BG/run.sh" > "$BG/run_log.txt" 2>&1 &)
-      echo started ;;
+EOF
+      ;;
     start-h200-large)  # dev/LOG.md section 153: 14B then 32B, NVFP4 + LoRA r32, batch 8, 256 + 2048, kit then vLLM
-      mkdir -p "$BG" /tmp/vw
-      cat > "$BG/run.sh" <<'EOF2'
-set -uo pipefail
-cd /tmp/kit
-export PYTHONPATH=/tmp/site:/tmp/kit PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,memory.total --format=csv > /tmp/bg/gpu.txt
+      launch <<'EOF'
 python3 -m qerl_lib bench rollout --models qwen2.5-14b --prompt-len 256 --gen-len 2048 --repeats 2 --no-hf-baseline \
   --engines kit,vllm --vllm-pythonpath /tmp/vsite:/tmp/site --vllm-workdir /tmp/vw \
   --weights nvfp4 --batch 8 --lora-rank 32 --json /tmp/bg/vllm_14b_nvfp4_r32.json > /tmp/bg/log_14b.txt 2>&1
@@ -97,36 +86,22 @@ python3 -m qerl_lib bench rollout --models qwen2.5-32b --prompt-len 256 --gen-le
   --weights nvfp4 --batch 8 --lora-rank 32 --json /tmp/bg/vllm_32b_nvfp4_r32.json > /tmp/bg/log_32b.txt 2>&1
 python3 -m qerl_lib bench rollout --merge /tmp/bg/vllm_14b_nvfp4_r32.json /tmp/bg/vllm_32b_nvfp4_r32.json \
   --json /tmp/bg/merged.json > /tmp/bg/table.txt 2>&1
-touch /tmp/bg/done
-EOF2
-      (nohup setsid bash "$BG/run.sh" > "$BG/run_log.txt" 2>&1 &)
-      echo started ;;
+EOF
+      ;;
     start-nf4)  # dev/LOG.md section 53: the paper's Fig. 1 setting (7B, batch 8, 256 + 2048, LoRA r0 / r16), NVFP4 and
       # QLoRA's NF4 base in both engines. Needs bitsandbytes first: `gpu_job.sh part .bnb0`, `part .bnb1`, then
       # `bash dev/sweeps/gpu_job.sh assemble` (into /tmp/site_bnb) before `install start-nf4`.
-      mkdir -p "$BG" /tmp/vw
-      cat > "$BG/run.sh" <<'EOF'
-set -uo pipefail
-cd /tmp/kit
-export PYTHONPATH=/tmp/site:/tmp/kit:/tmp/site_bnb PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,memory.total --format=csv > /tmp/bg/gpu.txt
+      launch /tmp/site:/tmp/kit:/tmp/site_bnb <<'EOF'
 python3 -m qerl_lib bench rollout --models qwen2.5-7b --prompt-len 256 --gen-len 2048 --repeats 2 --no-hf-baseline \
   --engines kit,vllm --vllm-pythonpath /tmp/vsite:/tmp/site:/tmp/site_bnb --vllm-workdir /tmp/vw \
   --weights nvfp4,nf4 --batch 8 --lora-rank 0,16 --json /tmp/bg/vllm_nf4_b8.json > /tmp/bg/log_nf4.txt 2>&1
 python3 -m qerl_lib bench rollout --merge /tmp/bg/vllm_nf4_b8.json --json /tmp/bg/merged.json > /tmp/bg/table.txt 2>&1
-touch /tmp/bg/done
 EOF
-      (nohup setsid bash "$BG/run.sh" > "$BG/run_log.txt" 2>&1 &)
-      echo started ;;
+      ;;
     start)
-      mkdir -p "$BG" /tmp/vw
-      cat > "$BG/run.sh" <<'EOF'
-set -uo pipefail
-cd /tmp/kit
-export PYTHONPATH=/tmp/site:/tmp/kit PYTHONUNBUFFERED=1
+      launch <<'EOF'
 common=(--models qwen2.5-7b --prompt-len 256 --gen-len 1024 --repeats 2 --engines kit,vllm
         --vllm-pythonpath /tmp/vsite:/tmp/site --vllm-workdir /tmp/vw)
-nvidia-smi --query-gpu=name,memory.total --format=csv > /tmp/bg/gpu.txt
 python3 -m qerl_lib bench rollout "${common[@]}" --weights nvfp4 --batch 8,32,64,128 --lora-rank 0,16 \
   --json /tmp/bg/vllm_fixed_nvfp4.json > /tmp/bg/log_fixed_nvfp4.txt 2>&1
 python3 -m qerl_lib bench rollout "${common[@]}" --weights nvfp4 --batch 64 --lora-rank 16 --workload gsm8k-like \
@@ -134,10 +109,8 @@ python3 -m qerl_lib bench rollout "${common[@]}" --weights nvfp4 --batch 64 --lo
 python3 -m qerl_lib bench rollout "${common[@]}" --weights bf16 --batch 8,32,64,128 --lora-rank 0,16 \
   --json /tmp/bg/vllm_fixed_bf16.json > /tmp/bg/log_fixed_bf16.txt 2>&1
 python3 -m qerl_lib bench rollout --merge /tmp/bg/vllm_*.json --json /tmp/bg/merged.json > /tmp/bg/table.txt 2>&1
-touch /tmp/bg/done
 EOF
-      (nohup setsid bash "$BG/run.sh" > "$BG/run_log.txt" 2>&1 &)
-      echo started ;;
+      ;;
     poll)
       end=$((SECONDS + $2)); shift
       while [ ! -f "$BG/done" ] && [ $SECONDS -lt $end ]; do sleep 10; done
